@@ -1,0 +1,30 @@
+# One-command set-up: `make demo` and `make test` install into .venv/ first when needed.
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export DS_BUILD_OPS := 0
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py requirements-cpu.txt
+	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ds_trhash.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

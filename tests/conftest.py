@@ -1,0 +1,30 @@
+"""Test-wide set-up that must happen before triton is imported anywhere."""
+import os
+import shutil
+
+# Triton kernels (ours and Liger's) run on CPU only in the interpreter, and the switch is read
+# when triton is first imported, so it is set here, before any test module imports it.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "torch_extensions"),
+)
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU")
+    config.addinivalue_line("markers", "slow: launches processes (deepspeed launcher); still in the default suite")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
