@@ -1,0 +1,297 @@
+"""TR-HASH causal LM: pre-norm decoder layers with a shared + hash-routed MoE MLP (SPEC §1).
+
+Module names mirror the released checkpoint keys exactly (no `model.` prefix, no lm_head:
+the head is tied to embed_tokens), so a state dict loads in both directions unchanged.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import TRHashAttention, document_mask
+from .config import TRHashConfig
+from .experts import EXPERT_BACKENDS, routed_experts
+from .loss import LOSS_BACKENDS, tied_ce
+from .norms import NORM_BACKENDS, RMSNorm
+from .routing import RouteTableError, build_route_table, expert_pairs, pair_codes, validate_route_table
+
+_DROPPED_KEY_SUFFIX = ".self_attn.rotary_emb.inv_freq"  # recomputed, never a parameter
+
+
+class TRHashMoEEngine(nn.Module):
+    """Shared SwiGLU expert plus top-2 routed experts on flattened tokens [N, H].
+
+    The route buffers are persistent: once a checkpoint provides them they are the routing,
+    whatever the config would build (SPEC: routing is data, not code).
+    """
+
+    def __init__(self, config: TRHashConfig, layer: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        e, h, w = config.num_experts, config.hidden_size, config.expert_width
+        self.expert_gate = nn.Parameter(torch.empty(e, h, w))
+        self.expert_up = nn.Parameter(torch.empty(e, h, w))
+        self.expert_down = nn.Parameter(torch.empty(e, w, h))
+        self.shared_gate = nn.Linear(h, config.shared_width, bias=False)
+        self.shared_up = nn.Linear(h, config.shared_width, bias=False)
+        self.shared_down = nn.Linear(config.shared_width, h, bias=False)
+        num_pairs = e * (e - 1) // 2
+        # torch.empty follows an ambient torch.device(...) context, so meta construction is free.
+        self.register_buffer("route_table", torch.empty(2, config.vocab_size, dtype=torch.int64))
+        self.register_buffer("fused_route_codes", torch.empty(config.vocab_size, dtype=torch.uint8))
+        self.register_buffer("fused_expert_pairs", torch.empty(num_pairs, 2, dtype=torch.int32))
+        self.backend = "pytorch"
+        self.last_backend: str | None = None
+        self.init_routes()
+
+    def config_routes(self) -> torch.Tensor:
+        """int64 [2, V]: the table this layer's config builds (what a fresh model starts with)."""
+        c = self.config
+        return build_route_table(c.vocab_size, c.num_experts, self.layer, c.route_seed, c.hash_channels)
+
+    def init_routes(self) -> None:
+        """(Re)build the route buffers from the config; a no-op on meta tensors."""
+        if self.route_table.is_meta:
+            return
+        table = self.config_routes()
+        pairs = expert_pairs(self.config.num_experts)
+        with torch.no_grad():
+            self.route_table.copy_(table)
+            self.fused_expert_pairs.copy_(pairs)
+            self.fused_route_codes.copy_(pair_codes(table, pairs))
+
+    def validate_routes(self) -> None:
+        check_route_buffers(self.route_table, self.fused_route_codes, self.fused_expert_pairs,
+                            self.config, f"layer {self.layer}")
+
+    def reset_parameters(self) -> None:
+        c = self.config
+        residual_std = c.init_std / math.sqrt(2 * c.num_layers)
+        with torch.no_grad():
+            for p in (self.expert_gate, self.expert_up, self.shared_gate.weight, self.shared_up.weight):
+                p.normal_(0.0, c.init_std)
+            for p in (self.expert_down, self.shared_down.weight):
+                p.normal_(0.0, residual_std)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        routes = self.route_table[:, token_ids.clamp(0, c.vocab_size - 1)].t().contiguous()  # [N, 2]
+        shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
+        routed = routed_experts(x, routes, self.expert_gate, self.expert_up, self.expert_down,
+                                c.route_weights, backend=self.backend)
+        self.last_backend = self.backend
+        return c.shared_scale * shared + c.routed_scale * routed
+
+
+class TRHashMoE(nn.Module):
+    """Adapts [B, T, H] activations and token ids to the engine's flat-token interface."""
+
+    def __init__(self, config: TRHashConfig, layer: int) -> None:
+        super().__init__()
+        self.engine = TRHashMoEEngine(config, layer)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        return self.engine(x.reshape(b * t, h), input_ids.reshape(b * t)).view(b, t, h)
+
+
+class TRHashDecoderLayer(nn.Module):
+    def __init__(self, config: TRHashConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = TRHashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = TRHashMoE(config, layer)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x), input_ids)
+
+
+class TRHashForCausalLM(nn.Module):
+    def __init__(self, config: TRHashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TRHashDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.loss_backend = "chunked"
+        self.last_loss_backend: str | None = None
+        self.init_weights()
+
+    # ----------------------------------------------------------------- initialisation
+    def init_weights(self) -> None:
+        """SPEC init: N(0, init_std), residual outputs scaled by 1/sqrt(2·layers), norms one.
+
+        Call again after `to_empty()` on a meta-built model, together with init_routes().
+        """
+        c = self.config
+        residual_std = c.init_std / math.sqrt(2 * c.num_layers)
+        with torch.no_grad():
+            self.embed_tokens.weight.normal_(0.0, c.init_std)
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.reset_parameters()
+                elif isinstance(module, TRHashMoEEngine):
+                    module.reset_parameters()
+                elif isinstance(module, TRHashAttention):
+                    for proj in (module.q_proj, module.k_proj, module.v_proj):
+                        proj.weight.normal_(0.0, c.init_std)
+                    module.o_proj.weight.normal_(0.0, residual_std)
+
+    def init_routes(self) -> None:
+        for engine in self.engines():
+            engine.init_routes()
+
+    def engines(self) -> list[TRHashMoEEngine]:
+        return [layer.mlp.engine for layer in self.layers]
+
+    # ----------------------------------------------------------------- backends
+    def set_backends(self, experts: str | None = None, loss: str | None = None,
+                     norm: str | None = None) -> None:
+        """Switch implementations; None leaves a choice unchanged. Names are checked here so a
+        typo fails at set-up rather than in the first forward."""
+        for name, value, allowed in (("experts", experts, EXPERT_BACKENDS), ("loss", loss, LOSS_BACKENDS),
+                                     ("norm", norm, NORM_BACKENDS)):
+            if value is not None and value not in allowed:
+                raise ValueError(f"unknown {name} backend {value!r}; allowed: {list(allowed)}")
+        if experts is not None:
+            for engine in self.engines():
+                engine.backend = experts
+        if loss is not None:
+            self.loss_backend = loss
+        if norm is not None:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.backend = norm
+
+    def backends_used(self) -> dict[str, str | None]:
+        """What ran in the last forward (None: not exercised, e.g. loss when no labels)."""
+
+        def merged(values: list[str | None]) -> str | None:
+            seen = sorted({v for v in values if v is not None})
+            return "+".join(seen) if seen else None
+
+        norms = [m.last_backend for m in self.modules() if isinstance(m, RMSNorm)]
+        return {"experts": merged([e.last_backend for e in self.engines()]),
+                "loss": self.last_loss_backend, "norm": merged(norms)}
+
+    def _reset_backend_records(self) -> None:
+        self.last_loss_backend = None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, TRHashMoEEngine)):
+                module.last_backend = None
+
+    # ----------------------------------------------------------------- forward
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] ids -> [B, T, H] hidden after the final norm."""
+        self._reset_backend_records()
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        attn_mask = document_mask(document_ids) if document_ids is not None else None
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, input_ids, position_ids, attn_mask)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Loss when labels are given (labels pre-aligned: labels[t] is position t's target),
+        else logits [B, T, V]."""
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        weight = self.embed_tokens.weight
+        if labels is None:
+            return h @ weight.t()
+        loss = tied_ce(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1).long(), self.loss_backend,
+                       reduction=reduction, chunk_tokens=self.config.loss_chunk_tokens)
+        self.last_loss_backend = self.loss_backend
+        return loss
+
+    # ----------------------------------------------------------------- checkpoints
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Standard load, minus stale rotary caches, refusing route tables that cannot be used.
+
+        Route buffers are taken from the checkpoint as they are, never rebuilt.
+        """
+        filtered = OrderedDict((k, v) for k, v in state_dict.items() if not k.endswith(_DROPPED_KEY_SUFFIX))
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            filtered._metadata = metadata
+        check_state_dict_routes(filtered, self.config)
+        return super().load_state_dict(filtered, strict=strict, assign=assign)
+
+    def validate_routes(self) -> None:
+        for engine in self.engines():
+            engine.validate_routes()
+
+    def load_checkpoint_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """Load, validate every layer's routes, and report where they differ from the config."""
+        self.load_state_dict(state_dict, strict=strict)
+        self.validate_routes()
+        return report_route_differences(self)
+
+
+def check_route_buffers(table: torch.Tensor, codes: torch.Tensor | None, pairs: torch.Tensor | None,
+                        config: TRHashConfig, where: str) -> None:
+    """A table must be valid, and the fused codes/pairs (what kernels read) must agree with it."""
+    try:
+        validate_route_table(table, config.vocab_size, config.num_experts)
+        if table.is_meta:
+            return
+        expected_pairs = expert_pairs(config.num_experts)
+        if pairs is not None and not torch.equal(pairs.cpu(), expected_pairs):
+            raise RouteTableError(f"fused_expert_pairs {pairs.tolist()} is not the lexicographic pair list")
+        if codes is not None:
+            if codes.dtype != torch.uint8 or tuple(codes.shape) != (config.vocab_size,):
+                raise RouteTableError(
+                    f"fused_route_codes must be uint8 [{config.vocab_size}], got {codes.dtype} {list(codes.shape)}")
+            mismatch = (codes.cpu() != pair_codes(table, expected_pairs)).nonzero().flatten()
+            if mismatch.numel():
+                raise RouteTableError(
+                    f"fused_route_codes disagree with route_table for tokens {mismatch[:8].tolist()}")
+    except RouteTableError as err:
+        raise RouteTableError(f"{where}: {err}") from None
+
+
+def check_state_dict_routes(state_dict: Mapping[str, torch.Tensor], config: TRHashConfig) -> None:
+    """Validate every route table present in a (possibly partial) state dict before loading."""
+    for i in range(config.num_layers):
+        prefix = f"layers.{i}.mlp.engine."
+        table = state_dict.get(prefix + "route_table")
+        if table is not None:
+            check_route_buffers(table, state_dict.get(prefix + "fused_route_codes"),
+                                state_dict.get(prefix + "fused_expert_pairs"), config, f"checkpoint layer {i}")
+
+
+def report_route_differences(model: TRHashForCausalLM,
+                             state_dict: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    """One line per layer whose routes (state_dict's, else the model's) differ from the tables
+    the model's config builds; empty when they all agree."""
+    c = model.config
+    lines = []
+    for engine in model.engines():
+        key = f"layers.{engine.layer}.mlp.engine.route_table"
+        table = engine.route_table if state_dict is None else state_dict.get(key)
+        if table is None:
+            lines.append(f"layer {engine.layer}: no route_table in the checkpoint")
+            continue
+        built = engine.config_routes()
+        if tuple(table.shape) != tuple(built.shape):
+            lines.append(f"layer {engine.layer}: route_table shape {list(table.shape)} "
+                         f"differs from the config's {list(built.shape)}")
+            continue
+        tokens = (table.cpu() != built).any(dim=0).sum().item()
+        if tokens:
+            lines.append(f"layer {engine.layer}: {tokens} of {c.vocab_size} tokens routed differently "
+                         f"from the tables built by route_seed={c.route_seed:#x}")
+    return lines
