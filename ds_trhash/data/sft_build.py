@@ -80,7 +80,10 @@ def load_tokenizer_identity(path_or_dir: str | os.PathLike) -> tuple[Any, str]:
         return Tokenizer.from_file(str(path)), file_sha256(path)
     from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
 
-    return load_tokenizer(path_or_dir), tokenizer_sha256(path_or_dir)
+    try:
+        return load_tokenizer(path_or_dir), tokenizer_sha256(path_or_dir)
+    except ValueError as err:  # TokenizerError: unreadable file or wrong special-token ids
+        raise SFTBuildError(f"cannot use the tokenizer at {path_or_dir}: {err}") from None
 
 
 @dataclass(frozen=True)
