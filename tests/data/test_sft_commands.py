@@ -1,0 +1,60 @@
+"""The `sft build` / `sft validate` subcommands as the single CLI will run them."""
+import argparse
+import json
+
+from sft_fixtures import VOCAB_SIZE, conversation, tokenizer_dir, write_jsonl  # noqa: F401
+
+from ds_trhash.data.sft_commands import register
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser(prog="ds-trhash")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _inputs(tmp_path, bad=()):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"messages": conversation(i)} for i in range(4)] + list(bad))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"messages": conversation(9)}])
+    return str(train), str(evaluation)
+
+
+def test_build_then_validate(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+    train, evaluation = _inputs(tmp_path, bad=['{"broken'])
+    out = tmp_path / "sft"
+    argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "256", "--out", str(out), "--drop-invalid", "--source-name", "demo", "--revision", "v2"]
+    assert _run(argv) == 0
+    printed = capsys.readouterr().out
+    assert "train: 4 examples" in printed and "dropped 1 invalid: invalid_json=1" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["sources"][0]["name"] == "demo" and manifest["sources"][0]["revision"] == "v2"
+    validate = ["sft", "validate", str(out), "--vocab-size", str(VOCAB_SIZE), "--seq-len", "256", "--tokenizer", str(tokenizer_dir)]
+    assert _run(validate) == 0
+    assert "is valid" in capsys.readouterr().out
+
+
+def test_invalid_input_exits_2_with_the_listing_on_stderr(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+    train, evaluation = _inputs(tmp_path, bad=['{"broken'])
+    argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "256", "--out", str(tmp_path / "sft")]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 1 invalid SFT example(s):") and "train.jsonl:5: not valid JSON" in err
+    assert not (tmp_path / "sft").exists()
+
+
+def test_validate_with_another_tokenizer_exits_2(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+    train, evaluation = _inputs(tmp_path)
+    out = str(tmp_path / "sft")
+    assert _run(["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+                 "--seq-len", "256", "--out", out]) == 0
+    other = tmp_path / "other_tokenizer"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text() + "\n")
+    capsys.readouterr()
+    assert _run(["sft", "validate", out, "--vocab-size", str(VOCAB_SIZE), "--seq-len", "256", "--tokenizer", str(other)]) == 2
+    assert "different tokenizer" in capsys.readouterr().err
+    assert _run(["sft", "validate", out, "--vocab-size", "32000", "--seq-len", "256"]) == 2
+    assert "'vocab_size' is 512, expected 32000" in capsys.readouterr().err
