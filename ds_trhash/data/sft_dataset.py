@@ -54,7 +54,7 @@ class ExampleRef:
     capability: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds memmaps: identity, not value, equality
 class SFTPartition:
     name: str
     input_ids: np.ndarray = field(repr=False)  # memmap, <u4
@@ -78,7 +78,7 @@ class SFTPartition:
         return sum(e.supervised_tokens for e in self.examples)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds memmaps: identity, not value, equality
 class SFTData:
     root: Path
     manifest: dict = field(repr=False)
