@@ -1,0 +1,107 @@
+"""Wrap a model in a DeepSpeed engine that owns the optimizer, scheduler, ZeRO and precision.
+
+The optimizer and scheduler are built here as client objects (torch AdamW and the project's
+single schedule) and handed to ``deepspeed.initialize``, so every stage uses exactly the same
+formula and the scheduler state is part of the DeepSpeed checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ds_trhash.training.schedule import build_scheduler
+
+
+class EngineError(RuntimeError):
+    """A configuration DeepSpeed cannot run, found before any training step."""
+
+
+NO_DECAY_MARKERS = ("norm",)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into decayed and non-decayed groups.
+
+    SPEC §6: no weight decay on parameters with ndim < 2 or on norms. Frozen parameters (LoRA
+    mode) are left out so the optimizer holds no state for them.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or any(m in name for m in NO_DECAY_MARKERS):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay, "name": "decay"})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    if not groups:
+        raise EngineError("the model has no trainable parameters; check the LoRA targets in the config")
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
+    """torch AdamW: fused on CUDA, foreach on CPU (DeepSpeed's own FusedAdam is a slow JIT build)."""
+    kwargs = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    if device.type == "cuda":
+        kwargs["fused"] = True
+    return torch.optim.AdamW(param_groups(model, opt_cfg.weight_decay), **kwargs)
+
+
+def check_runnable(cfg, world_size: int) -> None:
+    """Refuse what DeepSpeed cannot run before any model is allocated, with the reason."""
+    if cfg.zero.stage not in (0, 1, 2):
+        raise EngineError(
+            f"zero.stage={cfg.zero.stage}: the routed-expert (MoE) layers of TR-HASH models are "
+            "not supported by DeepSpeed ZeRO-3; use zero.stage 0, 1 or 2"
+        )
+    ep = cfg.parallel.ep_size
+    if ep > 1 and world_size % ep != 0:
+        raise EngineError(
+            f"parallel.ep_size={ep} does not divide the world size {world_size}; choose an "
+            f"expert-parallel size that divides the number of processes"
+        )
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+@dataclass
+class Engine:
+    engine: object  # deepspeed.DeepSpeedEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+
+
+def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int) -> Engine:
+    """deepspeed.initialize with the project's optimizer and scheduler."""
+    import deepspeed
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    scheduler = build_scheduler(optimizer, total_steps, cfg.schedule)
+    engine, ds_opt, _, ds_sched = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+    )
+    return Engine(engine=engine, optimizer=ds_opt, scheduler=ds_sched, device=device)

@@ -1,0 +1,131 @@
+"""The model-agnostic training loop.
+
+It knows only an engine (forward / backward / step), a source of micro-batches per optimizer
+step, and callbacks. Evaluation, checkpointing, progress and metrics plug in as callbacks, so
+the same loop serves pretraining, refinement and SFT.
+
+Loss normalisation: the loss of an optimizer step is the sum of token losses over every
+micro-batch on every rank divided by the number of supervised tokens in the whole step (not a
+mean of per-micro-batch means). Each micro-batch's summed loss is therefore scaled by
+``world_size / n_step`` before backward: DeepSpeed averages gradients over data-parallel ranks,
+which removes the ``world_size`` again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+IGNORE = -100
+
+
+class StepBatches(Protocol):
+    """Where micro-batches come from: a pure function of the step (so resume is exact)."""
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]: ...
+
+    def epoch_of(self, step: int) -> int: ...
+
+
+@dataclass
+class TrainState:
+    step: int  # optimizer steps completed
+    total_steps: int
+    epoch: int = 0
+    tokens_seen: int = 0  # input tokens over all ranks
+    supervised_seen: int = 0
+    stop_requested: bool = False
+    last: dict = field(default_factory=dict)  # metrics of the last step
+
+
+class Callback:
+    """Hooks; each returns nothing and may set ``state.stop_requested``."""
+
+    def on_start(self, state: TrainState) -> None: ...
+
+    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
+
+    def on_epoch_end(self, state: TrainState) -> None: ...
+
+    def on_end(self, state: TrainState) -> None: ...
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int) -> dict:
+    """Run one optimizer step over this rank's micro-batches; return step-global statistics."""
+    n_local = sum(int((mb["labels"] != IGNORE).sum()) for mb in micro_batches)
+    t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
+    n_step, t_step = _all_reduce_sum([n_local, t_local], device)
+    scale = world_size / max(n_step, 1.0)
+    loss_sum_local = 0.0
+    for mb in micro_batches:
+        inputs = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        loss_sum = engine(
+            inputs.pop("input_ids"), labels=inputs.pop("labels"), reduction="sum", **inputs
+        )
+        engine.backward(loss_sum * scale, scale_wrt_gas=False)
+        engine.step()
+        loss_sum_local += float(loss_sum.detach())
+    (loss_total,) = _all_reduce_sum([loss_sum_local], device)
+    loss = loss_total / max(n_step, 1.0)
+    return {"loss": loss, "supervised_tokens": int(n_step), "tokens": int(t_step)}
+
+
+def run(
+    engine,
+    batches: StepBatches,
+    state: TrainState,
+    callbacks: list[Callback],
+    device: torch.device,
+    world_size: int,
+    lr_of: Callable[[], float],
+    stop_flag: Callable[[], bool] = lambda: False,
+) -> TrainState:
+    """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
+    for cb in callbacks:
+        cb.on_start(state)
+    state.epoch = batches.epoch_of(state.step)
+    while state.step < state.total_steps and not state.stop_requested:
+        epoch = batches.epoch_of(state.step)
+        t0 = time.perf_counter()
+        lr = lr_of()
+        stats = train_step(engine, batches.micro_batches(state.step), device, world_size)
+        dt = time.perf_counter() - t0
+        state.step += 1
+        state.tokens_seen += stats["tokens"]
+        state.supervised_seen += stats["supervised_tokens"]
+        metrics = {
+            "step": state.step,
+            "epoch": epoch,
+            "loss": stats["loss"],
+            "ppl": math.exp(min(stats["loss"], 50.0)),
+            "lr": lr,
+            "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
+            "tokens_seen": state.tokens_seen,
+            "supervised_tokens": stats["supervised_tokens"],
+        }
+        state.last = metrics
+        if stop_flag():
+            state.stop_requested = True
+        for cb in callbacks:
+            cb.on_step_end(state, metrics)
+        next_epoch = batches.epoch_of(state.step)
+        if next_epoch != epoch:
+            state.epoch = epoch
+            for cb in callbacks:
+                cb.on_epoch_end(state)
+            state.epoch = next_epoch
+    for cb in callbacks:
+        cb.on_end(state)
+    return state

@@ -1,0 +1,118 @@
+"""The loop's loss normalisation: one mean over every supervised token of the optimizer step."""
+
+import pytest
+import torch
+
+from ds_trhash.training import loop
+
+
+class TokenModel(torch.nn.Module):
+    """Per-token loss = (w · x_t - y_t)^2 so that gradients are easy to compare exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, input_ids, labels=None, reduction="mean"):
+        x = torch.nn.functional.one_hot(input_ids % 3, 3).float()
+        per_token = ((x @ self.w) - labels.clamp(min=0).float()) ** 2
+        per_token = per_token * (labels != -100)
+        return per_token.sum() if reduction == "sum" else per_token.sum() / (labels != -100).sum()
+
+
+class FakeEngine:
+    """DeepSpeed's contract as the loop uses it: forward, backward (accumulates), step."""
+
+    def __init__(self, module):
+        self.module = module
+        self.backward_calls = 0
+
+    def __call__(self, *a, **k):
+        return self.module(*a, **k)
+
+    def backward(self, loss, scale_wrt_gas=True):
+        assert scale_wrt_gas is False
+        loss.backward()
+        self.backward_calls += 1
+
+    def step(self):
+        pass
+
+
+def micro(ids, labels):
+    return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels])}
+
+
+def test_step_loss_is_mean_over_all_supervised_tokens_not_mean_of_means():
+    # micro-batch 1 supervises 1 token, micro-batch 2 supervises 3: a mean of means would
+    # weight the lone token 3x more than the others.
+    mbs = [micro([1, 2, 0, 1], [-100, -100, -100, 4]), micro([2, 2, 1, 0], [1, -100, 3, 2])]
+    model = TokenModel()
+    engine = FakeEngine(model)
+    stats = loop.train_step(engine, mbs, torch.device("cpu"), world_size=1)
+    grad_loop = model.w.grad.clone()
+
+    ref = TokenModel()
+    ids = torch.cat([m["input_ids"] for m in mbs], 1)
+    labels = torch.cat([m["labels"] for m in mbs], 1)
+    ref_loss = ref(ids, labels=labels, reduction="mean")
+    ref_loss.backward()
+
+    assert stats["supervised_tokens"] == 4
+    assert stats["tokens"] == 8
+    assert stats["loss"] == pytest.approx(ref_loss.item(), rel=1e-6)
+    torch.testing.assert_close(grad_loop, ref.w.grad, rtol=0, atol=1e-6)
+
+    mean_of_means = sum(TokenModel()(m["input_ids"], labels=m["labels"]).item() for m in mbs) / 2
+    assert abs(mean_of_means - stats["loss"]) > 1e-3  # the two rules really differ here
+    assert engine.backward_calls == 2
+
+
+class ListBatches:
+    def __init__(self, steps, per_epoch):
+        self.steps, self.per_epoch = steps, per_epoch
+
+    def micro_batches(self, step):
+        return [micro([step % 3, 1], [1, 2])]
+
+    def epoch_of(self, step):
+        return step // self.per_epoch
+
+
+class Recorder(loop.Callback):
+    def __init__(self, stop_at=None):
+        self.events, self.stop_at = [], stop_at
+
+    def on_start(self, state):
+        self.events.append(("start", state.step))
+
+    def on_step_end(self, state, metrics):
+        self.events.append(("step", state.step, metrics["epoch"]))
+        if self.stop_at == state.step:
+            state.stop_requested = True
+
+    def on_epoch_end(self, state):
+        self.events.append(("epoch_end", state.step, state.epoch))
+
+    def on_end(self, state):
+        self.events.append(("end", state.step))
+
+
+def test_run_fires_epoch_ends_at_boundaries_and_resumes_mid_run():
+    rec = Recorder()
+    state = loop.TrainState(step=0, total_steps=4)
+    loop.run(FakeEngine(TokenModel()), ListBatches(4, 2), state, [rec], torch.device("cpu"), 1, lr_of=lambda: 0.1)
+    assert ("epoch_end", 2, 0) in rec.events and ("epoch_end", 4, 1) in rec.events
+    assert rec.events[-1] == ("end", 4)
+
+    rec2 = Recorder()
+    state2 = loop.TrainState(step=3, total_steps=4)
+    loop.run(FakeEngine(TokenModel()), ListBatches(4, 2), state2, [rec2], torch.device("cpu"), 1, lr_of=lambda: 0.1)
+    assert rec2.events == [("start", 3), ("step", 4, 1), ("epoch_end", 4, 1), ("end", 4)]
+
+
+def test_stop_request_ends_after_the_current_step():
+    rec = Recorder(stop_at=2)
+    state = loop.TrainState(step=0, total_steps=10)
+    loop.run(FakeEngine(TokenModel()), ListBatches(10, 100), state, [rec], torch.device("cpu"), 1, lr_of=lambda: 0.1)
+    assert state.step == 2 and state.stop_requested
