@@ -1,0 +1,134 @@
+"""``metrics.csv``: one row per logged event, written by rank 0 only (SPEC §8).
+
+The column set is fixed so that every run of every stage can be read by the same tools, and
+so that a resumed run can keep appending to its file. A file with another header is refused
+rather than extended: mixed column sets would silently shift values under the wrong names.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
+
+METRICS_FILE = "metrics.csv"
+COLUMNS = (
+    "step", "epoch", "train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "supervised_tokens",
+    "eval_loss", "eval_ppl", "eval_tokens", "label_valid", "label_ignored", "label_out_of_range",
+    "experts_backend", "loss_backend", "norm_backend",
+)
+# exp(100) ~ 2.7e43 is far beyond any meaningful perplexity and still finite in float64; a
+# diverged loss then reads as a huge number instead of breaking the CSV with "inf".
+PPL_LOSS_CAP = 100.0
+_FORMATS = {"train_loss": ".6f", "eval_loss": ".6f", "train_ppl": ".4f", "eval_ppl": ".4f",
+            "lr": ".6e", "tok_s": ".1f", "epoch": ".4f"}
+
+
+class MetricsError(ValueError):
+    pass
+
+
+def perplexity(loss: float | None) -> float | None:
+    if loss is None or math.isnan(loss):
+        return None
+    return math.exp(min(loss, PPL_LOSS_CAP))
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        raise MetricsError(f"metrics column {column}: got a bool {value!r}; expected a number or text")
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return format(value, _FORMATS[column]) if column in _FORMATS else repr(value)
+    return str(value)
+
+
+class MetricsWriter:
+    """Appends rows to ``path`` (normally ``<output_dir>/metrics.csv``) on rank 0.
+
+    ``resume_step``: when an exact resume restarts at that step, rows already written for
+    later steps (logged before the crash, after the checkpoint) are dropped, so the file
+    keeps one history without duplicated steps.
+    """
+
+    def __init__(self, path: str | os.PathLike, rank: int, resume_step: int | None = None):
+        self.path = Path(path)
+        self.rank = rank
+        self._fh = None
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        header = ",".join(COLUMNS)
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open("r", encoding="utf-8", newline="") as fh:
+                found = fh.readline().rstrip("\r\n")
+            if found != header:
+                raise MetricsError(
+                    f"{self.path}: existing header differs from this trainer's columns; refusing to mix "
+                    f"column sets in one file (move the file away or use a new output_dir).\n"
+                    f"  found:    {found}\n  expected: {header}")
+            if resume_step is not None:
+                self._truncate_after(resume_step)
+            elif not self._ends_with_newline():
+                self._truncate_after(None)  # drop a row torn by a crash mid-write
+            self._fh = self.path.open("a", encoding="utf-8", newline="")
+        else:
+            self._fh = self.path.open("w", encoding="utf-8", newline="")
+            self._fh.write(header + "\n")
+            self._fh.flush()
+
+    def write(self, step: int, **values: Any) -> None:
+        """One row; missing columns stay empty. ``train_ppl``/``eval_ppl`` follow from the losses."""
+        unknown = sorted(set(values) - set(COLUMNS))
+        if unknown:
+            raise MetricsError(f"unknown metrics column(s) {unknown}; allowed: {', '.join(COLUMNS)}")
+        if self._fh is None:
+            return
+        row = dict(values, step=step)
+        for loss_key, ppl_key in (("train_loss", "train_ppl"), ("eval_loss", "eval_ppl")):
+            if row.get(loss_key) is not None and row.get(ppl_key) is None:
+                row[ppl_key] = perplexity(float(row[loss_key]))
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow([_cell(c, row.get(c)) for c in COLUMNS])
+        self._fh.write(buf.getvalue())
+        self._fh.flush()  # a crash loses at most the row being written
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _ends_with_newline(self) -> bool:
+        with self.path.open("rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) == b"\n"
+
+    def _truncate_after(self, resume_step: int | None) -> None:
+        torn = not self._ends_with_newline()
+        with self.path.open("r", encoding="utf-8", newline="") as fh:
+            rows = list(csv.reader(fh))
+        if torn and len(rows) > 1:
+            rows.pop()  # a crash mid-write: the last row may be cut anywhere, even inside a cell
+        kept = [r for r in rows[1:] if len(r) == len(COLUMNS) and r[0].isdigit()
+                and (resume_step is None or int(r[0]) <= resume_step)]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8", newline="") as fh:
+            w = csv.writer(fh, lineterminator="\n")
+            w.writerow(COLUMNS)
+            w.writerows(kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)

@@ -1,0 +1,206 @@
+"""Training progress on rank 0: a rich live panel in a terminal, plain lines anywhere else.
+
+Long runs are mostly watched through log files (nohup, Slurm, supervisors), where a live
+display would write cursor codes into the log; so the live panel is used only when the
+stream is a TTY, and the plain mode prints one self-contained grep-able line every N steps
+and at the last step. Other ranks print nothing: eight copies of a line help nobody, and
+their errors travel through ``logging``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+import time
+from typing import Any, Callable, Mapping, TextIO
+
+__all__ = ["Progress", "format_duration", "eta_seconds"]
+
+
+def format_duration(seconds: float | None) -> str:
+    """H:MM:SS (days roll into hours); '?' when not yet known."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    return str(_dt.timedelta(seconds=int(max(0.0, seconds))))
+
+
+def eta_seconds(elapsed: float, steps_done: int, steps_left: int) -> float | None:
+    """Remaining time at the mean pace since this process started; None before the first step.
+
+    The pace is measured from this process's own start, not from step 0, so a resumed run
+    does not count the steps it skipped as instantaneous.
+    """
+    if steps_done <= 0:
+        return None
+    return elapsed / steps_done * max(0, steps_left)
+
+
+def _fmt_loss(loss: float | None) -> str:
+    return "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
+
+
+def _pairs(items: Mapping[str, Any] | None) -> str:
+    return " ".join(f"{k}={v}" for k, v in (items or {}).items())
+
+
+class Progress:
+    """Reports training progress; ``update`` after each optimizer step, ``close`` at the end.
+
+    ``step`` in :meth:`update` counts completed optimizer steps (1 .. total_steps).
+    ``start_step`` is where this process began (the resume step), for the ETA. ``console``
+    (a ``rich.console.Console``) replaces ``stream`` for the live mode, mainly for tests;
+    ``clock`` too.
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        total_steps: int,
+        rank: int,
+        stream: TextIO | None = None,
+        force_plain: bool | None = None,
+        every: int = 10,
+        *,
+        start_step: int = 0,
+        console: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.stage = stage
+        self.total_steps = total_steps
+        self.rank = rank
+        self.stream = stream if stream is not None else sys.stdout
+        self.every = every
+        self.start_step = start_step
+        self._clock = clock
+        self._t0 = clock()
+        self._live = None
+        self._console = None
+        self._last_refresh = -math.inf
+        self._closed = False
+        if rank != 0:
+            return
+        if force_plain is None:
+            is_tty = console.is_terminal if console is not None else _isatty(self.stream)
+            force_plain = not is_tty
+        if not force_plain:
+            self._start_live(console)
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        return self._live is not None
+
+    def update(
+        self,
+        step: int,
+        loss: float | None,
+        lr: float,
+        tokens_per_s: float,
+        backends: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        if self.rank != 0 or self._closed:
+            return
+        elapsed = self._clock() - self._t0
+        eta = eta_seconds(elapsed, step - self.start_step, self.total_steps - step)
+        if self._live is not None:
+            self._live.update(self._render(step, loss, lr, tokens_per_s, elapsed, eta, backends, extra))
+            now = self._clock()
+            # Redraw at most 4 times a second, but always show the last step.
+            if now - self._last_refresh >= 0.25 or step >= self.total_steps:
+                self._live.refresh()
+                self._last_refresh = now
+            return
+        if step % self.every == 0 or step == self.total_steps:
+            self._write(self.format_line(step, loss, lr, tokens_per_s, elapsed, eta, backends, extra))
+
+    def message(self, text: str) -> None:
+        """A one-off rank-0 notice (evaluation result, checkpoint written, cache state)."""
+        if self.rank != 0 or self._closed:
+            return
+        if self._console is not None:
+            self._console.print(text, markup=False, highlight=False)
+        else:
+            self._write(f"[{self.stage}] {text}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- formatting ----------------------------------------------------------------------
+    def format_line(self, step: int, loss: float | None, lr: float, tokens_per_s: float, elapsed: float,
+                    eta: float | None, backends: Mapping[str, str] | None = None,
+                    extra: Mapping[str, Any] | None = None) -> str:
+        parts = [
+            f"[{self.stage}] step {step}/{self.total_steps}",
+            f"loss {_fmt_loss(loss)}",
+            f"lr {lr:.1e}",
+            f"tok/s {tokens_per_s:,.0f}",
+            f"elapsed {format_duration(elapsed)}",
+            f"eta {format_duration(eta)}",
+        ]
+        tail = " ".join(p for p in (_pairs(backends), _pairs(extra)) if p)
+        return " ".join(parts) + (f" {tail}" if tail else "")
+
+    def _render(self, step, loss, lr, tokens_per_s, elapsed, eta, backends, extra):
+        from rich.panel import Panel
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        rows = [
+            ("step", f"{step:,} / {self.total_steps:,}"),
+            ("loss", _fmt_loss(loss)),
+            ("lr", f"{lr:.3e}"),
+            ("tokens/s", f"{tokens_per_s:,.0f}"),
+            ("elapsed", format_duration(elapsed)),
+            ("eta", format_duration(eta)),
+        ]
+        if backends:
+            rows.append(("kernels", _pairs(backends)))
+        rows.extend((str(k), str(v)) for k, v in (extra or {}).items())
+        for key, value in rows:
+            grid.add_row(key, value)
+        # A table cell, not a Group line: a bare ProgressBar has no line end and would swallow
+        # the row after it.
+        grid.add_row("", ProgressBar(total=self.total_steps, completed=min(step, self.total_steps), width=40))
+        return Panel(grid, title=f"ds-trhash · {self.stage}", expand=False)
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _start_live(self, console: Any) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        self._console = console if console is not None else Console(file=self.stream)
+        # Manual refresh: no background thread racing the training loop for the terminal.
+        self._live = Live(Text(f"[{self.stage}] starting"), console=self._console, auto_refresh=False,
+                          transient=False)
+        self._live.start()
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or not a real file
+        return False
