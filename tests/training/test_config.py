@@ -1,6 +1,7 @@
 """Training config: loading, error messages, overrides, DeepSpeed dict, resume-critical keys."""
 import dataclasses
 import math
+import typing
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,23 @@ def test_config_is_immutable():
     assert isinstance(cfg, TrainConfig)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.optimizer.lr = 1.0
+
+
+def _schema_keys(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}{f.name}"
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _schema_keys(tp, key + ".")
+        else:
+            yield key
+
+
+def test_every_key_is_documented():
+    doc = (ROOT / "docs" / "configs.md").read_text()
+    keys = list(_schema_keys(TrainConfig))
+    assert "optimizer.betas" in keys and "data.packing.policy" in keys and len(keys) > 40
+    missing = [k for k in keys if f"`{k}`" not in doc]
+    assert not missing, f"docs/configs.md lacks {missing}"
