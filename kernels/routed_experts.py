@@ -280,17 +280,17 @@ def _grouped_dw_kernel(
             b_rows = assign // TOPK
         else:
             b_rows = rows
-        # A^T tile [BLOCK_P, BLOCK_R], B tile [BLOCK_R, BLOCK_Q]
-        a_t = tl.load(
-            a_ptr + a_rows.to(tl.int64)[None, :] * stride_am + ps[:, None] * stride_ap,
-            mask=p_ok[:, None] & r_ok[None, :], other=0.0)
+        # A tile [BLOCK_R, BLOCK_P] (loaded along its contiguous P axis), B tile [BLOCK_R, BLOCK_Q]
+        a = tl.load(
+            a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + ps[None, :] * stride_ap,
+            mask=r_ok[:, None] & p_ok[None, :], other=0.0)
         b = tl.load(
             b_ptr + b_rows.to(tl.int64)[:, None] * stride_bm + qs[None, :] * stride_bq,
             mask=r_ok[:, None] & q_ok[None, :], other=0.0)
         if SCALE_BY_SLOT:
             scale = tl.where(assign % TOPK == 0, w0, w1)
             b = (b.to(tl.float32) * scale[:, None]).to(b_ptr.dtype.element_ty)
-        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
 
     out = part_ptr + split.to(tl.int64) * stride_ps + expert.to(tl.int64) * stride_pe \
         + ps[:, None] * stride_pp + qs[None, :]
