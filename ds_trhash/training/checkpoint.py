@@ -262,6 +262,13 @@ class CheckpointInfo:
     def name(self) -> str:
         return self.path.name
 
+    def __fspath__(self) -> str:
+        """Usable wherever a path is: ``read_trainer_state(info)``, ``Path(info)``."""
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[CheckpointInfo]:
     """Published step directories, oldest first; ``*.tmp*`` directories are never listed."""

@@ -207,6 +207,7 @@ def test_resolve_resume_modes(tmp_path):
     assert resolve_resume(None, "auto", tmp_path, log).step == 10
     explicit = resolve_resume(str(tmp_path / "checkpoints/step_00000010"), None, tmp_path / "other", log)
     assert explicit.step == 10
+    assert ck.read_trainer_state(explicit)["step"] == 10 and str(explicit) == str(explicit.path)
 
 
 def test_resolve_resume_explicit_broken_dir_is_an_error(tmp_path):
