@@ -9,8 +9,6 @@ always complete.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -18,9 +16,9 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ds_trhash.data.chat import (
     CHAT_TEMPLATE_ID,
@@ -34,6 +32,8 @@ from ds_trhash.data.chat import (
     Example,
     tokenize_example,
 )
+from ds_trhash.data.shards import sha256_file
+from ds_trhash.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_file, tokenizer_sha256
 
 MANIFEST_FORMAT = "tr-hash-sft-manifest-v1"
 INDEX_FORMAT = "tr-hash-sft-bin-v1"
@@ -52,37 +52,12 @@ class SFTBuildError(ValueError):
     """The SFT set cannot be built; the message lists what is wrong and how to fix it."""
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def tokenizer_json_path(path_or_dir: str | os.PathLike) -> Path:
-    path = Path(path_or_dir)
-    return path / "tokenizer.json" if path.is_dir() else path
-
-
-def load_tokenizer_identity(path_or_dir: str | os.PathLike) -> tuple[Any, str]:
-    """(tokenizer, tokenizer hash), through the shared tokenizer helpers when they exist.
-
-    The hash is the identity checked against the model's tokenizer at training time, so the
-    build and the check must compute it the same way: both go through this function.
-    """
-    if not tokenizer_json_path(path_or_dir).is_file():
-        raise SFTBuildError(f"no tokenizer.json at {path_or_dir}; pass the directory that holds the run's tokenizer.json")
-    if importlib.util.find_spec("ds_trhash.data.tokenizer") is None:  # shared helper not landed: same definition here
-        from tokenizers import Tokenizer
-
-        path = tokenizer_json_path(path_or_dir)
-        return Tokenizer.from_file(str(path)), file_sha256(path)
-    from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
-
+def load_tokenizer_identity(path_or_dir: str | os.PathLike) -> tuple[Tokenizer, str]:
+    """(tokenizer, tokenizer hash); the hash is the identity checked against the model's
+    tokenizer at training time, so the build and that check both come through here."""
     try:
         return load_tokenizer(path_or_dir), tokenizer_sha256(path_or_dir)
-    except ValueError as err:  # TokenizerError: unreadable file or wrong special-token ids
+    except TokenizerError as err:  # unreadable file or wrong special-token ids
         raise SFTBuildError(f"cannot use the tokenizer at {path_or_dir}: {err}") from None
 
 
@@ -123,7 +98,7 @@ def _parse_record(line: str) -> dict:
     return record
 
 
-def _tokenize_record(record: dict, tokenizer: Any, seq_len: int, vocab_size: int) -> Example:
+def _tokenize_record(record: dict, tokenizer: Tokenizer, seq_len: int, vocab_size: int) -> Example:
     example = tokenize_example(record["messages"], tokenizer)
     if example.num_tokens > seq_len:
         raise ChatError("too_long", f"{example.num_tokens} tokens exceed the sequence cap {seq_len}; examples are never truncated: shorten or split the conversation, or raise --seq-len")
@@ -133,12 +108,12 @@ def _tokenize_record(record: dict, tokenizer: Any, seq_len: int, vocab_size: int
     return example
 
 
-def _write_partition(out: Path, name: str, source: Path, source_name: str, tokenizer: Any, seq_len: int,
+def _write_partition(out: Path, name: str, source: Path, source_name: str, tokenizer: Tokenizer, seq_len: int,
                      vocab_size: int, invalid: list[InvalidRecord]) -> PartitionStats:
     if not source.is_file():
         raise SFTBuildError(f"{name} input {source} does not exist; pass a chat JSONL file")
     out.mkdir()
-    stats = PartitionStats(source={"partition": name, "name": source_name, "file": source.name, "sha256": file_sha256(source)})
+    stats = PartitionStats(source={"partition": name, "name": source_name, "file": source.name, "sha256": sha256_file(source)})
     with open(source, encoding="utf-8") as lines, open(out / "input_ids.bin", "wb") as ids_f, \
             open(out / "labels.bin", "wb") as labels_f, open(out / "examples.jsonl", "w", encoding="utf-8") as index_f:
         for line_no, line in enumerate(lines, start=1):
@@ -194,11 +169,8 @@ def _invalid_listing(invalid: list[InvalidRecord]) -> str:
     return "\n".join(lines)
 
 
-def _check_tokenizer(tokenizer: Any, vocab_size: int | None) -> int:
-    for token, expected in ((EOS_TOKEN, EOS_ID), (PAD_TOKEN, PAD_ID)):
-        actual = tokenizer.token_to_id(token)
-        if actual != expected:
-            raise SFTBuildError(f"the tokenizer maps {token!r} to {actual}, the SFT format needs {expected}; use the run's tokenizer")
+def _check_vocab(tokenizer: Tokenizer, vocab_size: int | None) -> int:
+    """The vocabulary recorded for the set; the shared loader already checked the special ids."""
     size = tokenizer.get_vocab_size()
     if vocab_size is not None and size > vocab_size:
         raise SFTBuildError(f"the tokenizer has {size} entries but the vocabulary size is {vocab_size}; pass the model's vocabulary size or its tokenizer")
@@ -218,7 +190,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
 
 
 def _all_files(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathLike, tokenizer_dir: str | os.PathLike,
@@ -230,7 +202,7 @@ def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathL
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     tokenizer, tokenizer_hash = load_tokenizer_identity(tokenizer_dir)
-    vocab = _check_tokenizer(tokenizer, vocab_size)
+    vocab = _check_vocab(tokenizer, vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -244,7 +216,7 @@ def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathL
         if empty:
             raise SFTBuildError(f"no valid example left in partition(s) {', '.join(empty)}; an SFT set needs train and held-out examples")
         (tmp / "tokenizer").mkdir()
-        shutil.copyfile(tokenizer_json_path(tokenizer_dir), tmp / TOKENIZER_FILE)
+        shutil.copyfile(tokenizer_file(tokenizer_dir), tmp / TOKENIZER_FILE)
         _write_json(tmp / TEMPLATE_FILE, TEMPLATE_DESCRIPTION)
         manifest = _manifest(stats, tokenizer_hash, tokenizer.get_vocab_size(), vocab, seq_len, revision, drop_invalid, _all_files(tmp))
         _write_json(tmp / MANIFEST_FILE, manifest)

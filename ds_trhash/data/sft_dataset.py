@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, IGNORE_INDEX, PAD_ID, SUPERVISION_MODES
+from ds_trhash.data.shards import sha256_file
 from ds_trhash.data.sft_build import (
     INDEX_FORMAT,
     INPUT_DTYPE,
@@ -31,7 +32,6 @@ from ds_trhash.data.sft_build import (
     PARTITION_FILES,
     PARTITIONS,
     TOKENIZER_FILE,
-    file_sha256,
 )
 
 POLICIES = ("cross_document", "per_document")
@@ -138,7 +138,7 @@ def _check_manifest(root: Path, manifest: dict, expect_vocab: int, tokenizer_has
         path = root / name
         if not path.is_file():
             raise SFTDataError(f"{path} is listed in the manifest but missing; the set is incomplete: {REBUILD}")
-        if file_sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise SFTDataError(f"{path}: SHA-256 does not match the manifest; the file was modified after the build: {REBUILD}")
 
 

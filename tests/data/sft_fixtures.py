@@ -1,8 +1,8 @@
 """A small byte-level BPE tokenizer and chat JSONL writers shared by the SFT tests.
 
-The tokenizer has the release's special-token layout (`</s>`=0, `<pad>`=1, `<s>`=2,
-`<unk>`=3) but only 512 entries, trained offline on the Python help topics, so tests
-exercise real BPE merges without any download.
+The tokenizer comes from the project's trainer (release special-token layout) with only
+512 entries, trained offline on the Python help topics, so tests exercise real BPE merges
+without any download.
 """
 from __future__ import annotations
 
@@ -11,28 +11,16 @@ from pathlib import Path
 
 import pytest
 
-SPECIAL_TOKENS = ["</s>", "<pad>", "<s>", "<unk>"]
+from ds_trhash.data.tokenizer import load_tokenizer, train_tokenizer
+
 VOCAB_SIZE = 512
 
 
 def build_test_tokenizer(out_dir: Path) -> Path:
     from pydoc_data.topics import topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     lines = [line for text in list(topics.values())[:40] for line in text.splitlines() if line.strip()][:600]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(lines, trainer=trainer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    return out_dir
+    return train_tokenizer(lines, VOCAB_SIZE, out_dir).parent
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +30,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return load_tokenizer(tokenizer_dir)
 
 
 def conversation(i: int, turns: int = 1, system: str | None = None) -> list[dict]:

@@ -6,12 +6,12 @@ import pytest
 from sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, tokenize_example
+from ds_trhash.data.shards import sha256_file
 from ds_trhash.data.sft_build import (
     MAX_LISTED_ERRORS,
     PARTITION_FILES,
     SFTBuildError,
     build_sft_dataset,
-    file_sha256,
 )
 
 
@@ -52,11 +52,11 @@ def test_manifest_records_hashes_counts_and_identity(sources, tokenizer_dir, tmp
     manifest = build_sft_dataset(*sources, tokenizer_dir, 512, out, revision="abc123")
     for part in ("train", "eval"):
         for name in PARTITION_FILES:
-            assert manifest["partitions"][part]["files"][name] == file_sha256(out / part / name)
-    assert manifest["tokenizer"]["sha256"] == file_sha256(tokenizer_dir / "tokenizer.json")
+            assert manifest["partitions"][part]["files"][name] == sha256_file(out / part / name)
+    assert manifest["tokenizer"]["sha256"] == sha256_file(tokenizer_dir / "tokenizer.json")
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
     assert json.loads((out / "chat_template.json").read_text())["id"] == "complexity-chat-v2"
-    assert manifest["files"]["chat_template.json"] == file_sha256(out / "chat_template.json")
+    assert manifest["files"]["chat_template.json"] == sha256_file(out / "chat_template.json")
     assert "manifest.json" not in manifest["files"]
     assert manifest["eos"] == {"token": "</s>", "id": 0}
     assert (manifest["vocab_size"], manifest["seq_len"], manifest["supervision"]) == (VOCAB_SIZE, 512, "final_assistant_only")
@@ -141,10 +141,10 @@ def test_existing_output_is_refused_unless_empty(sources, tokenizer_dir, tmp_pat
     out = tmp_path / "sft"
     out.mkdir()
     build_sft_dataset(*sources, tokenizer_dir, 512, out)  # empty directory: allowed
-    before = file_sha256(out / "manifest.json")
+    before = sha256_file(out / "manifest.json")
     with pytest.raises(SFTBuildError, match="already exists"):
         build_sft_dataset(*sources, tokenizer_dir, 512, out)
-    assert file_sha256(out / "manifest.json") == before
+    assert sha256_file(out / "manifest.json") == before
 
 
 def test_vocabulary_smaller_than_the_tokenizer_is_refused(sources, tokenizer_dir, tmp_path):  # noqa: F811
@@ -159,4 +159,11 @@ def test_partition_left_empty_fails(tokenizer_dir, tmp_path):  # noqa: F811
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [BAD_RECORDS["unknown_role"]])
     with pytest.raises(SFTBuildError, match="no valid example left in partition\\(s\\) eval"):
         build_sft_dataset(train, evaluation, tokenizer_dir, 256, tmp_path / "sft", drop_invalid=True)
+    assert not (tmp_path / "sft").exists()
+
+
+def test_missing_tokenizer_is_a_build_error(sources, tmp_path):
+    (tmp_path / "no_tokenizer").mkdir()
+    with pytest.raises(SFTBuildError, match="cannot use the tokenizer at .*no_tokenizer.*has no tokenizer.json"):
+        build_sft_dataset(*sources, tmp_path / "no_tokenizer", 512, tmp_path / "sft")
     assert not (tmp_path / "sft").exists()

@@ -8,7 +8,8 @@ import torch
 from sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, PAD_ID, tokenize_example
-from ds_trhash.data.sft_build import build_sft_dataset, file_sha256
+from ds_trhash.data.shards import sha256_file
+from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, epoch_order, open_sft, pack
 
 SEQ = 256
@@ -41,7 +42,7 @@ def test_open_maps_every_example(built, data, tokenizer):  # noqa: F811
         ids, labels = train.example(i)
         expected = tokenize_example(built[1][i]["messages"], tokenizer)
         assert ids.tolist() == expected.input_ids and labels.tolist() == expected.labels
-    assert data.tokenizer_hash == file_sha256(data.tokenizer_path)
+    assert data.tokenizer_hash == sha256_file(data.tokenizer_path)
     with pytest.raises(SFTDataError, match="unknown SFT partition 'test'"):
         data.partition("test")
 
@@ -82,7 +83,7 @@ def _rehash(root):
     """Re-sign the manifest after an edit, as a careless rebuild would: only deep checks remain."""
     manifest = json.loads((root / "manifest.json").read_text())
     for name in manifest["files"]:
-        manifest["files"][name] = file_sha256(root / name)
+        manifest["files"][name] = sha256_file(root / name)
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
