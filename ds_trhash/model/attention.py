@@ -5,6 +5,8 @@ q_proj/v_proj as modules); the released fused layout is exposed through fused_qk
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,6 +54,18 @@ class TRHashAttention(nn.Module):
         self.o_proj = nn.Linear(q_width, hidden, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.init_std = config.init_std
+        self.residual_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """SPEC init; o_proj writes into the residual stream, so it gets the depth-scaled std."""
+        with torch.no_grad():
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                proj.weight.normal_(0.0, self.init_std)
+            self.o_proj.weight.normal_(0.0, self.residual_std)
+        self.q_norm.reset_parameters()
+        self.k_norm.reset_parameters()
 
     def fused_qkv_weight(self) -> torch.Tensor:
         """[kv + q + kv, H] in the released fused row order K, Q, V (SPEC §1)."""

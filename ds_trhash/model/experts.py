@@ -25,15 +25,15 @@ def routed_experts_pytorch(x: torch.Tensor, routes: torch.Tensor, gate: torch.Te
     counts = torch.bincount(flat_expert, minlength=gate.shape[0]).tolist()
     tokens_by_expert = flat_token[order].split(counts)
     weights_by_expert = flat_weight[order].split(counts)
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x)  # filled in place: one [N, H] buffer however many experts
     for e, (idx, w) in enumerate(zip(tokens_by_expert, weights_by_expert)):
         if idx.numel() == 0:
             continue  # an idle expert costs nothing; its weight gradient stays zero
         xe = x.index_select(0, idx)  # [n_e, H]
         gate_up = xe @ torch.cat((gate[e], up[e]), dim=1)  # one GEMM for both: [n_e, 2W]
         g, u = gate_up.chunk(2, dim=1)
-        ye = (F.silu(g) * u) @ down[e]  # [n_e, H]
-        out = out.index_add(0, idx, ye * w[:, None])
+        he = F.silu(g) * u * w[:, None]  # route weight applied at width W, not H
+        out.index_add_(0, idx, he @ down[e])
     return out
 
 

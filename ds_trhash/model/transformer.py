@@ -48,6 +48,7 @@ class TRHashMoEEngine(nn.Module):
         self.register_buffer("fused_expert_pairs", torch.empty(num_pairs, 2, dtype=torch.int32))
         self.backend = "pytorch"
         self.last_backend: str | None = None
+        self.reset_parameters()
         self.init_routes()
 
     def config_routes(self) -> torch.Tensor:
@@ -71,6 +72,7 @@ class TRHashMoEEngine(nn.Module):
                             self.config, f"layer {self.layer}")
 
     def reset_parameters(self) -> None:
+        """SPEC init; the down projections feed the residual stream: depth-scaled std."""
         c = self.config
         residual_std = c.init_std / math.sqrt(2 * c.num_layers)
         with torch.no_grad():
@@ -124,27 +126,21 @@ class TRHashForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
-        self.init_weights()
+        with torch.no_grad():
+            self.embed_tokens.weight.normal_(0.0, config.init_std)  # submodules init themselves
 
     # ----------------------------------------------------------------- initialisation
     def init_weights(self) -> None:
-        """SPEC init: N(0, init_std), residual outputs scaled by 1/sqrt(2·layers), norms one.
-
-        Call again after `to_empty()` on a meta-built model, together with init_routes().
-        """
-        c = self.config
-        residual_std = c.init_std / math.sqrt(2 * c.num_layers)
+        """Re-apply the SPEC init everywhere, e.g. after `to_empty()` on a meta-built model
+        (call init_routes() too: to_empty leaves the route buffers uninitialised)."""
         with torch.no_grad():
-            self.embed_tokens.weight.normal_(0.0, c.init_std)
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.reset_parameters()
-                elif isinstance(module, TRHashMoEEngine):
-                    module.reset_parameters()
-                elif isinstance(module, TRHashAttention):
-                    for proj in (module.q_proj, module.k_proj, module.v_proj):
-                        proj.weight.normal_(0.0, c.init_std)
-                    module.o_proj.weight.normal_(0.0, residual_std)
+            self.embed_tokens.weight.normal_(0.0, self.config.init_std)
+        self.norm.reset_parameters()
+        for layer in self.layers:
+            layer.input_layernorm.reset_parameters()
+            layer.post_attention_layernorm.reset_parameters()
+            layer.self_attn.reset_parameters()
+            layer.mlp.engine.reset_parameters()
 
     def init_routes(self) -> None:
         for engine in self.engines():

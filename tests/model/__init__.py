@@ -1,0 +1,1 @@
+"""Makes tests/model a package so its module names cannot clash with same-named tests elsewhere."""
