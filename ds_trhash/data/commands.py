@@ -1,0 +1,163 @@
+"""`ds-trhash data ...`: tokenizer, shards, replay plans, fingerprints, the demo corpus.
+
+Every handler returns an exit code. Expected failures (bad input, refused overwrite,
+inconsistent plans) print one line to stderr and return 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .embedded import build_embedded
+from .plan import build_plan, derive_refinement, load_plan, write_plan
+from .shards import load_manifests, read_jsonl_texts, read_text_documents, tokenize_to_shards
+from .tokenizer import train_tokenizer
+
+EXIT_ERROR = 2
+
+
+class CommandError(ValueError):
+    """Arguments that argparse alone cannot reject (combinations, key=value pairs)."""
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except (ValueError, OSError) as exc:
+            message = " ".join(str(exc).split())
+            print(f"ds-trhash data {args.data_command}: error: {message}", file=sys.stderr)
+            return EXIT_ERROR
+
+    return run
+
+
+def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str], object]) -> Optional[dict]:
+    """Parse repeated ``source=value`` options."""
+    if not values:
+        return None
+    out = {}
+    for item in values:
+        source, sep, raw = item.partition("=")
+        if not sep or not source:
+            raise CommandError(f"{option} expects SOURCE=VALUE, got {item!r}")
+        try:
+            out[source] = convert(raw)
+        except ValueError:
+            raise CommandError(f"{option} {item!r}: {raw!r} is not a valid {convert.__name__}") from None
+    return out
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out)
+    print(path)
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "jsonl" if all(str(p).endswith(".jsonl") for p in args.input) else "text"
+    texts = read_jsonl_texts(args.input, args.text_field) if fmt == "jsonl" else read_text_documents(args.input)
+    manifest = tokenize_to_shards(args.source, texts, args.tokenizer, args.seq_len, args.rows_per_shard,
+                                  args.out, args.vocab_size)
+    print(f"{Path(args.out) / args.source / 'manifest.json'}: {manifest['documents']} documents, "
+          f"{len(manifest['shards'])} shards, {manifest['total_rows']} rows, {manifest['dropped_tokens']} tokens dropped")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    build_options = [args.manifest, args.unique_tokens, args.passes, args.weights, args.source_tokens,
+                     args.dataset, args.revision]
+    if args.refinement_of:
+        if any(option is not None for option in build_options):
+            raise CommandError("--refinement-of derives from an existing plan; drop the build options")
+        doc = derive_refinement(load_plan(args.refinement_of).doc)
+    else:
+        missing = [name for name, value in (("--manifest", args.manifest), ("--dataset", args.dataset),
+                                            ("--revision", args.revision)) if value is None]
+        if args.unique_tokens is None and args.source_tokens is None:
+            missing.append("--unique-tokens or --source-tokens")
+        if missing:
+            raise CommandError(f"building a plan needs {', '.join(missing)} (or use --refinement-of PLAN)")
+        doc = build_plan(
+            load_manifests(args.manifest),
+            args.unique_tokens,
+            dataset=args.dataset,
+            revision=args.revision,
+            source_weights=_pairs(args.weights, "--weights", float),
+            source_budgets=_pairs(args.source_tokens, "--source-tokens", int),
+            source_passes=_pairs(args.passes, "--passes", int),
+            row_alignment=args.row_alignment,
+            seq_len=args.seq_len,
+        )
+    plan = write_plan(doc, args.out)
+    print(f"{plan.path}: fingerprint {plan.fingerprint}, unique_tokens {plan.unique_tokens}, "
+          f"trained_tokens {plan.trained_tokens}, phases {[p['name'] for p in plan.phases]}")
+    return 0
+
+
+def _fingerprint(args: argparse.Namespace) -> int:
+    print(load_plan(args.plan).fingerprint)
+    return 0
+
+
+def _embedded(args: argparse.Namespace) -> int:
+    paths = build_embedded(args.out, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed)
+    print(json.dumps({name: str(value) for name, value in vars(paths).items()}, indent=2))
+    return 0
+
+
+def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    """Add the ``data`` command group to the ``ds-trhash`` CLI."""
+    data = subparsers.add_parser("data", help="pretraining data: tokenizer, token shards, replay plans, demo corpus")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train-tokenizer", help="train a byte-level BPE (</s>=0, <pad>=1, <s>=2, <unk>=3)")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
+    p.set_defaults(func=_guarded(_train_tokenizer))
+
+    p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    p.add_argument("--source", required=True, help="source name (directory and plan key)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--rows-per-shard", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, default=32000, help="model vocabulary; larger ids are errors (default 32000)")
+    p.add_argument("--out", required=True, metavar="DIR", help="shard root; writes DIR/SOURCE/")
+    p.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                   help="text: one document per blank-line-separated block; auto: jsonl for *.jsonl inputs")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
+    p.set_defaults(func=_guarded(_tokenize))
+
+    p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
+    p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",
+                   help="manifest.json files, source directories, or shard roots")
+    p.add_argument("--unique-tokens", type=int, help="unique token budget split by --weights")
+    p.add_argument("--weights", nargs="+", metavar="SOURCE=W", help="default: proportional to available tokens")
+    p.add_argument("--source-tokens", nargs="+", metavar="SOURCE=N", help="explicit per-source token budgets")
+    p.add_argument("--passes", nargs="+", metavar="SOURCE=K", help="times each source is seen (default 1)")
+    p.add_argument("--row-alignment", type=int, default=1)
+    p.add_argument("--seq-len", type=int, help="checked against the manifests")
+    p.add_argument("--dataset")
+    p.add_argument("--revision")
+    p.add_argument("--refinement-of", metavar="PLAN", help="derive the refinement plan of a pretraining plan")
+    p.add_argument("--out", required=True, metavar="PLAN.json")
+    p.set_defaults(func=_guarded(_plan))
+
+    p = sub.add_parser("fingerprint", help="print a plan's unique-core fingerprint")
+    p.add_argument("plan", metavar="PLAN")
+    p.set_defaults(func=_guarded(_fingerprint))
+
+    p = sub.add_parser("embedded", help="build the offline demo corpus from pydoc_data.topics")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_guarded(_embedded))
+    return data

@@ -1,0 +1,97 @@
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_trhash.data.commands import register
+from ds_trhash.data.plan import load_plan, validate_refinement
+from ds_trhash.data.shards import load_manifest
+from ds_trhash.data.tokenizer import tokenizer_sha256
+
+
+def cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="ds-trhash")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def inputs(tmp_path):
+    prose = tmp_path / "prose.txt"
+    prose.write_text("\n\n".join(f"Paragraph {i} explains how experts are routed by hash." for i in range(60)))
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("".join(json.dumps({"body": f"note {i}: replay plans never repeat data silently"}) + "\n"
+                             for i in range(60)))
+    return tmp_path, prose, notes
+
+
+def test_tokenizer_shards_plan_refinement_fingerprint_end_to_end(inputs, capsys):
+    tmp, prose, notes = inputs
+    tok = tmp / "tok"
+    assert cli(["data", "train-tokenizer", "--input", str(prose), str(notes), "--vocab-size", "300",
+                "--out", str(tok)], capsys)[0] == 0
+    common = ["--tokenizer", str(tok), "--seq-len", "16", "--rows-per-shard", "4", "--vocab-size", "300",
+              "--out", str(tmp / "shards")]
+    code, out, _ = cli(["data", "tokenize", "--input", str(prose), "--source", "prose", *common], capsys)
+    assert code == 0 and "60 documents" in out
+    code, _, _ = cli(["data", "tokenize", "--input", str(notes), "--source", "notes", "--text-field", "body",
+                      *common], capsys)
+    assert code == 0
+    manifest = load_manifest(tmp / "shards" / "notes")
+    assert manifest["documents"] == 60 and manifest["tokenizer_sha256"] == tokenizer_sha256(tok)
+
+    pre_path = tmp / "plans" / "pre.json"
+    code, out, err = cli(["data", "plan", "--manifest", str(tmp / "shards"), "--unique-tokens", str(20 * 16),
+                          "--passes", "prose=2", "--weights", "prose=1", "notes=1", "--row-alignment", "2",
+                          "--seq-len", "16", "--dataset", "unit", "--revision", "r1", "--out", str(pre_path)], capsys)
+    assert code == 0, err
+    pre = load_plan(pre_path)
+    assert pre.doc["source_unique_tokens"] == {"notes": 10 * 16, "prose": 10 * 16}
+    assert pre.trained_tokens == 30 * 16 and pre.fingerprint in out
+
+    ref_path = tmp / "plans" / "ref.json"
+    assert cli(["data", "plan", "--refinement-of", str(pre_path), "--out", str(ref_path)], capsys)[0] == 0
+    validate_refinement(load_plan(ref_path), pre)
+    code, out, _ = cli(["data", "fingerprint", str(ref_path)], capsys)
+    assert code == 0 and out.strip() == pre.fingerprint
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["data", "plan", "--manifest", "{shards}", "--unique-tokens", "160", "--dataset", "d", "--revision", "r2",
+          "--out", "{pre}"], "refusing to overwrite"),
+        (["data", "plan", "--refinement-of", "{pre}", "--dataset", "x", "--out", "{tmp}/r.json"], "drop the build options"),
+        (["data", "plan", "--manifest", "{shards}", "--unique-tokens", "160", "--out", "{tmp}/p.json"], "needs --dataset, --revision"),
+        (["data", "plan", "--manifest", "{shards}", "--unique-tokens", "160", "--passes", "prose:2", "--dataset", "d",
+          "--revision", "r", "--out", "{tmp}/p.json"], "expects SOURCE=VALUE"),
+        (["data", "plan", "--manifest", "{shards}", "--unique-tokens", "99999", "--dataset", "d",
+          "--revision", "r", "--out", "{tmp}/p.json"], "but its shards hold"),
+        (["data", "fingerprint", "{tmp}/missing.json"], "does not exist"),
+        (["data", "tokenize", "--input", "{tmp}/missing.txt", "--source", "x", "--tokenizer", "{tok}", "--seq-len", "16",
+          "--rows-per-shard", "4", "--out", "{tmp}/s2"], "No such file"),
+    ],
+)
+def test_errors_exit_2_with_one_line(inputs, capsys, argv, message):
+    tmp, prose, _ = inputs
+    tok, shards, pre = tmp / "tok", tmp / "shards", tmp / "pre.json"
+    cli(["data", "train-tokenizer", "--input", str(prose), "--vocab-size", "300", "--out", str(tok)], capsys)
+    cli(["data", "tokenize", "--input", str(prose), "--source", "prose", "--tokenizer", str(tok), "--seq-len", "16",
+         "--rows-per-shard", "4", "--vocab-size", "300", "--out", str(shards)], capsys)
+    assert cli(["data", "plan", "--manifest", str(shards), "--unique-tokens", "160", "--dataset", "d", "--revision",
+                "r", "--out", str(pre)], capsys)[0] == 0
+    code, out, err = cli([a.format(tmp=tmp, tok=tok, shards=shards, pre=pre) for a in argv], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("ds-trhash data ") and message in err
+
+
+def test_embedded_command_prints_paths(tmp_path, capsys):
+    code, out, _ = cli(["data", "embedded", "--out", str(tmp_path / "demo")], capsys)
+    assert code == 0
+    paths = json.loads(out)
+    assert Path(paths["pretrain_plan"]).is_file() and Path(paths["chat_train_jsonl"]).is_file()
+    assert load_plan(paths["refine_plan"]).fingerprint == load_plan(paths["pretrain_plan"]).fingerprint
