@@ -14,6 +14,8 @@ from torch import nn
 from .config import TRHashConfig
 from .norms import RMSNorm
 
+ROPE_BACKENDS = ("pytorch", "liger")
+
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, T, D] built in fp32: bf16 angles at position ~2k lose whole radians."""
@@ -54,6 +56,8 @@ class TRHashAttention(nn.Module):
         self.o_proj = nn.Linear(q_width, hidden, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.rope_backend = "pytorch"
+        self.last_rope_backend: str | None = None
         self.init_std = config.init_std
         self.residual_std = config.init_std / math.sqrt(2 * config.num_layers)
         self.reset_parameters()
@@ -80,6 +84,19 @@ class TRHashAttention(nn.Module):
             self.q_proj.weight.copy_(q)
             self.v_proj.weight.copy_(v)
 
+    def _rope(self, q, k, cos, sin):
+        if self.rope_backend == "liger":
+            from liger_kernel.transformers.functional import liger_rope
+
+            # Liger rotates in cos/sin's dtype (fp32 here) and stores in q/k's dtype, like apply_rope.
+            q, k = liger_rope(q, k, cos, sin)
+        elif self.rope_backend == "pytorch":
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            raise ValueError(f"unknown rope backend {self.rope_backend!r}; allowed: {list(ROPE_BACKENDS)}")
+        self.last_rope_backend = self.rope_backend
+        return q, k
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -87,7 +104,7 @@ class TRHashAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, heads, T, D]
+        q, k = self._rope(q, k, cos, sin)  # [B, heads, T, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
             scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)

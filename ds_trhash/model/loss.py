@@ -64,7 +64,9 @@ class _ChunkedCE(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         scale = grad_out.float() / ctx.divisor
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # fp32 accumulator across chunks; skipped when the head is frozen (LoRA).
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             stop = start + ctx.chunk_tokens
             h = hidden[start:stop]
@@ -77,8 +79,9 @@ class _ChunkedCE(torch.autograd.Function):
             grad_logits.mul_((valid.to(torch.float32) * scale)[:, None])
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits.to(weight.dtype) @ weight
-            grad_weight.addmm_(grad_logits.t(), h.float())
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h.float())
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None
 
 

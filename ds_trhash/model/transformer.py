@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import TRHashAttention, document_mask
+from .attention import ROPE_BACKENDS, TRHashAttention, document_mask
 from .config import TRHashConfig
 from .experts import EXPERT_BACKENDS, routed_experts
 from .loss import LOSS_BACKENDS, tied_ce
@@ -151,11 +151,11 @@ class TRHashForCausalLM(nn.Module):
 
     # ----------------------------------------------------------------- backends
     def set_backends(self, experts: str | None = None, loss: str | None = None,
-                     norm: str | None = None) -> None:
+                     norm: str | None = None, rope: str | None = None) -> None:
         """Switch implementations; None leaves a choice unchanged. Names are checked here so a
         typo fails at set-up rather than in the first forward."""
         for name, value, allowed in (("experts", experts, EXPERT_BACKENDS), ("loss", loss, LOSS_BACKENDS),
-                                     ("norm", norm, NORM_BACKENDS)):
+                                     ("norm", norm, NORM_BACKENDS), ("rope", rope, ROPE_BACKENDS)):
             if value is not None and value not in allowed:
                 raise ValueError(f"unknown {name} backend {value!r}; allowed: {list(allowed)}")
         if experts is not None:
@@ -167,6 +167,9 @@ class TRHashForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.backend = norm
+        if rope is not None:
+            for layer in self.layers:
+                layer.self_attn.rope_backend = rope
 
     def backends_used(self) -> dict[str, str | None]:
         """What ran in the last forward (None: not exercised, e.g. loss when no labels)."""
@@ -177,13 +180,16 @@ class TRHashForCausalLM(nn.Module):
 
         norms = [m.last_backend for m in self.modules() if isinstance(m, RMSNorm)]
         return {"experts": merged([e.last_backend for e in self.engines()]),
-                "loss": self.last_loss_backend, "norm": merged(norms)}
+                "loss": self.last_loss_backend, "norm": merged(norms),
+                "rope": merged([layer.self_attn.last_rope_backend for layer in self.layers])}
 
     def _reset_backend_records(self) -> None:
         self.last_loss_backend = None
         for module in self.modules():
             if isinstance(module, (RMSNorm, TRHashMoEEngine)):
                 module.last_backend = None
+            elif isinstance(module, TRHashAttention):
+                module.last_rope_backend = None
 
     # ----------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

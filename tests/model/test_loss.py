@@ -35,6 +35,14 @@ def test_chunked_equals_plain(reduction, chunk):
         assert rel_err(c, p) <= 1e-6  # fp32: only summation order differs
 
 
+def test_frozen_head_gets_no_gradient_but_hidden_does():
+    hidden, weight, labels = make_case()
+    weight.requires_grad_(False)
+    chunked = torch.autograd.grad(chunked_ce(hidden, weight, labels, 16), hidden)[0]
+    plain = torch.autograd.grad(plain_ce(hidden, weight, labels), hidden)[0]
+    assert rel_err(chunked, plain) <= 1e-6
+
+
 def test_mean_divides_by_valid_labels_only():
     hidden, weight, labels = make_case()
     total = plain_ce(hidden, weight, labels, "sum")

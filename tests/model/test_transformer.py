@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_loss_backends_agree_and_are_recorded():
     v = TINY.vocab_size
     ids, labels = random_ids(2, 12, v), random_ids(2, 12, v, seed=3)
     chunked = model(ids, labels=labels)
-    assert model.backends_used() == {"experts": "pytorch", "loss": "chunked", "norm": "pytorch"}
+    assert model.backends_used() == {"experts": "pytorch", "loss": "chunked", "norm": "pytorch", "rope": "pytorch"}
     model.set_backends(loss="plain")
     torch.testing.assert_close(model(ids, labels=labels), chunked)
     assert model.backends_used()["loss"] == "plain"
@@ -290,6 +291,22 @@ def test_validate_routes_catches_corrupted_buffers():
         model.validate_routes()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Liger needs CUDA or the Triton interpreter")
+def test_liger_rope_and_loss_match_pytorch():
+    model = make_model()
+    ids, labels = random_ids(1, 9, TINY.vocab_size), random_ids(1, 9, TINY.vocab_size, seed=3)
+    pos = torch.arange(9)[None] + 4
+    reference = model(ids, labels=labels, position_ids=pos)
+    ref_grad = torch.autograd.grad(reference, model.layers[0].self_attn.q_proj.weight)[0]
+    model.set_backends(rope="liger", loss="liger")
+    fused = model(ids, labels=labels, position_ids=pos)
+    grad = torch.autograd.grad(fused, model.layers[0].self_attn.q_proj.weight)[0]
+    assert model.backends_used() == {"experts": "pytorch", "loss": "liger", "norm": "pytorch", "rope": "liger"}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.gpu
 def test_liger_norm_matches_pytorch_on_gpu():
     model = make_model().cuda()
@@ -298,5 +315,17 @@ def test_liger_norm_matches_pytorch_on_gpu():
     reference = model(ids, labels=labels)
     model.set_backends(norm="liger", loss="liger")
     fused = model(ids, labels=labels)
-    assert model.backends_used() == {"experts": "pytorch", "loss": "liger", "norm": "liger"}
+    assert model.backends_used() == {"experts": "pytorch", "loss": "liger", "norm": "liger", "rope": "pytorch"}
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_model_trains_close_to_fp32():
+    model = make_model()
+    ids, labels = random_ids(2, 16, TINY.vocab_size), random_ids(2, 16, TINY.vocab_size, seed=3)
+    reference = model(ids, labels=labels)
+    model.to(torch.bfloat16)
+    assert model.layers[0].mlp.engine.route_table.dtype == torch.int64  # buffers keep their dtype
+    loss = model(ids, labels=labels)
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(reference.item(), abs=0.05)
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in model.parameters())
