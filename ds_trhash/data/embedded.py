@@ -33,6 +33,9 @@ ROW_ALIGNMENT = 8
 SYSTEM_PROMPT = "You answer questions about Python."
 TRAIN_CONVERSATIONS, EVAL_CONVERSATIONS = 300, 40
 _ANSWER_CHARS = 220
+# Tokens kept free below seq_len: prompt and completion are tokenized apart in SFT, which can
+# cost a token or two at the boundary.
+_CHAT_MARGIN = 8
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -140,7 +143,7 @@ def _chat_sets(topics: dict[str, str], tokenizer, seq_len: int, seed: int) -> tu
     pool, seen = [], set()
     for messages in _conversations(topics):
         identity = json.dumps(messages, sort_keys=True)
-        if identity not in seen and _chat_tokens(tokenizer, messages) <= seq_len:
+        if identity not in seen and _chat_tokens(tokenizer, messages) <= seq_len - _CHAT_MARGIN:
             seen.add(identity)
             pool.append(messages)
     random.Random(seed).shuffle(pool)

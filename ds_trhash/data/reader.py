@@ -31,7 +31,7 @@ import torch
 
 from .cache import ShardCache
 from .plan import PlanLike, plan_doc, validate_plan_doc
-from .shards import read_rows
+from .shards import MANIFEST_FILE, load_manifest, read_rows
 from .tokenizer import PathLike
 
 DEFAULT_SHUFFLE_WINDOW = 4096
@@ -117,6 +117,35 @@ class _Segment:
         keyed.sort()
         assert len(keyed) == b - a, "weighted fair queuing ranks are inconsistent"
         return [self.sources[s].locate(k) for _, s, k in keyed]
+
+
+def source_manifests(shards_dir: PathLike, plan: PlanLike) -> dict[str, dict]:
+    """Manifests of every source a plan reads, checked against the plan before training.
+
+    Fails when a planned shard is missing from its manifest, holds fewer rows than planned,
+    or was cut for another seq_len or tokenizer, so a run never starts on shards it cannot use.
+    """
+    doc = plan_doc(plan)
+    manifests: dict[str, dict] = {}
+    for phase in doc["phases"]:
+        for source, entries in phase["sources"].items():
+            if source not in manifests:
+                manifest = load_manifest(Path(shards_dir) / source / MANIFEST_FILE)
+                if manifest["seq_len"] != doc["seq_len"]:
+                    raise ReaderError(f"source {source!r} shards have seq_len {manifest['seq_len']}, the plan {doc['seq_len']}")
+                planned_tokenizer = doc.get("tokenizer_sha256")
+                if planned_tokenizer and manifest["tokenizer_sha256"] != planned_tokenizer:
+                    raise ReaderError(f"source {source!r} was tokenized with {manifest['tokenizer_sha256']}, "
+                                      f"the plan expects tokenizer {planned_tokenizer}")
+                manifests[source] = manifest
+            rows = {shard["file"]: int(shard["rows"]) for shard in manifests[source]["shards"]}
+            for entry in entries:
+                if rows.get(entry["file"], -1) < entry["rows"]:
+                    raise ReaderError(
+                        f"plan phase {phase['name']!r} takes {entry['rows']} rows of {source}/{entry['file']}, "
+                        f"its manifest lists {rows.get(entry['file'], 'no such shard')}; the plan and shards_dir disagree"
+                    )
+    return manifests
 
 
 class ReplayReader:

@@ -1,3 +1,4 @@
+import json
 import time
 from collections import Counter
 from fractions import Fraction
@@ -8,7 +9,7 @@ import torch
 
 from ds_trhash.data.cache import ShardCache
 from ds_trhash.data.plan import build_plan, derive_refinement
-from ds_trhash.data.reader import ReaderError, ReplayReader
+from ds_trhash.data.reader import ReaderError, ReplayReader, source_manifests
 from ds_trhash.data.shards import load_manifests, read_rows, write_shards
 
 L, R = 4, 5
@@ -186,3 +187,15 @@ def test_huge_plans_need_no_per_row_table():
     assert time.perf_counter() - started < 5
     assert reader.num_rows == 40_000_000 + 2 * 23_000_001
     assert {s for s, _, _ in tail} == {"code"} and {s for s, _, _ in middle} == {"web", "code"}
+
+
+def test_source_manifests_check_the_plan_against_the_shards(corpus):
+    root, doc = corpus
+    assert set(source_manifests(root, doc)) == {"a", "b"}
+    greedy = json.loads(json.dumps(doc))
+    greedy["phases"][0]["sources"]["b"][-1]["rows"] = 3  # shard-00002 of b holds 2 rows
+    with pytest.raises(ReaderError, match="takes 3 rows of b/shard-00002.bin, its manifest lists 2"):
+        source_manifests(root, greedy)
+    other = dict(doc, tokenizer_sha256="different")
+    with pytest.raises(ReaderError, match="expects tokenizer different"):
+        source_manifests(root, other)
