@@ -143,7 +143,10 @@ def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
     seq_len, alignment = doc["seq_len"], doc["row_alignment"]
     if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(alignment, int) or alignment < 1:
         raise PlanError(f"{where} needs positive integer seq_len and row_alignment, got {seq_len!r}, {alignment!r}")
-    for index, phase in enumerate(doc["phases"]):
+    for key in ("source_unique_tokens", "source_passes"):
+        if not isinstance(doc[key], Mapping):
+            raise PlanError(f"{where}: {key} must be an object mapping source -> number, got {doc[key]!r}")
+    for index, phase in enumerate(doc["phases"] if isinstance(doc["phases"], list) else []):
         _check_phase(phase, index)
     core = _unique_core(doc)
     if core["passes"] != 1:

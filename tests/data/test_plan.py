@@ -199,6 +199,8 @@ def test_write_once_then_load(tmp_path):
         (lambda d: d["phases"].reverse(), "phase one is 'replay_2'"),
         (lambda d: d["phases"][0]["sources"]["web"][0].update(rows=0), "positive int"),
         (lambda d: d["phases"][1].update(passes=0), "integer >= 1"),
+        (lambda d: d.update(source_passes=[2, 3]), "source_passes must be an object"),
+        (lambda d: d.update(phases={}), "has no phases"),
     ],
 )
 def test_load_rejects_malformed_plans(tmp_path, mutate, message):
