@@ -1,0 +1,42 @@
+"""The `ds-trhash` console script: one parser, one subcommand group per concern.
+
+Training itself is started through the DeepSpeed launcher (`deepspeed launch/train.py`), which
+owns process placement; the subcommands here prepare data, run the embedded demo, and inspect
+or publish results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _register_all(sub) -> None:
+    from ds_trhash import demo
+    from ds_trhash.data import commands as data_commands
+    from ds_trhash.data import sft_commands
+
+    data_commands.register(sub)
+    sft_commands.register(sub)
+    demo.register(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ds-trhash",
+        description="DeepSpeed trainer for TR-HASH hash-routed MoE language models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _register_all(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

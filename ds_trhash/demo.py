@@ -1,0 +1,91 @@
+"""`ds-trhash demo`: the whole three-stage pipeline on the tiny preset, on CPU, through the
+`deepspeed` launcher, on text that ships with Python. Nothing is downloaded.
+
+Each stage is a separate `deepspeed launch/train.py` launch, exactly as a user would run it,
+chained by weights-only initialisation: pretraining → refinement (same unique corpus, fresh
+optimizer) → SFT (--source-stage refinement).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch" / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_command(config: str, nproc: int, extra: list[str]) -> list[str]:
+    """The CPU launch form: the deepspeed launcher with --num_gpus N starts N CPU processes
+    (gloo) on a machine without GPUs."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
+    return [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            str(LAUNCH), "--config", config, *extra]
+
+
+def loss_range(metrics_csv: Path) -> tuple[float, float, int]:
+    """(first, last, rows) of the train_loss column."""
+    with open(metrics_csv, newline="") as f:
+        losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    if not losses:
+        raise RuntimeError(f"{metrics_csv} holds no training loss")
+    return losses[0], losses[-1], len(losses)
+
+
+def latest_checkpoint(output_dir: Path) -> Path:
+    from ds_trhash.training.checkpoint import find_resumable
+
+    info = find_resumable(output_dir, log=lambda *_: None)
+    if info is None:
+        raise RuntimeError(f"no complete checkpoint in {output_dir}")
+    return Path(info.path)
+
+
+def run_demo(root: Path, nproc: int, configs: Path) -> int:
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    stages = [
+        ("pretraining", "pretrain.yaml", "tiny-pretrain", []),
+        ("refinement", "refine.yaml", "tiny-refine", ["--init-checkpoint", "{prev}"]),
+        ("supervised-finetuning", "sft.yaml", "tiny-sft", ["--init-checkpoint", "{prev}", "--source-stage", "refinement"]),
+    ]
+    summary = []
+    prev: Path | None = None
+    for stage, config, name, extra in stages:
+        out = root / name
+        if out.exists():
+            shutil.rmtree(out)
+        args = [a.replace("{prev}", str(prev)) for a in extra] + ["--output-dir", str(out)]
+        cmd = deepspeed_command(str(configs / config), nproc, args)
+        print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd, env=env, cwd=REPO)
+        if rc != 0:
+            print(f"demo: the {stage} stage failed (exit {rc})", file=sys.stderr)
+            return rc
+        first, last, rows = loss_range(out / "metrics.csv")
+        summary.append((stage, first, last, rows))
+        prev = latest_checkpoint(out)
+    print("\n=== demo summary (train loss, first → last logged step)")
+    for stage, first, last, rows in summary:
+        print(f"{stage:>22}: {first:.4f} → {last:.4f}  over {rows} logged steps")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="run the tiny three-stage pipeline on CPU through the deepspeed launcher")
+    p.add_argument("--root", default="runs/demo", help="where the stages write (default runs/demo)")
+    p.add_argument("--nproc", type=int, default=1, help="processes per stage (default 1)")
+    p.add_argument("--configs", default=str(REPO / "ds_configs" / "tiny"), help="folder with pretrain/refine/sft.yaml")
+    p.set_defaults(func=lambda a: run_demo(Path(a.root).resolve(), a.nproc, Path(a.configs)))

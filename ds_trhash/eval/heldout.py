@@ -1,0 +1,42 @@
+"""Held-out loss over a finite evaluation set, all ranks, weighted by supervised tokens.
+
+Each rank scores its own share of the evaluation windows; the summed token losses and token
+counts are added over ranks, so the result is the exact per-token mean over the whole set
+(not a mean of per-rank or per-batch means) and does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+IGNORE = -100
+
+
+@torch.no_grad()
+def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> dict:
+    """``model(input_ids, labels=..., reduction="sum", **extra)`` over this rank's batches."""
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    tokens = 0
+    for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
+        n = int((b["labels"] != IGNORE).sum())
+        if n == 0:
+            continue
+        loss_sum += float(model(b.pop("input_ids"), labels=b.pop("labels"), reduction="sum", **b))
+        tokens += n
+    t = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    if was_training:
+        model.train()
+    total_loss, total_tokens = t.tolist()
+    if total_tokens == 0:
+        raise ValueError("the held-out set has no supervised tokens; check the eval partition")
+    loss = total_loss / total_tokens
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(total_tokens)}

@@ -1,0 +1,419 @@
+"""One launch of one stage: config → data → stage guard → model → engine → loop.
+
+Everything that can refuse a launch (config, data manifests, plan identity, stage transition,
+resume compatibility) runs before the model is allocated, so a wrong launch costs seconds and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_trhash.data.plan import PlanError
+from ds_trhash.data.sft_dataset import SFTDataError
+from ds_trhash.model.backend import BackendError
+from ds_trhash.model.routing import RouteTableError
+from ds_trhash.training import checkpoint as ckpt
+from ds_trhash.training import config as tcfg
+from ds_trhash.training import loop
+from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+from ds_trhash.training.engine import build_engine, check_runnable
+from ds_trhash.training.stages import SourceRecord, StageError, check_launch
+
+log = logging.getLogger("ds_trhash.trainer")
+
+USER_ERRORS: tuple[type[BaseException], ...] = (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank0_first(rank: int, fn):
+    """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
+    made once and only read by the other ranks."""
+    result = fn() if rank == 0 else None
+    _barrier()
+    if rank != 0:
+        result = fn()
+    return result
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class StageData:
+    batches: object  # loop.StepBatches
+    total_steps: int
+    plan: object | None = None  # ReplayPlan (pretraining, refinement)
+    eval_batches: object | None = None  # SFTBatches over the eval partition
+    tokenizer_dir: str | None = None
+    describe: str = ""
+
+
+def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
+    return Path(cfg.output_dir).resolve().parent / "embedded"
+
+
+def _embedded(cfg: tcfg.TrainConfig, rank: int):
+    if cfg.model.preset != "tiny":
+        raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
+                               "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
+    from ds_trhash.data.embedded import build_embedded
+
+    return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
+
+
+def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
+    return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
+
+
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
+    from ds_trhash.data.budget import check_target_tokens, plan_steps
+    from ds_trhash.data.cache import ShardCache, cache_bytes_from
+    from ds_trhash.data.plan import load_plan
+    from ds_trhash.data.reader import ReplayReader
+
+    if cfg.data.plan is None:
+        paths = _embedded(cfg, rank)
+        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
+        shards_dir, tokenizer_dir = paths.shards_dir, paths.tokenizer_dir
+    else:
+        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+        if shards_dir is None:
+            raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
+    plan = load_plan(plan_path)
+    if plan.seq_len != cfg.data.seq_len:
+        raise tcfg.ConfigError(cfg.origin, "data.seq_len",
+                               f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
+    env_target = os.environ.get("TARGET_TOKENS")
+    check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
+    steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
+    cache = None
+    if cfg.data.cache_dir is not None or os.environ.get("TOKENIZED_CACHE_GB"):
+        from ds_trhash.data.reader import source_manifests
+
+        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
+        cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ),
+                           source_manifests(shards_dir, plan))
+    reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
+    batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+    return StageData(batches=batches, total_steps=_max_steps(cfg, steps), plan=plan,
+                     tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
+
+
+def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
+    from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+
+    sft_dir = cfg.data.sft_dir
+    if sft_dir is None:
+        paths = _embedded(cfg, rank)
+
+        def build():
+            from ds_trhash.data.sft_build import build_sft_dataset
+
+            out = Path(paths.root) / "sft"
+            if not (out / "manifest.json").exists():
+                build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
+                                  cfg.data.seq_len, out, source_name="pydoc_data.topics", revision="python-stdlib")
+            return out
+
+        sft_dir = _rank0_first(rank, build)
+    tokenizer_hash = None
+    if cfg.data.tokenizer:
+        from ds_trhash.data.tokenizer import tokenizer_sha256
+
+        tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
+    data = open_sft(sft_dir, expect_vocab=model_cfg.vocab_size, seq_len=cfg.data.seq_len, tokenizer_hash=tokenizer_hash)
+    policy = cfg.data.packing.policy
+    train_packs = pack(data.partition("train"), cfg.data.seq_len, policy)
+    train = SFTBatches(train_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=True)
+    batches = SFTStepBatches(train, cfg.batch.grad_accum, policy)
+    if batches.steps_per_epoch < 1:
+        raise SFTDataError(
+            f"{train.batches_per_epoch} micro-batches per epoch make no optimizer step with grad_accum "
+            f"{cfg.batch.grad_accum}; lower batch.grad_accum or batch.micro_batch")
+    eval_batches = None
+    if cfg.eval.heldout:
+        eval_packs = pack(data.partition("eval"), cfg.data.seq_len, policy)
+        eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
+    total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
+    return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
+                     tokenizer_dir=str(data.tokenizer_path), describe=f"SFT set {sft_dir}")
+
+
+# ----------------------------------------------------------------------------- launch checks
+
+
+def _source_record(init_dir: str | None) -> tuple[SourceRecord | None, dict | None]:
+    if init_dir is None:
+        return None, None
+    meta = ckpt.read_source_metadata(init_dir)
+    return SourceRecord.from_mapping(meta, path=str(init_dir)), meta.get("plan_doc")
+
+
+def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
+    """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
+    from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
+
+    record, source_plan = _source_record(init_dir)
+    if record is None and resuming:
+        return None
+    check_launch(
+        cfg.stage, record,
+        source_stage_flag=cfg.source_stage,
+        target_plan_doc=data.plan.doc if data.plan is not None else None,
+        source_plan_doc=source_plan,
+        fresh_optimizer=True,
+        family=cfg.model.family,
+        validate_refinement=validate_refinement,
+        plan_fingerprint=unique_core_fingerprint,
+    )
+    return record
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
+    from ds_trhash.model import TRHashForCausalLM
+    from ds_trhash.model import backend
+
+    torch.manual_seed(cfg.seed)
+    model = TRHashForCausalLM(model_cfg)
+    if init_dir is not None:
+        state_dict, _ = ckpt.load_weights_only(init_dir)
+        differences = model.load_checkpoint_state(state_dict)
+        for line in differences:
+            log.warning("routes kept from the checkpoint: %s", line)
+    if cfg.lora.enabled:
+        from ds_trhash.model.lora import apply_lora
+
+        apply_lora(model, cfg.lora)
+    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    backend.apply(model, choice)
+    if rank == 0:
+        log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
+    return model.to(device)
+
+
+# ----------------------------------------------------------------------------- callbacks
+
+
+class ProgressCallback(loop.Callback):
+    def __init__(self, progress, model, every: int):
+        self.progress, self.model, self.every = progress, model, every
+
+    def on_step_end(self, state, metrics):
+        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
+                             backends=self.model.backends_used())
+
+    def on_end(self, state):
+        self.progress.close()
+
+
+class MetricsCallback(loop.Callback):
+    def __init__(self, writer, model, every: int):
+        self.writer, self.model, self.every = writer, model, every
+
+    def on_step_end(self, state, metrics):
+        if state.step % self.every == 0 or state.step in (1, state.total_steps) or state.stop_requested:
+            b = self.model.backends_used()
+            self.writer.write(
+                step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
+                tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
+                supervised_tokens=metrics["supervised_tokens"], experts_backend=b.get("experts"),
+                loss_backend=b.get("loss"), norm_backend=b.get("norm"),
+            )
+
+
+class EvalCallback(loop.Callback):
+    """Held-out loss at the start (the source checkpoint) and at every epoch boundary."""
+
+    def __init__(self, model, eval_batches, device, writer, progress):
+        self.model, self.eval_batches, self.device = model, eval_batches, device
+        self.writer, self.progress = writer, progress
+        self.results: dict[int, dict] = {}
+
+    def evaluate(self, state) -> dict:
+        from ds_trhash.eval.heldout import heldout_loss
+
+        result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
+        result.update(step=state.step, epoch=state.epoch)
+        self.results[state.step] = result
+        self.writer.write(step=state.step, epoch=state.epoch, eval_loss=result["eval_loss"],
+                          eval_tokens=result["eval_tokens"])
+        self.progress.message(
+            f"held-out at step {state.step}: loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f} "
+            f"over {result['eval_tokens']:,} supervised tokens")
+        return result
+
+    def on_start(self, state):
+        if state.step == 0:
+            self.evaluate(state)
+
+    def on_epoch_end(self, state):
+        self.evaluate(state)
+
+
+class CheckpointCallback(loop.Callback):
+    """Writes crash-safe checkpoints at the configured cadence, token-pack boundaries, epoch
+    ends, on a stop signal and at the end; rotates old ones."""
+
+    def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
+                 protect_steps: set[int], progress):
+        self.engine, self.cfg, self.output_dir = engine, cfg, output_dir
+        self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
+        self.protect = set(protect_steps)
+        self.progress = progress
+        self.last_saved = -1
+
+    def save(self, state, reason: str, extra: dict | None = None):
+        if state.step == self.last_saved:
+            return
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(
+            self.output_dir, state.step,
+            write_engine_state=lambda tmp: self.engine.save_checkpoint(str(tmp), tag="state"),
+            trainer_state=self.trainer_state_fn(state, reason, extra or {}),
+            rank=self.rank, world_size=self.world, barrier=_barrier,
+        )
+        self.last_saved = state.step
+        if self.rank == 0 and self.cfg.checkpoint.keep_last:
+            ckpt.rotate(self.output_dir, self.cfg.checkpoint.keep_last, protect=self.protect)
+        self.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
+
+    def on_step_end(self, state, metrics):
+        every = self.cfg.checkpoint.every_steps
+        if state.stop_requested:
+            self.save(state, "stop signal")
+        elif state.step in self.protect:
+            self.save(state, "token pack boundary")
+        elif every and state.step % every == 0:
+            self.save(state, "every_steps")
+
+    def on_epoch_end(self, state):
+        self.protect.add(state.step)
+        self.save(state, f"end of epoch {state.epoch}")
+
+    def on_end(self, state):
+        if state.step == state.total_steps:
+            self.save(state, "final")
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainState:
+    from ds_trhash.model import TRHashConfig
+    from ds_trhash.training.metrics import MetricsWriter
+    from ds_trhash.training.progress import Progress
+    from ds_trhash.training.rng import load_rng_state, restore_rng_state
+
+    tcfg.require_source_stage(cfg)
+    check_runnable(cfg, world)
+    output_dir = Path(cfg.output_dir)
+    model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
+                                    loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise tcfg.ConfigError(cfg.origin, "data.seq_len",
+                               f"{cfg.data.seq_len} exceeds the {cfg.model.preset} context of {model_cfg.max_seq_len}")
+
+    # --- everything that can refuse the launch, before the model exists
+    data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
+            else prepare_pretrain_data(cfg, rank, world))
+    resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)
+    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    init_dir = args.init_checkpoint
+    if saved is not None and init_dir is None:
+        init_dir = saved.get("init_checkpoint")
+    ckpt.check_output_dir_stage(output_dir, cfg.stage)
+    guard_stage(cfg, init_dir, data, resuming=saved is not None)
+    critical = tcfg.training_critical(cfg)
+    if saved is not None:
+        ckpt.check_resume_compatible(
+            saved, critical, world_size=world, lora_enabled=cfg.lora.enabled,
+            total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
+            plan_sha256=data.plan.sha256 if data.plan is not None else None,
+            found=ckpt.inspect_saved_parts(resume_dir),
+        )
+
+    # --- model and engine
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = build_model(cfg, model_cfg, init_dir if saved is None else None, device, rank)
+    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps)
+    state = loop.TrainState(step=0, total_steps=data.total_steps)
+    if saved is not None:
+        ckpt.load_engine_state(engine.engine, resume_dir, reshard=args.reshard)
+        state.step = int(saved["step"])
+        state.tokens_seen = int(saved.get("tokens_seen", 0))
+        state.supervised_seen = int(saved.get("supervised_seen", 0))
+        if not args.reshard:
+            restore_rng_state(load_rng_state(resume_dir, rank))
+
+    # --- pluggable parts
+    progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(cfg), indent=2))
+        progress.message(
+            f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
+            f"{data.total_steps} optimizer steps"
+            + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
+    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
+    from ds_trhash.data.budget import pack_boundaries
+
+    protect = set()
+    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
+        protect = set(pack_boundaries(data.total_steps, cfg.checkpoint.packs))
+
+    def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
+        return {
+            "stage": cfg.stage,
+            "family": cfg.model.family,
+            "step": st.step,
+            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
+            "total_steps": st.total_steps,
+            "data_cursor": data.batches.cursor(st.step),
+            "tokens_seen": st.tokens_seen,
+            "supervised_seen": st.supervised_seen,
+            "world_size": world,
+            "training_critical": critical,
+            "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
+            "plan_sha256": data.plan.sha256 if data.plan is not None else None,
+            "plan_doc": data.plan.doc if data.plan is not None else None,
+            "init_checkpoint": str(init_dir) if init_dir else None,
+            "lora": cfg.lora.enabled,
+            "backends_used": model.backends_used(),
+            "model_config": model_cfg.to_dict(),
+            "tokenizer_dir": data.tokenizer_dir,
+            "reason": reason,
+            **extra,
+        }
+
+    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress)
+    callbacks: list[loop.Callback] = []
+    if data.eval_batches is not None:
+        callbacks.append(EvalCallback(engine.engine, data.eval_batches, device, writer, progress))
+    callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
+                  ProgressCallback(progress, model, cfg.training.log_every), ckpt_cb]
+
+    with ckpt.GracefulStop() as stop:
+        state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
+                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop)
+    if rank == 0:
+        first = writer.first_loss if hasattr(writer, "first_loss") else None
+        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
+    return state
