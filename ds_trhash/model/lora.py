@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import routed_experts
 from .transformer import TRHashForCausalLM, TRHashMoEEngine
 
 __all__ = [
@@ -169,18 +168,6 @@ class LoRAMoEEngine(TRHashMoEEngine):
             delta = getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta().detach()
             out[name] = (weight.float() + delta.float()).to(weight.dtype)
         return out
-
-    if not hasattr(TRHashMoEEngine, "effective_expert_weights"):
-        # The base engine reads self.expert_* directly; until it asks a hook for its expert
-        # weights, this mirrors its forward with the adapted weights (see docs/lora.md).
-        def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-            c = self.config
-            routes = self.route_table[:, token_ids.clamp(0, c.vocab_size - 1)].t().contiguous()
-            shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-            gate, up, down = self.effective_expert_weights()
-            routed = routed_experts(x, routes, gate, up, down, c.route_weights, backend=self.backend)
-            self.last_backend = self.backend
-            return c.shared_scale * shared + c.routed_scale * routed
 
 
 # ----------------------------------------------------------------------------- set-up

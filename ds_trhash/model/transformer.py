@@ -81,12 +81,16 @@ class TRHashMoEEngine(nn.Module):
             for p in (self.expert_down, self.shared_down.weight):
                 p.normal_(0.0, residual_std)
 
+    def effective_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) the routed experts run on; LoRA mode adds its low-rank deltas here."""
+        return self.expert_gate, self.expert_up, self.expert_down
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
         routes = self.route_table[:, token_ids.clamp(0, c.vocab_size - 1)].t().contiguous()  # [N, 2]
         shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-        routed = routed_experts(x, routes, self.expert_gate, self.expert_up, self.expert_down,
-                                c.route_weights, backend=self.backend)
+        gate, up, down = self.effective_expert_weights()
+        routed = routed_experts(x, routes, gate, up, down, c.route_weights, backend=self.backend)
         self.last_backend = self.backend
         return c.shared_scale * shared + c.routed_scale * routed
 

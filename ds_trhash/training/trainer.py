@@ -27,7 +27,7 @@ from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 from ds_trhash.training.engine import build_engine, check_runnable
-from ds_trhash.training.stages import SourceRecord, StageError, check_launch
+from ds_trhash.training.stages import SourceRecord, check_launch
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -212,6 +212,35 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
 # ----------------------------------------------------------------------------- callbacks
 
 
+class FaultInjection:
+    """Crash on purpose, for the crash-safety tests: ``DS_TRHASH_FAULT=kill_after_step:N``
+    SIGKILLs every rank right after optimizer step N (before its checkpoint), and
+    ``kill_during_save:N`` SIGKILLs them inside the save of step N, after DeepSpeed wrote its
+    files and before the checkpoint is complete. Unset in normal runs."""
+
+    def __init__(self, spec: str | None):
+        self.kind, self.step = None, -1
+        if spec:
+            kind, _, step = spec.partition(":")
+            if kind not in ("kill_after_step", "kill_during_save") or not step.isdigit():
+                raise ValueError(f"DS_TRHASH_FAULT={spec!r}: expected kill_after_step:N or kill_during_save:N")
+            self.kind, self.step = kind, int(step)
+
+    def maybe_kill(self, kind: str, step: int) -> None:
+        if self.kind == kind and self.step == step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultCallback(loop.Callback):
+    def __init__(self, faults: FaultInjection):
+        self.faults = faults
+
+    def on_step_end(self, state, metrics):
+        self.faults.maybe_kill("kill_after_step", state.step)
+
+
 class ProgressCallback(loop.Callback):
     def __init__(self, progress, model, every: int):
         self.progress, self.model, self.every = progress, model, every
@@ -273,8 +302,8 @@ class CheckpointCallback(loop.Callback):
     ends, on a stop signal and at the end; rotates old ones."""
 
     def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
-                 protect_steps: set[int], progress):
-        self.engine, self.cfg, self.output_dir = engine, cfg, output_dir
+                 protect_steps: set[int], progress, faults: FaultInjection):
+        self.engine, self.cfg, self.output_dir, self.faults = engine, cfg, output_dir, faults
         self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
         self.protect = set(protect_steps)
         self.progress = progress
@@ -284,9 +313,14 @@ class CheckpointCallback(loop.Callback):
         if state.step == self.last_saved:
             return
         t0 = time.perf_counter()
+
+        def write_engine_state(tmp):
+            self.engine.save_checkpoint(str(tmp), tag="state")
+            self.faults.maybe_kill("kill_during_save", state.step)
+
         path = ckpt.save_checkpoint(
             self.output_dir, state.step,
-            write_engine_state=lambda tmp: self.engine.save_checkpoint(str(tmp), tag="state"),
+            write_engine_state=write_engine_state,
             trainer_state=self.trainer_state_fn(state, reason, extra or {}),
             rank=self.rank, world_size=self.world, barrier=_barrier,
         )
@@ -403,8 +437,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             **extra,
         }
 
-    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress)
-    callbacks: list[loop.Callback] = []
+    faults = FaultInjection(os.environ.get("DS_TRHASH_FAULT"))
+    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress, faults)
+    callbacks: list[loop.Callback] = [FaultCallback(faults)]
     if data.eval_batches is not None:
         callbacks.append(EvalCallback(engine.engine, data.eval_batches, device, writer, progress))
     callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
@@ -414,6 +449,5 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
                          lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop)
     if rank == 0:
-        first = writer.first_loss if hasattr(writer, "first_loss") else None
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
     return state

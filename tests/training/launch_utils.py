@@ -1,0 +1,85 @@
+"""Run real training launches from tests: the `deepspeed` launcher or one plain process."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("RESUME", None)
+    env.pop("TARGET_TOKENS", None)
+    env.pop("DS_TRHASH_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N launch/train.py ...`: N CPU processes over gloo."""
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+           str(REPO / "launch" / "train.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=base_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """One plain process (no launcher): RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* set by hand."""
+    e = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(free_port()), **env)
+    return subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], cwd=REPO, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def was_killed(proc: subprocess.CompletedProcess) -> bool:
+    """A SIGKILLed rank: -9 for a plain process; the deepspeed launcher exits non-zero."""
+    return proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or proc.returncode != 0
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    with open(output_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    return [float(r["train_loss"]) for r in metrics(output_dir) if r["train_loss"]]
+
+
+def checkpoint_steps(output_dir: Path) -> list[int]:
+    root = output_dir / "checkpoints"
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if "." not in p.name)
+
+
+def model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The module weights DeepSpeed saved (rank 0's model states file)."""
+    states = torch.load(ckpt_dir / "state" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return states["module"]
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:5]}"
