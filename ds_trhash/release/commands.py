@@ -1,0 +1,121 @@
+"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash report`.
+
+Registered into the single CLI with ``register(subparsers)``; each subcommand sets
+``func(args) -> int``. User errors print one line on stderr and return 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError
+
+EXIT_USER_ERROR = 2
+
+
+def _fail(err: BaseException | str) -> int:
+    from ds_trhash.release.hub import redact
+
+    text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
+    print(f"error: {text}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+class _RefuseToken(argparse.Action):
+    """A token on the command line would land in shell history and process listings."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, "access tokens are never accepted as arguments; set HF_TOKEN in the "
+                                           "environment instead (the value given was not echoed)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ds_trhash.release.export import export_checkpoint
+
+    try:
+        manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer)
+    except (ExportError, OSError, ValueError) as err:
+        return _fail(err)
+    w = manifest["weights"]
+    print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
+          f"sha256 {w['sha256']}, stage {manifest['stage']}")
+    if manifest.get("tokenizer") is None:
+        print("warning: no tokenizer was copied (the checkpoint records none); pass --tokenizer DIR", file=sys.stderr)
+    return 0
+
+
+def run_sync(args: argparse.Namespace) -> int:
+    from ds_trhash.release.hub import SyncError, make_api, summary, sync
+
+    try:
+        api = make_api(require_token=not args.dry_run)
+        report = sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                      lock_timeout=args.lock_timeout)
+    except SyncError as err:
+        code = _fail(err)
+        for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
+            print(line, file=sys.stderr)
+        return code
+    except OSError as err:
+        return _fail(err)
+    print(summary(report))
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ds_trhash.release.record import RecordError, write_run_record
+
+    fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
+              "known_limitations": args.limitation or None}
+    try:
+        doc = write_run_record(args.out, run_dir=args.run, export_dir=args.export, **fields)
+    except (RecordError, OSError) as err:
+        return _fail(err)
+    print(f"wrote {args.out} (and run_record.md beside it); unknown: {', '.join(doc['unknown']) or 'none'}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    exp = subparsers.add_parser("export", help="export a checkpoint as verified SafeTensors")
+    exp.add_argument("--checkpoint", required=True, help="checkpoints/step_<N> directory")
+    exp.add_argument("--out", required=True, help="new (or empty) export directory")
+    exp.add_argument("--dtype", default="float32", choices=sorted(FLOAT_DTYPES))
+    exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run recorded)")
+    exp.set_defaults(func=run_export)
+
+    syn = subparsers.add_parser("sync", help="upload complete checkpoints/exports to the Hub, verify, prune")
+    syn.add_argument("--local", required=True, help="run output directory, one checkpoint, or one export")
+    syn.add_argument("--repo-id", required=True)
+    syn.add_argument("--repo-type", default=None, choices=["model", "dataset"])
+    syn.add_argument("--revision", default=None, help="branch to commit to (default main)")
+    syn.add_argument("--prune-local", action="store_true",
+                     help="delete local checkpoints verified on the Hub, beyond the newest --keep-last")
+    syn.add_argument("--keep-last", type=int, default=1)
+    syn.add_argument("--dry-run", action="store_true", help="read the Hub, upload and delete nothing")
+    syn.add_argument("--lock-timeout", type=float, default=0.0,
+                     help="seconds to wait for another sync's lock (default: fail at once)")
+    syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
+    syn.set_defaults(func=run_sync)
+
+    rep = subparsers.add_parser("report", help="write the publishable run record (JSON + Markdown)")
+    rep.add_argument("--run", required=True, help="run output directory")
+    rep.add_argument("--out", required=True, help="run_record.json path")
+    rep.add_argument("--export", default=None, help="export directory (for the SafeTensors hash)")
+    rep.add_argument("--selection-rule", default=None,
+                     help="'last' or 'min_eval_loss' (computed), or your own rule text with --selected-checkpoint")
+    rep.add_argument("--selected-checkpoint", default=None)
+    rep.add_argument("--limitation", action="append", default=[], help="a known limitation (repeatable)")
+    rep.set_defaults(func=run_report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (tests); the project CLI calls ``register`` instead."""
+    parser = argparse.ArgumentParser(prog="ds-trhash")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

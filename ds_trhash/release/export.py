@@ -1,0 +1,402 @@
+"""SafeTensors export of a trained model (SPEC §9).
+
+An export directory holds::
+
+    model.safetensors       every tensor; float tensors in one dtype, route buffers in their
+                            integer dtypes (int64 / uint8 / int32), all vocabulary rows
+    config.json             the model config (TRHashConfig.to_dict, loadable with from_dict)
+    run.json                {"stage": ..., "lora": false, ...}: what --init-checkpoint reads
+    tokenizer.json          copied from the run's tokenizer directory (when known)
+    chat_template.*         the chat template (when given)
+    export_manifest.json    written last: weights SHA-256 / size / dtype / tensor count and
+                            the SHA-256 and size of every other file
+
+It is built in a hidden temporary directory beside ``out_dir``, the weights are read back from
+disk and compared tensor by tensor with what was meant to be written, and only then is the
+directory renamed into place. A failed export leaves nothing at ``out_dir``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+RUN = "run.json"
+TOKENIZER = "tokenizer.json"
+CHAT_TEMPLATE_TEXT = "chat_template.jinja"
+EXPORT_MANIFEST = "export_manifest.json"
+EXPORT_FORMAT = "ds-trhash-export-v1"
+
+FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Route buffers are data (SPEC §1): they keep exactly these dtypes, whatever the float dtype.
+ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
+    "route_table": torch.int64,
+    "fused_route_codes": torch.uint8,
+    "fused_expert_pairs": torch.int32,
+}
+_TOLERATED_EXTRA_SUFFIX = ".self_attn.rotary_emb.inv_freq"
+_HASH_CHUNK = 1 << 22
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be written or trusted; nothing is left at the destination."""
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> tuple[str, torch.dtype]:
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in FLOAT_DTYPES.items()}
+        if dtype not in names:
+            raise ExportError(f"export dtype {dtype} is not allowed; use one of {sorted(FLOAT_DTYPES)}")
+        return names[dtype], dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ExportError(f"export dtype {dtype!r} is not allowed; use one of {sorted(FLOAT_DTYPES)}")
+    return dtype, FLOAT_DTYPES[dtype]
+
+
+def _read_back(path: Path) -> dict[str, torch.Tensor]:
+    """Read the written weights from disk (a seam: tests replace it to simulate corruption)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path), device="cpu")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _expected_layout(model_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key -> (shape, dtype) of a TRHashForCausalLM built from the config, on the meta device."""
+    from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+
+    try:
+        config = TRHashConfig.from_dict(dict(model_config))
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"model_config is not a valid TRHashConfig: {exc}") from exc
+    with torch.device("meta"):
+        model = TRHashForCausalLM(config)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def _prepare(state_dict: Mapping[str, Any], model_config: Mapping[str, Any],
+             float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Validate the state dict against the model layout and convert it to what will be written."""
+    lora_keys = sorted(k for k in state_dict if "lora_" in k)
+    if lora_keys:
+        raise ExportError(f"the state dict holds LoRA adapter tensors ({lora_keys[0]}, ...); merge them into the "
+                          "base weights before exporting (export_checkpoint does this when merge_lora is available)")
+    vocab = model_config.get("vocab_size")
+    embed = state_dict.get("embed_tokens.weight")
+    if embed is None:
+        raise ExportError("the state dict has no embed_tokens.weight; it is not a TR-HASH model state dict")
+    if not isinstance(vocab, int) or embed.shape[0] != vocab:
+        raise ExportError(f"embed_tokens.weight has {embed.shape[0]} rows but the model config says vocab_size "
+                          f"{vocab!r}; an export keeps every embedding row (a truncated vocabulary is refused)")
+    expected = _expected_layout(model_config)
+    present = {k for k in state_dict if not k.endswith(_TOLERATED_EXTRA_SUFFIX)}
+    missing = sorted(set(expected) - present)
+    extra = sorted(present - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise ExportError(f"the state dict does not match the model config: {'; '.join(parts)}")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"{key} is a {type(value).__name__}, not a tensor")
+        if value.is_meta:
+            raise ExportError(f"{key} is a meta tensor (no data); materialise the model before exporting")
+        shape, want = expected.get(key, (tuple(value.shape), value.dtype))
+        if tuple(value.shape) != shape:
+            raise ExportError(f"{key} has shape {list(value.shape)}, the model config expects {list(shape)}")
+        tensor = value.detach().to("cpu")
+        if tensor.is_floating_point():
+            tensor = tensor.to(float_dtype)
+        elif key.rsplit(".", 1)[-1] in ROUTE_BUFFER_DTYPES:
+            route_dtype = ROUTE_BUFFER_DTYPES[key.rsplit(".", 1)[-1]]
+            if tensor.dtype != route_dtype:
+                raise ExportError(f"{key} is {tensor.dtype}; route buffers are stored as {route_dtype} and are "
+                                  "never converted (routing is data)")
+        elif tensor.dtype != want:
+            raise ExportError(f"{key} is {tensor.dtype}, the model expects {want}")
+        # A private contiguous copy: safetensors refuses shared storage, and the comparison
+        # after reload must not see later in-place edits of the caller's tensors.
+        out[key] = tensor.contiguous().clone()
+    return out
+
+
+def _compare(written: Mapping[str, torch.Tensor], reloaded: Mapping[str, torch.Tensor]) -> None:
+    if set(written) != set(reloaded):
+        lost = sorted(set(written) - set(reloaded))
+        added = sorted(set(reloaded) - set(written))
+        raise ExportError(f"reloaded export has different tensor names (lost {lost[:5]}, added {added[:5]})")
+    for key, expect in written.items():
+        got = reloaded[key]
+        if got.dtype != expect.dtype or tuple(got.shape) != tuple(expect.shape):
+            raise ExportError(f"reloaded {key} is {got.dtype} {list(got.shape)}, "
+                              f"written {expect.dtype} {list(expect.shape)}")
+        if not torch.equal(got, expect):
+            raise ExportError(f"reloaded {key} differs from the tensor that was written; the export is not exact")
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dest: Path) -> None:
+    src = Path(tokenizer_dir)
+    file = src / TOKENIZER if src.is_dir() else src
+    if not file.is_file():
+        raise ExportError(f"no {TOKENIZER} at {src}; pass the directory the tokenizer was trained into")
+    shutil.copyfile(file, dest / TOKENIZER)
+
+
+def _write_chat_template(chat_template: Any, dest: Path) -> str:
+    """A path is copied under its own file name; a string is template text; a dict is JSON."""
+    if isinstance(chat_template, os.PathLike):
+        src = Path(chat_template)
+        if not src.is_file():
+            raise ExportError(f"chat template file {src} does not exist")
+        name = src.name
+        if name in (WEIGHTS, CONFIG, RUN, TOKENIZER, EXPORT_MANIFEST):
+            raise ExportError(f"chat template file name {name} collides with an export file; rename it")
+        shutil.copyfile(src, dest / name)
+        return name
+    if isinstance(chat_template, Mapping):
+        _write_json(dest / "chat_template.json", chat_template)
+        return "chat_template.json"
+    if isinstance(chat_template, str):
+        (dest / CHAT_TEMPLATE_TEXT).write_text(chat_template, encoding="utf-8")
+        return CHAT_TEMPLATE_TEXT
+    raise ExportError(f"chat_template must be a path, template text or a dict, got {type(chat_template).__name__}")
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} already exists and is not empty; an export never overwrites: choose a new directory")
+
+
+def export_safetensors(
+    state_dict: Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    model_config: Mapping[str, Any],
+    tokenizer_dir: str | os.PathLike | None = None,
+    chat_template: str | os.PathLike | Mapping[str, Any] | None = None,
+    stage: str | None = None,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a verified export of ``state_dict`` to ``out_dir`` and return its manifest."""
+    out = Path(out_dir)
+    _refuse_existing(out)
+    dtype_name, float_dtype = parse_dtype(dtype)
+    if stage is not None:
+        from ds_trhash.training.stages import Stage, StageError
+
+        try:
+            stage = Stage.parse(stage, what="export stage").value
+        except StageError as exc:
+            raise ExportError(str(exc)) from None
+    if extra_meta and ("stage" in extra_meta or "lora" in extra_meta):
+        raise ExportError("extra_meta may not set 'stage' or 'lora'; pass stage= (LoRA exports are always merged)")
+    tensors = _prepare(state_dict, model_config, float_dtype)
+    run_doc = {**dict(extra_meta or {}), "stage": stage, "lora": False, "export_dtype": dtype_name}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        from safetensors.torch import save_file
+
+        weights = tmp / WEIGHTS
+        save_file(tensors, str(weights), metadata={"format": "pt", "producer": EXPORT_FORMAT,
+                                                   "dtype": dtype_name, "stage": str(stage)})
+        _fsync(weights)
+        _compare(tensors, _read_back(weights))
+        _write_json(tmp / CONFIG, dict(model_config))
+        _write_json(tmp / RUN, run_doc)
+        if tokenizer_dir is not None:
+            _copy_tokenizer(tokenizer_dir, tmp)
+        template_file = _write_chat_template(chat_template, tmp) if chat_template is not None else None
+        others = {}
+        for path in sorted(tmp.iterdir()):
+            if path.name != WEIGHTS:
+                _fsync(path)
+                others[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+        integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
+        manifest = {
+            "format": EXPORT_FORMAT,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "weights": {"file": WEIGHTS, "sha256": sha256_file(weights), "size": weights.stat().st_size,
+                        "dtype": dtype_name, "tensors": len(tensors), "integer_tensors": integer},
+            "vocab_size": model_config["vocab_size"],
+            "stage": stage,
+            "tokenizer": others.get(TOKENIZER, {}).get("sha256"),
+            "chat_template": template_file,
+            "files": others,
+        }
+        _write_json(tmp / EXPORT_MANIFEST, manifest)
+        _fsync(tmp / EXPORT_MANIFEST)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is meant to be read
+        _fsync(tmp)
+        try:
+            os.rename(tmp, out)  # atomic; replaces only an empty directory
+        except OSError as exc:
+            raise ExportError(f"cannot move the export into {out}: {exc}") from None
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def read_export_manifest(export_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(export_dir) / EXPORT_MANIFEST
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExportError(f"{path} is missing; {export_dir} is not a complete export") from None
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{path} is not valid JSON ({exc})") from None
+
+
+def export_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every file the manifest vouches for (the weights included), name -> {sha256, size}."""
+    weights = manifest["weights"]
+    return {weights["file"]: {"sha256": weights["sha256"], "size": weights["size"]}, **manifest["files"]}
+
+
+def verify_export(export_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str]:
+    """(ok, reason): the manifest lists exactly the files present, with their sizes and hashes."""
+    root = Path(export_dir)
+    try:
+        manifest = read_export_manifest(root)
+        listed = export_files(manifest)
+    except (ExportError, KeyError, TypeError) as exc:
+        return False, f"incomplete ({exc})"
+    present = {p.name for p in root.iterdir() if p.is_file() and p.name != EXPORT_MANIFEST}
+    if set(listed) != present:
+        return False, (f"corrupt (files differ from {EXPORT_MANIFEST}: missing {sorted(set(listed) - present)}, "
+                       f"unlisted {sorted(present - set(listed))})")
+    for name, entry in listed.items():
+        path = root / name
+        if path.stat().st_size != entry["size"]:
+            return False, f"corrupt ({name} has {path.stat().st_size} bytes, the manifest says {entry['size']})"
+        if deep and sha256_file(path) != entry["sha256"]:
+            return False, f"corrupt ({name} SHA-256 differs from {EXPORT_MANIFEST})"
+    return True, "ok"
+
+
+# --------------------------------------------------------------------------- from a checkpoint
+
+
+def _merge_lora(state: dict[str, torch.Tensor], trainer_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Fold the adapters into the base weights with the run's own alpha (SPEC §6 LoRA mode)."""
+    try:
+        from ds_trhash.model.lora import merge_lora_state_dict
+    except ImportError:
+        raise ExportError("this is a LoRA checkpoint and ds_trhash.model.lora.merge_lora_state_dict is not "
+                          "available, so the adapters cannot be merged; LoRA state is never exported "
+                          "unmerged") from None
+    alpha = (trainer_state.get("training_critical") or {}).get("lora.alpha")
+    if alpha is None:
+        raise ExportError("this is a LoRA checkpoint but its trainer_state.json records no lora.alpha; the "
+                          "adapters cannot be merged exactly without it")
+    try:
+        return dict(merge_lora_state_dict(state, alpha))
+    except ValueError as exc:
+        raise ExportError(f"cannot merge the LoRA adapters: {exc}") from None
+
+
+def export_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    chat_template: str | os.PathLike | Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Export a verified training checkpoint (``checkpoints/step_<N>``).
+
+    The stage, model config, tokenizer directory and LoRA flag come from its trainer_state.json;
+    ``tokenizer_dir`` overrides the recorded one. For SFT stages the complexity-chat-v2 template
+    description is written beside the weights unless ``chat_template`` is given.
+    """
+    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_weights_only, read_trainer_state
+
+    ckpt = Path(ckpt_dir)
+    _refuse_existing(Path(out_dir))
+    parse_dtype(dtype)
+    try:
+        state, _record = load_weights_only(ckpt)
+        trainer_state = read_trainer_state(ckpt)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+    model_config = trainer_state.get("model_config")
+    if not isinstance(model_config, Mapping):
+        raise ExportError(f"{ckpt}/trainer_state.json records no model_config; cannot tell the model's shape")
+    if trainer_state.get("lora") or any("lora_" in k for k in state):
+        state = _merge_lora(dict(state), trainer_state)
+    tok = tokenizer_dir if tokenizer_dir is not None else trainer_state.get("tokenizer_dir")
+    if tok is not None and not Path(tok).exists():
+        raise ExportError(f"the tokenizer recorded for {ckpt} ({tok}) no longer exists; pass tokenizer_dir")
+    stage = trainer_state.get("stage")
+    if chat_template is None and stage == "supervised-finetuning":
+        from ds_trhash.data.chat import TEMPLATE_DESCRIPTION
+
+        chat_template = TEMPLATE_DESCRIPTION
+    manifest_path = ckpt / MANIFEST
+    extra = {
+        "source_checkpoint": str(ckpt),
+        "source_step": trainer_state.get("step"),
+        "source_manifest_sha256": sha256_file(manifest_path) if manifest_path.is_file() else None,
+        "source_lora": bool(trainer_state.get("lora")),
+        "family": trainer_state.get("family"),
+        "plan_fingerprint": trainer_state.get("plan_fingerprint"),
+        "framework_commit": trainer_state.get("framework_commit"),
+        "backends_used": trainer_state.get("backends_used"),
+    }
+    return export_safetensors(state, out_dir, dtype=dtype, model_config=model_config, tokenizer_dir=tok,
+                              chat_template=chat_template, stage=stage, extra_meta=extra)

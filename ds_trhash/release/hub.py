@@ -1,0 +1,427 @@
+"""Sync complete checkpoints and exports to the Hugging Face Hub (SPEC §9).
+
+Rules, in the order ``sync`` applies them:
+
+1. One lock per output directory (``<output_dir>/.sync.lock``, ``fcntl.flock``) is held for
+   discovery, upload, remote verification and pruning, so deletion and upload never race.
+   A second sync (or a trainer rotation wrapped in ``sync_lock``) fails fast instead of
+   waiting, unless ``lock_timeout`` seconds are granted.
+2. Only complete units are uploaded: a checkpoint must pass ``checkpoint.verify`` (every file
+   against its MANIFEST.json), an export must pass ``verify_export``. Only the files those
+   manifests vouch for are uploaded, with the manifest itself.
+3. After upload every remote file is checked against the local hash: LFS files by their
+   SHA-256 (``RepoFile.lfs.sha256``), regular git files by their git blob id (SHA-1 of
+   ``"blob <size>\\0" + bytes``), both from ``HfApi.get_paths_info``.
+4. Any failure (upload or verification) stops the sync and prunes nothing. Pruning removes
+   only checkpoints whose every file verified remotely, never the newest ``keep_last``
+   checkpoints, never an export, never anything incomplete.
+5. The access token comes only from ``HF_TOKEN`` in the environment (``make_api``); it is
+   passed to ``HfApi`` explicitly so the library never falls back to a token file, and it is
+   scrubbed from every log line and error message this module produces.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
+
+TOKEN_ENV = "HF_TOKEN"
+LOCK_FILE = ".sync.lock"
+_PATHS_PER_REQUEST = 50
+_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
+
+Log = Callable[[str], None]
+
+
+class SyncError(RuntimeError):
+    """A sync that did not complete; ``report`` says what was done before it stopped."""
+
+    def __init__(self, message: str, report: "SyncReport | None" = None):
+        super().__init__(redact(message))
+        self.report = report
+
+
+# --------------------------------------------------------------------------- token handling
+
+
+def redact(text: str) -> str:
+    """Remove the access token (and anything shaped like a Hub token) from text."""
+    token = os.environ.get(TOKEN_ENV)
+    if token and len(token) >= 4:
+        text = text.replace(token, "<redacted>")
+    return _TOKEN_PATTERN.sub("hf_<redacted>", text)
+
+
+def make_api(*, require_token: bool = True) -> Any:
+    """An ``HfApi`` authenticated by ``HF_TOKEN`` only.
+
+    Without the variable: an error when a token is required, else an anonymous client
+    (``token=False``: never read from a token file).
+    """
+    from huggingface_hub import HfApi
+
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and require_token:
+        raise SyncError(f"{TOKEN_ENV} is not set: export it in the environment of this process (tokens are never "
+                        "read from files, arguments or configs)")
+    return HfApi(token=token if token is not None else False)
+
+
+# --------------------------------------------------------------------------- lock
+
+
+@contextlib.contextmanager
+def sync_lock(directory: str | os.PathLike, timeout: float = 0.0) -> Iterator[Path]:
+    """Hold ``<directory>/.sync.lock``; anything that deletes checkpoints in ``directory``
+    (sync's prune, a rotation) should hold it. ``timeout`` 0 fails at once when held."""
+    path = Path(directory) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise SyncError(f"{path} is held by another sync or prune; deletion and upload never run at "
+                                    "the same time: wait for it to finish (or pass a lock timeout)") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+# --------------------------------------------------------------------------- local units
+
+
+@dataclass
+class Unit:
+    """One complete checkpoint or export: the files its manifest vouches for."""
+
+    kind: str  # "checkpoint" | "export"
+    path: Path
+    path_in_repo: str  # "" = repository root
+    files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "size"}
+    step: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path_in_repo or self.path.name
+
+    def remote(self, rel: str) -> str:
+        return f"{self.path_in_repo}/{rel}" if self.path_in_repo else rel
+
+
+@dataclass
+class SyncReport:
+    repo_id: str
+    dry_run: bool = False
+    uploaded: list[str] = field(default_factory=list)
+    already_remote: list[str] = field(default_factory=list)
+    verified: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # unit -> why it was not uploaded
+    would_upload: list[str] = field(default_factory=list)
+    would_prune: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _checkpoint_unit(path: Path, path_in_repo: str) -> Unit | str:
+    from ds_trhash.training.checkpoint import MANIFEST, verify
+
+    ok, reason = verify(path, deep=True)
+    if not ok:
+        return reason
+    manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    files = {rel: {"sha256": e["sha256"], "size": e["size"]} for rel, e in manifest["files"].items()}
+    manifest_path = path / MANIFEST
+    files[MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    return Unit("checkpoint", path, path_in_repo, files, step=int(manifest.get("step", -1)))
+
+
+def _export_unit(path: Path, path_in_repo: str) -> Unit | str:
+    ok, reason = verify_export(path, deep=True)
+    if not ok:
+        return reason
+    files = dict(export_files(read_export_manifest(path)))
+    manifest_path = path / EXPORT_MANIFEST
+    files[EXPORT_MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    return Unit("export", path, path_in_repo, files)
+
+
+def _sha256(path: Path) -> str:
+    from ds_trhash.release.export import sha256_file
+
+    return sha256_file(path)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    from ds_trhash.training.checkpoint import ENGINE_TAG, MANIFEST, TRAINER_STATE
+
+    return any((path / n).exists() for n in (MANIFEST, TRAINER_STATE, ENGINE_TAG))
+
+
+def _is_export(path: Path) -> bool:
+    return (path / EXPORT_MANIFEST).is_file() or (path / WEIGHTS).is_file()
+
+
+@dataclass
+class _Plan:
+    units: list[Unit]
+    skipped: dict[str, str]
+    prunable: bool  # an output directory (not a single unit) was given
+    complete_steps: list[int]
+
+
+def discover(local_dir: str | os.PathLike) -> _Plan:
+    """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
+    from ds_trhash.training.checkpoint import CHECKPOINTS, list_checkpoints
+
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise SyncError(f"{root} is not a directory")
+    if _is_checkpoint(root):
+        unit = _checkpoint_unit(root, f"{CHECKPOINTS}/{root.name}")
+        if isinstance(unit, str):
+            raise SyncError(f"{root} is {unit}; only complete checkpoints are uploaded")
+        return _Plan([unit], {}, False, [])
+    if _is_export(root):
+        unit = _export_unit(root, "")
+        if isinstance(unit, str):
+            raise SyncError(f"{root} is {unit}; only complete exports are uploaded")
+        return _Plan([unit], {}, False, [])
+    units: list[Unit] = []
+    skipped: dict[str, str] = {}
+    complete_steps = []
+    for info in list_checkpoints(root):
+        rel = f"{CHECKPOINTS}/{info.name}"
+        unit = _checkpoint_unit(info.path, rel)
+        if isinstance(unit, str):
+            skipped[rel] = unit
+        else:
+            units.append(unit)
+            complete_steps.append(info.step)
+    candidates = [p for p in sorted(root.iterdir()) if p.is_dir()]
+    if (root / "exports").is_dir():
+        candidates += [p for p in sorted((root / "exports").iterdir()) if p.is_dir()]
+    for path in candidates:
+        if path.name == CHECKPOINTS or not _is_export(path):
+            continue
+        rel = path.relative_to(root).as_posix()
+        unit = _export_unit(path, rel)
+        if isinstance(unit, str):
+            skipped[rel] = unit
+        else:
+            units.append(unit)
+    if not units and not skipped:
+        raise SyncError(f"{root} holds no checkpoints/step_* directory and no export; nothing to sync")
+    return _Plan(units, skipped, True, complete_steps)
+
+
+# --------------------------------------------------------------------------- remote checks
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The git object id of a file's bytes: what the Hub reports for non-LFS files."""
+    digest = hashlib.sha1()
+    digest.update(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except SyncError:
+        raise
+    except Exception as exc:  # network, auth, HTTP: reported without the original (token-bearing) chain
+        raise SyncError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+
+
+def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
+                       revision: str | None = None) -> list[str]:
+    """One line per file of ``unit`` that is missing on the Hub or differs from the local file."""
+    wanted = {unit.remote(rel): rel for rel in unit.files}
+    remote: dict[str, Any] = {}
+    names = sorted(wanted)
+    for i in range(0, len(names), _PATHS_PER_REQUEST):
+        batch = names[i:i + _PATHS_PER_REQUEST]
+        infos = _call(f"reading file info from {repo_id}", api.get_paths_info, repo_id, batch,
+                      expand=False, repo_type=repo_type, revision=revision)
+        for info in infos:
+            remote[info.path] = info
+    problems = []
+    for remote_path, rel in sorted(wanted.items()):
+        local = unit.files[rel]
+        info = remote.get(remote_path)
+        if info is None or not hasattr(info, "blob_id"):
+            problems.append(f"{remote_path}: missing on the Hub")
+            continue
+        if info.size != local["size"]:
+            problems.append(f"{remote_path}: {info.size} bytes on the Hub, {local['size']} locally")
+            continue
+        lfs = getattr(info, "lfs", None)
+        if lfs is not None:
+            if lfs.sha256 != local["sha256"]:
+                problems.append(f"{remote_path}: Hub SHA-256 {lfs.sha256} differs from local {local['sha256']}")
+        elif info.blob_id != git_blob_sha1(unit.path / rel):
+            problems.append(f"{remote_path}: Hub git blob id {info.blob_id} differs from the local file's")
+    return problems
+
+
+# --------------------------------------------------------------------------- sync
+
+
+def _upload(api: Any, repo_id: str, unit: Unit, repo_type: str | None, revision: str | None) -> None:
+    from huggingface_hub import CommitOperationAdd
+
+    operations = [CommitOperationAdd(path_in_repo=unit.remote(rel), path_or_fileobj=str(unit.path / rel))
+                  for rel in sorted(unit.files)]
+    _call(f"uploading {unit.name} to {repo_id}", api.create_commit, repo_id, operations,
+          commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Out of the listing first (list_checkpoints ignores *.tmp*), then delete."""
+    doomed = path.with_name(path.name + ".tmp-deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
+    keep_steps = set(sorted(plan.complete_steps)[-keep_last:])
+    prune, keep = [], []
+    for unit in plan.units:
+        if unit.kind != "checkpoint":
+            continue  # exports (the final one above all) are never pruned
+        if unit.step in keep_steps or unit.name not in verified:
+            keep.append(unit)
+        else:
+            prune.append(unit)
+    return prune, keep
+
+
+def sync(
+    local_dir: str | os.PathLike,
+    repo_id: str,
+    api: Any,
+    *,
+    prune_local: bool = False,
+    keep_last: int = 1,
+    dry_run: bool = False,
+    repo_type: str | None = None,
+    revision: str | None = None,
+    lock_timeout: float = 0.0,
+    log: Log = print,
+) -> SyncReport:
+    """Upload every complete checkpoint/export under ``local_dir``, verify it on the Hub, then
+    (with ``prune_local``) delete verified local checkpoints beyond the newest ``keep_last``.
+
+    Raises ``SyncError`` (with ``.report``) on the first upload or verification failure; nothing
+    is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing.
+    """
+    if keep_last < 1:
+        raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
+    say: Log = lambda line: log(redact(line))  # noqa: E731
+    report = SyncReport(repo_id=repo_id, dry_run=dry_run)
+    root = Path(local_dir)
+    lock_dir = discover_lock_dir(root)
+    with sync_lock(lock_dir, lock_timeout):
+        plan = discover(root)
+        if prune_local and not plan.prunable:
+            raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
+                            f"single {plan.units[0].kind} {root}")
+        report.skipped = dict(plan.skipped)
+        for name, why in plan.skipped.items():
+            say(f"skip {name}: it is {why}; only complete checkpoints are uploaded")
+        verified: set[str] = set()
+        try:
+            for unit in plan.units:
+                try:
+                    before = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                except SyncError as exc:
+                    if not dry_run:
+                        raise
+                    before = [f"remote state unknown ({exc})"]
+                if not before:
+                    report.already_remote.append(unit.name)
+                    verified.add(unit.name)
+                    say(f"{unit.name}: already on {repo_id}, every file verified")
+                    continue
+                if dry_run:
+                    report.would_upload.append(unit.name)
+                    say(f"would upload {unit.name} ({len(unit.files)} files)")
+                    continue
+                say(f"uploading {unit.name} ({len(unit.files)} files) to {repo_id}")
+                _upload(api, repo_id, unit, repo_type, revision)
+                report.uploaded.append(unit.name)
+                after = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                if after:
+                    raise SyncError(f"{unit.name} does not verify on {repo_id} after upload; nothing was pruned:\n"
+                                    + "\n".join(f"  - {p}" for p in after))
+                verified.add(unit.name)
+                report.verified.append(unit.name)
+                say(f"{unit.name}: every file verified on {repo_id}")
+        except SyncError as exc:
+            report.error = str(exc)
+            raise SyncError(str(exc), report) from None
+
+        if prune_local:
+            assume = verified | set(report.would_upload) if dry_run else verified
+            prune, keep = _prune_candidates(plan, assume, keep_last)
+            report.kept = [u.name for u in keep]
+            for unit in prune:
+                if dry_run:
+                    report.would_prune.append(unit.name)
+                    say(f"would prune local {unit.name} once verified on the Hub")
+                    continue
+                _remove_checkpoint(unit.path)
+                report.pruned.append(unit.name)
+                say(f"pruned local {unit.name} (verified on {repo_id})")
+    return report
+
+
+def discover_lock_dir(root: Path) -> Path:
+    """The output directory whose lock guards ``root`` (the same for a run, its checkpoints and
+    its exports)."""
+    from ds_trhash.training.checkpoint import CHECKPOINTS
+
+    if root.is_dir() and _is_checkpoint(root):
+        return root.parent.parent if root.parent.name == CHECKPOINTS else root.parent
+    if root.is_dir() and _is_export(root):
+        return root.parent.parent if root.parent.name == "exports" else root.parent
+    return root
+
+
+def summary(report: SyncReport | Mapping[str, Any]) -> str:
+    doc = report.to_dict() if isinstance(report, SyncReport) else dict(report)
+    parts = [f"{key} {len(doc[key])}" for key in ("uploaded", "already_remote", "verified", "pruned", "kept",
+                                                 "skipped", "would_upload", "would_prune") if doc.get(key)]
+    return redact(f"sync {doc['repo_id']}{' (dry run)' if doc.get('dry_run') else ''}: "
+                  + (", ".join(parts) or "nothing to do"))

@@ -1,0 +1,318 @@
+"""The publishable run record (SPEC §10): ``run_record.json`` plus a short ``run_record.md``.
+
+Every field either comes from the run's own files (trainer_state.json of its checkpoints,
+metrics.csv, the export manifest, the tokenizer, the plan / SFT manifest) or is passed in
+explicitly. A field nobody can vouch for stays ``null`` and is named in ``unknown``: the
+record never guesses. ``provenance`` says where each known value came from.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+RECORD_FORMAT = "ds-trhash-run-record-v1"
+RECORD_FIELDS = (
+    "framework_commit", "stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision",
+    "tokenizer_hash", "model_mode", "optimizer_schedule", "world_size", "hardware", "precision",
+    "effective_batch", "kernel_path", "checkpoints", "selection_rule", "selected_checkpoint",
+    "export_safetensors_sha256", "known_limitations",
+)
+SELECTION_RULES = ("last", "min_eval_loss")
+
+
+class RecordError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    """``git rev-parse HEAD`` of the framework checkout; None outside git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def detect_hardware() -> str:
+    """The accelerator of this machine, else its CPU model."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return f"{torch.cuda.device_count()} x " + " / ".join(names)
+    except Exception:  # a broken CUDA install must not stop a report
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "CPU: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _number(text: str | None) -> float | int | None:
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() else value
+
+
+def _checkpoint_metrics(step: int, rows: list[dict[str, str]]) -> dict[str, Any]:
+    """The eval row at ``step`` and the last train row at or before it."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        if _number(row.get("step")) != step:
+            continue
+        for key in ("eval_loss", "eval_ppl", "eval_tokens"):
+            if row.get(key):
+                out[key] = _number(row[key])
+    train = [r for r in rows if r.get("train_loss") and (_number(r.get("step")) or 0) <= step]
+    if train:
+        last = train[-1]
+        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "epoch"):
+            if last.get(key):
+                out[key] = _number(last[key])
+        out["train_row_step"] = _number(last.get("step"))
+    return out
+
+
+def _source_hash(path: str | None) -> tuple[str | None, str | None]:
+    """A checkpoint is identified by the SHA-256 of its MANIFEST.json, an export by its weights."""
+    if not path:
+        return None, None
+    from ds_trhash.release.export import EXPORT_MANIFEST, sha256_file
+    from ds_trhash.training.checkpoint import MANIFEST
+
+    src = Path(path)
+    if (src / MANIFEST).is_file():
+        return sha256_file(src / MANIFEST), f"SHA-256 of {src / MANIFEST}"
+    export = _read_json(src / EXPORT_MANIFEST)
+    if export and "weights" in export:
+        return export["weights"]["sha256"], f"weights SHA-256 in {src / EXPORT_MANIFEST}"
+    return None, None
+
+
+def _dataset_revision(state: Mapping[str, Any]) -> tuple[Any, str | None]:
+    plan = state.get("plan_doc")
+    if isinstance(plan, Mapping) and plan.get("revision"):
+        return {"dataset": plan.get("dataset"), "revision": plan["revision"]}, "plan_doc in trainer_state.json"
+    sft_dir = (state.get("training_critical") or {}).get("data.sft_dir")
+    if sft_dir:
+        manifest = _read_json(Path(sft_dir) / "manifest.json")
+        if manifest:
+            revisions = sorted({str(s.get("revision")) for s in manifest.get("sources", []) if s.get("revision")})
+            if revisions:
+                return {"sft_set": sft_dir, "revisions": revisions}, f"{sft_dir}/manifest.json"
+    return None, None
+
+
+def _tokenizer_hash(state: Mapping[str, Any], export: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    if export and export.get("tokenizer"):
+        return export["tokenizer"], "export_manifest.json"
+    tok = state.get("tokenizer_dir")
+    if tok:
+        from ds_trhash.release.export import TOKENIZER, sha256_file
+
+        file = Path(tok) / TOKENIZER if Path(tok).is_dir() else Path(tok)
+        if file.is_file():
+            return sha256_file(file), f"SHA-256 of {file}"
+    return None, None
+
+
+def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
+    if rule == "last":
+        return checkpoints[-1]["name"] if checkpoints else None
+    scored = [c for c in checkpoints if isinstance(c["metrics"].get("eval_loss"), (int, float))]
+    return min(scored, key=lambda c: (c["metrics"]["eval_loss"], c["step"]))["name"] if scored else None
+
+
+# --------------------------------------------------------------------------- collection
+
+
+def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathLike | None = None,
+                       selection_rule: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(fields, provenance) read from a run output directory; absent facts are left out."""
+    from ds_trhash.release.export import EXPORT_MANIFEST
+    from ds_trhash.training.checkpoint import list_checkpoints, verify
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise RecordError(f"{run} is not a run output directory")
+    fields: dict[str, Any] = {}
+    prov: dict[str, str] = {}
+
+    def put(name: str, value: Any, source: str | None) -> None:
+        if value is not None:
+            fields[name], prov[name] = value, source or "run files"
+
+    rows = read_metrics(run / "metrics.csv")
+    checkpoints, states = [], []
+    for info in list_checkpoints(run):
+        state = _read_json(info.path / "trainer_state.json") or {}
+        complete = verify(info.path, deep=False)[0]
+        checkpoints.append({"name": info.name, "step": info.step, "complete": complete,
+                            "epoch": state.get("epoch"), "backends_used": state.get("backends_used"),
+                            "metrics": _checkpoint_metrics(info.step, rows)})
+        if complete:
+            states.append(state)
+    if checkpoints:
+        put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json and metrics.csv")
+    state = states[-1] if states else {}
+    where = "trainer_state.json of the newest complete checkpoint"
+    crit = state.get("training_critical") or {}
+
+    put("framework_commit", state.get("framework_commit"), where)
+    put("stage", state.get("stage"), where)
+    put("source_checkpoint", state.get("init_checkpoint"), where)
+    put("source_checkpoint_hash", *_source_hash(state.get("init_checkpoint")))
+    put("dataset_revision", *_dataset_revision(state))
+    if "lora" in state:
+        put("model_mode", "LoRA" if state["lora"] else "full", where)
+    schedule = {k: v for k, v in crit.items() if k.startswith(("optimizer.", "schedule."))}
+    if schedule:
+        schedule["total_steps"] = state.get("total_steps")
+        put("optimizer_schedule", schedule, where)
+    put("world_size", state.get("world_size"), where)
+    put("hardware", state.get("hardware"), where)
+    put("precision", crit.get("precision"), where)
+    micro, accum, world = crit.get("batch.micro_batch"), crit.get("batch.grad_accum"), state.get("world_size")
+    if None not in (micro, accum, world):
+        seqs = micro * accum * world
+        seq_len = crit.get("data.seq_len")
+        put("effective_batch", {"sequences": seqs, "micro_batch": micro, "grad_accum": accum, "world_size": world,
+                                "tokens": seqs * seq_len if seq_len else None}, where)
+    used = [c["backends_used"] for c in checkpoints if c["complete"] and c["backends_used"]]
+    if used:
+        distinct = [dict(b) for b in {json.dumps(b, sort_keys=True): b for b in used}.values()]
+        put("kernel_path", distinct[0] if len(distinct) == 1 else distinct,
+            "backends_used recorded at run time in trainer_state.json (not the configured policy)")
+
+    export = None
+    if export_dir is not None:
+        export = _read_json(Path(export_dir) / EXPORT_MANIFEST)
+        if export is None:
+            raise RecordError(f"{export_dir} has no readable {EXPORT_MANIFEST}; is it a complete export?")
+        put("export_safetensors_sha256", export["weights"]["sha256"], f"{export_dir}/{EXPORT_MANIFEST}")
+    put("tokenizer_hash", *_tokenizer_hash(state, export))
+    if selection_rule is not None:
+        if selection_rule not in SELECTION_RULES:
+            raise RecordError(f"selection rule {selection_rule!r} is not computable here; allowed: "
+                              f"{list(SELECTION_RULES)} (or pass selected_checkpoint with your own rule text)")
+        put("selection_rule", selection_rule, "given")
+        put("selected_checkpoint", _select([c for c in checkpoints if c["complete"]], selection_rule),
+            f"computed by rule {selection_rule!r} over the complete checkpoints")
+    return fields, prov
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None,
+                     **fields: Any) -> dict[str, Any]:
+    """The record document; explicit ``fields`` override what is read from ``run_dir``."""
+    unknown_names = sorted(set(fields) - set(RECORD_FIELDS))
+    if unknown_names:
+        raise RecordError(f"unknown run record fields {unknown_names}; allowed: {list(RECORD_FIELDS)}")
+    collected, prov = ({}, {})
+    if run_dir is not None:
+        collected, prov = collect_run_fields(run_dir, export_dir=export_dir,
+                                             selection_rule=fields.get("selection_rule")
+                                             if fields.get("selection_rule") in SELECTION_RULES else None)
+    for name, value in fields.items():
+        if value is not None:
+            collected[name], prov[name] = value, "given"
+    limitations = list(collected.get("known_limitations") or [])
+    if "framework_commit" not in collected:
+        commit = git_commit()
+        if commit:
+            collected["framework_commit"] = commit
+            prov["framework_commit"] = "git rev-parse HEAD where the record was written (the run recorded none)"
+            limitations.append("framework commit is the checkout that wrote this record; the run did not record one")
+    if "hardware" not in collected:
+        collected["hardware"] = detect_hardware()
+        prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
+        limitations.append("hardware was detected where this record was written, not recorded by the run")
+    if "selection_rule" in collected and "selected_checkpoint" not in collected:
+        limitations.append("no checkpoint satisfies the selection rule (no eval metrics?)")
+    collected["known_limitations"] = limitations
+    prov.setdefault("known_limitations", "given and derived while writing the record")
+    doc: dict[str, Any] = {"format": RECORD_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for name in RECORD_FIELDS:
+        doc[name] = collected.get(name)
+    doc["unknown"] = [name for name in RECORD_FIELDS if doc[name] is None]
+    doc["provenance"] = {name: prov[name] for name in RECORD_FIELDS if doc[name] is not None and name in prov}
+    return doc
+
+
+def render_markdown(doc: Mapping[str, Any]) -> str:
+    def show(value: Any) -> str:
+        if value is None:
+            return "**unknown**"
+        if isinstance(value, (dict, list)):
+            return "`" + json.dumps(value, sort_keys=True) + "`"
+        return f"`{value}`"
+
+    lines = ["# Run record", ""]
+    for name in RECORD_FIELDS:
+        if name in ("checkpoints", "known_limitations"):
+            continue
+        lines.append(f"- **{name.replace('_', ' ')}**: {show(doc.get(name))}")
+    lines += ["", "## Checkpoints", ""]
+    ckpts = doc.get("checkpoints")
+    if not ckpts:
+        lines.append("**unknown** (no checkpoints found)")
+    else:
+        lines += ["| checkpoint | step | complete | train loss | eval loss | eval ppl |", "|---|---|---|---|---|---|"]
+        for c in ckpts:
+            m = c.get("metrics", {})
+            cell = [str(m.get(k, "")) for k in ("train_loss", "eval_loss", "eval_ppl")]
+            mark = " (selected)" if c["name"] == doc.get("selected_checkpoint") else ""
+            lines.append(f"| {c['name']}{mark} | {c['step']} | {c['complete']} | " + " | ".join(cell) + " |")
+    lines += ["", "## Known limitations", ""]
+    lines += [f"- {item}" for item in doc.get("known_limitations") or []] or ["- none recorded"]
+    lines += ["", "## Unknown", ""]
+    lines += [f"- {name}" for name in doc.get("unknown") or []] or ["- nothing: every field is known"]
+    return "\n".join(lines) + "\n"
+
+
+def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
+                     export_dir: str | os.PathLike | None = None, **fields: Any) -> dict[str, Any]:
+    """Write ``path`` (JSON) and ``run_record.md`` beside it; return the record."""
+    doc = build_run_record(run_dir=run_dir, export_dir=export_dir, **fields)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    (out.parent / "run_record.md").write_text(render_markdown(doc), encoding="utf-8")
+    return doc

@@ -1,0 +1,112 @@
+"""Run record: every SPEC §10 field, read from the run's files; missing facts listed as unknown."""
+import json
+
+import pytest
+
+from ds_trhash.release.commands import main as cli
+from ds_trhash.release.export import sha256_file
+from ds_trhash.release.record import RECORD_FIELDS, RecordError, build_run_record, write_run_record
+from ds_trhash.training.checkpoint import save_checkpoint
+from ds_trhash.training.metrics import MetricsWriter
+from ds_trhash.training.rng import save_rng_state
+
+CRITICAL = {"optimizer.lr": 2e-5, "optimizer.betas": [0.9, 0.95], "optimizer.weight_decay": 0.1,
+            "schedule.kind": "cosine", "schedule.warmup_fraction": 0.03, "schedule.floor": 0.1,
+            "precision": "bf16", "batch.micro_batch": 4, "batch.grad_accum": 2, "data.seq_len": 128}
+
+
+def _save(out, step, **extra):
+    def engine(tmp):
+        (tmp / "state").mkdir()
+        (tmp / "state" / "mp_rank_00_model_states.pt").write_bytes(b"w%d" % step)
+        save_rng_state(tmp, 1, {})  # the second rank's file of a world-size-2 run
+
+    doc = dict(stage="supervised-finetuning", step=step, epoch=step // 10, data_cursor=0, world_size=2,
+               training_critical=CRITICAL, plan_fingerprint=None, plan_sha256=None,
+               backends_used={"experts": "triton", "loss": "chunked", "norm": "pytorch"}, lora=False,
+               family="language", framework_commit="abc123", total_steps=30, **extra)
+    return save_checkpoint(out, step, write_engine_state=engine, trainer_state=doc, rank=0, world_size=2,
+                           rng_state={})
+
+
+def _full_run(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": "bpe"}')
+    source = _save(tmp_path / "refine", 5)
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "manifest.json").write_text(json.dumps({"sources": [{"name": "chat", "revision": "rev-7"}]}))
+    run = tmp_path / "run"
+    critical_extra = {"init_checkpoint": str(source), "tokenizer_dir": str(tok)}
+    CRITICAL["data.sft_dir"] = str(sft)
+    with MetricsWriter(run / "metrics.csv", rank=0) as writer:
+        for step, train, ev in ((0, None, 1.7), (5, 1.2, None), (10, 1.0, 0.99), (20, 0.9, 0.96), (30, 0.85, 0.97)):
+            writer.write(step=step, train_loss=train, eval_loss=ev)
+    for step in (10, 20, 30):
+        _save(run, step, **critical_extra)
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "export_manifest.json").write_text(json.dumps({"weights": {"sha256": "e" * 64}, "tokenizer": None}))
+    CRITICAL.pop("data.sft_dir")
+    return run, source, tok, export
+
+
+def test_full_record_has_every_field(tmp_path):
+    run, source, tok, export = _full_run(tmp_path)
+    out = tmp_path / "rec" / "run_record.json"
+    doc = write_run_record(out, run_dir=run, export_dir=export, selection_rule="min_eval_loss",
+                           known_limitations=["PIQA not run"])
+    assert json.loads(out.read_text()) == doc
+    assert doc["unknown"] == []
+    assert doc["framework_commit"] == "abc123"
+    assert doc["source_checkpoint"] == str(source)
+    assert doc["source_checkpoint_hash"] == sha256_file(source / "MANIFEST.json")
+    assert doc["dataset_revision"]["revisions"] == ["rev-7"]
+    assert doc["tokenizer_hash"] == sha256_file(tok / "tokenizer.json")
+    assert doc["model_mode"] == "full" and doc["world_size"] == 2 and doc["precision"] == "bf16"
+    assert doc["optimizer_schedule"]["optimizer.lr"] == 2e-5 and doc["optimizer_schedule"]["total_steps"] == 30
+    assert doc["effective_batch"] == {"sequences": 16, "micro_batch": 4, "grad_accum": 2, "world_size": 2,
+                                      "tokens": 2048}
+    assert doc["kernel_path"] == {"experts": "triton", "loss": "chunked", "norm": "pytorch"}
+    assert [c["name"] for c in doc["checkpoints"]] == ["step_00000010", "step_00000020", "step_00000030"]
+    assert doc["checkpoints"][1]["metrics"]["eval_loss"] == pytest.approx(0.96)
+    assert doc["checkpoints"][2]["metrics"]["train_loss"] == pytest.approx(0.85)
+    assert (doc["selection_rule"], doc["selected_checkpoint"]) == ("min_eval_loss", "step_00000020")
+    assert doc["export_safetensors_sha256"] == "e" * 64
+    assert doc["hardware"]  # the run recorded none: detected, and said so
+    assert "PIQA not run" in doc["known_limitations"]
+    assert any("hardware was detected" in item for item in doc["known_limitations"])
+    assert set(RECORD_FIELDS) <= set(doc)
+    md = (out.parent / "run_record.md").read_text()
+    assert "step_00000020 (selected)" in md and "PIQA not run" in md
+
+
+def test_missing_inputs_are_listed_as_unknown_never_invented(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    doc = write_run_record(tmp_path / "run_record.json", run_dir=run)
+    for name in ("stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision", "tokenizer_hash",
+                 "model_mode", "optimizer_schedule", "world_size", "precision", "effective_batch", "kernel_path",
+                 "checkpoints", "selection_rule", "selected_checkpoint", "export_safetensors_sha256"):
+        assert doc[name] is None and name in doc["unknown"], name
+    md = (tmp_path / "run_record.md").read_text()
+    assert "**dataset revision**: **unknown**" in md and "- export_safetensors_sha256" in md
+    doc = build_run_record(selection_rule="lowest held-out loss, ties to the later step",
+                           selected_checkpoint="step_00000020", world_size=8)
+    assert doc["selection_rule"].startswith("lowest") and doc["world_size"] == 8
+    assert doc["provenance"]["world_size"] == "given"
+    with pytest.raises(RecordError, match="unknown run record fields"):
+        build_run_record(world_sise=8)
+
+
+def test_cli_report(tmp_path, capsys):
+    run, _, _, export = _full_run(tmp_path)
+    out = tmp_path / "record.json"
+    assert cli(["report", "--run", str(run), "--out", str(out), "--export", str(export),
+                "--selection-rule", "last", "--limitation", "no PIQA"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["selected_checkpoint"] == "step_00000030" and "no PIQA" in doc["known_limitations"]
+    assert (tmp_path / "run_record.md").is_file()
+    assert cli(["report", "--run", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "not a run output directory" in capsys.readouterr().err
