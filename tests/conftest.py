@@ -6,10 +6,13 @@ import shutil
 # when triton is first imported, so it is set here, before any test module imports it.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault(
-    "TORCH_EXTENSIONS_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "torch_extensions"),
-)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_REPO, ".venv", "torch_extensions"))
+# DeepSpeed JIT-builds a small CPU op with ninja; the build is reused only when the same ninja
+# (the one in .venv) runs it every time, so the venv's bin comes first on PATH.
+_VENV_BIN = os.path.dirname(os.path.abspath(__import__("sys").executable))
+if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,109 @@
+"""The proof of exact resume: a run SIGKILLed at a random step (or in the middle of writing a
+checkpoint) and resumed with --resume auto ends bit-identical to an uninterrupted run."""
+
+import json
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.training import launch_utils as L
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume")
+
+
+def _args(out, micro=8):
+    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
+            "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
+            "--set", "training.log_every=1", "--set", f"batch.micro_batch={micro}", "--set", "zero.stage=1"]
+
+
+def _launch(nproc, args, **env):
+    return L.single(args, **env) if nproc == 1 else L.deepspeed(nproc, args, **env)
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    """Uninterrupted runs, one per world size, computed once."""
+    cache = {}
+
+    def get(nproc):
+        if nproc not in cache:
+            out = root / f"ref{nproc}"
+            proc = _launch(nproc, _args(out, micro=8 // nproc))
+            assert proc.returncode == 0, L.explain(proc)
+            cache[nproc] = L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}")
+        return cache[nproc]
+
+    return get
+
+
+def _resume_and_compare(nproc, out, ref_weights):
+    proc = _launch(nproc, _args(out, micro=8 // nproc) + ["--resume", "auto"])
+    assert proc.returncode == 0, L.explain(proc)
+    L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), ref_weights)
+    return proc
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(root, reference, nproc):
+    kill_at = random.Random().randrange(4, STEPS)  # a step that is not the last
+    out = root / f"kill{nproc}-{kill_at}"
+    proc = _launch(nproc, _args(out, micro=8 // nproc), DS_TRHASH_FAULT=f"kill_after_step:{kill_at}")
+    assert proc.returncode != 0, f"the run was not killed at step {kill_at}: " + L.explain(proc)
+    last_saved = (kill_at - 1) // 3 * 3  # killed after step kill_at, before its own checkpoint
+    assert max(L.checkpoint_steps(out)) == last_saved
+    resumed = _resume_and_compare(nproc, out, reference(nproc))
+    assert f"resuming at step {last_saved}" in resumed.stdout, f"kill_at={kill_at}\n" + L.explain(resumed)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(root, reference, nproc):
+    out = root / f"killsave{nproc}"
+    proc = _launch(nproc, _args(out, micro=8 // nproc), DS_TRHASH_FAULT="kill_during_save:6")
+    assert proc.returncode != 0, L.explain(proc)
+    ckroot = out / "checkpoints"
+    assert (ckroot / "step_00000006.tmp").is_dir()  # DeepSpeed's files were written ...
+    assert not (ckroot / "step_00000006").exists()  # ... but the checkpoint never became visible
+    assert L.checkpoint_steps(out) == [3]
+    resumed = _resume_and_compare(nproc, out, reference(nproc))
+    assert "resuming at step 3" in resumed.stdout, L.explain(resumed)
+
+
+def test_auto_resume_skips_a_truncated_newest_checkpoint(root, reference):
+    out = root / "truncated"
+    proc = _launch(1, _args(out), DS_TRHASH_FAULT="kill_after_step:8")
+    assert proc.returncode != 0
+    victim = out / "checkpoints" / "step_00000006" / "state" / "mp_rank_00_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    resumed = _resume_and_compare(1, out, reference(1))
+    assert "step_00000006" in resumed.stdout + resumed.stderr  # it says why it fell back
+    assert "resuming at step 3" in resumed.stdout, L.explain(resumed)
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_cleanly(root):
+    out = root / "sigterm"
+    args = _args(out) + ["--max-steps", "150", "--set", "checkpoint.every_steps=1000"]
+    env = L.base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(L.free_port()))
+    proc = subprocess.Popen([L.sys.executable, str(L.REPO / "launch" / "train.py"), *args], cwd=L.REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    metrics = out / "metrics.csv"
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    steps = L.checkpoint_steps(out)
+    assert len(steps) == 1 and 3 <= steps[0] < 150
+    state = json.loads((out / "checkpoints" / f"step_{steps[0]:08d}" / "trainer_state.json").read_text())
+    assert state["reason"] == "stop signal" and state["step"] == steps[0]
