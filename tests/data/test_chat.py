@@ -1,6 +1,6 @@
 """The complexity-chat-v2 template and final-assistant-only labels (SPEC §5)."""
 import pytest
-from sft_fixtures import tokenizer, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: F401  (fixtures)
 
 from ds_trhash.data.chat import (
     EOS_ID,

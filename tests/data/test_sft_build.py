@@ -3,7 +3,7 @@ import json
 
 import numpy as np
 import pytest
-from sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, tokenize_example
 from ds_trhash.data.shards import sha256_file

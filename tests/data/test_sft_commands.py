@@ -2,7 +2,7 @@
 import argparse
 import json
 
-from sft_fixtures import VOCAB_SIZE, conversation, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer_dir, write_jsonl  # noqa: F401
 
 from ds_trhash.data.sft_commands import register
 

@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, PAD_ID, tokenize_example
 from ds_trhash.data.shards import sha256_file
