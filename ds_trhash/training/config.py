@@ -214,6 +214,8 @@ class CheckpointSection:
 class EvalSection:
     heldout: bool = True
     piqa: str | None = None
+    # Which epoch checkpoint becomes best/: lowest held-out loss, or simply the last epoch.
+    select: Literal["min_eval_loss", "last"] = "min_eval_loss"
 
 
 @dataclass(frozen=True)

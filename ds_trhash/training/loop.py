@@ -62,11 +62,33 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int) -> dict:
+class LabelError(ValueError):
+    """Labels that no loss can use: training on them would be silently wrong."""
+
+
+def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int, int, int]:
+    """(valid, ignored, out_of_range) label counts: the sanity columns of metrics.csv."""
+    valid = ignored = bad = 0
+    for mb in micro_batches:
+        labels = mb["labels"]
+        is_ignored = labels == IGNORE
+        in_range = (labels >= 0) & (labels < vocab_size) if vocab_size else labels >= 0
+        ignored += int(is_ignored.sum())
+        valid += int(in_range.sum())
+        bad += int((~is_ignored & ~in_range).sum())
+    return valid, ignored, bad
+
+
+def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
+               vocab_size: int | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics."""
-    n_local = sum(int((mb["labels"] != IGNORE).sum()) for mb in micro_batches)
+    valid, ignored, bad = label_counts(micro_batches, vocab_size)
     t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
-    n_step, t_step = _all_reduce_sum([n_local, t_local], device)
+    n_step, t_step, ignored_step, bad_step = _all_reduce_sum([valid, t_local, ignored, bad], device)
+    if bad_step:
+        raise LabelError(
+            f"{int(bad_step)} label(s) in this step are neither -100 nor a token id below the vocabulary "
+            f"size {vocab_size}; the data does not belong to this model (check the tokenizer and vocabulary)")
     scale = world_size / max(n_step, 1.0)
     loss_sum_local = 0.0
     for mb in micro_batches:
@@ -79,7 +101,8 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
         loss_sum_local += float(loss_sum.detach())
     (loss_total,) = _all_reduce_sum([loss_sum_local], device)
     loss = loss_total / max(n_step, 1.0)
-    return {"loss": loss, "supervised_tokens": int(n_step), "tokens": int(t_step)}
+    return {"loss": loss, "supervised_tokens": int(n_step), "tokens": int(t_step),
+            "label_valid": int(n_step), "label_ignored": int(ignored_step), "label_out_of_range": int(bad_step)}
 
 
 def run(
@@ -91,6 +114,7 @@ def run(
     world_size: int,
     lr_of: Callable[[], float],
     stop_flag: Callable[[], bool] = lambda: False,
+    vocab_size: int | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
     for cb in callbacks:
@@ -100,7 +124,7 @@ def run(
         epoch = batches.epoch_of(state.step)
         t0 = time.perf_counter()
         lr = lr_of()
-        stats = train_step(engine, batches.micro_batches(state.step), device, world_size)
+        stats = train_step(engine, batches.micro_batches(state.step), device, world_size, vocab_size)
         dt = time.perf_counter() - t0
         state.step += 1
         state.tokens_seen += stats["tokens"]
@@ -114,6 +138,9 @@ def run(
             "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
             "tokens_seen": state.tokens_seen,
             "supervised_tokens": stats["supervised_tokens"],
+            "label_valid": stats["label_valid"],
+            "label_ignored": stats["label_ignored"],
+            "label_out_of_range": stats["label_out_of_range"],
         }
         state.last = metrics
         if stop_flag():

@@ -31,7 +31,8 @@ from ds_trhash.training.stages import SourceRecord, check_launch
 
 log = logging.getLogger("ds_trhash.trainer")
 
-USER_ERRORS: tuple[type[BaseException], ...] = (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (PlanError, SFTDataError, BackendError, RouteTableError,
+                                                 FileNotFoundError, loop.LabelError)
 
 
 def _barrier() -> None:
@@ -187,6 +188,22 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 # ----------------------------------------------------------------------------- model
 
 
+def _merged_if_lora(state_dict: dict, init_dir: str) -> dict:
+    """A LoRA source (SFT → SFT) starts the next stage from its merged weights: the adapters are
+    folded into the base tensors with the source run's own alpha, never dropped."""
+    from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
+
+    if not has_lora_state(state_dict):
+        return state_dict
+    critical = ckpt.read_source_metadata(init_dir).get("training_critical", {})
+    if "lora.alpha" not in critical:
+        raise ckpt.CheckpointError(
+            f"{init_dir} holds LoRA adapters but records no lora.alpha, so they cannot be merged; "
+            "export it merged first (ds-trhash export) and initialise from the export")
+    log.info("merging the LoRA adapters of %s (alpha %s) into the initial weights", init_dir, critical["lora.alpha"])
+    return merge_lora_state_dict(state_dict, alpha=critical["lora.alpha"])
+
+
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     from ds_trhash.model import TRHashForCausalLM
     from ds_trhash.model import backend
@@ -195,6 +212,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     model = TRHashForCausalLM(model_cfg)
     if init_dir is not None:
         state_dict, _ = ckpt.load_weights_only(init_dir)
+        state_dict = _merged_if_lora(state_dict, init_dir)
         differences = model.load_checkpoint_state(state_dict)
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)
@@ -263,7 +281,9 @@ class MetricsCallback(loop.Callback):
             self.writer.write(
                 step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
                 tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
-                supervised_tokens=metrics["supervised_tokens"], experts_backend=b.get("experts"),
+                supervised_tokens=metrics["supervised_tokens"], label_valid=metrics["label_valid"],
+                label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
+                experts_backend=b.get("experts"),
                 loss_backend=b.get("loss"), norm_backend=b.get("norm"),
             )
 
@@ -302,8 +322,12 @@ class CheckpointCallback(loop.Callback):
     ends, on a stop signal and at the end; rotates old ones."""
 
     def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
-                 protect_steps: set[int], progress, faults: FaultInjection):
+                 protect_steps: set[int], progress, faults: FaultInjection, eval_results: dict | None = None,
+                 is_epoch_end=lambda step: False):
         self.engine, self.cfg, self.output_dir, self.faults = engine, cfg, output_dir, faults
+        self.eval_results = eval_results if eval_results is not None else {}
+        self.last_path: Path | None = None
+        self.is_epoch_end = is_epoch_end  # those steps are saved by on_epoch_end, with their eval
         self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
         self.protect = set(protect_steps)
         self.progress = progress
@@ -324,13 +348,15 @@ class CheckpointCallback(loop.Callback):
             trainer_state=self.trainer_state_fn(state, reason, extra or {}),
             rank=self.rank, world_size=self.world, barrier=_barrier,
         )
-        self.last_saved = state.step
+        self.last_saved, self.last_path = state.step, path
         if self.rank == 0 and self.cfg.checkpoint.keep_last:
             ckpt.rotate(self.output_dir, self.cfg.checkpoint.keep_last, protect=self.protect)
         self.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
 
     def on_step_end(self, state, metrics):
         every = self.cfg.checkpoint.every_steps
+        if self.is_epoch_end(state.step):
+            return
         if state.stop_requested:
             self.save(state, "stop signal")
         elif state.step in self.protect:
@@ -340,11 +366,44 @@ class CheckpointCallback(loop.Callback):
 
     def on_epoch_end(self, state):
         self.protect.add(state.step)
-        self.save(state, f"end of epoch {state.epoch}")
+        self.save(state, f"end of epoch {state.epoch}", {"eval": self.eval_results.get(state.step)})
 
     def on_end(self, state):
         if state.step == state.total_steps:
             self.save(state, "final")
+
+
+class SelectionCallback(loop.Callback):
+    """After each epoch checkpoint: ``best/`` and ``selection.json`` under the configured rule."""
+
+    def __init__(self, output_dir: Path, rule: str, ckpt_cb: CheckpointCallback, eval_results: dict,
+                 rank: int, progress):
+        self.output_dir, self.rule, self.ckpt_cb = output_dir, rule, ckpt_cb
+        self.eval_results, self.rank, self.progress = eval_results, rank, progress
+        self.candidates: list = []
+
+    def on_start(self, state):
+        """A resumed run keeps the candidates of the epochs it already finished."""
+        from ds_trhash.training.selection import Candidate
+
+        path = self.output_dir / "selection.json"
+        if state.step > 0 and path.is_file():
+            done = json.loads(path.read_text())["candidates"]
+            self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
+
+    def on_epoch_end(self, state):
+        from ds_trhash.training.selection import Candidate, publish
+
+        if self.rank != 0 or self.ckpt_cb.last_path is None:
+            return
+        ev = self.eval_results.get(state.step) or {}
+        self.candidates.append(Candidate(
+            epoch=state.epoch + 1, step=state.step, checkpoint=str(self.ckpt_cb.last_path),
+            eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
+            train_loss=state.last.get("loss")))
+        winner = publish(self.output_dir, self.candidates, self.rule)
+        self.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")
+
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -438,16 +497,24 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         }
 
     faults = FaultInjection(os.environ.get("DS_TRHASH_FAULT"))
-    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress, faults)
     callbacks: list[loop.Callback] = [FaultCallback(faults)]
+    eval_results: dict = {}
     if data.eval_batches is not None:
-        callbacks.append(EvalCallback(engine.engine, data.eval_batches, device, writer, progress))
+        eval_cb = EvalCallback(engine.engine, data.eval_batches, device, writer, progress)
+        eval_results = eval_cb.results
+        callbacks.append(eval_cb)
+    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress,
+                                 faults, eval_results,
+                                 is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1))
     callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
                   ProgressCallback(progress, model, cfg.training.log_every), ckpt_cb]
+    if cfg.data.kind == "sft":
+        callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress))
 
     with ckpt.GracefulStop() as stop:
         state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
-                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop)
+                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop,
+                         vocab_size=model_cfg.vocab_size)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
     return state

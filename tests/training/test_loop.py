@@ -116,3 +116,13 @@ def test_stop_request_ends_after_the_current_step():
     state = loop.TrainState(step=0, total_steps=10)
     loop.run(FakeEngine(TokenModel()), ListBatches(10, 100), state, [rec], torch.device("cpu"), 1, lr_of=lambda: 0.1)
     assert state.step == 2 and state.stop_requested
+
+
+def test_label_sanity_counts_and_out_of_range_labels_fail_closed():
+    mbs = [micro([1, 2, 0, 1], [-100, 5, 2, 1])]
+    assert loop.label_counts(mbs, vocab_size=6) == (3, 1, 0)
+    assert loop.label_counts(mbs, vocab_size=5) == (2, 1, 1)
+    stats = loop.train_step(FakeEngine(TokenModel()), mbs, torch.device("cpu"), 1, vocab_size=6)
+    assert (stats["label_valid"], stats["label_ignored"], stats["label_out_of_range"]) == (3, 1, 0)
+    with pytest.raises(loop.LabelError, match="1 label"):
+        loop.train_step(FakeEngine(TokenModel()), mbs, torch.device("cpu"), 1, vocab_size=5)

@@ -1,0 +1,81 @@
+"""The tiny three-stage pipeline through real launches: pretraining → refinement → SFT, with
+held-out evaluation, best/ selection, LoRA mode and the stage/mode refusals."""
+
+import json
+
+import pytest
+import torch
+
+from tests.training import launch_utils as L
+
+pytestmark = pytest.mark.slow
+
+
+def _ok(proc):
+    assert proc.returncode == 0, L.explain(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    pre, ref = root / "pre", root / "ref"
+    _ok(L.single(["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(pre), "--max-steps", "30"]))
+    pre_ckpt = pre / "checkpoints" / f"step_{30:08d}"
+    _ok(L.single(["--config", "ds_configs/tiny/refine.yaml", "--output-dir", str(ref), "--max-steps", "10",
+                  "--init-checkpoint", str(pre_ckpt)]))
+    return {"root": root, "pre": pre_ckpt, "ref": ref / "checkpoints" / f"step_{10:08d}"}
+
+
+def test_sft_heldout_loss_falls_and_best_is_selected(stages):
+    out = stages["root"] / "sft"
+    _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
+                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement"]))
+    rows = [r for r in L.metrics(out) if r["eval_loss"]]
+    assert len(rows) == 3  # step 0 (the source checkpoint) and the end of each of the 2 epochs
+    evals = [float(r["eval_loss"]) for r in rows]
+    assert evals[-1] < evals[0] - 0.1, evals
+    assert all(int(r["eval_tokens"]) == int(rows[0]["eval_tokens"]) > 0 for r in rows)
+    train_rows = [r for r in L.metrics(out) if r["train_loss"]]
+    assert all(int(r["label_out_of_range"]) == 0 and int(r["label_valid"]) > 0 for r in train_rows)
+
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["rule"] == "min_eval_loss"
+    assert [c["epoch"] for c in selection["candidates"]] == [1, 2]
+    best = min(selection["candidates"], key=lambda c: c["eval_loss"])
+    assert selection["selected"]["step"] == best["step"]
+    L.assert_identical(L.model_weights(out / "best"), L.model_weights(out / "checkpoints" / f"step_{best['step']:08d}"))
+
+
+def test_pretraining_straight_to_sft_is_refused_before_the_model(stages):
+    out = stages["root"] / "sft-from-pre"
+    proc = L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
+                     "--init-checkpoint", str(stages["pre"]), "--source-stage", "refinement"])
+    assert proc.returncode == 2
+    assert "pretraining" in proc.stderr and "refinement" in proc.stderr
+    assert not (out / "checkpoints").exists()
+
+
+def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(stages):
+    out = stages["root"] / "sft-lora"
+    _ok(L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
+                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+                  "--set", "checkpoint.every_steps=2"]))
+    after = L.model_weights(out / "checkpoints" / f"step_{4:08d}")
+    before = L.model_weights(stages["ref"])
+    adapters = [k for k in after if k.endswith(("lora_A", "lora_B"))]
+    assert adapters and all(k not in before for k in adapters)
+    assert any(not torch.equal(after[k], torch.zeros_like(after[k])) for k in adapters if k.endswith("lora_B"))
+    L.assert_identical({k: after[k] for k in before}, before)  # every base tensor frozen
+
+    # resume the LoRA run as a full-parameter run: refused, naming both modes
+    proc = L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
+                     "--resume", "auto", "--full-parameter", "--set", "checkpoint.every_steps=2"])
+    assert proc.returncode == 2, L.explain(proc)
+    assert "LoRA" in proc.stderr and "full-parameter" in proc.stderr
+
+    # SFT → SFT from the LoRA checkpoint: the adapters are merged into the new run's start
+    out2 = stages["root"] / "sft-after-lora"
+    _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out2), "--max-steps", "1",
+                  "--init-checkpoint", str(out / "checkpoints" / f"step_{4:08d}"),
+                  "--source-stage", "supervised-finetuning"]))
