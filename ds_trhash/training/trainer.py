@@ -31,8 +31,26 @@ from ds_trhash.training.stages import SourceRecord, check_launch
 
 log = logging.getLogger("ds_trhash.trainer")
 
-USER_ERRORS: tuple[type[BaseException], ...] = (PlanError, SFTDataError, BackendError, RouteTableError,
-                                                 FileNotFoundError, loop.LabelError)
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints
+    them as one line and exits 2 instead of a traceback."""
+    from ds_trhash.data.budget import BudgetError
+    from ds_trhash.data.cache import CacheError
+    from ds_trhash.data.embedded import EmbeddedError
+    from ds_trhash.data.reader import ReaderError
+    from ds_trhash.data.shards import ShardError
+    from ds_trhash.data.sft_build import SFTBuildError
+    from ds_trhash.data.tokenizer import TokenizerError
+    from ds_trhash.model.lora import LoRAError
+    from ds_trhash.training.metrics import MetricsError
+    from ds_trhash.training.rng import RNGStateError
+
+    return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
+            BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
+            LoRAError, MetricsError, RNGStateError)
+
+
+USER_ERRORS = _user_errors()
 
 
 def _barrier() -> None:
@@ -101,13 +119,13 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
     env_target = os.environ.get("TARGET_TOKENS")
     check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
-    cache = None
-    if cfg.data.cache_dir is not None or os.environ.get("TOKENIZED_CACHE_GB"):
-        from ds_trhash.data.reader import source_manifests
+    from ds_trhash.data.reader import source_manifests
 
-        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-        cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ),
-                           source_manifests(shards_dir, plan))
+    # Every shard is read through the bounded cache, which verifies its SHA-256 against the
+    # manifest before a single row is trained on (one cache folder per rank).
+    cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
+    cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ),
+                       source_manifests(shards_dir, plan))
     reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
     batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
     return StageData(batches=batches, total_steps=_max_steps(cfg, steps), plan=plan,
@@ -260,12 +278,21 @@ class FaultCallback(loop.Callback):
 
 
 class ProgressCallback(loop.Callback):
-    def __init__(self, progress, model, every: int):
-        self.progress, self.model, self.every = progress, model, every
+    def __init__(self, progress, model, every: int, batches=None):
+        self.progress, self.model, self.every, self.batches = progress, model, every, batches
 
     def on_step_end(self, state, metrics):
         self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
-                             backends=self.model.backends_used())
+                             backends=self.model.backends_used(), extra=self.extra())
+
+    def extra(self) -> dict | None:
+        """The shard cache's state, when the stage streams shards through one."""
+        cache = getattr(getattr(self.batches, "reader", None), "cache", None)
+        if cache is None:
+            return None
+        st = cache.stats()
+        return {"cache": f"{st['bytes'] / 2**20:.1f}/{st['max_bytes'] / 2**20:.0f} MiB {st['files']} shards "
+                         f"hit {st.get('hits', 0)} miss {st.get('misses', 0)} evict {st.get('evictions', 0)}"}
 
     def on_end(self, state):
         self.progress.close()
@@ -468,9 +495,10 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
     from ds_trhash.data.budget import pack_boundaries
 
-    protect = set()
+    pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
     if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
-        protect = set(pack_boundaries(data.total_steps, cfg.checkpoint.packs))
+        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
+    protect = set(pack_of)
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {
@@ -492,6 +520,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             "backends_used": model.backends_used(),
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
+            "pack_index": pack_of.get(st.step),
+            "packs": len(pack_of) or None,
             "reason": reason,
             **extra,
         }
@@ -507,7 +537,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
                                  faults, eval_results,
                                  is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1))
     callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
-                  ProgressCallback(progress, model, cfg.training.log_every), ckpt_cb]
+                  ProgressCallback(progress, model, cfg.training.log_every, data.batches), ckpt_cb]
     if cfg.data.kind == "sft":
         callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress))
 
@@ -515,6 +545,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
                          lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop,
                          vocab_size=model_cfg.vocab_size)
+    cache = getattr(getattr(data.batches, "reader", None), "cache", None)
+    if cache is not None:
+        cache.close()
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
     return state

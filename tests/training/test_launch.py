@@ -71,3 +71,26 @@ def test_bad_config_is_refused_before_training(root):
     assert proc.returncode == 2
     assert "zero.stage" in proc.stderr and "ZeRO-3" in proc.stderr
     assert not (out / "checkpoints").exists()
+
+
+def test_target_tokens_and_repetition_are_refused_before_the_model(root):
+    out = root / "target"
+    proc = L.single(["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out)], TARGET_TOKENS="12345")
+    assert proc.returncode == 2, L.explain(proc)
+    assert "TARGET_TOKENS" in proc.stderr and "12345" in proc.stderr
+    proc = L.single(["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "100000"])
+    assert proc.returncode == 2, L.explain(proc)
+    assert "automatic dataset repetition is forbidden" in proc.stderr
+    assert not (out / "checkpoints").exists() and not (out / "metrics.csv").exists()
+
+
+def test_token_pack_boundaries_are_tagged_checkpoints(root):
+    import json
+
+    out = root / "packs"
+    proc = L.single(_args(out, 10, "checkpoint.packs=4", "checkpoint.every_steps=null", "checkpoint.keep_last=null"))
+    assert proc.returncode == 0, L.explain(proc)
+    assert L.checkpoint_steps(out) == [3, 5, 8, 10]  # ceil(i * 10 / 4)
+    tags = [json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())["pack_index"]
+            for s in (3, 5, 8, 10)]
+    assert tags == [1, 2, 3, 4]
