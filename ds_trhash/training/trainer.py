@@ -27,7 +27,7 @@ from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 from ds_trhash.training.engine import build_engine, check_runnable
-from ds_trhash.training.stages import SourceRecord, check_launch
+from ds_trhash.training.stages import SourceRecord, StageError, check_launch
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -78,6 +78,7 @@ class StageData:
     plan: object | None = None  # ReplayPlan (pretraining, refinement)
     eval_batches: object | None = None  # SFTBatches over the eval partition
     tokenizer_dir: str | None = None
+    tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
     describe: str = ""
 
 
@@ -130,6 +131,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
     batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
     return StageData(batches=batches, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"),
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
 
 
@@ -170,31 +172,44 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
         eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
     total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
     return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
-                     tokenizer_dir=str(data.tokenizer_path), describe=f"SFT set {sft_dir}")
+                     tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
+                     describe=f"SFT set {sft_dir}")
 
 
 # ----------------------------------------------------------------------------- launch checks
 
 
-def _source_record(init_dir: str | None) -> tuple[SourceRecord | None, dict | None]:
+def _source_record(init_dir: str | None) -> tuple[SourceRecord | None, dict]:
     if init_dir is None:
-        return None, None
+        return None, {}
     meta = ckpt.read_source_metadata(init_dir)
-    return SourceRecord.from_mapping(meta, path=str(init_dir)), meta.get("plan_doc")
+    return SourceRecord.from_mapping(meta, path=str(init_dir)), meta
+
+
+def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) -> None:
+    """The data of the next stage must be tokenized exactly like the source model's: token ids
+    (and with them the persisted routes) mean nothing under another tokenizer."""
+    theirs, ours = source_meta.get("tokenizer_sha256"), data.tokenizer_sha256
+    if theirs and ours and theirs != ours:
+        raise StageError(
+            f"the data of this launch was tokenized with tokenizer {ours[:12]}…, but {init_dir} was trained with "
+            f"tokenizer {theirs[:12]}…; rebuild the data with the checkpoint's tokenizer")
 
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
     """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
     from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
 
-    record, source_plan = _source_record(init_dir)
+    record, source_meta = _source_record(init_dir)
     if record is None and resuming:
         return None
+    if record is not None:
+        check_tokenizer_identity(source_meta, data, init_dir)
     check_launch(
         cfg.stage, record,
         source_stage_flag=cfg.source_stage,
         target_plan_doc=data.plan.doc if data.plan is not None else None,
-        source_plan_doc=source_plan,
+        source_plan_doc=source_meta.get("plan_doc"),
         fresh_optimizer=True,
         family=cfg.model.family,
         validate_refinement=validate_refinement,
@@ -462,6 +477,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     ckpt.check_output_dir_stage(output_dir, cfg.stage)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     critical = tcfg.training_critical(cfg)
+    resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
         ckpt.check_resume_compatible(
             saved, critical, world_size=world, lora_enabled=cfg.lora.enabled,
@@ -469,18 +485,25 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             plan_sha256=data.plan.sha256 if data.plan is not None else None,
             found=ckpt.inspect_saved_parts(resume_dir),
         )
+        resharding = ckpt.is_reshard(saved, world, args.reshard)
 
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(cfg, model_cfg, init_dir if saved is None else None, device, rank)
-    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps)
+    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps,
+                          load_universal=resharding and ckpt.needs_universal(resume_dir))
     state = loop.TrainState(step=0, total_steps=data.total_steps)
     if saved is not None:
-        ckpt.load_engine_state(engine.engine, resume_dir, reshard=args.reshard)
+        ckpt.load_engine_state(engine.engine, resume_dir, reshard=resharding, output_dir=output_dir,
+                               rank=rank, barrier=_barrier, log=log.info)
         state.step = int(saved["step"])
         state.tokens_seen = int(saved.get("tokens_seen", 0))
         state.supervised_seen = int(saved.get("supervised_seen", 0))
-        if not args.reshard:
+        if resharding:
+            ckpt.reseed_rng_for_reshard(cfg.seed, state.step, rank)
+            if rank == 0:
+                log.warning(ckpt.reshard_report(saved, critical, world))
+        else:
             restore_rng_state(load_rng_state(resume_dir, rank))
 
     # --- pluggable parts
@@ -520,6 +543,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             "backends_used": model.backends_used(),
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
+            "tokenizer_sha256": data.tokenizer_sha256,
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
             "reason": reason,
