@@ -48,6 +48,11 @@ class TRHashMoEEngine(nn.Module):
         self.register_buffer("fused_expert_pairs", torch.empty(num_pairs, 2, dtype=torch.int32))
         self.backend = "pytorch"
         self.last_backend: str | None = None
+        # Expert parallelism (ds_trhash.model.expert_parallel): None = every expert lives here
+        # as the stacked expert_{gate,up,down}; else the HashRoutedExperts child `ep` holds this
+        # rank's experts and the stacked parameters are gone.
+        self.ep = None
+        self.register_load_state_dict_pre_hook(_slice_full_experts_on_load)
         self.reset_parameters()
         self.init_routes()
 
@@ -75,24 +80,95 @@ class TRHashMoEEngine(nn.Module):
         """SPEC init; the down projections feed the residual stream: depth-scaled std."""
         c = self.config
         residual_std = c.init_std / math.sqrt(2 * c.num_layers)
+        if self.ep is not None:  # draw the full stacked tensors (same RNG use), keep this rank's slice
+            e, h, w = c.num_experts, c.hidden_size, c.expert_width
+            full = [torch.empty(e, h, w), torch.empty(e, h, w), torch.empty(e, w, h)]
+            with torch.no_grad():
+                full[0].normal_(0.0, c.init_std)
+                full[1].normal_(0.0, c.init_std)
+                self.shared_gate.weight.normal_(0.0, c.init_std)
+                self.shared_up.weight.normal_(0.0, c.init_std)
+                full[2].normal_(0.0, residual_std)
+                self.shared_down.weight.normal_(0.0, residual_std)
+            self.ep.load_full(*full)
+            return
         with torch.no_grad():
             for p in (self.expert_gate, self.expert_up, self.shared_gate.weight, self.shared_up.weight):
                 p.normal_(0.0, c.init_std)
             for p in (self.expert_down, self.shared_down.weight):
                 p.normal_(0.0, residual_std)
 
+    def enable_expert_parallel(self, group, ep_size: int) -> None:
+        """Keep only this rank's experts (EP rank r: experts [r·E/P, (r+1)·E/P)) in a
+        DeepSpeed-MoE child `ep` that exchanges tokens in `group`; see expert_parallel.py."""
+        from .expert_parallel import ExpertParallelError, HashRoutedExperts
+
+        if self.ep is not None:
+            raise ExpertParallelError(f"layer {self.layer} is already expert-parallel")
+        if type(self).effective_expert_weights is not TRHashMoEEngine.effective_expert_weights:
+            raise ExpertParallelError(f"layer {self.layer}: adapted experts ({type(self).__name__}, e.g. LoRA) "
+                                      "cannot be made expert-parallel")
+        local = self.config.num_experts // ep_size
+        first = torch.distributed.get_rank(group) * local
+        sl = slice(first, first + local)
+        ep = HashRoutedExperts(self.expert_gate[sl], self.expert_up[sl], self.expert_down[sl],
+                               self.config.num_experts, group, ep_size)
+        for name in ("expert_gate", "expert_up", "expert_down"):
+            delattr(self, name)
+        self.ep = ep
+
     def effective_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate, up, down) the routed experts run on; LoRA mode adds its low-rank deltas here."""
+        """(gate, up, down) the routed experts run on; LoRA mode adds its low-rank deltas here.
+        Under expert parallelism: this rank's experts only ([E/P, ...])."""
+        if self.ep is not None:
+            return self.ep.local_weights()
         return self.expert_gate, self.expert_up, self.expert_down
+
+    def full_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full stacked (gate, up, down) [E, ...]; under expert parallelism an all-gather in the
+        EP group (collective: call on every rank of it)."""
+        if self.ep is not None:
+            return self.ep.gather_full()
+        return self.expert_gate.detach(), self.expert_up.detach(), self.expert_down.detach()
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
         routes = self.route_table[:, token_ids.clamp(0, c.vocab_size - 1)].t().contiguous()  # [N, 2]
         shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-        gate, up, down = self.effective_expert_weights()
-        routed = routed_experts(x, routes, gate, up, down, c.route_weights, backend=self.backend)
-        self.last_backend = self.backend
+        if self.ep is not None:  # all-to-all to the experts' owners; the PyTorch gathered path there
+            routed = self.ep(x, routes, c.route_weights)
+            self.last_backend = "pytorch"
+        else:
+            gate, up, down = self.effective_expert_weights()
+            routed = routed_experts(x, routes, gate, up, down, c.route_weights, backend=self.backend)
+            self.last_backend = self.backend
         return c.shared_scale * shared + c.routed_scale * routed
+
+
+def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict, prefix, local_metadata, strict,
+                                missing_keys, unexpected_keys, error_msgs) -> None:
+    """Load-state-dict pre-hook: an expert-parallel engine given the SPEC's full stacked
+    expert_{gate,up,down} takes its own experts' slices (renamed to its `ep` keys)."""
+    if module.ep is None:
+        return
+    names = ("expert_gate", "expert_up", "expert_down")
+    present = [prefix + n in state_dict for n in names]
+    if not any(present):
+        return
+    if not all(present):
+        error_msgs.append(f"{prefix}: a full checkpoint must hold all of {list(names)}")
+        return
+    full = [state_dict.pop(prefix + n) for n in names]
+    if full[0].shape[0] != module.config.num_experts:
+        error_msgs.append(f"{prefix}expert_gate holds {full[0].shape[0]} experts, the model "
+                          f"{module.config.num_experts}")
+        return
+    from .expert_parallel import EXPERT_KEY_PREFIX, LOCAL_NAMES
+
+    first = module.ep.first_expert
+    for j in range(module.ep.num_local_experts):
+        for local_name, tensor in zip(LOCAL_NAMES, full):
+            state_dict[f"{prefix}ep.{EXPERT_KEY_PREFIX}{j}.{local_name}"] = tensor[first + j]
 
 
 class TRHashMoE(nn.Module):

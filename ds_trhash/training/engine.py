@@ -44,6 +44,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     if not groups:
         raise EngineError("the model has no trainable parameters; check the LoRA targets in the config")
+    if any(getattr(p, "allreduce", True) is False for g in groups for p in g["params"]):
+        # Expert-parallel experts: DeepSpeed (ZeRO 1/2) reduces and partitions a group marked
+        # `moe` over the expert-data-parallel group named by the group's `name` (ep_size_P).
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]]
     return groups
 
 
@@ -68,6 +74,40 @@ def check_runnable(cfg, world_size: int) -> None:
             f"parallel.ep_size={ep} does not divide the world size {world_size}; choose an "
             f"expert-parallel size that divides the number of processes"
         )
+    if ep > 1:
+        check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg) -> None:
+    """What expert parallelism (ep_size > 1, ds_trhash.model.expert_parallel) cannot run."""
+    ep = cfg.parallel.ep_size
+    if cfg.zero.stage == 0:
+        raise EngineError(
+            f"parallel.ep_size={ep} needs zero.stage 1 or 2: without ZeRO, DeepSpeed 0.19 clips "
+            "gradients with runtime.utils.clip_grad_norm_, which averages each rank's own gradient "
+            "norm instead of taking the global one; with the experts split over ranks those norms "
+            "differ, so clipping would not be the single-rank clipping (ZeRO 1/2 compute the global norm)"
+        )
+    if cfg.lora.enabled:
+        raise EngineError(
+            f"parallel.ep_size={ep} with lora.enabled: LoRA freezes the routed experts (or adapts "
+            "them in place), which the expert-parallel layer does not support; use ep_size 1 for LoRA"
+        )
+    if cfg.data.kind == "sft" and cfg.eval.heldout:
+        raise EngineError(
+            f"parallel.ep_size={ep} with eval.heldout: the held-out loop skips batches without "
+            "supervised tokens on one rank only, while expert parallelism needs every rank of an "
+            "expert group in every forward (the all-to-all would hang); set eval.heldout false"
+        )
+
+
+def expert_parallel_group(ep_size: int):
+    """Create DeepSpeed's expert-parallel and expert-data-parallel groups for ep_size (every
+    rank, after init_distributed) and return this rank's expert-parallel group. DeepSpeed's
+    engine finds them by name (ep_size_<P>) and reduces expert gradients over the latter."""
+    from ds_trhash.model.expert_parallel import deepspeed_expert_group
+
+    return deepspeed_expert_group(ep_size)
 
 
 def init_distributed() -> tuple[int, int]:
@@ -94,10 +134,17 @@ class Engine:
     device: torch.device
 
 
-def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int) -> Engine:
-    """deepspeed.initialize with the project's optimizer and scheduler."""
+def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int, load_universal: bool = False) -> Engine:
+    """deepspeed.initialize with the project's optimizer and scheduler.
+
+    ``load_universal``: the engine will load a universal checkpoint (``--reshard`` onto another
+    world size, see ``checkpoint.needs_universal``). DeepSpeed reads
+    ``"checkpoint": {"load_universal": true}`` only here, at initialize; it changes loading only.
+    """
     import deepspeed
 
+    if load_universal:
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     optimizer = build_optimizer(model, cfg.optimizer, device)
     scheduler = build_scheduler(optimizer, total_steps, cfg.schedule)

@@ -253,6 +253,12 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         from ds_trhash.model.lora import apply_lora
 
         apply_lora(model, cfg.lora)
+    if cfg.parallel.ep_size > 1:
+        # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
+        from ds_trhash.model.expert_parallel import enable_expert_parallel
+        from ds_trhash.training.engine import expert_parallel_group
+
+        enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
     if rank == 0:
