@@ -24,11 +24,13 @@ def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torc
     loss_sum = 0.0
     tokens = 0
     for b in batches:
+        # Every rank runs every forward, even one with nothing supervised (an all-padding filler
+        # window): expert-parallel layers exchange tokens inside the forward, so a rank that
+        # skipped one would leave its peers waiting.
         b = {k: v.to(device) for k, v in b.items()}
         n = int((b["labels"] != IGNORE).sum())
-        if n == 0:
-            continue
-        loss_sum += float(model(b.pop("input_ids"), labels=b.pop("labels"), reduction="sum", **b))
+        batch_loss = model(b.pop("input_ids"), labels=b.pop("labels"), reduction="sum", **b)
+        loss_sum += float(batch_loss) if n else 0.0
         tokens += n
     t = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -93,12 +93,6 @@ def check_expert_parallel(cfg) -> None:
             f"parallel.ep_size={ep} with lora.enabled: LoRA freezes the routed experts (or adapts "
             "them in place), which the expert-parallel layer does not support; use ep_size 1 for LoRA"
         )
-    if cfg.data.kind == "sft" and cfg.eval.heldout:
-        raise EngineError(
-            f"parallel.ep_size={ep} with eval.heldout: the held-out loop skips batches without "
-            "supervised tokens on one rank only, while expert parallelism needs every rank of an "
-            "expert group in every forward (the all-to-all would hang); set eval.heldout false"
-        )
 
 
 def expert_parallel_group(ep_size: int):
