@@ -33,7 +33,8 @@ def routed_experts_pytorch(x: torch.Tensor, routes: torch.Tensor, gate: torch.Te
         gate_up = xe @ torch.cat((gate[e], up[e]), dim=1)  # one GEMM for both: [n_e, 2W]
         g, u = gate_up.chunk(2, dim=1)
         he = F.silu(g) * u * w[:, None]  # route weight applied at width W, not H
-        out.index_add_(0, idx, he @ down[e])
+        # under autocast the product is low precision while out follows x: add in out's dtype
+        out.index_add_(0, idx, (he @ down[e]).to(out.dtype))
     return out
 
 

@@ -71,3 +71,22 @@ def test_moe_engine_combines_shared_and_routed_with_clamped_token_ids():
     routed = masked_reference(x, routes, engine.expert_gate, engine.expert_up, engine.expert_down, (0.6, 0.4))
     torch.testing.assert_close(engine(x, ids), 1.5 * shared + 2.0 * routed)
     assert engine.last_backend == "pytorch"
+
+
+def test_pytorch_path_runs_under_autocast():
+    """A user's bf16 autocast loop: the expert matmuls come out bf16, the buffer stays fp32."""
+    import torch
+
+    from ds_trhash.model.experts import routed_experts
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 8, requires_grad=True)
+    gate, up, down = torch.randn(4, 8, 4), torch.randn(4, 8, 4), torch.randn(4, 4, 8)
+    routes = torch.tensor([[i % 4, (i + 1) % 4] for i in range(10)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = routed_experts(x, routes, gate, up, down)
+    ref = routed_experts(x, routes, gate, up, down)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=5e-2, atol=5e-2)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
