@@ -87,6 +87,6 @@ def test_pytorch_path_runs_under_autocast():
         y = routed_experts(x, routes, gate, up, down)
     ref = routed_experts(x, routes, gate, up, down)
     assert y.dtype == torch.float32
-    torch.testing.assert_close(y, ref, rtol=5e-2, atol=5e-2)
+    assert float((y - ref).norm() / ref.norm()) < 2e-2  # bf16 matmuls, fp32 accumulation buffer
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
