@@ -453,7 +453,6 @@ class SelectionCallback(loop.Callback):
         self.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")
 
 
-
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -527,7 +526,10 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
     if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
         pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
-    protect = set(pack_of)
+    protect = set(pack_of)  # never rotated away: token-pack boundaries and epoch checkpoints
+    if cfg.data.kind == "sft":
+        spe = data.batches.steps_per_epoch
+        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {
