@@ -107,3 +107,18 @@ def test_liger_loss_matches_plain_contract():
     liger = value_and_grads(liger_ce, *case)
     for p, l in zip(plain, liger):
         torch.testing.assert_close(l, p, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_loss_memory_stays_bounded_as_the_vocabulary_grows():
+    """Growing V grows the plain loss by N·V logits but the chunked loss only by one
+    [chunk, V] block plus the [V, H] weight gradient, so its peak stays a small fraction."""
+    n, h, chunk = 2048, 16, 64
+    plain, chunked = {}, {}
+    for v in (1024, 4096, 16384):
+        plain[v] = peak_bytes(plain_ce, n, v, h)
+        chunked[v] = peak_bytes(lambda a, b, c: chunked_ce(a, b, c, chunk), n, v, h)
+        assert plain[v] >= n * v * 4
+        assert chunked[v] <= 4 * chunk * v * 4 + (n * h + v * h) * 4 * 2
+    growth_plain = plain[16384] - plain[1024]
+    growth_chunked = chunked[16384] - chunked[1024]
+    assert growth_chunked <= 0.1 * growth_plain
