@@ -19,7 +19,7 @@ from typing import Any
 
 RECORD_FORMAT = "ds-trhash-run-record-v1"
 RECORD_FIELDS = (
-    "framework_commit", "stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision",
+    "framework_commit", "stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision", "data_fingerprint",
     "tokenizer_hash", "model_mode", "optimizer_schedule", "world_size", "hardware", "precision",
     "effective_batch", "kernel_path", "checkpoints", "selection_rule", "selected_checkpoint",
     "export_safetensors_sha256", "known_limitations",
@@ -126,13 +126,26 @@ def _dataset_revision(state: Mapping[str, Any]) -> tuple[Any, str | None]:
     plan = state.get("plan_doc")
     if isinstance(plan, Mapping) and plan.get("revision"):
         return {"dataset": plan.get("dataset"), "revision": plan["revision"]}, "plan_doc in trainer_state.json"
-    sft_dir = (state.get("training_critical") or {}).get("data.sft_dir")
+    sft_dir = state.get("sft_dir") or (state.get("training_critical") or {}).get("data.sft_dir")
     if sft_dir:
         manifest = _read_json(Path(sft_dir) / "manifest.json")
         if manifest:
             revisions = sorted({str(s.get("revision")) for s in manifest.get("sources", []) if s.get("revision")})
             if revisions:
                 return {"sft_set": sft_dir, "revisions": revisions}, f"{sft_dir}/manifest.json"
+    return None, None
+
+
+def _data_fingerprint(state: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """The identity of the exact training data: the plan's unique-core fingerprint, or the
+    SHA-256 of the SFT set's manifest (which pins every partition file's hash)."""
+    if state.get("plan_fingerprint"):
+        return {"plan_unique_core": state["plan_fingerprint"]}, "plan_fingerprint in trainer_state.json"
+    sft_dir = state.get("sft_dir") or (state.get("training_critical") or {}).get("data.sft_dir")
+    if sft_dir and (Path(sft_dir) / "manifest.json").is_file():
+        from ds_trhash.release.export import sha256_file
+
+        return {"sft_manifest_sha256": sha256_file(Path(sft_dir) / "manifest.json")}, f"{sft_dir}/manifest.json"
     return None, None
 
 
@@ -196,6 +209,7 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
     put("source_checkpoint", state.get("init_checkpoint"), where)
     put("source_checkpoint_hash", *_source_hash(state.get("init_checkpoint")))
     put("dataset_revision", *_dataset_revision(state))
+    put("data_fingerprint", *_data_fingerprint(state))
     if "lora" in state:
         put("model_mode", "LoRA" if state["lora"] else "full", where)
     schedule = {k: v for k, v in crit.items() if k.startswith(("optimizer.", "schedule."))}
@@ -224,7 +238,12 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
             raise RecordError(f"{export_dir} has no readable {EXPORT_MANIFEST}; is it a complete export?")
         put("export_safetensors_sha256", export["weights"]["sha256"], f"{export_dir}/{EXPORT_MANIFEST}")
     put("tokenizer_hash", *_tokenizer_hash(state, export))
-    if selection_rule is not None:
+    chosen = _read_json(run / "selection.json")
+    if selection_rule is None and chosen and chosen.get("rule") in SELECTION_RULES:
+        # the rule the run itself applied when it wrote best/
+        put("selection_rule", chosen["rule"], f"{run}/selection.json")
+        put("selected_checkpoint", {**chosen["selected"], "published_as": "best/"}, f"{run}/selection.json")
+    elif selection_rule is not None:
         if selection_rule not in SELECTION_RULES:
             raise RecordError(f"selection rule {selection_rule!r} is not computable here; allowed: "
                               f"{list(SELECTION_RULES)} (or pass selected_checkpoint with your own rule text)")

@@ -79,6 +79,7 @@ class StageData:
     eval_batches: object | None = None  # SFTBatches over the eval partition
     tokenizer_dir: str | None = None
     tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
+    sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
     describe: str = ""
 
 
@@ -173,6 +174,7 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
     return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
                      tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
+                     sft_dir=str(Path(sft_dir).resolve()),
                      describe=f"SFT set {sft_dir}")
 
 
@@ -531,6 +533,10 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         spe = data.batches.steps_per_epoch
         protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
 
+    from ds_trhash.release.record import detect_hardware
+
+    hardware = f"{world} process(es); rank 0 on {detect_hardware()}"
+
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {
             "stage": cfg.stage,
@@ -552,6 +558,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
+            "sft_dir": data.sft_dir,
+            "hardware": hardware,
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
             "reason": reason,
