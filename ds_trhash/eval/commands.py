@@ -1,0 +1,256 @@
+"""`ds-trhash eval piqa` and `ds-trhash eval heldout`: score a checkpoint or an export.
+
+Both run in one process (no torch.distributed). The model is rebuilt from the config the
+checkpoint records (``trainer_state.json`` ``model_config`` of a training checkpoint,
+``config.json`` of an export), or from ``--preset`` when it records none, and its weights
+come from ``load_weights_only``. Every handler returns an exit code; expected failures print
+one ``error:`` line on stderr and return 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+EXIT_ERROR = 2
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EvalCommandError(ValueError):
+    """Arguments or inputs the command cannot use."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise EvalCommandError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise EvalCommandError(f"{path} does not hold a JSON object")
+    return doc
+
+
+def recorded_model_config(checkpoint: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
+    """(config dict, where it came from): trainer_state.json ``model_config`` of a training
+    checkpoint, else an export's config.json; (None, None) when neither records one."""
+    root = Path(checkpoint)
+    state = root / "trainer_state.json"
+    if state.is_file():
+        config = _read_json(state).get("model_config")
+        if isinstance(config, dict):
+            return config, f"{state} model_config"
+    config_file = root / "config.json"
+    if config_file.is_file():
+        return _read_json(config_file), str(config_file)
+    return None, None
+
+
+def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
+    """TRHashConfig for ``checkpoint``: the recorded one wins; ``--preset`` is the fallback."""
+    from ds_trhash.model import TRHashConfig
+
+    recorded, source = recorded_model_config(checkpoint)
+    if recorded is not None:
+        if preset is not None:
+            print(f"note: --preset {preset} ignored; the model config recorded in {source} is used", file=sys.stderr)
+        return TRHashConfig.from_dict(recorded), source
+    if preset is None:
+        raise EvalCommandError(f"{checkpoint} records no model config (no trainer_state.json model_config, no "
+                               "config.json); pass --preset tiny|200m")
+    return TRHashConfig.from_preset(preset), f"--preset {preset}"
+
+
+def load_model(checkpoint: str | os.PathLike, preset: str | None = None):
+    """(model in eval mode on CPU in fp32, config, config source, weights-only record)."""
+    from ds_trhash.model import TRHashForCausalLM
+    from ds_trhash.training.checkpoint import load_weights_only
+
+    config, source = resolve_config(checkpoint, preset)
+    state, record = load_weights_only(checkpoint)
+    if any("lora_" in key for key in state):
+        from ds_trhash.release.export import _merge_lora
+
+        state = _merge_lora(dict(state), _read_json(Path(checkpoint) / "trainer_state.json"))
+    model = TRHashForCausalLM(config)
+    try:
+        model.load_checkpoint_state(state, strict=True)
+    except (RuntimeError, ValueError) as exc:
+        first = " ".join(str(exc).split())[:400]
+        raise EvalCommandError(f"the weights in {checkpoint} do not fit the model from {source}: {first}") from None
+    model.float().eval()
+    return model, config, source, record
+
+
+def recorded_tokenizer_sha256(checkpoint: str | os.PathLike) -> str | None:
+    """The tokenizer identity a checkpoint records: an export's copied tokenizer.json, or a
+    training checkpoint's trainer_state.json ``tokenizer_sha256``; None when it records none."""
+    root = Path(checkpoint)
+    if (root / "tokenizer.json").is_file():
+        return _sha256(root / "tokenizer.json")
+    if (root / "trainer_state.json").is_file():
+        return _read_json(root / "trainer_state.json").get("tokenizer_sha256")
+    return None
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EvalCommandError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device, cuda_default: str) -> str:
+    if name == "auto":
+        return cuda_default if device.type == "cuda" else "float32"
+    if device.type == "cpu" and name != "float32":
+        raise EvalCommandError(f"--dtype {name} on CPU: evaluation on CPU runs in float32")
+    return name
+
+
+def _place(model, args: argparse.Namespace, cuda_default: str):
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device, cuda_default)
+    return model.to(device=device, dtype=DTYPES[dtype]), device, dtype
+
+
+def _write_out(path: str | None, doc: dict[str, Any]) -> None:
+    if path is None:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    from ds_trhash.release.export import sha256_file
+
+    return sha256_file(path)
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _piqa(args: argparse.Namespace) -> int:
+    from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
+    from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
+
+    examples = read_piqa(args.data, args.labels)
+    tokenizer = load_tokenizer(args.tokenizer)
+    recorded = recorded_tokenizer_sha256(args.checkpoint)
+    if recorded is not None and recorded != tokenizer_sha256(args.tokenizer):
+        raise EvalCommandError(f"--tokenizer {args.tokenizer} is not the tokenizer {args.checkpoint} records "
+                               f"(sha256 {recorded[:12]}); pass the model's own tokenizer")
+    model, config, source, _record = load_model(args.checkpoint, args.preset)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise EvalCommandError(f"the tokenizer has {tokenizer.get_vocab_size()} entries, the model only "
+                               f"{config.vocab_size}; pass the tokenizer the model was trained with")
+    model, device, dtype = _place(model, args, cuda_default="float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PiqaCountWarning)  # printed below as one line
+        result = evaluate_piqa(model, tokenizer, examples, max_len=args.max_len, batch_size=args.batch_size,
+                               device=device, per_example=args.per_example)
+    if result["warning"]:
+        print(f"warning: {result['warning']}", file=sys.stderr)
+    print(format_result(result))
+    _write_out(args.out, {
+        "task": "piqa", "checkpoint": str(args.checkpoint), "model_config_source": source,
+        "tokenizer": str(args.tokenizer), "data": str(args.data), "data_sha256": _sha256(args.data),
+        "labels": str(args.labels) if args.labels else None, "device": str(device), "dtype": dtype,
+        "batch_size": args.batch_size, **result})
+    return 0
+
+
+def _heldout(args: argparse.Namespace) -> int:
+    from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+    from ds_trhash.eval.heldout import heldout_loss
+
+    model, config, source, _record = load_model(args.checkpoint, args.preset)
+    sft_dir = Path(args.sft_dir)
+    seq_len = args.seq_len
+    if seq_len is None and (sft_dir / "manifest.json").is_file():
+        seq_len = _read_json(sft_dir / "manifest.json").get("seq_len")
+    seq_len = int(seq_len or config.max_seq_len)
+    tokenizer_hash = recorded_tokenizer_sha256(args.checkpoint)
+    data = open_sft(sft_dir, expect_vocab=config.vocab_size, seq_len=seq_len, tokenizer_hash=tokenizer_hash)
+    partition = data.partition("eval")
+    packs = pack(partition, seq_len, args.policy)
+    batches = SFTBatches(packs, args.micro_batch, world_size=1, rank=0, seed=0, drop_last=False)
+    model, device, dtype = _place(model, args, cuda_default="float32")
+    result = heldout_loss(model, batches.epoch(0), device)
+    print(f"held-out loss {result['eval_loss']:.6f} (PPL {result['eval_ppl']:.2f}) over "
+          f"{result['eval_tokens']} supervised tokens, {len(partition)} examples in {len(packs)} windows")
+    _write_out(args.out, {
+        "task": "heldout", "checkpoint": str(args.checkpoint), "model_config_source": source,
+        "sft_dir": str(sft_dir), "seq_len": seq_len, "policy": args.policy, "micro_batch": args.micro_batch,
+        "examples": len(partition), "windows": len(packs), "tokenizer_checked": tokenizer_hash is not None,
+        "device": str(device), "dtype": dtype, **result})
+    return 0
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from ds_trhash.release.export import ExportError
+        from ds_trhash.training.checkpoint import CheckpointError
+
+        try:
+            return handler(args)
+        except (ValueError, OSError, CheckpointError, ExportError) as exc:
+            message = " ".join(str(exc).split())
+            print(f"ds-trhash eval {args.eval_command}: error: {message}", file=sys.stderr)
+            return EXIT_ERROR
+
+    return run
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="checkpoints/step_<N> of a run, or an export directory (model.safetensors)")
+    p.add_argument("--preset", choices=("tiny", "200m"), default=None,
+                   help="model shape when the checkpoint records no config")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help=dtype_help)
+    p.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+
+
+def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    """Add the ``eval`` command group to the ``ds-trhash`` CLI."""
+    group = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out loss, PIQA")
+    sub = group.add_subparsers(dest="eval_command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("piqa", help="zero-shot PIQA acc / acc_norm (SPEC §8)")
+    _model_options(p, "auto: float32 on CPU, float16 on CUDA (the release protocol); CPU is always float32")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
+    p.add_argument("--data", required=True, metavar="PIQA.jsonl", help="JSONL with goal, sol1, sol2, label")
+    p.add_argument("--labels", metavar="FILE", help="labels file (valid-labels.lst), one 0/1 per line")
+    p.add_argument("--max-len", type=_positive, default=2048, help="model context; longer inputs lose their oldest context tokens")
+    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
+    p.set_defaults(func=_guarded(_piqa))
+
+    p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (SPEC §8)")
+    _model_options(p, "auto: float32")
+    p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
+    p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")
+    p.add_argument("--micro-batch", type=_positive, default=16)
+    p.add_argument("--policy", choices=("cross_document", "per_document"), default="cross_document")
+    p.set_defaults(func=_guarded(_heldout))
+    return group
