@@ -88,6 +88,10 @@ def check_expert_parallel(cfg) -> None:
             "norm instead of taking the global one; with the experts split over ranks those norms "
             "differ, so clipping would not be the single-rank clipping (ZeRO 1/2 compute the global norm)"
         )
+    if cfg.eval.piqa:
+        raise EngineError(
+            f"parallel.ep_size={ep} with eval.piqa: PIQA is scored on rank 0 alone, while expert-parallel "
+            "layers need every rank in every forward; score the exported checkpoint with `ds-trhash eval piqa`")
     if cfg.lora.enabled:
         raise EngineError(
             f"parallel.ep_size={ep} with lora.enabled: LoRA freezes the routed experts (or adapts "

@@ -25,6 +25,8 @@ class Candidate:
     eval_ppl: float | None
     eval_tokens: int | None
     train_loss: float | None
+    piqa_acc: float | None = None  # reported beside the loss: the two measure different things
+    piqa_acc_norm: float | None = None
 
 
 def choose(candidates: list[Candidate], rule: str) -> Candidate:

@@ -41,13 +41,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ds_trhash.data.shards import ShardError
     from ds_trhash.data.sft_build import SFTBuildError
     from ds_trhash.data.tokenizer import TokenizerError
+    from ds_trhash.eval.piqa import PiqaDataError
     from ds_trhash.model.lora import LoRAError
     from ds_trhash.training.metrics import MetricsError
     from ds_trhash.training.rng import RNGStateError
 
     return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
             BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
-            LoRAError, MetricsError, RNGStateError)
+            LoRAError, MetricsError, RNGStateError, PiqaDataError)
 
 
 USER_ERRORS = _user_errors()
@@ -367,17 +368,59 @@ class EvalCallback(loop.Callback):
         self.evaluate(state)
 
 
+class PiqaCallback(loop.Callback):
+    """Zero-shot PIQA (SPEC §8) on rank 0: the SFT source at step 0 and every epoch end, or the
+    end of a pretraining/refinement stage. Results go to ``piqa.jsonl`` beside metrics.csv."""
+
+    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
+                 sft: bool):
+        self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
+        self.output_dir, self.rank, self.progress, self.sft = output_dir, rank, progress, sft
+        self.results: dict[int, dict] = {}
+
+    def evaluate(self, state) -> None:
+        import warnings
+
+        from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa
+
+        if self.rank == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
+                result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
+            row = {"step": state.step, "epoch": state.epoch, **{k: result[k] for k in ("acc", "acc_norm", "n")},
+                   "warning": result.get("warning")}
+            self.results[state.step] = row
+            with open(self.output_dir / "piqa.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            self.progress.message(f"PIQA at step {state.step}: acc {result['acc']:.4f} "
+                                  f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
+        _barrier()
+
+    def on_start(self, state):
+        if self.sft and state.step == 0:
+            self.evaluate(state)
+
+    def on_epoch_end(self, state):
+        if self.sft:
+            self.evaluate(state)
+
+    def on_end(self, state):
+        if not self.sft and state.step == state.total_steps:
+            self.evaluate(state)
+
+
 class CheckpointCallback(loop.Callback):
     """Writes crash-safe checkpoints at the configured cadence, token-pack boundaries, epoch
     ends, on a stop signal and at the end; rotates old ones."""
 
     def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
                  protect_steps: set[int], progress, faults: FaultInjection, eval_results: dict | None = None,
-                 is_epoch_end=lambda step: False):
+                 is_epoch_end=lambda step: False, piqa_results: dict | None = None):
         self.engine, self.cfg, self.output_dir, self.faults = engine, cfg, output_dir, faults
         self.eval_results = eval_results if eval_results is not None else {}
         self.last_path: Path | None = None
         self.is_epoch_end = is_epoch_end  # those steps are saved by on_epoch_end, with their eval
+        self.piqa_results = piqa_results if piqa_results is not None else {}
         self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
         self.protect = set(protect_steps)
         self.progress = progress
@@ -416,7 +459,8 @@ class CheckpointCallback(loop.Callback):
 
     def on_epoch_end(self, state):
         self.protect.add(state.step)
-        self.save(state, f"end of epoch {state.epoch}", {"eval": self.eval_results.get(state.step)})
+        self.save(state, f"end of epoch {state.epoch}",
+                  {"eval": self.eval_results.get(state.step), "piqa": self.piqa_results.get(state.step)})
 
     def on_end(self, state):
         if state.step == state.total_steps:
@@ -427,9 +471,10 @@ class SelectionCallback(loop.Callback):
     """After each epoch checkpoint: ``best/`` and ``selection.json`` under the configured rule."""
 
     def __init__(self, output_dir: Path, rule: str, ckpt_cb: CheckpointCallback, eval_results: dict,
-                 rank: int, progress):
+                 rank: int, progress, piqa_results: dict | None = None):
         self.output_dir, self.rule, self.ckpt_cb = output_dir, rule, ckpt_cb
         self.eval_results, self.rank, self.progress = eval_results, rank, progress
+        self.piqa_results = piqa_results if piqa_results is not None else {}
         self.candidates: list = []
 
     def on_start(self, state):
@@ -447,10 +492,11 @@ class SelectionCallback(loop.Callback):
         if self.rank != 0 or self.ckpt_cb.last_path is None:
             return
         ev = self.eval_results.get(state.step) or {}
+        piqa = self.piqa_results.get(state.step) or {}
         self.candidates.append(Candidate(
             epoch=state.epoch + 1, step=state.step, checkpoint=str(self.ckpt_cb.last_path),
             eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
-            train_loss=state.last.get("loss")))
+            train_loss=state.last.get("loss"), piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
         winner = publish(self.output_dir, self.candidates, self.rule)
         self.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")
 
@@ -483,6 +529,11 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         init_dir = saved.get("init_checkpoint")
     ckpt.check_output_dir_stage(output_dir, cfg.stage)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
+    piqa_examples = None
+    if cfg.eval.piqa:
+        from ds_trhash.eval.piqa import read_piqa
+
+        piqa_examples = read_piqa(cfg.eval.piqa)  # a malformed file fails here, before the model
     critical = tcfg.training_critical(cfg)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
@@ -573,13 +624,23 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         eval_cb = EvalCallback(engine.engine, data.eval_batches, device, writer, progress)
         eval_results = eval_cb.results
         callbacks.append(eval_cb)
+    piqa_results: dict = {}
+    if piqa_examples is not None:
+        from ds_trhash.data.tokenizer import load_tokenizer
+
+        piqa_cb = PiqaCallback(model, piqa_examples, load_tokenizer(data.tokenizer_dir), model_cfg.max_seq_len,
+                               output_dir, rank, progress, sft=cfg.data.kind == "sft")
+        piqa_results = piqa_cb.results
+        callbacks.append(piqa_cb)
     ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress,
                                  faults, eval_results,
-                                 is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1))
+                                 is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1),
+                                 piqa_results=piqa_results)
     callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
                   ProgressCallback(progress, model, cfg.training.log_every, data.batches), ckpt_cb]
     if cfg.data.kind == "sft":
-        callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress))
+        callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress,
+                                           piqa_results))
 
     with ckpt.GracefulStop() as stop:
         state = loop.run(engine.engine, data.batches, state, callbacks, device, world,

@@ -27,10 +27,19 @@ def stages(tmp_path_factory):
     return {"root": root, "pre": pre_ckpt, "ref": ref / "checkpoints" / f"step_{10:08d}"}
 
 
+def _piqa_file(root):
+    rows = [{"goal": f"To open file number {i}", "sol1": "use the open function.", "sol2": "delete the disk.",
+             "label": i % 2} for i in range(6)]
+    path = root / "piqa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_sft_heldout_loss_falls_and_best_is_selected(stages):
     out = stages["root"] / "sft"
     _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
-                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement"]))
+                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+                  "--set", f"eval.piqa={_piqa_file(stages['root'])}"]))
     rows = [r for r in L.metrics(out) if r["eval_loss"]]
     assert len(rows) == 3  # step 0 (the source checkpoint) and the end of each of the 2 epochs
     evals = [float(r["eval_loss"]) for r in rows]
@@ -45,6 +54,12 @@ def test_sft_heldout_loss_falls_and_best_is_selected(stages):
     best = min(selection["candidates"], key=lambda c: c["eval_loss"])
     assert selection["selected"]["step"] == best["step"]
     L.assert_identical(L.model_weights(out / "best"), L.model_weights(out / "checkpoints" / f"step_{best['step']:08d}"))
+
+    # PIQA beside the loss: the source at step 0 and each epoch, recorded with the candidates
+    piqa = [json.loads(line) for line in (out / "piqa.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in piqa] == [int(r["step"]) for r in rows]
+    assert all(p["n"] == 6 and 0.0 <= p["acc"] <= 1.0 and "1838" in p["warning"] for p in piqa)
+    assert all(c["piqa_acc"] is not None for c in selection["candidates"])
 
 
 def test_pretraining_straight_to_sft_is_refused_before_the_model(stages):
