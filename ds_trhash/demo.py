@@ -34,10 +34,14 @@ def deepspeed_command(config: str, nproc: int, extra: list[str]) -> list[str]:
             str(LAUNCH), "--config", config, *extra]
 
 
+def column(metrics_csv: Path, name: str) -> list[float]:
+    with open(metrics_csv, newline="") as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
+
+
 def loss_range(metrics_csv: Path) -> tuple[float, float, int]:
     """(first, last, rows) of the train_loss column."""
-    with open(metrics_csv, newline="") as f:
-        losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    losses = column(metrics_csv, "train_loss")
     if not losses:
         raise RuntimeError(f"{metrics_csv} holds no training loss")
     return losses[0], losses[-1], len(losses)
@@ -75,11 +79,15 @@ def run_demo(root: Path, nproc: int, configs: Path) -> int:
             print(f"demo: the {stage} stage failed (exit {rc})", file=sys.stderr)
             return rc
         first, last, rows = loss_range(out / "metrics.csv")
-        summary.append((stage, first, last, rows))
+        summary.append((stage, first, last, rows, column(out / "metrics.csv", "eval_loss")))
         prev = latest_checkpoint(out)
     print("\n=== demo summary (train loss, first → last logged step)")
-    for stage, first, last, rows in summary:
+    for stage, first, last, rows, evals in summary:
         print(f"{stage:>22}: {first:.4f} → {last:.4f}  over {rows} logged steps")
+        if evals:
+            print(f"{'held-out':>22}: " + " → ".join(f"{e:.4f}" for e in evals)
+                  + "  (source checkpoint, then each epoch)")
+    print(f"outputs under {root}; export with: ds-trhash export --checkpoint {root}/tiny-sft/best --out <dir>")
     return 0
 
 
