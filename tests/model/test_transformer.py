@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ds_trhash.model import RouteTableError, TRHashConfig, TRHashForCausalLM, report_route_differences
-from ds_trhash.model.attention import TRHashAttention
 from ds_trhash.model.routing import build_route_table
 
 TINY = TRHashConfig.from_preset("tiny", num_layers=2)
@@ -158,56 +157,6 @@ def test_documents_in_a_packed_row_do_not_see_each_other():
     torch.testing.assert_close(packed[:, 7:], model(doc_b), rtol=1e-5, atol=1e-5)  # as if alone
     leaky = model(torch.cat((other_a, doc_b), 1), position_ids=pos)  # no document ids: causal only
     assert not torch.allclose(leaky[:, 7:], packed[:, 7:], atol=1e-4)
-
-
-def reference_attention(attn: TRHashAttention, x, positions):
-    """Textbook GQA: repeat kv heads, explicit causal softmax; QK-norm then rotate-half RoPE."""
-    b, t, _ = x.shape
-    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-
-    def norm(z, weight):
-        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-
-    def rope(z):
-        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-        ang = positions.float()[:, None] * inv  # [T, D/2]
-        cos, sin = ang.cos(), ang.sin()
-        z1, z2 = z[..., : d // 2], z[..., d // 2:]
-        return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin), dim=-1)
-
-    q = rope(norm((x @ attn.q_proj.weight.t()).view(b, t, nh, d), attn.q_norm.weight).transpose(1, 2))
-    k = rope(norm((x @ attn.k_proj.weight.t()).view(b, t, nkv, d), attn.k_norm.weight).transpose(1, 2))
-    v = (x @ attn.v_proj.weight.t()).view(b, t, nkv, d).transpose(1, 2)
-    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, nh * d)
-    return out @ attn.o_proj.weight.t()
-
-
-def test_attention_matches_a_textbook_reference():
-    torch.manual_seed(0)
-    attn = TRHashAttention(TINY)
-    with torch.no_grad():
-        attn.q_norm.weight.uniform_(0.5, 1.5)
-        attn.k_norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(2, 10, TINY.hidden_size)
-    positions = torch.arange(10) + 3
-    out = attn(x, positions.expand(2, 10), None)
-    torch.testing.assert_close(out, reference_attention(attn, x, positions), rtol=1e-5, atol=1e-6)
-
-
-def test_fused_qkv_rows_are_k_then_q_then_v():
-    attn = TRHashAttention(TINY)
-    fused = attn.fused_qkv_weight()
-    kv, q = TINY.num_kv_heads * TINY.head_dim, TINY.num_heads * TINY.head_dim
-    assert fused.shape == (kv + q + kv, TINY.hidden_size)
-    assert torch.equal(fused[:kv], attn.k_proj.weight)
-    assert torch.equal(fused[kv:kv + q], attn.q_proj.weight)
-    assert torch.equal(fused[kv + q:], attn.v_proj.weight)
-    other = TRHashAttention(TINY)
-    other.load_fused_qkv_weight(fused)
-    assert torch.equal(other.fused_qkv_weight(), fused)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
