@@ -126,3 +126,45 @@ def test_label_sanity_counts_and_out_of_range_labels_fail_closed():
     assert (stats["label_valid"], stats["label_ignored"], stats["label_out_of_range"]) == (3, 1, 0)
     with pytest.raises(loop.LabelError, match="1 label"):
         loop.train_step(FakeEngine(TokenModel()), mbs, torch.device("cpu"), 1, vocab_size=5)
+
+
+def _rank_worker(rank, world, port, mbs_by_rank, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = TokenModel()
+
+        class AveragingEngine(FakeEngine):
+            """DeepSpeed's data parallelism: gradients averaged over ranks at the step."""
+
+            def step(self):
+                for p in self.module.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+
+        stats = loop.train_step(AveragingEngine(model), mbs_by_rank[rank], torch.device("cpu"), world)
+        out[rank] = (stats["loss"], model.w.grad.clone())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_normalise_by_the_supervised_tokens_of_the_whole_step():
+    import torch.multiprocessing as mp
+
+    from tests.training.launch_utils import free_port
+
+    # rank 0 supervises 1 token, rank 1 supervises 4: the mean must weight every token equally
+    mbs_by_rank = [[micro([1, 2, 0, 1], [-100, -100, -100, 4])], [micro([2, 2, 1, 0], [1, 0, 3, 2])]]
+    out = mp.Manager().dict()
+    mp.spawn(_rank_worker, args=(2, free_port(), mbs_by_rank, out), nprocs=2, join=True)
+
+    ref = TokenModel()
+    ids = torch.cat([m["input_ids"] for r in mbs_by_rank for m in r], 1)
+    labels = torch.cat([m["labels"] for r in mbs_by_rank for m in r], 1)
+    ref_loss = ref(ids, labels=labels, reduction="mean")
+    ref_loss.backward()
+    for rank in (0, 1):
+        loss, grad = out[rank]
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+        torch.testing.assert_close(grad, ref.w.grad, rtol=0, atol=1e-6)
