@@ -395,6 +395,9 @@ def export_checkpoint(
         "source_lora": bool(trainer_state.get("lora")),
         "family": trainer_state.get("family"),
         "plan_fingerprint": trainer_state.get("plan_fingerprint"),
+        # what the next stage's guard compares: the exact unique core, and the tokenizer identity
+        "plan_doc": trainer_state.get("plan_doc"),
+        "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
         "framework_commit": trainer_state.get("framework_commit"),
         "backends_used": trainer_state.get("backends_used"),
     }

@@ -62,6 +62,19 @@ def test_sft_heldout_loss_falls_and_best_is_selected(stages):
     assert all(c["piqa_acc"] is not None for c in selection["candidates"])
 
 
+def test_refinement_from_an_exported_safetensors_directory(stages):
+    from ds_trhash.release.export import export_checkpoint
+
+    export = stages["root"] / "pre-export"
+    export_checkpoint(stages["pre"], export)
+    out = stages["root"] / "ref-from-export"
+    proc = _ok(L.single(["--config", "ds_configs/tiny/refine.yaml", "--output-dir", str(out), "--max-steps", "2",
+                         "--init-checkpoint", str(export)]))
+    assert "refinement" in proc.stdout
+    # the first step starts from the exported weights: its loss is the pretrained model's, not ~ln(V)
+    assert L.train_losses(out)[0] < 7.5
+
+
 def test_pretraining_straight_to_sft_is_refused_before_the_model(stages):
     out = stages["root"] / "sft-from-pre"
     proc = L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
