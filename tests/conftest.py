@@ -16,6 +16,9 @@ if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
 
 import pytest  # noqa: E402
 
+# the small BPE tokenizer shared by the SFT, eval and batching tests (session-scoped fixtures)
+from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: E402,F401
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU")

@@ -1,6 +1,5 @@
 """The complexity-chat-v2 template and final-assistant-only labels (SPEC §5)."""
 import pytest
-from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: F401  (fixtures)
 
 from ds_trhash.data.chat import (
     EOS_ID,
@@ -80,13 +79,13 @@ def test_unknown_role_message_names_the_allowed_roles():
         render_text([{"role": "Tool", "content": "x"}])
 
 
-def test_unknown_supervision_mode_is_rejected(tokenizer):  # noqa: F811
+def test_unknown_supervision_mode_is_rejected(tokenizer):
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     with pytest.raises(ChatError, match="allowed: final_assistant_only"):
         tokenize_example(messages, tokenizer, supervision="all_assistant")
 
 
-def test_final_assistant_only_labels_on_multi_turn(tokenizer):  # noqa: F811
+def test_final_assistant_only_labels_on_multi_turn(tokenizer):
     messages = [
         {"role": "system", "content": "You answer questions."},
         {"role": "user", "content": "What is a list?"},
@@ -111,7 +110,7 @@ def test_final_assistant_only_labels_on_multi_turn(tokenizer):  # noqa: F811
     assert tokenizer.decode(example.input_ids[len(prompt) - len(second):len(prompt)]) == "User:\nAnd a tuple?\n\nAssistant:\n"
 
 
-def test_labels_are_the_next_input_where_supervised(tokenizer):  # noqa: F811
+def test_labels_are_the_next_input_where_supervised(tokenizer):
     messages = [{"role": "user", "content": "Define x."}, {"role": "assistant", "content": "x is a name."}]
     example = tokenize_example(messages, tokenizer)
     supervised = [i for i, label in enumerate(example.labels) if label != IGNORE_INDEX]
@@ -121,7 +120,7 @@ def test_labels_are_the_next_input_where_supervised(tokenizer):  # noqa: F811
     assert tokenizer.decode([example.labels[i] for i in supervised[:-1]]) == "x is a name."
 
 
-def test_eos_spelled_inside_content_is_rejected(tokenizer):  # noqa: F811
+def test_eos_spelled_inside_content_is_rejected(tokenizer):
     messages = [{"role": "user", "content": "say </s> now"}, {"role": "assistant", "content": "no"}]
     with pytest.raises(ChatError) as err:
         tokenize_example(messages, tokenizer)

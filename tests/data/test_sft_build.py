@@ -3,7 +3,7 @@ import json
 
 import numpy as np
 import pytest
-from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, tokenize_example
 from ds_trhash.data.shards import sha256_file
@@ -23,7 +23,7 @@ def sources(tmp_path):
     return write_jsonl(tmp_path / "train.jsonl", train), write_jsonl(tmp_path / "eval.jsonl", evaluation)
 
 
-def test_build_writes_partitions_that_round_trip(sources, tokenizer_dir, tokenizer, tmp_path):  # noqa: F811
+def test_build_writes_partitions_that_round_trip(sources, tokenizer_dir, tokenizer, tmp_path):
     train, evaluation = sources
     out = tmp_path / "sft"
     manifest = build_sft_dataset(train, evaluation, tokenizer_dir, 512, out, source_name="demo", revision="r1")
@@ -47,7 +47,7 @@ def test_build_writes_partitions_that_round_trip(sources, tokenizer_dir, tokeniz
     assert idx["chat_template"] == "complexity-chat-v2"
 
 
-def test_manifest_records_hashes_counts_and_identity(sources, tokenizer_dir, tmp_path):  # noqa: F811
+def test_manifest_records_hashes_counts_and_identity(sources, tokenizer_dir, tmp_path):
     out = tmp_path / "sft"
     manifest = build_sft_dataset(*sources, tokenizer_dir, 512, out, revision="abc123")
     for part in ("train", "eval"):
@@ -91,7 +91,7 @@ def _with_bad(tmp_path, bad):
 
 
 @pytest.mark.parametrize("code", sorted(BAD_RECORDS))
-def test_each_invalid_example_fails_the_build_naming_file_and_line(code, tokenizer_dir, tmp_path):  # noqa: F811
+def test_each_invalid_example_fails_the_build_naming_file_and_line(code, tokenizer_dir, tmp_path):
     train = _with_bad(tmp_path, [BAD_RECORDS[code]])
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"messages": conversation(9)}])
     out = tmp_path / "sft"
@@ -103,7 +103,7 @@ def test_each_invalid_example_fails_the_build_naming_file_and_line(code, tokeniz
     assert list(tmp_path.iterdir()) and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_no_truncation_gate_is_exact_at_the_cap(tokenizer_dir, tokenizer, tmp_path):  # noqa: F811
+def test_no_truncation_gate_is_exact_at_the_cap(tokenizer_dir, tokenizer, tmp_path):
     record = {"messages": conversation(3)}
     length = len(tokenize_example(record["messages"], tokenizer).input_ids)
     train = write_jsonl(tmp_path / "train.jsonl", [record])
@@ -112,7 +112,7 @@ def test_no_truncation_gate_is_exact_at_the_cap(tokenizer_dir, tokenizer, tmp_pa
         build_sft_dataset(train, train, tokenizer_dir, length - 1, tmp_path / "too_long")
 
 
-def test_drop_invalid_skips_and_counts_by_reason(tokenizer_dir, tmp_path):  # noqa: F811
+def test_drop_invalid_skips_and_counts_by_reason(tokenizer_dir, tmp_path):
     bad = [BAD_RECORDS[c] for c in sorted(BAD_RECORDS)] + [BAD_RECORDS["too_long"]]
     train = _with_bad(tmp_path, bad)
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"messages": conversation(9)}, BAD_RECORDS["unknown_role"]])
@@ -127,7 +127,7 @@ def test_drop_invalid_skips_and_counts_by_reason(tokenizer_dir, tmp_path):  # no
     assert manifest["dropped"]["total"] == 8
 
 
-def test_error_listing_is_capped(tokenizer_dir, tmp_path):  # noqa: F811
+def test_error_listing_is_capped(tokenizer_dir, tmp_path):
     train = _with_bad(tmp_path, [BAD_RECORDS["invalid_json"]] * (MAX_LISTED_ERRORS + 5))
     with pytest.raises(SFTBuildError) as err:
         build_sft_dataset(train, train, tokenizer_dir, 256, tmp_path / "sft")
@@ -137,7 +137,7 @@ def test_error_listing_is_capped(tokenizer_dir, tmp_path):  # noqa: F811
     assert f"... and {MAX_LISTED_ERRORS + 10} more" in message
 
 
-def test_existing_output_is_refused_unless_empty(sources, tokenizer_dir, tmp_path):  # noqa: F811
+def test_existing_output_is_refused_unless_empty(sources, tokenizer_dir, tmp_path):
     out = tmp_path / "sft"
     out.mkdir()
     build_sft_dataset(*sources, tokenizer_dir, 512, out)  # empty directory: allowed
@@ -147,14 +147,14 @@ def test_existing_output_is_refused_unless_empty(sources, tokenizer_dir, tmp_pat
     assert sha256_file(out / "manifest.json") == before
 
 
-def test_vocabulary_smaller_than_the_tokenizer_is_refused(sources, tokenizer_dir, tmp_path):  # noqa: F811
+def test_vocabulary_smaller_than_the_tokenizer_is_refused(sources, tokenizer_dir, tmp_path):
     with pytest.raises(SFTBuildError, match=f"tokenizer has {VOCAB_SIZE} entries but the vocabulary size is 100"):
         build_sft_dataset(*sources, tokenizer_dir, 512, tmp_path / "sft", vocab_size=100)
     manifest = build_sft_dataset(*sources, tokenizer_dir, 512, tmp_path / "big", vocab_size=32000)
     assert manifest["vocab_size"] == 32000 and manifest["tokenizer"]["vocab_size"] == VOCAB_SIZE
 
 
-def test_partition_left_empty_fails(tokenizer_dir, tmp_path):  # noqa: F811
+def test_partition_left_empty_fails(tokenizer_dir, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [{"messages": conversation(1)}])
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [BAD_RECORDS["unknown_role"]])
     with pytest.raises(SFTBuildError, match="no valid example left in partition\\(s\\) eval"):

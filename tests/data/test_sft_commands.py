@@ -2,7 +2,7 @@
 import argparse
 import json
 
-from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.sft_commands import register
 
@@ -20,7 +20,7 @@ def _inputs(tmp_path, bad=()):
     return str(train), str(evaluation)
 
 
-def test_build_then_validate(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+def test_build_then_validate(tmp_path, tokenizer_dir, capsys):
     train, evaluation = _inputs(tmp_path, bad=['{"broken'])
     out = tmp_path / "sft"
     argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
@@ -35,7 +35,7 @@ def test_build_then_validate(tmp_path, tokenizer_dir, capsys):  # noqa: F811
     assert "is valid" in capsys.readouterr().out
 
 
-def test_invalid_input_exits_2_with_the_listing_on_stderr(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+def test_invalid_input_exits_2_with_the_listing_on_stderr(tmp_path, tokenizer_dir, capsys):
     train, evaluation = _inputs(tmp_path, bad=['{"broken'])
     argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
             "--seq-len", "256", "--out", str(tmp_path / "sft")]
@@ -45,7 +45,7 @@ def test_invalid_input_exits_2_with_the_listing_on_stderr(tmp_path, tokenizer_di
     assert not (tmp_path / "sft").exists()
 
 
-def test_validate_with_another_tokenizer_exits_2(tmp_path, tokenizer_dir, capsys):  # noqa: F811
+def test_validate_with_another_tokenizer_exits_2(tmp_path, tokenizer_dir, capsys):
     train, evaluation = _inputs(tmp_path)
     out = str(tmp_path / "sft")
     assert _run(["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),

@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, PAD_ID, tokenize_example
 from ds_trhash.data.shards import sha256_file
@@ -16,7 +16,7 @@ SEQ = 256
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, tokenizer_dir):  # noqa: F811
+def built(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("sft_set")
     records = [{"messages": conversation(i, turns=1 + i % 3)} for i in range(60)]
     train = write_jsonl(root / "train.jsonl", records)
@@ -35,7 +35,7 @@ def copy(built, tmp_path):
     return shutil.copytree(built[0], tmp_path / "sft")
 
 
-def test_open_maps_every_example(built, data, tokenizer):  # noqa: F811
+def test_open_maps_every_example(built, data, tokenizer):
     train = data.partition("train")
     assert len(train) == 60 and len(data.partition("eval")) == 5
     for i in (0, 17, 59):

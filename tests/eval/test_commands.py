@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tests.data.sft_fixtures import VOCAB_SIZE, build_test_tokenizer, conversation, write_jsonl
-
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer

@@ -4,7 +4,7 @@ examples: no token of one example can change another example's logits."""
 import numpy as np
 import pytest
 import torch
-from tests.data.sft_fixtures import VOCAB_SIZE, conversation, tokenizer, tokenizer_dir, write_jsonl  # noqa: F401
+from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
@@ -15,7 +15,7 @@ SEQ = 128
 
 
 @pytest.fixture(scope="module")
-def partition(tmp_path_factory, tokenizer_dir):  # noqa: F811
+def partition(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("iso")
     train = write_jsonl(root / "train.jsonl", [{"messages": conversation(i)} for i in range(24)])
     ev = write_jsonl(root / "eval.jsonl", [{"messages": conversation(100 + i)} for i in range(3)])

@@ -1,7 +1,6 @@
 """Parameter groups and the refusals made before any engine is built."""
 
 import pytest
-import torch
 
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.training.config import load_config
