@@ -428,6 +428,9 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if stage == SFT and cfg.data.target_tokens is not None:
         raise b.fail("data.target_tokens", "applies to replay plans only; an SFT run is sized by "
                                            "training.epochs (set null)", "stage")
+    if stage == SFT and cfg.eval.select == "min_eval_loss" and not cfg.eval.heldout:
+        raise b.fail("eval.select", "min_eval_loss picks best/ by held-out loss, which eval.heldout false "
+                                    "never computes; set eval.heldout true or eval.select last", "eval.heldout")
     if cfg.kernels.require_liger and cfg.kernels.policy == "pytorch":
         raise b.fail("kernels.require_liger", "kernels.policy pytorch never selects Liger; use policy auto "
                                               "or triton, or require_liger false", "kernels.policy")

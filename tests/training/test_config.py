@@ -254,7 +254,7 @@ def test_training_critical_tracks_trajectory_not_bookkeeping():
                 "data.packing.policy", "lora.enabled", "optimizer.betas"):
         assert key in crit, key
     assert "lora.rank" not in crit  # unused LoRA defaults do not block a resume
-    same = ["output_dir=elsewhere", "training.log_every=7", "checkpoint.keep_last=1", "eval.heldout=false",
+    same = ["output_dir=elsewhere", "training.log_every=7", "checkpoint.keep_last=1", "eval={heldout: false, select: last}",
             "lora.rank=4", "data.cache_gb=3.0"]
     for item in same:
         assert training_critical(config_from_dict(SFT_TINY, overrides=[item])) == crit, item
@@ -293,3 +293,12 @@ def test_every_key_is_documented():
     assert "optimizer.betas" in keys and "data.packing.policy" in keys and len(keys) > 40
     missing = [k for k in keys if f"`{k}`" not in doc]
     assert not missing, f"docs/configs.md lacks {missing}"
+
+
+def test_selection_by_heldout_loss_needs_heldout_evaluation():
+    from ds_trhash.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="eval.select.*eval.heldout true or eval.select last"):
+        load_config("ds_configs/tiny/sft.yaml", ["eval.heldout=false"])
+    cfg = load_config("ds_configs/tiny/sft.yaml", ["eval.heldout=false", "eval.select=last"])
+    assert cfg.eval.select == "last"

@@ -107,3 +107,25 @@ def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(st
     _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out2), "--max-steps", "1",
                   "--init-checkpoint", str(out / "checkpoints" / f"step_{4:08d}"),
                   "--source-stage", "supervised-finetuning"]))
+
+
+def test_lora_sft_killed_in_the_second_epoch_resumes_bit_identical(stages):
+    """Exact resume in a later epoch: the pack order of epoch 2 comes from (seed, epoch) alone and
+    the LoRA dropout draws from the restored RNG, so the weights end bit-identical."""
+    def args(out):
+        return ["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out),
+                "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+                "--set", "checkpoint.every_steps=10", "--set", "eval.heldout=false",
+                "--set", "eval.select=last", "--max-steps", "44"]
+
+    ref = stages["root"] / "lora-ref"
+    _ok(L.single(args(ref)))
+    final = L.checkpoint_steps(ref)[-1]  # 44 (--max-steps), epoch 1 ends at step 36
+    kill_at = 41  # inside epoch 2, after the step-40 checkpoint
+    out = stages["root"] / "lora-killed"
+    proc = L.single(args(out), DS_TRHASH_FAULT=f"kill_after_step:{kill_at}")
+    assert proc.returncode != 0, L.explain(proc)
+    resumed = _ok(L.single(args(out) + ["--resume", "auto"]))
+    assert "resuming at step 40" in resumed.stdout
+    L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{final:08d}"),
+                       L.model_weights(ref / "checkpoints" / f"step_{final:08d}"))
