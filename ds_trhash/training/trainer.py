@@ -199,6 +199,17 @@ def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) 
             f"tokenizer {theirs[:12]}…; rebuild the data with the checkpoint's tokenizer")
 
 
+def check_fresh_output_dir(output_dir: Path) -> None:
+    """A fresh start never writes over a run: its checkpoints and metrics would be mixed with
+    the new ones. Continuing that run is an explicit --resume."""
+    done = [c.name for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
+    if done or (output_dir / "metrics.csv").exists():
+        what = f"checkpoints {', '.join(done[-3:])}" if done else "a metrics.csv"
+        raise ckpt.CheckpointError(
+            f"{output_dir} already holds a run ({what}); continue it with --resume auto, or start this "
+            "launch in a new --output-dir")
+
+
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
     """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
     from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
@@ -528,6 +539,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
     ckpt.check_output_dir_stage(output_dir, cfg.stage)
+    if saved is None and not args.resume and not os.environ.get("RESUME"):
+        check_fresh_output_dir(output_dir)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     piqa_examples = None
     if cfg.eval.piqa:

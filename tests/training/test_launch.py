@@ -94,3 +94,14 @@ def test_token_pack_boundaries_are_tagged_checkpoints(root):
     tags = [json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())["pack_index"]
             for s in (3, 5, 8, 10)]
     assert tags == [1, 2, 3, 4]
+
+
+def test_a_fresh_launch_never_writes_over_an_existing_run(root):
+    out = root / "one"  # written by the one-process launch test above
+    if not (out / "metrics.csv").exists():
+        assert L.deepspeed(1, _args(out, 2)).returncode == 0
+    before = (out / "metrics.csv").read_text()
+    proc = L.single(_args(out, 2))
+    assert proc.returncode == 2, L.explain(proc)
+    assert "already holds a run" in proc.stderr and "--resume auto" in proc.stderr
+    assert (out / "metrics.csv").read_text() == before

@@ -27,3 +27,14 @@ def test_fault_injection_is_inert_unless_asked():
     faults = FaultInjection(None)
     faults.maybe_kill("kill_after_step", 0)  # returns: nothing configured
     assert FaultInjection("kill_during_save:4").step == 4
+
+
+def test_fresh_output_dir_check(tmp_path):
+    from ds_trhash.training.checkpoint import CheckpointError
+    from ds_trhash.training.trainer import check_fresh_output_dir
+
+    check_fresh_output_dir(tmp_path / "new")  # nothing there
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.csv").write_text("step\n")
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        check_fresh_output_dir(tmp_path / "old")
