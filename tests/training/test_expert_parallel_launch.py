@@ -103,6 +103,6 @@ def test_ep_size_2_refusals_name_the_reason():
     assert sft.eval.heldout
     check_runnable(sft, 2)  # held-out eval runs every forward on every rank, so EP is fine
     lora = tcfg.load_config("ds_configs/tiny/sft_lora.yaml",
-                            overrides=["parallel.ep_size=2", "zero.stage=2", "eval.heldout=false"])
+                            overrides=["parallel.ep_size=2", "zero.stage=2", "eval.heldout=false", "eval.select=last"])
     with pytest.raises(EngineError, match="lora"):
         check_runnable(lora, 2)
