@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         from ds_trhash.training.trainer import run_stage
 
         run_stage(cfg, args, rank, world)
+        if dist.is_initialized() and world > 1:
+            dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
     except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -104,6 +104,9 @@ def _worker(rank: int, port: int, errors) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         _check(rank)
+        # both ranks done before either tears down gloo: destroying the group while the peer
+        # still has traffic in flight aborts the process ("terminate called ...")
+        dist.barrier()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise

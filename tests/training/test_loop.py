@@ -145,6 +145,7 @@ def _rank_worker(rank, world, port, mbs_by_rank, out):
 
         stats = loop.train_step(AveragingEngine(model), mbs_by_rank[rank], torch.device("cpu"), world)
         out[rank] = (stats["loss"], model.w.grad.clone())
+        dist.barrier()  # both ranks done before gloo is torn down
     finally:
         dist.destroy_process_group()
 
