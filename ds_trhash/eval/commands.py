@@ -72,14 +72,10 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
 def load_model(checkpoint: str | os.PathLike, preset: str | None = None):
     """(model in eval mode on CPU in fp32, config, config source, weights-only record)."""
     from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.training.checkpoint import load_weights_only
+    from ds_trhash.training.checkpoint import load_merged_weights
 
     config, source = resolve_config(checkpoint, preset)
-    state, record = load_weights_only(checkpoint)
-    if any("lora_" in key for key in state):
-        from ds_trhash.release.export import _merge_lora
-
-        state = _merge_lora(dict(state), _read_json(Path(checkpoint) / "trainer_state.json"))
+    state, record = load_merged_weights(checkpoint)
     model = TRHashForCausalLM(config)
     try:
         model.load_checkpoint_state(state, strict=True)

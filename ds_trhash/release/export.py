@@ -332,24 +332,6 @@ def verify_export(export_dir: str | os.PathLike, *, deep: bool = True) -> tuple[
 # --------------------------------------------------------------------------- from a checkpoint
 
 
-def _merge_lora(state: dict[str, torch.Tensor], trainer_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Fold the adapters into the base weights with the run's own alpha (SPEC §6 LoRA mode)."""
-    try:
-        from ds_trhash.model.lora import merge_lora_state_dict
-    except ImportError:
-        raise ExportError("this is a LoRA checkpoint and ds_trhash.model.lora.merge_lora_state_dict is not "
-                          "available, so the adapters cannot be merged; LoRA state is never exported "
-                          "unmerged") from None
-    alpha = (trainer_state.get("training_critical") or {}).get("lora.alpha")
-    if alpha is None:
-        raise ExportError("this is a LoRA checkpoint but its trainer_state.json records no lora.alpha; the "
-                          "adapters cannot be merged exactly without it")
-    try:
-        return dict(merge_lora_state_dict(state, alpha))
-    except ValueError as exc:
-        raise ExportError(f"cannot merge the LoRA adapters: {exc}") from None
-
-
 def export_checkpoint(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -364,21 +346,19 @@ def export_checkpoint(
     ``tokenizer_dir`` overrides the recorded one. For SFT stages the complexity-chat-v2 template
     description is written beside the weights unless ``chat_template`` is given.
     """
-    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_weights_only, read_trainer_state
+    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_merged_weights, read_trainer_state
 
     ckpt = Path(ckpt_dir)
     _refuse_existing(Path(out_dir))
     parse_dtype(dtype)
     try:
-        state, _record = load_weights_only(ckpt)
+        state, _record = load_merged_weights(ckpt)  # LoRA runs export merged: plain released names
         trainer_state = read_trainer_state(ckpt)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     model_config = trainer_state.get("model_config")
     if not isinstance(model_config, Mapping):
         raise ExportError(f"{ckpt}/trainer_state.json records no model_config; cannot tell the model's shape")
-    if trainer_state.get("lora") or any("lora_" in k for k in state):
-        state = _merge_lora(dict(state), trainer_state)
     tok = tokenizer_dir if tokenizer_dir is not None else trainer_state.get("tokenizer_dir")
     if tok is not None and not Path(tok).exists():
         raise ExportError(f"the tokenizer recorded for {ckpt} ({tok}) no longer exists; pass tokenizer_dir")

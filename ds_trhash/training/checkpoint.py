@@ -978,3 +978,26 @@ def load_weights_only(path: str | os.PathLike) -> tuple[dict[str, Any], SourceRe
         f"{src} is neither a ds-trhash checkpoint ({MANIFEST} + {ENGINE_TAG}/) nor an export "
         "(model.safetensors); point --init-checkpoint at checkpoints/step_<N> or an export directory"
     )
+
+
+def load_merged_weights(path: str | os.PathLike) -> tuple[dict[str, Any], SourceRecord]:
+    """``load_weights_only`` with LoRA adapters folded into the base tensors.
+
+    Whatever consumes weights outside their own LoRA run (the next stage's initialisation, an
+    export, an evaluation) needs plain released tensor names; the adapters are merged with the
+    source run's own alpha, never dropped. A LoRA source that records no alpha is refused.
+    """
+    from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
+
+    state, record = load_weights_only(path)
+    if not has_lora_state(state):
+        return state, record
+    alpha = (read_source_metadata(path).get("training_critical") or {}).get("lora.alpha")
+    if alpha is None:
+        raise CheckpointError(
+            f"{path} holds LoRA adapters but records no lora.alpha, so they cannot be merged exactly; "
+            "use a checkpoint written by this trainer (its trainer_state.json records the LoRA settings)")
+    try:
+        return dict(merge_lora_state_dict(state, alpha)), record
+    except ValueError as exc:
+        raise CheckpointError(f"cannot merge the LoRA adapters of {path}: {exc}") from None

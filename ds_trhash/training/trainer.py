@@ -235,22 +235,6 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 # ----------------------------------------------------------------------------- model
 
 
-def _merged_if_lora(state_dict: dict, init_dir: str) -> dict:
-    """A LoRA source (SFT → SFT) starts the next stage from its merged weights: the adapters are
-    folded into the base tensors with the source run's own alpha, never dropped."""
-    from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
-
-    if not has_lora_state(state_dict):
-        return state_dict
-    critical = ckpt.read_source_metadata(init_dir).get("training_critical", {})
-    if "lora.alpha" not in critical:
-        raise ckpt.CheckpointError(
-            f"{init_dir} holds LoRA adapters but records no lora.alpha, so they cannot be merged; "
-            "export it merged first (ds-trhash export) and initialise from the export")
-    log.info("merging the LoRA adapters of %s (alpha %s) into the initial weights", init_dir, critical["lora.alpha"])
-    return merge_lora_state_dict(state_dict, alpha=critical["lora.alpha"])
-
-
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     from ds_trhash.model import TRHashForCausalLM
     from ds_trhash.model import backend
@@ -258,8 +242,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
     if init_dir is not None:
-        state_dict, _ = ckpt.load_weights_only(init_dir)
-        state_dict = _merged_if_lora(state_dict, init_dir)
+        state_dict, _ = ckpt.load_merged_weights(init_dir)  # an SFT→SFT LoRA source arrives merged
         differences = model.load_checkpoint_state(state_dict)
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)

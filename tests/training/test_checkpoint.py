@@ -483,3 +483,35 @@ def test_real_deepspeed_checkpoint_weights_only_and_exact_resume(tmp_path, deeps
     else:  # partitioned optimizer state needs the universal conversion, set at initialize time
         with pytest.raises(CheckpointError, match="load_universal=True"):
             ck.load_engine_state(engine, path, reshard=True)
+
+
+def test_load_merged_weights_folds_lora_adapters_with_the_recorded_alpha(tmp_path):
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+    from ds_trhash.model.lora import apply_lora, has_lora_state, merge_lora
+    from ds_trhash.training.checkpoint import load_merged_weights
+    from ds_trhash.training.config import LoraSection
+
+    torch.manual_seed(0)
+    model = TRHashForCausalLM(TRHashConfig.from_preset("tiny"))
+    apply_lora(model, LoraSection(enabled=True, rank=4, alpha=8.0, dropout=0.0))
+    for name, p in model.named_parameters():
+        if name.endswith("lora_B"):
+            torch.nn.init.normal_(p)  # non-zero adapters, so merging changes the base tensors
+    src = tmp_path / "lora-export"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src / "model.safetensors"))
+    (src / "run.json").write_text(_json.dumps({"stage": "supervised-finetuning", "lora": True,
+                                               "training_critical": {"lora.alpha": 8.0}}))
+    merged, record = load_merged_weights(src)
+    assert not has_lora_state(merged) and record.stage.value == "supervised-finetuning"
+    expected = merge_lora(model)
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
+
+    (src / "run.json").write_text(_json.dumps({"stage": "supervised-finetuning", "lora": True}))
+    with pytest.raises(CheckpointError, match="records no lora.alpha"):
+        load_merged_weights(src)
