@@ -10,12 +10,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ds_trhash.training.engine import describe_hardware
+from ds_trhash.training.selection import RULES as SELECTION_RULES
 
 RECORD_FORMAT = "ds-trhash-run-record-v1"
 RECORD_FIELDS = (
@@ -24,7 +26,6 @@ RECORD_FIELDS = (
     "effective_batch", "kernel_path", "checkpoints", "selection_rule", "selected_checkpoint",
     "export_safetensors_sha256", "known_limitations",
 )
-SELECTION_RULES = ("last", "min_eval_loss")
 
 
 class RecordError(ValueError):
@@ -49,25 +50,6 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def detect_hardware() -> str:
-    """The accelerator of this machine, else its CPU model."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-            return f"{torch.cuda.device_count()} x " + " / ".join(names)
-    except Exception:  # a broken CUDA install must not stop a report
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "CPU: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
 
 
 def read_metrics(path: Path) -> list[dict[str, str]]:
@@ -163,10 +145,16 @@ def _tokenizer_hash(state: Mapping[str, Any], export: Mapping[str, Any] | None) 
 
 
 def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
-    if rule == "last":
-        return checkpoints[-1]["name"] if checkpoints else None
-    scored = [c for c in checkpoints if isinstance(c["metrics"].get("eval_loss"), (int, float))]
-    return min(scored, key=lambda c: (c["metrics"]["eval_loss"], c["step"]))["name"] if scored else None
+    """The trainer's own selection rule (training.selection) over the recorded checkpoints."""
+    from ds_trhash.training.selection import Candidate, choose
+
+    candidates = [Candidate(epoch=c.get("epoch"), step=c["step"], checkpoint=c["name"],
+                            eval_loss=c["metrics"].get("eval_loss"), eval_ppl=None, eval_tokens=None,
+                            train_loss=c["metrics"].get("train_loss")) for c in checkpoints]
+    try:
+        return choose(candidates, rule).checkpoint
+    except ValueError:  # nothing to choose from: the field stays unknown
+        return None
 
 
 # --------------------------------------------------------------------------- collection
@@ -278,7 +266,7 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
             prov["framework_commit"] = "git rev-parse HEAD where the record was written (the run recorded none)"
             limitations.append("framework commit is the checkout that wrote this record; the run did not record one")
     if "hardware" not in collected:
-        collected["hardware"] = detect_hardware()
+        collected["hardware"] = describe_hardware()
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
     if "selection_rule" in collected and "selected_checkpoint" not in collected:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,20 @@ def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int,
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )
     return Engine(engine=engine, optimizer=ds_opt, scheduler=ds_sched, device=device)
+
+
+def describe_hardware() -> str:
+    """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
+    try:
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return f"{torch.cuda.device_count()} x " + " / ".join(names)
+    except RuntimeError:  # a broken CUDA install must not stop a checkpoint or a report
+        pass
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return "CPU: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")

@@ -580,9 +580,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         spe = data.batches.steps_per_epoch
         protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
 
-    from ds_trhash.release.record import detect_hardware
+    from ds_trhash.training.engine import describe_hardware
 
-    hardware = f"{world} process(es); rank 0 on {detect_hardware()}"
+    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {

@@ -49,3 +49,10 @@ def test_expert_parallel_size_must_divide_world(tmp_path):
     with pytest.raises(EngineError, match="does not divide the world size 3"):
         check_runnable(cfg, world_size=3)
     check_runnable(_cfg(tmp_path, **{"parallel.ep_size": 2, "zero.stage": 1}), world_size=2)  # EP needs ZeRO 1/2
+
+
+def test_hardware_is_described_from_the_machine():
+    from ds_trhash.training.engine import describe_hardware
+
+    text = describe_hardware()
+    assert text.startswith("CPU: ") or " x " in text
