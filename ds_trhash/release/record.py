@@ -29,7 +29,7 @@ RECORD_FIELDS = (
 
 
 class RecordError(ValueError):
-    pass
+    """The run record cannot be built from what was given (not a run folder, unknown field)."""
 
 
 # --------------------------------------------------------------------------- readers

@@ -29,7 +29,7 @@ _FORMATS = {"train_loss": ".6f", "eval_loss": ".6f", "train_ppl": ".4f", "eval_p
 
 
 class MetricsError(ValueError):
-    pass
+    """metrics.csv cannot be written as asked (unknown column, a header from another layout)."""
 
 
 def perplexity(loss: float | None) -> float | None:

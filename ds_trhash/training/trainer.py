@@ -509,9 +509,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     output_dir = Path(cfg.output_dir)
     model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
                                     loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
-    if cfg.data.seq_len > model_cfg.max_seq_len:
-        raise tcfg.ConfigError(cfg.origin, "data.seq_len",
-                               f"{cfg.data.seq_len} exceeds the {cfg.model.preset} context of {model_cfg.max_seq_len}")
 
     # --- everything that can refuse the launch, before the model exists
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
