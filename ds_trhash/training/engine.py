@@ -122,7 +122,40 @@ def init_distributed() -> tuple[int, int]:
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    release_shm_segment_name(rank, world)
+    return rank, world
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_segment_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shared-memory all-reduce puts this rank's segment (its naming:
+    prefix, uid, MASTER_ADDR, MASTER_PORT, rank)."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    return os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
+
+
+def release_shm_segment_name(rank: int, world: int) -> None:
+    """Unlink this rank's DeepSpeed shared-memory segment once every rank has mapped it.
+
+    On CPU, when the launcher sets LOCAL_SIZE to the world size, DeepSpeed creates a named
+    segment of about 64 MiB per rank under /dev/shm and never unlinks it, so every launch,
+    killed or not, left one behind per rank until /dev/shm (RAM) filled and the machine
+    swapped to a halt. DeepSpeed's initialisation maps every peer's segment before it returns,
+    so after a barrier the names are no longer needed: unlinking them keeps the mappings valid
+    for this run and lets the kernel free the memory when the last rank exits, however it exits.
+    """
+    if torch.cuda.is_available() or not os.path.isdir(SHM_DIR):
+        return
+    if world > 1:
+        torch.distributed.barrier()  # every rank has returned from DeepSpeed's shm initialise
+    try:
+        os.unlink(shm_segment_path(rank))
+    except FileNotFoundError:
+        pass  # LOCAL_SIZE unset or a multi-node run: DeepSpeed made no segment
 
 
 @dataclass

@@ -35,11 +35,26 @@ def base_env(**extra: str) -> dict:
     return env
 
 
+def shm_segments(port: int) -> list[Path]:
+    """DeepSpeed CPU shared-memory segments of a launch on this master port (none should outlive it)."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N launch/train.py ...`: N CPU processes over gloo."""
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+    """`deepspeed --num_gpus N launch/train.py ...`: N CPU processes over gloo.
+
+    Every launch is also a leak check: a DeepSpeed shared-memory segment left in /dev/shm is
+    removed and reported as a failure (they are RAM, and never freed otherwise)."""
+    port = free_port()
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port),
            str(REPO / "launch" / "train.py"), *args]
-    return subprocess.run(cmd, cwd=REPO, env=base_env(**env), capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=base_env(**env), capture_output=True, text=True, timeout=timeout)
+    finally:
+        leftover = shm_segments(port)
+        for p in leftover:
+            p.unlink(missing_ok=True)
+        assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
 
 
 def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
