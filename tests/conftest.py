@@ -34,3 +34,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    """Say up front when earlier DeepSpeed launches left shared-memory segments in /dev/shm.
+
+    They are RAM that nothing frees; enough of them swap the machine to a halt and the suite then
+    times out with no error to read. The trainer unlinks its own (engine.init_distributed), so
+    these come from launches outside it or from before that fix."""
+    import glob
+
+    stale = glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")
+    if not stale:
+        return
+    size = sum(os.path.getsize(p) for p in stale if os.path.exists(p)) / 2**30
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            f"warning: {len(stale)} DeepSpeed shared-memory segments ({size:.1f} GiB of RAM) left in /dev/shm "
+            "by earlier launches; when no run is starting, free them with: rm /dev/shm/deepspeed_allreduce_buffer_*",
+            yellow=True,
+        )
