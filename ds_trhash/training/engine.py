@@ -7,6 +7,7 @@ formula and the scheduler state is part of the DeepSpeed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -152,10 +153,9 @@ def release_shm_segment_name(rank: int, world: int) -> None:
         return
     if world > 1:
         torch.distributed.barrier()  # every rank has returned from DeepSpeed's shm initialise
-    try:
+    # absent when LOCAL_SIZE is unset or the run spans nodes: DeepSpeed then made no segment
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(shm_segment_path(rank))
-    except FileNotFoundError:
-        pass  # LOCAL_SIZE unset or a multi-node run: DeepSpeed made no segment
 
 
 @dataclass
@@ -188,16 +188,13 @@ def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int,
 
 def describe_hardware() -> str:
     """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
-    try:
+    # a broken CUDA install or an unreadable /proc must not stop a checkpoint or a report
+    with contextlib.suppress(RuntimeError):
         if torch.cuda.is_available():
             names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
             return f"{torch.cuda.device_count()} x " + " / ".join(names)
-    except RuntimeError:  # a broken CUDA install must not stop a checkpoint or a report
-        pass
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
             if line.startswith("model name"):
                 return "CPU: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
