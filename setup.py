@@ -23,6 +23,11 @@ setup(
         "tokenizers",
         "pyyaml",
         "rich",
+        "transformers>=4.50",
+        "jinja2",
+        "matplotlib",
+        "supervisor",
     ],
+    extras_require={"tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["ds-trhash=ds_trhash.cli:main"]},
 )
