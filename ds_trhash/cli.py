@@ -16,6 +16,7 @@ def _register_all(sub) -> None:
     from ds_trhash.data import commands as data_commands
     from ds_trhash.data import sft_commands
     from ds_trhash.eval import commands as eval_commands
+    from ds_trhash.ops import preflight, smoke
     from ds_trhash.release import commands as release_commands
 
     data_commands.register(sub)
@@ -23,6 +24,8 @@ def _register_all(sub) -> None:
     eval_commands.register(sub)
     release_commands.register(sub)
     demo.register(sub)
+    preflight.register(sub)
+    smoke.register(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

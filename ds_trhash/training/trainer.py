@@ -45,8 +45,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ds_trhash.model.lora import LoRAError
     from ds_trhash.training.metrics import MetricsError
     from ds_trhash.training.rng import RNGStateError
+    from ds_trhash.training.stage_inputs import ShardFilesError
 
-    return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
+    return (ShardFilesError, PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
             BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
             LoRAError, MetricsError, RNGStateError, PiqaDataError)
 
@@ -101,37 +102,33 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
-    from ds_trhash.data.budget import check_target_tokens, plan_steps
-    from ds_trhash.data.cache import ShardCache, cache_bytes_from
-    from ds_trhash.data.plan import load_plan
-    from ds_trhash.data.reader import ReplayReader
-
+def pretrain_paths(cfg: tcfg.TrainConfig, rank: int) -> tuple[Path, Path, Path | None]:
+    """(plan, shards_dir, tokenizer_dir) of a pretraining or refinement launch; the embedded
+    demo corpus (data.plan null) is built beside the output directory first."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = paths.shards_dir, paths.tokenizer_dir
-    else:
-        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
-        if shards_dir is None:
-            raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
-    plan = load_plan(plan_path)
-    if plan.seq_len != cfg.data.seq_len:
-        raise tcfg.ConfigError(cfg.origin, "data.seq_len",
-                               f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
-    env_target = os.environ.get("TARGET_TOKENS")
-    check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
-    steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
-    from ds_trhash.data.reader import source_manifests
+        return plan_path, paths.shards_dir, paths.tokenizer_dir
+    if cfg.data.shards_dir is None:
+        raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
+    return Path(cfg.data.plan), Path(cfg.data.shards_dir), Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
 
+
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
+    from ds_trhash.data.cache import ShardCache, cache_bytes_from
+    from ds_trhash.data.reader import ReplayReader
+    from ds_trhash.training.stage_inputs import pretrain_inputs
+
+    plan_path, shards_dir, tokenizer_dir = pretrain_paths(cfg, rank)
+    inputs = pretrain_inputs(cfg, world, plan_path, shards_dir, tokenizer_dir)
+    plan = inputs.plan
     # Every shard is read through the bounded cache, which verifies its SHA-256 against the
     # manifest before a single row is trained on (one cache folder per rank).
     cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-    cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ),
-                       source_manifests(shards_dir, plan))
+    cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), inputs.manifests)
     reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
     batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
-    return StageData(batches=batches, total_steps=_max_steps(cfg, steps), plan=plan,
+    return StageData(batches=batches, total_steps=inputs.steps, plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=plan.doc.get("tokenizer_sha256"),
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
@@ -578,6 +575,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
 
     from ds_trhash.training.engine import describe_hardware
+    from ds_trhash.training.resources import peak_memory
 
     hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
@@ -607,6 +605,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
             "reason": reason,
+            "save_started_unix": time.time(),  # the save's duration ends at MANIFEST.json (ds-trhash smoke)
+            "peak_memory": peak_memory(device),
             **extra,
         }
 
