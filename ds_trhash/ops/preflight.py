@@ -136,25 +136,6 @@ def _source(report: Report, cfg, init_dir: str | None, data, resuming: bool) -> 
 # ----------------------------------------------------------------------------- resources
 
 
-def _disk_needs(cfg, footprint, total_steps: int, spe: int | None, world: int, after: int,
-                existing: list[int]) -> list[tuple[str, Path, int]]:
-    from ds_trhash.training.checkpoint_plan import CheckpointPlan
-    from ds_trhash.training.footprint import gib
-
-    plan = CheckpointPlan.for_stage(cfg, total_steps, spe)
-    kept = plan.peak_kept(after=after, existing=existing)
-    new = max(0, kept - len(existing))
-    needs = [(f"checkpoints ({new} more x {gib(footprint.checkpoint)}, at most {kept} at once)",
-              Path(cfg.output_dir), new * footprint.checkpoint)]
-    if cfg.data.kind == "pretrain":
-        from ds_trhash.data.cache import cache_bytes_from
-
-        cache = cache_bytes_from(cfg.data.cache_gb, os.environ) * world
-        needs.append((f"shard cache ({world} rank(s))", Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache"),
-                      cache))
-    return needs
-
-
 def _data(cfg, model_cfg, world: int, deep: bool, scratch: Path):
     from ds_trhash.ops.stage_data import resolve_stage_data
 
@@ -209,7 +190,7 @@ def run_preflight(args: argparse.Namespace) -> int:
         report.skip("disk", "the step count comes from the data, whose check failed")
     else:
         after = int(saved["step"]) if saved else 0
-        for check in res.check_disk(_disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
+        for check in res.check_disk(res.disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
             report.add(check)
     return report.finish()
 

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_trhash.training.footprint import GIB, Footprint, gib
+from ds_trhash.training.footprint import GIB, Footprint, estimate, gib
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DISK_FREE_ENV = "DS_TRHASH_TEST_DISK_FREE"
@@ -68,14 +68,16 @@ def host_memory() -> tuple[int, int]:
     return fields.get("MemAvailable", os.sysconf("SC_AVPHYS_PAGES") * size), total
 
 
-def probe_devices() -> Devices:
+def probe_devices(only: int | None = None) -> Devices:
+    """Every CUDA device of this node (or just device ``only``: a rank asks about its own, so
+    it opens no context on its neighbours'), else the host's memory."""
     import torch
 
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        infos = [torch.cuda.mem_get_info(i) for i in range(count)]
-        names = tuple(torch.cuda.get_device_name(i) for i in range(count))
-        return Devices("cuda", count, names, tuple(f for f, _ in infos), tuple(t for _, t in infos))
+        ids = range(torch.cuda.device_count()) if only is None else [only]
+        infos = [torch.cuda.mem_get_info(i) for i in ids]
+        names = tuple(torch.cuda.get_device_name(i) for i in ids)
+        return Devices("cuda", len(ids), names, tuple(f for f, _ in infos), tuple(t for _, t in infos))
     available, total = host_memory()
     return Devices("cpu", 0, (), (available,), (total,))
 
@@ -262,20 +264,61 @@ def check_comm_op(devices: Devices) -> Check:
 # ----------------------------------------------------------------------------- at launch
 
 
-def launch_checks(footprint: Footprint, devices: Devices, nproc: int, disk_needs: list[tuple[str, Path, int]],
-                  one_checkpoint: tuple[Path, int]) -> list[Check]:
-    """The cheap part, run by the trainer before the model is built: a disk that cannot hold the
-    next checkpoint is refused (ResourceError); a disk short of every checkpoint the run keeps,
-    or memory short of the estimate, is returned as a warning to log."""
-    where, size = one_checkpoint
-    if free_bytes(where) < size:
+def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int | None, world: int,
+               after: int = 0, existing: list[int] | tuple = ()) -> list[tuple[str, Path, int]]:
+    """What a run from step ``after`` to ``total_steps`` puts on disk: the checkpoints it keeps at
+    once beyond the ``existing`` complete ones (the trainer's own cadence and rotation), and the
+    shard cache of every rank (pretraining, refinement)."""
+    from ds_trhash.training.checkpoint_plan import CheckpointPlan
+
+    kept = CheckpointPlan.for_stage(cfg, total_steps, steps_per_epoch).peak_kept(after=after, existing=existing)
+    new = max(0, kept - len(existing))
+    needs = [(f"checkpoints ({new} more x {gib(footprint.checkpoint)}, at most {kept} at once)",
+              Path(cfg.output_dir), new * footprint.checkpoint)]
+    if cfg.data.kind == "pretrain":
+        from ds_trhash.data.cache import cache_bytes_from
+
+        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache")
+        needs.append((f"shard cache ({world} rank(s))", cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ) * world))
+    return needs
+
+
+def shared_free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes under ``path`` as rank 0 measures them, the same number on every rank, so that
+    a refusal is unanimous (a single rank refusing would leave the others waiting)."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    value = [free_bytes(path) if not distributed or dist.get_rank() == 0 else None]
+    if distributed:
+        dist.broadcast_object_list(value, src=0)
+    return int(value[0])
+
+
+def local_processes(world: int) -> int:
+    """Ranks on this node (the deepspeed launcher says LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+
+
+def check_at_launch(cfg, model_cfg, world: int, local_processes: int, devices: Devices, total_steps: int,
+                    steps_per_epoch: int | None, after: int, existing: list[int], output_free: int) -> list[Check]:
+    """The cheap part of preflight's resource checks, run by the trainer before the model exists.
+
+    ``output_free``: free bytes under the output directory, measured once (rank 0) and shared so
+    every rank decides alike. Fewer than one checkpoint needs is refused (ResourceError): the
+    first save would fail. Less than every checkpoint the run keeps, or memory short of the
+    estimate, comes back as warnings to log: the run can still be rescued (pruning, syncing)."""
+    footprint = estimate(cfg, model_cfg, world, devices.kind)
+    if output_free < footprint.checkpoint:
         raise ResourceError(
-            f"{gib(free_bytes(where))} free under {_existing(where)} cannot hold one checkpoint of {gib(size)}; "
-            "free space there or choose another --output-dir")
-    warnings = [c for c in check_disk(disk_needs) + [check_memory(footprint, devices, nproc)] if c.status != PASS]
-    return [Check(c.name, WARN, c.detail, c.fix) for c in warnings]
+            f"{gib(output_free)} free under {_existing(Path(cfg.output_dir))} cannot hold one checkpoint of "
+            f"{gib(footprint.checkpoint)}; free space there or choose another --output-dir "
+            "(ds-trhash preflight shows what the whole run needs)")
+    checks = check_disk(disk_needs(cfg, footprint, total_steps, steps_per_epoch, world, after, existing))
+    checks.append(check_memory(footprint, devices, local_processes))
+    return [Check(c.name, WARN, c.detail, c.fix) for c in checks if c.status != PASS]
 
 
 __all__ = ["Check", "Devices", "ResourceError", "PASS", "WARN", "FAIL", "GIB", "probe_devices", "default_nproc",
            "check_devices", "check_precision", "check_memory", "check_disk", "free_bytes", "check_packages",
-           "check_comm_op", "launch_checks", "package_version", "host_memory", "peak_memory"]
+           "check_comm_op", "check_at_launch", "disk_needs", "shared_free_bytes", "local_processes", "package_version", "host_memory", "peak_memory"]

@@ -7,7 +7,6 @@ writes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -45,9 +44,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ds_trhash.model.lora import LoRAError
     from ds_trhash.training.metrics import MetricsError
     from ds_trhash.training.rng import RNGStateError
+    from ds_trhash.training.resources import ResourceError
     from ds_trhash.training.stage_inputs import ShardFilesError
 
-    return (ShardFilesError, PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
+    return (ShardFilesError, ResourceError, PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
             BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
             LoRAError, MetricsError, RNGStateError, PiqaDataError)
 
@@ -496,16 +496,15 @@ class SelectionCallback(loop.Callback):
 
 
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainState:
-    from ds_trhash.model import TRHashConfig
     from ds_trhash.training.metrics import MetricsWriter
+    from ds_trhash.training.stage_inputs import model_config
     from ds_trhash.training.progress import Progress
     from ds_trhash.training.rng import load_rng_state, restore_rng_state
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
     output_dir = Path(cfg.output_dir)
-    model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
-                                    loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
+    model_cfg = model_config(cfg)
 
     # --- everything that can refuse the launch, before the model exists
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
@@ -534,6 +533,19 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             found=ckpt.inspect_saved_parts(resume_dir),
         )
         resharding = ckpt.is_reshard(saved, world, args.reshard)
+
+    # --- resources: the cheap part of `ds-trhash preflight` (disk for the checkpoints, memory)
+    from ds_trhash.training import resources
+
+    devices = resources.probe_devices(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    for warning in resources.check_at_launch(
+            cfg, model_cfg, world, 1 if devices.kind == "cuda" else resources.local_processes(world), devices,
+            data.total_steps, getattr(data.batches, "steps_per_epoch", None),
+            after=int(saved["step"]) if saved is not None else 0,
+            existing=[c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest],
+            output_free=resources.shared_free_bytes(output_dir)):
+        if rank == 0:
+            log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
 
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
