@@ -48,7 +48,7 @@ def loss_range(metrics_csv: Path) -> tuple[float, float, int]:
 
 
 def latest_checkpoint(output_dir: Path) -> Path:
-    from ds_trhash.training.checkpoint import find_resumable
+    from ds_trhash.checkpoints import find_resumable
 
     info = find_resumable(output_dir, log=lambda *_: None)
     if info is None:

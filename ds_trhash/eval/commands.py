@@ -72,7 +72,7 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
 def load_model(checkpoint: str | os.PathLike, preset: str | None = None):
     """(model in eval mode on CPU in fp32, config, config source, weights-only record)."""
     from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.training.checkpoint import load_merged_weights
+    from ds_trhash.checkpoints import load_merged_weights
 
     config, source = resolve_config(checkpoint, preset)
     state, record = load_merged_weights(checkpoint)
@@ -198,7 +198,7 @@ def _heldout(args: argparse.Namespace) -> int:
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from ds_trhash.release.export import ExportError
-        from ds_trhash.training.checkpoint import CheckpointError
+        from ds_trhash.checkpoints import CheckpointError
 
         try:
             return handler(args)

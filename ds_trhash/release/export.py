@@ -231,7 +231,7 @@ def export_safetensors(
     _refuse_existing(out)
     dtype_name, float_dtype = parse_dtype(dtype)
     if stage is not None:
-        from ds_trhash.training.stages import Stage, StageError
+        from ds_trhash.checkpoints.stages import Stage, StageError
 
         try:
             stage = Stage.parse(stage, what="export stage").value
@@ -346,7 +346,7 @@ def export_checkpoint(
     ``tokenizer_dir`` overrides the recorded one. For SFT stages the complexity-chat-v2 template
     description is written beside the weights unless ``chat_template`` is given.
     """
-    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_merged_weights, read_trainer_state
+    from ds_trhash.checkpoints import CheckpointError, MANIFEST, load_merged_weights, read_trainer_state
 
     ckpt = Path(ckpt_dir)
     _refuse_existing(Path(out_dir))

@@ -151,7 +151,7 @@ class SyncReport:
 
 
 def _checkpoint_unit(path: Path, path_in_repo: str) -> Unit | str:
-    from ds_trhash.training.checkpoint import MANIFEST, verify
+    from ds_trhash.checkpoints import MANIFEST, verify
 
     ok, reason = verify(path, deep=True)
     if not ok:
@@ -180,7 +180,7 @@ def _sha256(path: Path) -> str:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    from ds_trhash.training.checkpoint import ENGINE_TAG, MANIFEST, TRAINER_STATE
+    from ds_trhash.checkpoints import ENGINE_TAG, MANIFEST, TRAINER_STATE
 
     return any((path / n).exists() for n in (MANIFEST, TRAINER_STATE, ENGINE_TAG))
 
@@ -199,7 +199,7 @@ class _Plan:
 
 def discover(local_dir: str | os.PathLike) -> _Plan:
     """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS, list_checkpoints
+    from ds_trhash.checkpoints import CHECKPOINTS, list_checkpoints
 
     root = Path(local_dir)
     if not root.is_dir():
@@ -410,7 +410,7 @@ def sync(
 def discover_lock_dir(root: Path) -> Path:
     """The output directory whose lock guards ``root`` (the same for a run, its checkpoints and
     its exports)."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS
+    from ds_trhash.checkpoints import CHECKPOINTS
 
     if root.is_dir() and _is_checkpoint(root):
         return root.parent.parent if root.parent.name == CHECKPOINTS else root.parent

@@ -93,7 +93,7 @@ def _source_hash(path: str | None) -> tuple[str | None, str | None]:
     if not path:
         return None, None
     from ds_trhash.release.export import EXPORT_MANIFEST, sha256_file
-    from ds_trhash.training.checkpoint import MANIFEST
+    from ds_trhash.checkpoints import MANIFEST
 
     src = Path(path)
     if (src / MANIFEST).is_file():
@@ -164,7 +164,7 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
                        selection_rule: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """(fields, provenance) read from a run output directory; absent facts are left out."""
     from ds_trhash.release.export import EXPORT_MANIFEST
-    from ds_trhash.training.checkpoint import list_checkpoints, verify
+    from ds_trhash.checkpoints import list_checkpoints, verify
 
     run = Path(run_dir)
     if not run.is_dir():

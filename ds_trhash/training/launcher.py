@@ -8,10 +8,10 @@ import sys
 
 import torch.distributed as dist
 
-from ds_trhash.training import checkpoint as ckpt
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import EngineError, init_distributed
-from ds_trhash.training.stages import StageError
+from ds_trhash.checkpoints.stages import StageError
 
 log = logging.getLogger("ds_trhash")
 

@@ -22,12 +22,13 @@ from ds_trhash.data.plan import PlanError
 from ds_trhash.data.sft_dataset import SFTDataError
 from ds_trhash.model.backend import BackendError
 from ds_trhash.model.routing import RouteTableError
-from ds_trhash.training import checkpoint as ckpt
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+from ds_trhash.training.callbacks.stop import GracefulStop
 from ds_trhash.training.engine import build_engine, check_runnable
-from ds_trhash.training.stages import SourceRecord, StageError, check_launch
+from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -44,7 +45,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ds_trhash.eval.piqa import PiqaDataError
     from ds_trhash.model.lora import LoRAError
     from ds_trhash.training.metrics import MetricsError
-    from ds_trhash.training.rng import RNGStateError
+    from ds_trhash.checkpoints.rng import RNGStateError
 
     return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
             BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
@@ -502,7 +503,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     from ds_trhash.model import TRHashConfig
     from ds_trhash.training.metrics import MetricsWriter
     from ds_trhash.training.progress import Progress
-    from ds_trhash.training.rng import load_rng_state, restore_rng_state
+    from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
@@ -635,7 +636,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress,
                                            piqa_results))
 
-    with ckpt.GracefulStop() as stop:
+    with GracefulStop() as stop:
         state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
                          lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop,
                          vocab_size=model_cfg.vocab_size)

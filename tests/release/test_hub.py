@@ -9,7 +9,7 @@ from huggingface_hub.hf_api import RepoFile
 
 from ds_trhash.release import commands, hub
 from ds_trhash.release.hub import SyncError, sync, sync_lock
-from ds_trhash.training.checkpoint import MANIFEST, list_checkpoints, save_checkpoint
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, save_checkpoint
 
 TOKEN = "hf_FAKEtokenVALUE0123456789abcd"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_trhash.training.stages import StageError
+from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.training.trainer import FaultInjection, StageData, check_tokenizer_identity
 
 
@@ -30,7 +30,7 @@ def test_fault_injection_is_inert_unless_asked():
 
 
 def test_fresh_output_dir_check(tmp_path):
-    from ds_trhash.training.checkpoint import CheckpointError
+    from ds_trhash.checkpoints import CheckpointError
     from ds_trhash.training.trainer import check_fresh_output_dir
 
     check_fresh_output_dir(tmp_path / "new")  # nothing there
