@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ds_trhash.io import sha256_file
+
 from .plan import build_plan, derive_refinement, write_plan
 from .shards import tokenize_to_shards
 from .tokenizer import PathLike, load_tokenizer, train_tokenizer
@@ -178,7 +180,7 @@ def _is_complete(paths: EmbeddedPaths, stamp: dict) -> bool:
         return False
     for relative, digest in recorded.get("files", {}).items():
         file = paths.root / relative
-        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        if not file.is_file() or sha256_file(file) != digest:
             return False
     return bool(recorded.get("files"))
 
@@ -203,7 +205,7 @@ def _build(root: Path, seq_len: int, vocab_size: int, seed: int, topics: dict[st
     train, evaluation = _chat_sets(topics, load_tokenizer(paths.tokenizer_dir), seq_len, seed)
     _write_jsonl(paths.chat_train_jsonl, train)
     _write_jsonl(paths.chat_eval_jsonl, evaluation)
-    files = {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in paths.files()}
+    files = {str(f.relative_to(root)): sha256_file(f) for f in paths.files()}
     (root / STAMP_FILE).write_text(json.dumps({**stamp, "files": files}, indent=2) + "\n", encoding="utf-8")
 
 

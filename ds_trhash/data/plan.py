@@ -15,6 +15,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from ds_trhash.io import json_text, sha256_file
+
 from .shards import check_source_name
 from .tokenizer import PathLike
 
@@ -338,10 +340,6 @@ def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
         )
 
 
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def load_plan(path: PathLike) -> ReplayPlan:
     path = Path(path)
     if not path.is_file():
@@ -367,7 +365,7 @@ def write_plan(doc: Mapping, path: PathLike) -> ReplayPlan:
     """Write a plan once. The same bytes again is a no-op; different bytes are refused."""
     validate_plan_doc(doc)
     path = Path(path)
-    data = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+    data = json_text(doc).encode("utf-8")
     if path.exists():
         if path.read_bytes() != data:
             raise PlanError(f"refusing to overwrite {path}: plans are immutable; write the new plan to another path")
@@ -390,7 +388,7 @@ def check_plan_unchanged(plan: Union[ReplayPlan, PathLike], recorded_sha256: str
     path = plan.path if isinstance(plan, ReplayPlan) else Path(plan)
     if path is None:
         raise PlanError("plan was not loaded from a file; cannot compare it with the checkpoint's record")
-    current = _file_sha256(path) if path.is_file() else "<missing>"
+    current = sha256_file(path) if path.is_file() else "<missing>"
     if current != recorded_sha256:
         raise PlanError(
             f"plan file changed since the checkpoint recorded it: {path} has sha256 {current}, "

@@ -21,8 +21,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, IGNORE_INDEX, PAD_ID, SUPERVISION_MODES
-from ds_trhash.data.shards import sha256_file
+from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, PAD_ID, SUPERVISION_MODES
+from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import (
     INDEX_FORMAT,
     INPUT_DTYPE,

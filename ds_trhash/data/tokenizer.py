@@ -6,12 +6,13 @@ that merely look alike never pass for each other.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ds_trhash.io import sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<s>", "<unk>"
@@ -116,4 +117,4 @@ def load_tokenizer(path_or_dir: PathLike, *, require_special_ids: bool = True) -
 
 def tokenizer_sha256(path_or_dir: PathLike) -> str:
     """SHA-256 hex digest of the tokenizer.json bytes: the tokenizer's identity."""
-    return hashlib.sha256(tokenizer_file(path_or_dir).read_bytes()).hexdigest()
+    return sha256_file(tokenizer_file(path_or_dir))

@@ -55,6 +55,10 @@ LINEAR_TARGETS: dict[str, str] = {
     "shared_up": "mlp.engine.shared_up",
     "shared_down": "mlp.engine.shared_down",
 }
+# The names a config may list under lora.targets, and the default list (every attention
+# projection but k_proj, and the shared expert's three linears).
+LORA_TARGETS = tuple(LINEAR_TARGETS)
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
 # Stacked routed-expert weights adapted when `experts` is on; adapter module = name + "_lora".
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")

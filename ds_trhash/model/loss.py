@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The label of a position that is not trained on (prompt tokens, separators, padding): the one
+# definition every producer of labels (data) and every counter of them (training, eval) imports.
 IGNORE_INDEX = -100
 LOSS_BACKENDS = ("plain", "chunked", "liger")
 REDUCTIONS = ("mean", "sum")

@@ -23,6 +23,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import yaml
 
+from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+
 __all__ = [
     "ConfigError",
     "TrainConfig",
@@ -52,9 +55,8 @@ __all__ = [
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
 SFT = "supervised-finetuning"
-# Linear layers a LoRA adapter can wrap; stacked expert weights are switched by `lora.experts`.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
-SPEC_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
+# LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
+# weights are switched by `lora.experts`.
 
 
 class ConfigError(ValueError):
@@ -183,7 +185,7 @@ class ZeroSection:
 
 @dataclass(frozen=True)
 class KernelsSection:
-    policy: Literal["auto", "triton", "pytorch"] = "auto"
+    policy: Literal[KERNEL_POLICIES] = "auto"
     require_liger: bool = False
     loss_chunk_tokens: int = _f(1024, check=_positive)
 
@@ -199,7 +201,7 @@ class LoraSection:
     rank: int = _f(16, check=_positive)
     alpha: float = _f(16.0, check=_positive)
     dropout: float = _f(0.05, check=_half_open_unit)
-    targets: tuple[str, ...] = _f(SPEC_LORA_TARGETS, check=_lora_targets)
+    targets: tuple[str, ...] = _f(DEFAULT_LORA_TARGETS, check=_lora_targets)
     experts: bool = False
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import os
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,15 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
-from ds_trhash.training.callbacks.stop import GracefulStop
+from ds_trhash.training.callbacks import (
+    Callback,
+    FaultInjection,
+    GracefulStop,
+    RunContext,
+    build_callbacks,
+    make_callbacks,
+    training_parts,
+)
 from ds_trhash.training.engine import build_engine, check_runnable
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 
@@ -42,14 +50,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ds_trhash.data.shards import ShardError
     from ds_trhash.data.sft_build import SFTBuildError
     from ds_trhash.data.tokenizer import TokenizerError
-    from ds_trhash.eval.piqa import PiqaDataError
     from ds_trhash.model.lora import LoRAError
     from ds_trhash.training.metrics import MetricsError
     from ds_trhash.checkpoints.rng import RNGStateError
 
     return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
             BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
-            LoRAError, MetricsError, RNGStateError, PiqaDataError)
+            LoRAError, MetricsError, RNGStateError)
 
 
 USER_ERRORS = _user_errors()
@@ -264,242 +271,13 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     return model.to(device)
 
 
-# ----------------------------------------------------------------------------- callbacks
-
-
-class FaultInjection:
-    """Crash on purpose, for the crash-safety tests: ``DS_TRHASH_FAULT=kill_after_step:N``
-    SIGKILLs every rank right after optimizer step N (before its checkpoint), and
-    ``kill_during_save:N`` SIGKILLs them inside the save of step N, after DeepSpeed wrote its
-    files and before the checkpoint is complete. Unset in normal runs."""
-
-    def __init__(self, spec: str | None):
-        self.kind, self.step = None, -1
-        if spec:
-            kind, _, step = spec.partition(":")
-            if kind not in ("kill_after_step", "kill_during_save") or not step.isdigit():
-                raise ValueError(f"DS_TRHASH_FAULT={spec!r}: expected kill_after_step:N or kill_during_save:N")
-            self.kind, self.step = kind, int(step)
-
-    def maybe_kill(self, kind: str, step: int) -> None:
-        if self.kind == kind and self.step == step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class FaultCallback(loop.Callback):
-    def __init__(self, faults: FaultInjection):
-        self.faults = faults
-
-    def on_step_end(self, state, metrics):
-        self.faults.maybe_kill("kill_after_step", state.step)
-
-
-class ProgressCallback(loop.Callback):
-    def __init__(self, progress, model, every: int, batches=None):
-        self.progress, self.model, self.every, self.batches = progress, model, every, batches
-
-    def on_step_end(self, state, metrics):
-        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
-                             backends=self.model.backends_used(), extra=self.extra())
-
-    def extra(self) -> dict | None:
-        """The shard cache's state, when the stage streams shards through one."""
-        cache = getattr(getattr(self.batches, "reader", None), "cache", None)
-        if cache is None:
-            return None
-        st = cache.stats()
-        return {"cache": f"{st['bytes'] / 2**20:.1f}/{st['max_bytes'] / 2**20:.0f} MiB {st['files']} shards "
-                         f"hit {st.get('hits', 0)} miss {st.get('misses', 0)} evict {st.get('evictions', 0)}"}
-
-    def on_end(self, state):
-        self.progress.close()
-
-
-class MetricsCallback(loop.Callback):
-    def __init__(self, writer, model, every: int):
-        self.writer, self.model, self.every = writer, model, every
-
-    def on_step_end(self, state, metrics):
-        if state.step % self.every == 0 or state.step in (1, state.total_steps) or state.stop_requested:
-            b = self.model.backends_used()
-            self.writer.write(
-                step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
-                tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
-                supervised_tokens=metrics["supervised_tokens"], label_valid=metrics["label_valid"],
-                label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
-                experts_backend=b.get("experts"),
-                loss_backend=b.get("loss"), norm_backend=b.get("norm"),
-            )
-
-
-class EvalCallback(loop.Callback):
-    """Held-out loss at the start (the source checkpoint) and at every epoch boundary."""
-
-    def __init__(self, model, eval_batches, device, writer, progress):
-        self.model, self.eval_batches, self.device = model, eval_batches, device
-        self.writer, self.progress = writer, progress
-        self.results: dict[int, dict] = {}
-
-    def evaluate(self, state) -> dict:
-        from ds_trhash.eval.heldout import heldout_loss
-
-        result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
-        result.update(step=state.step, epoch=state.epoch)
-        self.results[state.step] = result
-        self.writer.write(step=state.step, epoch=state.epoch, eval_loss=result["eval_loss"],
-                          eval_tokens=result["eval_tokens"])
-        self.progress.message(
-            f"held-out at step {state.step}: loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f} "
-            f"over {result['eval_tokens']:,} supervised tokens")
-        return result
-
-    def on_start(self, state):
-        if state.step == 0:
-            self.evaluate(state)
-
-    def on_epoch_end(self, state):
-        self.evaluate(state)
-
-
-class PiqaCallback(loop.Callback):
-    """Zero-shot PIQA (SPEC §8) on rank 0: the SFT source at step 0 and every epoch end, or the
-    end of a pretraining/refinement stage. Results go to ``piqa.jsonl`` beside metrics.csv."""
-
-    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
-                 sft: bool):
-        self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
-        self.output_dir, self.rank, self.progress, self.sft = output_dir, rank, progress, sft
-        self.results: dict[int, dict] = {}
-
-    def evaluate(self, state) -> None:
-        import warnings
-
-        from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa
-
-        if self.rank == 0:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
-                result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
-            row = {"step": state.step, "epoch": state.epoch, **{k: result[k] for k in ("acc", "acc_norm", "n")},
-                   "warning": result.get("warning")}
-            self.results[state.step] = row
-            with open(self.output_dir / "piqa.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-            self.progress.message(f"PIQA at step {state.step}: acc {result['acc']:.4f} "
-                                  f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
-        _barrier()
-
-    def on_start(self, state):
-        if self.sft and state.step == 0:
-            self.evaluate(state)
-
-    def on_epoch_end(self, state):
-        if self.sft:
-            self.evaluate(state)
-
-    def on_end(self, state):
-        if not self.sft and state.step == state.total_steps:
-            self.evaluate(state)
-
-
-class CheckpointCallback(loop.Callback):
-    """Writes crash-safe checkpoints at the configured cadence, token-pack boundaries, epoch
-    ends, on a stop signal and at the end; rotates old ones."""
-
-    def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
-                 protect_steps: set[int], progress, faults: FaultInjection, eval_results: dict | None = None,
-                 is_epoch_end=lambda step: False, piqa_results: dict | None = None):
-        self.engine, self.cfg, self.output_dir, self.faults = engine, cfg, output_dir, faults
-        self.eval_results = eval_results if eval_results is not None else {}
-        self.last_path: Path | None = None
-        self.is_epoch_end = is_epoch_end  # those steps are saved by on_epoch_end, with their eval
-        self.piqa_results = piqa_results if piqa_results is not None else {}
-        self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
-        self.protect = set(protect_steps)
-        self.progress = progress
-        self.last_saved = -1
-
-    def save(self, state, reason: str, extra: dict | None = None):
-        if state.step == self.last_saved:
-            return
-        t0 = time.perf_counter()
-
-        def write_engine_state(tmp):
-            self.engine.save_checkpoint(str(tmp), tag="state")
-            self.faults.maybe_kill("kill_during_save", state.step)
-
-        path = ckpt.save_checkpoint(
-            self.output_dir, state.step,
-            write_engine_state=write_engine_state,
-            trainer_state=self.trainer_state_fn(state, reason, extra or {}),
-            rank=self.rank, world_size=self.world, barrier=_barrier,
-        )
-        self.last_saved, self.last_path = state.step, path
-        if self.rank == 0 and self.cfg.checkpoint.keep_last:
-            ckpt.rotate(self.output_dir, self.cfg.checkpoint.keep_last, protect=self.protect)
-        self.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
-
-    def on_step_end(self, state, metrics):
-        every = self.cfg.checkpoint.every_steps
-        if self.is_epoch_end(state.step):
-            return
-        if state.stop_requested:
-            self.save(state, "stop signal")
-        elif state.step in self.protect:
-            self.save(state, "token pack boundary")
-        elif every and state.step % every == 0:
-            self.save(state, "every_steps")
-
-    def on_epoch_end(self, state):
-        self.protect.add(state.step)
-        self.save(state, f"end of epoch {state.epoch}",
-                  {"eval": self.eval_results.get(state.step), "piqa": self.piqa_results.get(state.step)})
-
-    def on_end(self, state):
-        if state.step == state.total_steps:
-            self.save(state, "final")
-
-
-class SelectionCallback(loop.Callback):
-    """After each epoch checkpoint: ``best/`` and ``selection.json`` under the configured rule."""
-
-    def __init__(self, output_dir: Path, rule: str, ckpt_cb: CheckpointCallback, eval_results: dict,
-                 rank: int, progress, piqa_results: dict | None = None):
-        self.output_dir, self.rule, self.ckpt_cb = output_dir, rule, ckpt_cb
-        self.eval_results, self.rank, self.progress = eval_results, rank, progress
-        self.piqa_results = piqa_results if piqa_results is not None else {}
-        self.candidates: list = []
-
-    def on_start(self, state):
-        """A resumed run keeps the candidates of the epochs it already finished."""
-        from ds_trhash.training.selection import Candidate
-
-        path = self.output_dir / "selection.json"
-        if state.step > 0 and path.is_file():
-            done = json.loads(path.read_text())["candidates"]
-            self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
-
-    def on_epoch_end(self, state):
-        from ds_trhash.training.selection import Candidate, publish
-
-        if self.rank != 0 or self.ckpt_cb.last_path is None:
-            return
-        ev = self.eval_results.get(state.step) or {}
-        piqa = self.piqa_results.get(state.step) or {}
-        self.candidates.append(Candidate(
-            epoch=state.epoch + 1, step=state.step, checkpoint=str(self.ckpt_cb.last_path),
-            eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
-            train_loss=state.last.get("loss"), piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
-        winner = publish(self.output_dir, self.candidates, self.rule)
-        self.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")
-
-
 # ----------------------------------------------------------------------------- the stage
 
 
-def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainState:
+def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
+              parts: Sequence[type[Callback]] | None = None) -> loop.TrainState:
+    """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
+    point composes them, evaluation included); default ``training_parts()``, without evaluation."""
     from ds_trhash.model import TRHashConfig
     from ds_trhash.training.metrics import MetricsWriter
     from ds_trhash.training.progress import Progress
@@ -523,11 +301,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     if saved is None and not args.resume and not os.environ.get("RESUME"):
         check_fresh_output_dir(output_dir)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
-    piqa_examples = None
-    if cfg.eval.piqa:
-        from ds_trhash.eval.piqa import read_piqa
-
-        piqa_examples = read_piqa(cfg.eval.piqa)  # a malformed file fails here, before the model
+    # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
+    builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
     critical = tcfg.training_critical(cfg)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
@@ -611,35 +386,14 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             **extra,
         }
 
-    faults = FaultInjection(os.environ.get("DS_TRHASH_FAULT"))
-    callbacks: list[loop.Callback] = [FaultCallback(faults)]
-    eval_results: dict = {}
-    if data.eval_batches is not None:
-        eval_cb = EvalCallback(engine.engine, data.eval_batches, device, writer, progress)
-        eval_results = eval_cb.results
-        callbacks.append(eval_cb)
-    piqa_results: dict = {}
-    if piqa_examples is not None:
-        from ds_trhash.data.tokenizer import load_tokenizer
-
-        piqa_cb = PiqaCallback(model, piqa_examples, load_tokenizer(data.tokenizer_dir), model_cfg.max_seq_len,
-                               output_dir, rank, progress, sft=cfg.data.kind == "sft")
-        piqa_results = piqa_cb.results
-        callbacks.append(piqa_cb)
-    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress,
-                                 faults, eval_results,
-                                 is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1),
-                                 piqa_results=piqa_results)
-    callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
-                  ProgressCallback(progress, model, cfg.training.log_every, data.batches), ckpt_cb]
-    if cfg.data.kind == "sft":
-        callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress,
-                                           piqa_results))
-
     with GracefulStop() as stop:
-        state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
-                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop,
-                         vocab_size=model_cfg.vocab_size)
+        run = RunContext(
+            cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
+            model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
+            trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
+            protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
+        state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
+                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)
     if cache is not None:
         cache.close()

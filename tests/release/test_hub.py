@@ -86,7 +86,7 @@ def _run(tmp_path, steps=(10, 20, 30), export=True):
         exp.mkdir()
         (exp / "model.safetensors").write_bytes(b"final weights")
         (exp / "config.json").write_text("{}")
-        from ds_trhash.release.export import sha256_file
+        from ds_trhash.io import sha256_file
 
         entry = lambda p: {"sha256": sha256_file(p), "size": p.stat().st_size}  # noqa: E731
         import json

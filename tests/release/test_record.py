@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ds_trhash.release.commands import main as cli
-from ds_trhash.release.export import sha256_file
+from ds_trhash.io import sha256_file
 from ds_trhash.release.record import RECORD_FIELDS, RecordError, build_run_record, write_run_record
 from ds_trhash.checkpoints import save_checkpoint
 from ds_trhash.training.metrics import MetricsWriter

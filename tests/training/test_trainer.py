@@ -3,7 +3,8 @@
 import pytest
 
 from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.training.trainer import FaultInjection, StageData, check_tokenizer_identity
+from ds_trhash.training.callbacks.faults import FaultInjection
+from ds_trhash.training.trainer import StageData, check_tokenizer_identity
 
 
 def _data(tok):

@@ -11,7 +11,8 @@ import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ds_trhash.checkpoints.state import CheckpointError
+from ds_trhash.checkpoints import CheckpointError
+from ds_trhash.training.callbacks.base import Callback, RunContext
 
 Log = Callable[[str], None]
 
@@ -54,3 +55,20 @@ class GracefulStop:
             signal.signal(sig, handler)
         self._previous.clear()
 
+
+
+class StopCallback(Callback):
+    """First in the list: after each optimizer step, a received signal becomes
+    ``state.stop_requested``, which the metrics and checkpointing callbacks after it answer (a
+    final metrics row, a "stop signal" checkpoint) and the loop obeys."""
+
+    def __init__(self, stop: GracefulStop):
+        self.stop = stop
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "StopCallback | None":
+        return cls(run.stop) if run.stop is not None else None
+
+    def on_step_end(self, state, metrics):
+        if self.stop.should_stop:
+            state.stop_requested = True

@@ -40,3 +40,17 @@ def test_graceful_stop_outside_the_main_thread_is_refused():
     t.start()
     t.join()
     assert errors and "main thread" in errors[0]
+
+
+def test_stop_callback_turns_the_signal_into_a_stop_request():
+    from ds_trhash.training.callbacks import StopCallback
+    from ds_trhash.training.loop import TrainState
+
+    state = TrainState(step=1, total_steps=10)
+    with GracefulStop(log=lambda _: None) as stop:
+        cb = StopCallback(stop)
+        cb.on_step_end(state, {})
+        assert not state.stop_requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        cb.on_step_end(state, {})
+    assert state.stop_requested
