@@ -11,9 +11,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ds_trhash.checkpoints.stages import SourceRecord
 from ds_trhash.checkpoints.state import ENGINE_TAG, MANIFEST, TRAINER_STATE, CheckpointError
 from ds_trhash.checkpoints.store import verify
+from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
 
 # --------------------------------------------------------------------------- weights-only init
 
@@ -26,8 +29,6 @@ def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
     fails on it), and there the module state dict in ``mp_rank_00_model_states.pt`` is the
     whole model; in bf16/fp16 it holds the low-precision copy the forward used.
     """
-    import torch  # lazy: the stage guard and the CLI read metadata without loading torch
-
     tag_dir = ckpt_dir / ENGINE_TAG
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} is missing: {ckpt_dir} holds no engine state")
@@ -99,8 +100,6 @@ def load_merged_weights(path: str | os.PathLike) -> tuple[dict[str, Any], Source
     export, an evaluation) needs plain released tensor names; the adapters are merged with the
     source run's own alpha, never dropped. A LoRA source that records no alpha is refused.
     """
-    from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict  # lazy: loads torch
-
     state, record = load_weights_only(path)
     if not has_lora_state(state):
         return state, record

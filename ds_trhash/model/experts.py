@@ -45,6 +45,7 @@ def routed_experts(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up
     if backend == "pytorch":
         return routed_experts_pytorch(x, routes, gate, up, down, weights)
     if backend == "triton":
+        # lazy: Triton is optional (CUDA only); importing it costs seconds on every CPU run
         from ds_trhash.kernels.routed_experts import routed_experts_triton
 
         return routed_experts_triton(x, routes, gate, up, down, weights)

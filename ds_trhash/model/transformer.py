@@ -101,7 +101,7 @@ class TRHashMoEEngine(nn.Module):
     def enable_expert_parallel(self, group, ep_size: int) -> None:
         """Keep only this rank's experts (EP rank r: experts [r·E/P, (r+1)·E/P)) in a
         DeepSpeed-MoE child `ep` that exchanges tokens in `group`; see expert_parallel.py."""
-        from .expert_parallel import ExpertParallelError, HashRoutedExperts
+        from .expert_parallel import ExpertParallelError, HashRoutedExperts  # lazy: imports deepspeed.moe
 
         if self.ep is not None:
             raise ExpertParallelError(f"layer {self.layer} is already expert-parallel")
@@ -163,7 +163,7 @@ def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict, prefix, loc
         error_msgs.append(f"{prefix}expert_gate holds {full[0].shape[0]} experts, the model "
                           f"{module.config.num_experts}")
         return
-    from .expert_parallel import EXPERT_KEY_PREFIX, LOCAL_NAMES
+    from .expert_parallel import EXPERT_KEY_PREFIX, LOCAL_NAMES  # lazy: imports deepspeed.moe
 
     first = module.ep.first_expert
     for j in range(module.ep.num_local_experts):

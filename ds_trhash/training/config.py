@@ -25,6 +25,7 @@ import yaml
 
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from ds_trhash.model.config import TRHashConfig
 
 __all__ = [
     "ConfigError",
@@ -397,8 +398,6 @@ class _Builder:
 def _model_facts(preset: str) -> tuple[int, int | None]:
     """(num_experts, max_seq_len) of a preset, from the model package when it is importable."""
     try:
-        from ds_trhash.model.config import TRHashConfig
-
         mc = TRHashConfig.from_preset(preset)
         return int(mc.num_experts), int(getattr(mc, "max_seq_len", 0)) or None
     except (ImportError, AttributeError, ValueError):

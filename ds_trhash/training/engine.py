@@ -105,6 +105,7 @@ def expert_parallel_group(ep_size: int):
     """Create DeepSpeed's expert-parallel and expert-data-parallel groups for ep_size (every
     rank, after init_distributed) and return this rank's expert-parallel group. DeepSpeed's
     engine finds them by name (ep_size_<P>) and reduces expert gradients over the latter."""
+    # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
     from ds_trhash.model.expert_parallel import deepspeed_expert_group
 
     return deepspeed_expert_group(ep_size)

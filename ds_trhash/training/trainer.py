@@ -18,11 +18,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.plan import PlanError
-from ds_trhash.data.sft_dataset import SFTDataError
-from ds_trhash.model.backend import BackendError
-from ds_trhash.model.routing import RouteTableError
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
+from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
+from ds_trhash.data.budget import BudgetError, check_target_tokens, pack_boundaries, plan_steps
+from ds_trhash.data.cache import CacheError, ShardCache, cache_bytes_from
+from ds_trhash.data.embedded import EmbeddedError, build_embedded
+from ds_trhash.data.plan import PlanError, load_plan, unique_core_fingerprint, validate_refinement
+from ds_trhash.data.reader import ReaderError, ReplayReader, source_manifests
+from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
+from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.shards import ShardError
+from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend
+from ds_trhash.model.backend import BackendError
+from ds_trhash.model.lora import LoRAError, apply_lora
+from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
@@ -35,31 +46,19 @@ from ds_trhash.training.callbacks import (
     make_callbacks,
     training_parts,
 )
-from ds_trhash.training.engine import build_engine, check_runnable
-from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
+from ds_trhash.training.engine import build_engine, check_runnable, describe_hardware, expert_parallel_group
+from ds_trhash.training.metrics import MetricsError, MetricsWriter
+from ds_trhash.training.progress import Progress
 
 log = logging.getLogger("ds_trhash.trainer")
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints
-    them as one line and exits 2 instead of a traceback."""
-    from ds_trhash.data.budget import BudgetError
-    from ds_trhash.data.cache import CacheError
-    from ds_trhash.data.embedded import EmbeddedError
-    from ds_trhash.data.reader import ReaderError
-    from ds_trhash.data.shards import ShardError
-    from ds_trhash.data.sft_build import SFTBuildError
-    from ds_trhash.data.tokenizer import TokenizerError
-    from ds_trhash.model.lora import LoRAError
-    from ds_trhash.training.metrics import MetricsError
-    from ds_trhash.checkpoints.rng import RNGStateError
 
-    return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
-            BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
-            LoRAError, MetricsError, RNGStateError)
-
-
-USER_ERRORS = _user_errors()
+# Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints them
+# as one line and exits 2 instead of a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
+    CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
+    RNGStateError)
 
 
 def _barrier() -> None:
@@ -100,7 +99,6 @@ def _embedded(cfg: tcfg.TrainConfig, rank: int):
     if cfg.model.preset != "tiny":
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
                                "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
-    from ds_trhash.data.embedded import build_embedded
 
     return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
 
@@ -110,11 +108,6 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
 
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
-    from ds_trhash.data.budget import check_target_tokens, plan_steps
-    from ds_trhash.data.cache import ShardCache, cache_bytes_from
-    from ds_trhash.data.plan import load_plan
-    from ds_trhash.data.reader import ReplayReader
-
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
@@ -130,7 +123,6 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
     env_target = os.environ.get("TARGET_TOKENS")
     check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
-    from ds_trhash.data.reader import source_manifests
 
     # Every shard is read through the bounded cache, which verifies its SHA-256 against the
     # manifest before a single row is trained on (one cache folder per rank).
@@ -146,15 +138,11 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
 
 
 def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
-    from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
-
     sft_dir = cfg.data.sft_dir
     if sft_dir is None:
         paths = _embedded(cfg, rank)
 
         def build():
-            from ds_trhash.data.sft_build import build_sft_dataset
-
             out = Path(paths.root) / "sft"
             if not (out / "manifest.json").exists():
                 build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
@@ -164,8 +152,6 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
         sft_dir = _rank0_first(rank, build)
     tokenizer_hash = None
     if cfg.data.tokenizer:
-        from ds_trhash.data.tokenizer import tokenizer_sha256
-
         tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
     data = open_sft(sft_dir, expect_vocab=model_cfg.vocab_size, seq_len=cfg.data.seq_len, tokenizer_hash=tokenizer_hash)
     policy = cfg.data.packing.policy
@@ -220,7 +206,6 @@ def check_fresh_output_dir(output_dir: Path) -> None:
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
     """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
-    from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
 
     record, source_meta = _source_record(init_dir)
     if record is None and resuming:
@@ -244,9 +229,6 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 
 
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
-    from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.model import backend
-
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
     if init_dir is not None:
@@ -255,13 +237,11 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
-        from ds_trhash.model.lora import apply_lora
-
         apply_lora(model, cfg.lora)
     if cfg.parallel.ep_size > 1:
         # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
+        # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
         from ds_trhash.model.expert_parallel import enable_expert_parallel
-        from ds_trhash.training.engine import expert_parallel_group
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
@@ -278,10 +258,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
               parts: Sequence[type[Callback]] | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
     point composes them, evaluation included); default ``training_parts()``, without evaluation."""
-    from ds_trhash.model import TRHashConfig
-    from ds_trhash.training.metrics import MetricsWriter
-    from ds_trhash.training.progress import Progress
-    from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
@@ -343,7 +319,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
     writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
-    from ds_trhash.data.budget import pack_boundaries
 
     pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
     if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
@@ -352,8 +327,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     if cfg.data.kind == "sft":
         spe = data.batches.steps_per_epoch
         protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
-
-    from ds_trhash.training.engine import describe_hardware
 
     hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
