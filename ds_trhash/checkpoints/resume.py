@@ -187,7 +187,7 @@ def check_resume_compatible(
 
 
 def check_output_dir_stage(output_dir: str | os.PathLike, stage: str) -> None:
-    """Refuse to write one stage's checkpoints beside another's (SPEC §4): a later RESUME=auto
+    """Refuse to write one stage's checkpoints beside another's (docs/contracts.md §4): a later RESUME=auto
     would otherwise pick up the wrong stage."""
     for info in list_checkpoints(output_dir):
         path = info.path / TRAINER_STATE

@@ -37,7 +37,7 @@ def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
 
     if expert_files(tag_dir):
         # Expert-parallel: DeepSpeed's consolidator cannot read the per-expert files; stack
-        # them back into the SPEC names (the module copies: bf16 in a bf16 run).
+        # them back into the released names (the module copies: bf16 in a bf16 run).
         module = consolidate_checkpoint(tag_dir)
         return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):

@@ -1,4 +1,4 @@
-"""The `complexity-chat-v2` chat template and final-assistant-only supervision (SPEC §5).
+"""The `complexity-chat-v2` chat template and final-assistant-only supervision (docs/contracts.md §5).
 
 The template is reproduced byte for byte because a model fine-tuned on one spelling and
 prompted with another silently degrades. The EOS that ends an assistant turn is a token id

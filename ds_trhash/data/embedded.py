@@ -4,7 +4,7 @@
 so the demo and the tests need no download. From it this module makes a tokenizer, shards
 for two sources, a pretraining plan with a replay phase, its refinement plan, and small
 chat sets. Every conversation fits ``seq_len`` tokens under the complexity-chat-v2 layout
-(SPEC §5), so an SFT build at the demo length never hits the no-truncation gate.
+(docs/contracts.md §5), so an SFT build at the demo length never hits the no-truncation gate.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replay plans (SPEC §2): build, write once, load, fingerprint, derive and check refinement.
+"""Replay plans (docs/contracts.md §2): build, write once, load, fingerprint, derive and check refinement.
 
 A plan is the immutable statement of which rows a run trains on and how often. Refinement
 is only meaningful on the same corpus, so the unique core gets a fingerprint over its exact
@@ -102,7 +102,7 @@ def _unique_core(doc: Mapping) -> dict:
 
 
 def unique_core_fingerprint(doc: PlanLike) -> str:
-    """SHA-256 of the canonical JSON of the unique core's identity (SPEC §2)."""
+    """SHA-256 of the canonical JSON of the unique core's identity (docs/contracts.md §2)."""
     doc = plan_doc(doc)
     missing = [key for key in FINGERPRINT_KEYS if key not in doc]
     if missing:
@@ -313,7 +313,7 @@ def derive_refinement(doc: PlanLike) -> dict:
 
 
 def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
-    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre`` (SPEC §3)."""
+    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre`` (docs/contracts.md §3)."""
     ref_doc, pre_doc = plan_doc(ref), plan_doc(pre)
     phases = ref_doc.get("phases") or []
     if len(phases) != 1:

@@ -1,4 +1,4 @@
-"""Chat JSONL -> audited, tokenized SFT set with a fail-closed manifest (SPEC §5).
+"""Chat JSONL -> audited, tokenized SFT set with a fail-closed manifest (docs/contracts.md §5).
 
 The build is all-or-nothing: every invalid conversation is reported (file:line, reason) and
 the build fails leaving no output, unless `drop_invalid` is set, in which case invalid

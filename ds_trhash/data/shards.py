@@ -1,6 +1,6 @@
 """Text -> little-endian uint16 token shards, with a per-source manifest.
 
-Stream layout (SPEC §2): documents are tokenized and joined into one stream, each followed
+Stream layout (docs/contracts.md §2): documents are tokenized and joined into one stream, each followed
 by EOS (id 0). Shard k holds ``rows·L + 1`` tokens, stream positions
 ``[k·R·L, k·R·L + rows·L + 1)`` for R rows per shard: the stream advances by ``R·L`` per
 shard, so the last token of a shard is repeated as the first token of the next. That way

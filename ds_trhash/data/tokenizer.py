@@ -17,7 +17,7 @@ from ds_trhash.io import sha256_file
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<s>", "<unk>"
 EOS_ID, PAD_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-# Order matters: the trainer assigns ids in list order, and SPEC §5 fixes these ids.
+# Order matters: the trainer assigns ids in list order, and docs/contracts.md §5 fixes these ids.
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN)
 BYTE_ALPHABET_SIZE = 256
 
@@ -53,7 +53,7 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
     """Train a byte-level BPE on files (``Path`` items) or texts (``str`` items).
 
     Returns the path of the written ``tokenizer.json``. Byte-level means every byte has a
-    token, so ``<unk>`` exists only to keep the SPEC id layout.
+    token, so ``<unk>`` exists only to keep the released id layout (docs/contracts.md §5).
     """
     minimum = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE
     if vocab_size < minimum:
@@ -80,7 +80,7 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
 
 
 def check_special_ids(tokenizer: Tokenizer) -> None:
-    """Fail unless the SPEC §5 special tokens sit at ids 0..3."""
+    """Fail unless the docs/contracts.md §5 special tokens sit at ids 0..3."""
     for expected, token in enumerate(SPECIAL_TOKENS):
         actual = tokenizer.token_to_id(token)
         if actual != expected:

@@ -218,7 +218,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     group = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out loss, PIQA")
     sub = group.add_subparsers(dest="eval_command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("piqa", help="zero-shot PIQA acc / acc_norm (SPEC §8)")
+    p = sub.add_parser("piqa", help="zero-shot PIQA acc / acc_norm (docs/contracts.md §8)")
     _model_options(p, "auto: float32 on CPU, float16 on CUDA (the release protocol); CPU is always float32")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
     p.add_argument("--data", required=True, metavar="PIQA.jsonl", help="JSONL with goal, sol1, sol2, label")
@@ -228,7 +228,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
     p.set_defaults(func=_guarded(_piqa))
 
-    p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (SPEC §8)")
+    p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (docs/contracts.md §8)")
     _model_options(p, "auto: float32")
     p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
     p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")

@@ -1,4 +1,4 @@
-"""Kernel policy: which implementation runs the routed experts, the loss and the norms (SPEC §7).
+"""Kernel policy: which implementation runs the routed experts, the loss and the norms (docs/contracts.md §7).
 
 ``resolve(policy, device, config, require_liger=False) -> KernelChoice`` decides;
 ``apply(model, choice)`` installs the choice on a model; ``recorded_backends(model)`` reads what

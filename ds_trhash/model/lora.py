@@ -1,4 +1,4 @@
-"""LoRA adapters for SFT LoRA mode (SPEC §6).
+"""LoRA adapters for SFT LoRA mode (docs/contracts.md §6).
 
 `apply_lora(model, lora_cfg)` wraps the chosen projections in place and freezes everything
 else. The state dict of a wrapped model keeps every base name unchanged
@@ -262,7 +262,7 @@ def has_lora_state(state_dict: Mapping[str, Any]) -> bool:
 
 
 def check_state_mode(state_dict: Mapping[str, Any], lora_enabled: bool, where: str = "checkpoint") -> None:
-    """Resume rule (SPEC §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
+    """Resume rule (docs/contracts.md §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
     found = has_lora_state(state_dict)
     if found and not lora_enabled:
         raise LoRAError(f"{where} holds LoRA adapter state but this run is full-parameter; full and "

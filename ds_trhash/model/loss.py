@@ -1,4 +1,4 @@
-"""Tied-head cross entropy: plain, chunked (SPEC §7) and Liger's fused kernel.
+"""Tied-head cross entropy: plain, chunked (docs/contracts.md §7) and Liger's fused kernel.
 
 All three share one contract: labels are already aligned with the hidden rows (no shift
 here), -100 is ignored, "mean" divides the summed loss by the number of valid labels and a

@@ -1,4 +1,4 @@
-"""SafeTensors export of a trained model (SPEC §9).
+"""SafeTensors export of a trained model (docs/contracts.md §9).
 
 An export directory holds::
 
@@ -47,7 +47,7 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# Route buffers are data (SPEC §1): they keep exactly these dtypes, whatever the float dtype.
+# Route buffers are data (docs/contracts.md §1): they keep exactly these dtypes, whatever the float dtype.
 ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
     "route_table": torch.int64,
     "fused_route_codes": torch.uint8,

@@ -1,4 +1,4 @@
-"""Sync complete checkpoints and exports to the Hugging Face Hub (SPEC §9).
+"""Sync complete checkpoints and exports to the Hugging Face Hub (docs/contracts.md §9).
 
 Rules, in the order ``sync`` applies them:
 

@@ -1,4 +1,4 @@
-"""The publishable run record (SPEC §10): ``run_record.json`` plus a short ``run_record.md``.
+"""The publishable run record (docs/contracts.md §10): ``run_record.json`` plus a short ``run_record.md``.
 
 Every field either comes from the run's own files (trainer_state.json of its checkpoints,
 metrics.csv, the export manifest, the tokenizer, the plan / SFT manifest) or is passed in

@@ -401,7 +401,7 @@ def _model_facts(preset: str) -> tuple[int, int | None]:
         mc = TRHashConfig.from_preset(preset)
         return int(mc.num_experts), int(getattr(mc, "max_seq_len", 0)) or None
     except (ImportError, AttributeError, ValueError):
-        return 4, None  # SPEC §1: four routed experts in every TR-HASH preset
+        return 4, None  # docs/contracts.md §1: four routed experts in every TR-HASH preset
 
 
 def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
@@ -547,7 +547,7 @@ def dump_config(cfg: TrainConfig) -> dict:
 
 
 def require_source_stage(cfg: TrainConfig) -> str | None:
-    """The declared source stage of an SFT launch (SPEC §3); None for other stages.
+    """The declared source stage of an SFT launch (docs/contracts.md §3); None for other stages.
 
     Called by the launcher after the CLI had its chance (``--source-stage`` arrives as
     ``--set source_stage=...``), before any model is built.
@@ -580,7 +580,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """The DeepSpeed config for ``deepspeed.initialize(config=...)``.
 
     No "optimizer" or "scheduler" entry: the engine passes its own AdamW (torch or FusedAdam per
-    ``optimizer.torch_adam``, with the SPEC's no-decay parameter groups) and the LambdaLR from
+    ``optimizer.torch_adam``, with the contract's no-decay parameter groups) and the LambdaLR from
     ``schedule.build_scheduler``, which DeepSpeed steps once per optimizer step. Both are on
     DeepSpeed's ZeRO-supported list, so no "zero_allow_untested_optimizer" is needed.
     """
@@ -604,7 +604,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
 
 
 def training_critical(cfg: TrainConfig) -> dict:
-    """Settings an exact resume must match (SPEC §4), as a flat ``{dotted key: value}`` dict.
+    """Settings an exact resume must match (docs/contracts.md §4), as a flat ``{dotted key: value}`` dict.
 
     Left out on purpose: where things are written or cached (output_dir, cache, checkpoint
     cadence, logging, evaluation) -- they do not change the trained trajectory. LoRA details

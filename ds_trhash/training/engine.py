@@ -28,7 +28,7 @@ NO_DECAY_MARKERS = ("norm",)
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Split trainable parameters into decayed and non-decayed groups.
 
-    SPEC §6: no weight decay on parameters with ndim < 2 or on norms. Frozen parameters (LoRA
+    docs/contracts.md §6: no weight decay on parameters with ndim < 2 or on norms. Frozen parameters (LoRA
     mode) are left out so the optimizer holds no state for them.
     """
     decay, no_decay = [], []

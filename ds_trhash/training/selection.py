@@ -1,6 +1,6 @@
 """Checkpoint selection: which epoch checkpoint becomes ``best/``, and why.
 
-Held-out loss and downstream quality measure different things (SPEC §8), so the rule is part
+Held-out loss and downstream quality measure different things (docs/contracts.md §8), so the rule is part
 of the record: ``selection.json`` names it and lists every candidate's metrics, and ``best/``
 is replaced atomically after each epoch so a crash never leaves a half-copied best.
 """

@@ -205,7 +205,7 @@ def check_fresh_output_dir(output_dir: Path) -> None:
 
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
-    """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
+    """docs/contracts.md §3, before the model exists. A resume re-checks the record of the first launch."""
 
     record, source_meta = _source_record(init_dir)
     if record is None and resuming:

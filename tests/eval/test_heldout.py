@@ -1,4 +1,4 @@
-"""Held-out loss (SPEC §8): the exact per-token mean over the set, weighted by supervised tokens."""
+"""Held-out loss (docs/contracts.md §8): the exact per-token mean over the set, weighted by supervised tokens."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Run record: every SPEC §10 field, read from the run's files; missing facts listed as unknown."""
+"""Run record: every docs/contracts.md §10 field, read from the run's files; missing facts listed as unknown."""
 import json
 
 import pytest
