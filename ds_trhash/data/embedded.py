@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ds_trhash.io import sha256_file
+from ds_trhash.io import publish_dir, sha256_file
 
 from .plan import build_plan, derive_refinement, write_plan
 from .shards import tokenize_to_shards
@@ -225,13 +225,9 @@ def build_embedded(out_dir: PathLike, seq_len: int = 128, vocab_size: int = 4096
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build(tmp, seq_len, vocab_size, seed, topics, stamp)
-        if root.exists():
-            if _is_complete(paths, stamp):  # another process finished first
-                return paths
-            trash = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(root, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, root)
+        if root.exists() and _is_complete(paths, stamp):  # another process finished first
+            return paths
+        publish_dir(tmp, root, fsync=False)  # an incomplete or stale copy is swapped out whole
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return paths
