@@ -251,6 +251,59 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     return model.to(device)
 
 
+# ----------------------------------------------------------------------------- what checkpoints record
+
+
+def protected_steps(cfg: tcfg.TrainConfig, data: StageData) -> tuple[dict[int, int], set[int]]:
+    """(token-pack boundary step -> pack number (1-based), steps rotation never removes: the
+    pack boundaries and, for SFT, every epoch end)."""
+    pack_of: dict[int, int] = {}
+    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
+        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
+    protect = set(pack_of)
+    if cfg.data.kind == "sft":
+        spe = data.batches.steps_per_epoch
+        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
+    return pack_of, protect
+
+
+def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical: dict, init_dir: str | None,
+                   model, model_cfg, pack_of: dict[int, int]):
+    """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
+    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
+
+    def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
+        return {
+            "stage": cfg.stage,
+            "family": cfg.model.family,
+            "step": st.step,
+            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
+            "total_steps": st.total_steps,
+            "data_cursor": data.batches.cursor(st.step),
+            "tokens_seen": st.tokens_seen,
+            "supervised_seen": st.supervised_seen,
+            "world_size": world,
+            "training_critical": critical,
+            "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
+            "plan_sha256": data.plan.sha256 if data.plan is not None else None,
+            "plan_doc": data.plan.doc if data.plan is not None else None,
+            "init_checkpoint": str(init_dir) if init_dir else None,
+            "lora": cfg.lora.enabled,
+            "backends_used": model.backends_used(),
+            "model_config": model_cfg.to_dict(),
+            "tokenizer_dir": data.tokenizer_dir,
+            "tokenizer_sha256": data.tokenizer_sha256,
+            "sft_dir": data.sft_dir,
+            "hardware": hardware,
+            "pack_index": pack_of.get(st.step),
+            "packs": len(pack_of) or None,
+            "reason": reason,
+            **extra,
+        }
+
+    return trainer_state
+
+
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -320,44 +373,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
     writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
 
-    pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
-    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
-        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
-    protect = set(pack_of)  # never rotated away: token-pack boundaries and epoch checkpoints
-    if cfg.data.kind == "sft":
-        spe = data.batches.steps_per_epoch
-        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
-
-    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
-
-    def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
-        return {
-            "stage": cfg.stage,
-            "family": cfg.model.family,
-            "step": st.step,
-            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
-            "total_steps": st.total_steps,
-            "data_cursor": data.batches.cursor(st.step),
-            "tokens_seen": st.tokens_seen,
-            "supervised_seen": st.supervised_seen,
-            "world_size": world,
-            "training_critical": critical,
-            "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
-            "plan_sha256": data.plan.sha256 if data.plan is not None else None,
-            "plan_doc": data.plan.doc if data.plan is not None else None,
-            "init_checkpoint": str(init_dir) if init_dir else None,
-            "lora": cfg.lora.enabled,
-            "backends_used": model.backends_used(),
-            "model_config": model_cfg.to_dict(),
-            "tokenizer_dir": data.tokenizer_dir,
-            "tokenizer_sha256": data.tokenizer_sha256,
-            "sft_dir": data.sft_dir,
-            "hardware": hardware,
-            "pack_index": pack_of.get(st.step),
-            "packs": len(pack_of) or None,
-            "reason": reason,
-            **extra,
-        }
+    pack_of, protect = protected_steps(cfg, data)
+    trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, pack_of)
 
     with GracefulStop() as stop:
         run = RunContext(
