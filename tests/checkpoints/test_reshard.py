@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from ds_trhash.training import checkpoint as ck
+from ds_trhash import checkpoints as ck
 from ds_trhash.checkpoints import CheckpointError, ResumeError
 from tests.training import launch_utils as L
 
