@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_trhash.eval.heldout import IGNORE, heldout_loss
+from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.model.loss import IGNORE_INDEX as IGNORE
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
 VOCAB, T = 64, 12
