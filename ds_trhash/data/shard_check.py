@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ds_trhash.io import sha256_file
+
 from .plan import PlanLike, plan_doc
-from .shards import sha256_file
 
 
 def shard_bytes(entry: Mapping) -> int:

@@ -20,9 +20,21 @@ import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.ops.stage_data import resolve_stage_data
+from ds_trhash.training import config as tcfg
+from ds_trhash.training import resources as res
+from ds_trhash.training.engine import EngineError, check_runnable
+from ds_trhash.training.footprint import estimate
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
 from ds_trhash.training.resources import FAIL, PASS, WARN, Check
+from ds_trhash.training.stage_inputs import model_config
+from ds_trhash.training.trainer import USER_ERRORS, check_fresh_output_dir, guard_stage
 
 EXIT_FAILED = 2
+# what the launcher prints as one line besides the trainer's USER_ERRORS
+LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError)
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 
@@ -44,11 +56,9 @@ class Report:
 
     def run(self, name: str, fn: Callable[[], tuple[T, str]]) -> T | None:
         """``fn`` returns (value, what passed); a user error it raises becomes a failed line."""
-        from ds_trhash.training.trainer import USER_ERRORS
-
         try:
             value, detail = fn()
-        except USER_ERRORS + _launch_errors() as exc:
+        except USER_ERRORS + LAUNCH_ERRORS as exc:
             self.add(Check(name, FAIL, " ".join(str(exc).split())))
             return None
         self.add(Check(name, PASS, detail))
@@ -66,26 +76,12 @@ class Report:
         return EXIT_FAILED if failed else 0
 
 
-def _launch_errors() -> tuple[type[BaseException], ...]:
-    from ds_trhash.training import checkpoint as ckpt
-    from ds_trhash.training import config as tcfg
-    from ds_trhash.training.engine import EngineError
-    from ds_trhash.training.stage_inputs import ShardFilesError
-    from ds_trhash.training.stages import StageError
-
-    return (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError, ShardFilesError)
-
-
 # ----------------------------------------------------------------------------- launch state
 
 
 def _output_and_resume(report: Report, cfg, args, world: int, data, lora: bool):
     """The trainer's output-directory and resume checks; returns (saved trainer state or None,
     steps of complete checkpoints already there)."""
-    from ds_trhash.training import checkpoint as ckpt
-    from ds_trhash.training import config as tcfg
-    from ds_trhash.training.trainer import check_fresh_output_dir
-
     output_dir = Path(cfg.output_dir)
     notes: list[str] = []
     existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
@@ -113,9 +109,6 @@ def _output_and_resume(report: Report, cfg, args, world: int, data, lora: bool):
 
 
 def _source(report: Report, cfg, init_dir: str | None, data, resuming: bool) -> None:
-    from ds_trhash.training import checkpoint as ckpt
-    from ds_trhash.training.trainer import guard_stage
-
     def stage():
         if init_dir is not None:
             path = Path(init_dir)
@@ -137,17 +130,11 @@ def _source(report: Report, cfg, init_dir: str | None, data, resuming: bool) -> 
 
 
 def _data(cfg, model_cfg, world: int, deep: bool, scratch: Path):
-    from ds_trhash.ops.stage_data import resolve_stage_data
-
     resolved = resolve_stage_data(cfg, model_cfg, world, deep, scratch)
     return resolved, resolved.detail
 
 
 def run_preflight(args: argparse.Namespace) -> int:
-    from ds_trhash.training import config as tcfg
-    from ds_trhash.training import resources as res
-    from ds_trhash.training.launcher import config_from_args
-
     report = Report()
     try:
         cfg = config_from_args(args)
@@ -158,8 +145,6 @@ def run_preflight(args: argparse.Namespace) -> int:
     world = args.nproc or res.default_nproc(devices)
 
     def config():
-        from ds_trhash.training.engine import check_runnable
-
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
         return None, (f"{cfg.origin}: {cfg.stage}, preset {cfg.model.preset}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
@@ -168,8 +153,6 @@ def run_preflight(args: argparse.Namespace) -> int:
     report.run("config", config)
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
-    from ds_trhash.training.stage_inputs import model_config
-
     model_cfg = model_config(cfg)
     for check in res.check_packages(cfg, model_cfg, devices):
         report.add(check)
@@ -182,8 +165,6 @@ def run_preflight(args: argparse.Namespace) -> int:
         report.skip("stage", "the data check failed")
     else:
         _source(report, cfg, init_dir, data, resuming=saved is not None)
-    from ds_trhash.training.footprint import estimate
-
     footprint = estimate(cfg, model_cfg, world, devices.kind)
     report.add(res.check_memory(footprint, devices, world))
     if data is None:
@@ -196,8 +177,6 @@ def run_preflight(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from ds_trhash.training.launcher import build_arg_parser
-
     p = sub.add_parser(
         "preflight", parents=[build_arg_parser()], conflict_handler="resolve",
         help="check a launch against this machine in seconds: devices, memory, disk, packages, data, stage, output",

@@ -31,7 +31,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.data.plan import PlanError
+from ds_trhash.data.reader import ReplayReader
+from ds_trhash.demo import deepspeed_command
+from ds_trhash.eval import commands as eval_commands
+from ds_trhash.eval.commands import load_model
+from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.ops import smoke_figures as fig
+from ds_trhash.ops.stage_data import resolve_stage_data
+from ds_trhash.release import commands as release_commands
+from ds_trhash.training import config as tcfg
+from ds_trhash.training.checkpoint_plan import CheckpointPlan
+from ds_trhash.training.footprint import estimate, gib
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.progress import format_duration
+from ds_trhash.training.resources import default_nproc, probe_devices
+from ds_trhash.training.stage_inputs import model_config
+from ds_trhash.training.trainer import USER_ERRORS
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 OWNED = (("output_dir", "--output-dir"), ("resume", "--resume"), ("max_steps", "--max-steps"))
@@ -85,11 +104,7 @@ def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
 
 
 def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
-    import torch
-
-    from ds_trhash.training.checkpoint import load_weights_only
-
-    wa, wb = load_weights_only(a)[0], load_weights_only(b)[0]
+    wa, wb = ckpt.load_weights_only(a)[0], ckpt.load_weights_only(b)[0]
     if wa.keys() != wb.keys():
         return False, f"different tensor names ({sorted(set(wa) ^ set(wb))[:3]})"
     diff = [k for k in wa if not torch.equal(wa[k], wb[k])]
@@ -99,11 +114,12 @@ def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
     return False, f"{len(diff)} of {len(wa)} tensors differ from the uninterrupted run (max |delta| {worst:.3g})"
 
 
-def _cli(argv: list[str]) -> int:
-    """A ``ds-trhash`` subcommand in this process, exactly as the console script runs it."""
-    from ds_trhash.cli import build_parser
-
-    args = build_parser().parse_args(argv)
+def _command(register, argv: list[str]) -> int:
+    """A ``ds-trhash`` subcommand in this process: its own ``register`` and handler, as the
+    console script runs them."""
+    parser = argparse.ArgumentParser(prog="ds-trhash")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
 
@@ -111,9 +127,10 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
     state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
     out = workdir / "eval.json"
     if cfg.data.kind == "sft":
-        code = _cli(["eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", state["sft_dir"], "--out", str(out),
-                     "--seq-len", str(cfg.data.seq_len), "--micro-batch", str(cfg.batch.micro_batch),
-                     "--policy", cfg.data.packing.policy])
+        code = _command(eval_commands.register, [
+            "eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", state["sft_dir"], "--out", str(out),
+            "--seq-len", str(cfg.data.seq_len), "--micro-batch", str(cfg.batch.micro_batch),
+            "--policy", cfg.data.packing.policy])
         if code:
             raise StepFailed("evaluate", f"ds-trhash eval heldout exited {code}")
         result = json.loads(out.read_text(encoding="utf-8"))
@@ -123,15 +140,6 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
 
 def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
-    import torch
-
-    from ds_trhash.data.plan import PlanError
-    from ds_trhash.data.reader import ReplayReader
-    from ds_trhash.eval.commands import load_model
-    from ds_trhash.eval.heldout import heldout_loss
-    from ds_trhash.ops.stage_data import resolve_stage_data
-    from ds_trhash.training.stage_inputs import model_config
-
     resolved = resolve_stage_data(cfg, model_config(cfg), world, deep=False, scratch=workdir)
     reader = ReplayReader(resolved.data.plan, resolved.shards_dir, cfg.seed)
     mb = cfg.batch.micro_batch
@@ -151,14 +159,6 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
 
 
 def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
-    from ds_trhash.demo import deepspeed_command
-    from ds_trhash.ops.stage_data import resolve_stage_data
-    from ds_trhash.training import checkpoint as ckpt
-    from ds_trhash.training.checkpoint_plan import CheckpointPlan
-    from ds_trhash.training.footprint import estimate, gib
-    from ds_trhash.training.resources import probe_devices
-    from ds_trhash.training.stage_inputs import model_config
-
     n, half = args.steps, max(1, args.steps // 2)
     run_dir = workdir / "run"
     owned = ["--output-dir", str(run_dir), "--max-steps", str(n),
@@ -206,7 +206,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     _say("evaluate", f"{what}: {loss:.4f} in {report['evaluate']['seconds']:.1f} s")
 
     t0 = time.perf_counter()
-    if _cli(["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
+    if _command(release_commands.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
         raise StepFailed("export", "ds-trhash export failed (its error is above)")
     report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
     _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
@@ -216,8 +216,6 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     projection = fig.Projection(resolved.data.total_steps, step_s, len(plan.save_steps()), save_s,
                                 plan.peak_kept(), size)
     report["projection"] = projection.to_dict()
-    from ds_trhash.training.progress import format_duration
-
     _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "
                     f"{save_s:.2f} s = {format_duration(projection.wall_seconds)} on {world} process(es); disk "
                     f"{projection.kept_checkpoints} checkpoints kept at once x {gib(size)} = {gib(projection.disk_bytes)}")
@@ -225,11 +223,6 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
 
 
 def run_smoke(args: argparse.Namespace) -> int:
-    from ds_trhash.training import config as tcfg
-    from ds_trhash.training.launcher import config_from_args
-    from ds_trhash.training.resources import default_nproc, probe_devices
-    from ds_trhash.training.trainer import USER_ERRORS
-
     given = [flag for attr, flag in OWNED if getattr(args, attr) not in (None, [])]
     if given:
         print(f"error: the smoke chooses {', '.join(given)} itself (a scratch directory, --steps); drop them",
@@ -271,8 +264,6 @@ def run_smoke(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from ds_trhash.training.launcher import build_arg_parser
-
     p = sub.add_parser(
         "smoke", parents=[build_arg_parser()], conflict_handler="resolve",
         help="run a stage at its real size for a few steps: train, save, resume, evaluate, export, project",

@@ -11,6 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_trhash.training import trainer
+from ds_trhash.training.footprint import gib
+from ds_trhash.training.stage_inputs import pretrain_inputs
+
 
 @dataclass(frozen=True)
 class ResolvedData:
@@ -22,10 +26,6 @@ class ResolvedData:
 
 def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> ResolvedData:
     """Raises the trainer's user errors (see trainer.USER_ERRORS) when the data would refuse the launch."""
-    from ds_trhash.training import trainer
-    from ds_trhash.training.footprint import gib
-    from ds_trhash.training.stage_inputs import pretrain_inputs
-
     embedded = (cfg.data.plan if cfg.data.kind == "pretrain" else cfg.data.sft_dir) is None
     where = f"embedded demo corpus (the launch builds it under {trainer._embedded_root(cfg)}); " if embedded else ""
     data_cfg = dataclasses.replace(cfg, output_dir=str(Path(scratch) / "run")) if embedded else cfg

@@ -8,14 +8,21 @@ after each save only the newest ``checkpoint.keep_last`` unprotected ones stay.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ds_trhash.checkpoints import rotation_survivors
+from ds_trhash.data.budget import pack_boundaries
 
-def rotation_survivors(complete: Sequence[int], keep_last: int, protect: Iterable[int], newest_ok: int) -> set[int]:
-    """Steps a rotation keeps among the complete checkpoints ``complete`` (oldest first): the
-    newest ``keep_last``, every protected step, and the newest checkpoint that verifies."""
-    return set(sorted(complete)[-keep_last:]) | set(protect) | {newest_ok}
+
+def cadence_reason(step: int, every_steps: int | None, protect: Collection[int]) -> str | None:
+    """Why a step inside an epoch is saved: it is protected (a token-pack boundary), or a
+    multiple of ``checkpoint.every_steps``; None when it is not saved."""
+    if step in protect:
+        return "token pack boundary"
+    if every_steps and step % every_steps == 0:
+        return "every_steps"
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,8 +36,6 @@ class CheckpointPlan:
     @classmethod
     def for_stage(cls, cfg, total_steps: int, steps_per_epoch: int | None = None) -> "CheckpointPlan":
         """The plan of a stage with ``total_steps`` optimizer steps (``steps_per_epoch``: SFT)."""
-        from ds_trhash.data.budget import pack_boundaries
-
         pack_of: dict[int, int] = {}
         if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
             pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(total_steps, cfg.checkpoint.packs))}
@@ -49,13 +54,8 @@ class CheckpointPlan:
         """Why ``step`` is saved (None: it is not), leaving stop signals aside."""
         if step in self.epoch_ends:
             return "end of epoch"
-        if step in self.pack_of:
-            return "token pack boundary"
-        if self.every_steps and step % self.every_steps == 0:
-            return "every_steps"
-        if step == self.total_steps:
-            return "final"
-        return None
+        reason = cadence_reason(step, self.every_steps, self.protect)
+        return reason or ("final" if step == self.total_steps else None)
 
     def save_steps(self, after: int = 0) -> list[int]:
         """Every step later than ``after`` that writes a checkpoint, in order."""

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ds_trhash.model import TRHashForCausalLM
+from ds_trhash.model.lora import apply_lora
+
 GIB = 1024**3
 FP32 = 4
 ADAM_MOMENTS = 2 * FP32  # exp_avg and exp_avg_sq per trainable parameter, always fp32
@@ -71,8 +77,6 @@ def _shapes_only():
     """A torch function mode that skips random initialisation: on the meta device there are no
     values to draw, and PyTorch's meta versions of the init ops would import the compiler stack
     (seconds) for nothing."""
-    from torch.overrides import TorchFunctionMode
-
     class SkipInit(TorchFunctionMode):
         SKIP = frozenset({"normal_", "uniform_", "trunc_normal_"})
 
@@ -86,15 +90,9 @@ def _shapes_only():
 
 def count_parameters(cfg, model_cfg) -> ParamCount:
     """Exact parameter counts of the model this config trains, built on the meta device."""
-    import torch
-
-    from ds_trhash.model import TRHashForCausalLM
-
     with torch.device("meta"), _shapes_only():
         model = TRHashForCausalLM(model_cfg)
         if cfg.lora.enabled:
-            from ds_trhash.model.lora import apply_lora
-
             apply_lora(model, cfg.lora)
     ep = cfg.parallel.ep_size
     total = trainable = per_rank = trainable_per_rank = 0

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.utils.cpp_extension import _get_build_directory
+
+from ds_trhash.data.cache import cache_bytes_from
+from ds_trhash.model import backend
+from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.footprint import GIB, Footprint, estimate, gib
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -71,8 +79,6 @@ def host_memory() -> tuple[int, int]:
 def probe_devices(only: int | None = None) -> Devices:
     """Every CUDA device of this node (or just device ``only``: a rank asks about its own, so
     it opens no context on its neighbours'), else the host's memory."""
-    import torch
-
     if torch.cuda.is_available():
         ids = range(torch.cuda.device_count()) if only is None else [only]
         infos = [torch.cuda.mem_get_info(i) for i in ids]
@@ -144,12 +150,8 @@ def check_memory(footprint: Footprint, devices: Devices, nproc: int) -> Check:
 
 def peak_memory(device) -> dict:
     """This process's peak so far: CUDA memory allocated on ``device``, else the resident set."""
-    import torch
-
     if device.type == "cuda":
         return {"bytes": int(torch.cuda.max_memory_allocated(device)), "kind": "CUDA allocated, one rank"}
-    import resource
-
     return {"bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "kind": "host RSS, one rank"}
 
 
@@ -205,10 +207,6 @@ def package_version(name: str) -> str | None:
 def check_packages(cfg, model_cfg, devices: Devices) -> list[Check]:
     """DeepSpeed (always), the kernels the profile resolves to (Triton, Liger) and the DeepSpeed
     op this machine's communication needs, each imported for real."""
-    import torch
-
-    from ds_trhash.model import backend
-
     checks = []
     err = backend._import_error("deepspeed")
     if err:
@@ -236,20 +234,16 @@ def check_packages(cfg, model_cfg, devices: Devices) -> list[Check]:
 
 def check_comm_op(devices: Devices) -> Check:
     """NCCL on GPUs; on CPU, DeepSpeed's shared-memory all-reduce op, compiled at first use."""
-    import torch
-
     if devices.kind == "cuda":
         if torch.distributed.is_nccl_available():
             return Check("deepspeed ops", PASS, "NCCL backend available")
         return Check("deepspeed ops", FAIL, "this torch build has no NCCL", "install a CUDA build of torch")
-    import deepspeed.ops
+    import deepspeed.ops  # here, not above: a missing DeepSpeed is a failed check, not a crash
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return Check("deepspeed ops", PASS, "CPU communication over plain gloo (no shared-memory op here)")
-    from torch.utils.cpp_extension import _get_build_directory
-
     built = Path(_get_build_directory(builder.NAME, verbose=False)) / f"{builder.NAME}.so"
     if built.is_file():
         return Check("deepspeed ops", PASS, f"{builder.NAME} already built ({built})")
@@ -269,15 +263,11 @@ def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int
     """What a run from step ``after`` to ``total_steps`` puts on disk: the checkpoints it keeps at
     once beyond the ``existing`` complete ones (the trainer's own cadence and rotation), and the
     shard cache of every rank (pretraining, refinement)."""
-    from ds_trhash.training.checkpoint_plan import CheckpointPlan
-
     kept = CheckpointPlan.for_stage(cfg, total_steps, steps_per_epoch).peak_kept(after=after, existing=existing)
     new = max(0, kept - len(existing))
     needs = [(f"checkpoints ({new} more x {gib(footprint.checkpoint)}, at most {kept} at once)",
               Path(cfg.output_dir), new * footprint.checkpoint)]
     if cfg.data.kind == "pretrain":
-        from ds_trhash.data.cache import cache_bytes_from
-
         cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache")
         needs.append((f"shard cache ({world} rank(s))", cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ) * world))
     return needs
@@ -286,8 +276,6 @@ def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int
 def shared_free_bytes(path: str | os.PathLike) -> int:
     """Free bytes under ``path`` as rank 0 measures them, the same number on every rank, so that
     a refusal is unanimous (a single rank refusing would leave the others waiting)."""
-    import torch.distributed as dist
-
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     value = [free_bytes(path) if not distributed or dist.get_rank() == 0 else None]
     if distributed:

@@ -8,10 +8,16 @@ manifest size. The trainer calls this before it builds its shard cache and the m
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_trhash.data.budget import check_target_tokens, plan_steps
+from ds_trhash.data.plan import load_plan
+from ds_trhash.data.reader import source_manifests
+from ds_trhash.data.shard_check import check_plan_shards
+from ds_trhash.model import TRHashConfig
 from ds_trhash.training import config as tcfg
 
 
@@ -42,11 +48,6 @@ def pretrain_inputs(cfg: tcfg.TrainConfig, world: int, plan_path, shards_dir, to
     """Load and check the plan and its shards for ``world`` processes; raises the data layer's
     errors (PlanError, BudgetError, ReaderError, ShardError), ConfigError or ShardFilesError.
     ``deep`` also hashes every shard (as long as reading the corpus once)."""
-    from ds_trhash.data.budget import check_target_tokens, plan_steps
-    from ds_trhash.data.plan import load_plan
-    from ds_trhash.data.reader import source_manifests
-    from ds_trhash.data.shard_check import check_plan_shards
-
     plan = load_plan(plan_path)
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
@@ -66,8 +67,4 @@ def pretrain_inputs(cfg: tcfg.TrainConfig, world: int, plan_path, shards_dir, to
 
 def model_config(cfg: tcfg.TrainConfig):
     """The TRHashConfig a launch of ``cfg`` trains: its preset with the config's loss chunk."""
-    import dataclasses
-
-    from ds_trhash.model import TRHashConfig
-
     return dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset), loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
