@@ -1,34 +1,9 @@
-"""Shared by the preflight and smoke tests: the real console script, a tree digest proving a
-refused command wrote nothing, the demo corpus, and one smoke run of the tiny pretraining
-config whose checkpoint the preflight cases use as a source."""
+"""Fixtures of the preflight and smoke tests: the demo corpus and one session of runs."""
 from __future__ import annotations
-
-import hashlib
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.training.launch_utils import REPO, base_env
-
-VENV_BIN = Path(sys.executable).parent
-
-
-def ds_trhash(*args: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """`ds-trhash ...` as a user runs it, from the repository root."""
-    return subprocess.run([str(VENV_BIN / "ds-trhash"), *map(str, args)], cwd=REPO, env=base_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    """Every path under ``root`` with the SHA-256 of its bytes ("dir" for folders)."""
-    out = {}
-    for path in sorted(Path(root).rglob("*")):
-        rel = str(path.relative_to(root))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+from tests.ops.runs import run_all
 
 
 @pytest.fixture(scope="session")
@@ -46,12 +21,6 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """`ds-trhash smoke` of ds_configs/tiny/pretrain.yaml, 4 steps, work directory kept."""
-    root = tmp_path_factory.mktemp("smoke")
-    workdir, report = root / "work", root / "smoke.json"
-    proc = ds_trhash("smoke", "--config", "ds_configs/tiny/pretrain.yaml", "--steps", "4",
-                     "--workdir", workdir, "--json", report, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return {"proc": proc, "report": json.loads(report.read_text()), "workdir": workdir,
-            "checkpoint": workdir / "run" / "checkpoints" / "step_00000004"}
+def ops_runs(tmp_path_factory, corpus):
+    """Every preflight case, the smoke of the tiny config (4 steps) and a failing smoke."""
+    return run_all(tmp_path_factory.mktemp("ops"), corpus)

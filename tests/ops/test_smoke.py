@@ -8,11 +8,10 @@ import math
 import pytest
 
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from tests.ops.conftest import ds_trhash
 
 
-def test_smoke_reports_positive_figures(smoke_run):
-    out, r = smoke_run["proc"].stdout, smoke_run["report"]
+def test_smoke_reports_positive_figures(ops_runs):
+    out, r = ops_runs["smoke"].stdout, ops_runs["report"]
     for step in ("train", "save", "resume", "evaluate", "export", "project"):
         assert f"smoke {step}" in out, out
     train, save = r["train"], r["save"]
@@ -27,8 +26,8 @@ def test_smoke_reports_positive_figures(smoke_run):
     assert "smoke passed" in out
 
 
-def test_projection_arithmetic(smoke_run):
-    r = smoke_run["report"]
+def test_projection_arithmetic(ops_runs):
+    r = ops_runs["report"]
     p = r["projection"]
     # tiny pretraining: 60 steps (training.max_steps), saved at the 3 token-pack boundaries 20/40/60,
     # which rotation never removes
@@ -39,13 +38,13 @@ def test_projection_arithmetic(smoke_run):
     assert p["disk_bytes"] == 3 * p["checkpoint_bytes"]
 
 
-def test_failure_names_the_step(tmp_path):
-    proc = ds_trhash("smoke", "--config", "ds_configs/tiny/pretrain.yaml", "--steps", "2",
-                     "--workdir", tmp_path / "work", TARGET_TOKENS="123", timeout=300)
+def test_failure_names_the_step(ops_runs):
+    """TARGET_TOKENS off the plan: the first launch refuses, and the smoke says at which step."""
+    proc = ops_runs["failing_smoke"]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "smoke FAILED at step train" in proc.stderr
     assert "TARGET_TOKENS 123 != the plan's trained_tokens" in proc.stderr
-    assert (tmp_path / "work" / "logs" / "train.log").is_file()  # kept for reading
+    assert (ops_runs["failing_workdir"] / "logs" / "train.log").is_file()  # kept for reading
 
 
 def test_checkpoint_plan_pack_boundaries_and_rotation():
