@@ -16,12 +16,14 @@ def _register_all(sub) -> None:
     from ds_trhash.data import commands as data_commands
     from ds_trhash.data import sft_commands
     from ds_trhash.eval import commands as eval_commands
+    from ds_trhash.ops import commands as ops_commands
     from ds_trhash.release import commands as release_commands
 
     data_commands.register(sub)
     sft_commands.register(sub)
     eval_commands.register(sub)
     release_commands.register(sub)
+    ops_commands.register(sub)
     demo.register(sub)
 
 

@@ -64,13 +64,22 @@ def run_sync(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ds_trhash.release.record import RecordError, write_run_record
+    from ds_trhash.report.index import is_directory_output, write_report
+    from ds_trhash.report.series import NotARunError
 
     fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
               "known_limitations": args.limitation or None}
     try:
-        doc = write_run_record(args.out, run_dir=args.run, export_dir=args.export, **fields)
-    except (RecordError, OSError) as err:
+        if is_directory_output(args.out, len(args.run)):
+            index = write_report([Path(r) for r in args.run], Path(args.out), last_fields=fields,
+                                 export_dir=Path(args.export) if args.export else None)
+            print(f"wrote {index} (plots in {Path(args.out) / 'plots'}, run records in {Path(args.out) / 'records'})")
+            return 0
+        doc = write_run_record(args.out, run_dir=args.run[0], export_dir=args.export, **fields)
+    except (RecordError, NotARunError, OSError) as err:
         return _fail(err)
     print(f"wrote {args.out} (and run_record.md beside it); unknown: {', '.join(doc['unknown']) or 'none'}")
     return 0
@@ -98,10 +107,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
 
-    rep = subparsers.add_parser("report", help="write the publishable run record (JSON + Markdown)")
-    rep.add_argument("--run", required=True, help="run output directory")
-    rep.add_argument("--out", required=True, help="run_record.json path")
-    rep.add_argument("--export", default=None, help="export directory (for the SafeTensors hash)")
+    rep = subparsers.add_parser("report", help="write the run record (JSON + Markdown), or a report directory "
+                                               "with plots and index.html")
+    rep.add_argument("--run", required=True, action="append",
+                     help="run output directory; repeat for several stages, in order (pretraining first)")
+    rep.add_argument("--out", required=True,
+                     help="OUT.json: the run record of one run; any other OUT (or several --run): a report "
+                          "directory with index.html, plots/ and records/")
+    rep.add_argument("--export", default=None, help="export directory (for the SafeTensors hash; last --run)")
     rep.add_argument("--selection-rule", default=None,
                      help="'last' or 'min_eval_loss' (computed), or your own rule text with --selected-checkpoint")
     rep.add_argument("--selected-checkpoint", default=None)
