@@ -110,6 +110,7 @@ def _listener(manifest: Manifest, python: str, logs: Path) -> list[str]:
         "command = " + " ".join(command_word(a) for a in argv),
         "events = PROCESS_STATE_EXITED",
         "autorestart = true",
+        "stdout_logfile = NONE",  # stdout is the event protocol
         "stderr_logfile = " + ini_value(str(logs / f"{LISTENER}.log"), "listener log"),
         "",
     ]

@@ -1,10 +1,11 @@
 """One supervised run of the demo's three stages, shared by the jobs and report tests.
 
 `ds-trhash jobs up` starts a real supervisord on a temporary socket with a manifest that runs
-pretraining through the deepspeed launcher (the victim: its rank is SIGKILLed mid-run), the
-same pretraining uninterrupted as a plain process (the reference), then refinement and SFT
-chained with `after`, and a command job that records what it received. The fixture waits for
-the chain to finish, then `ds-trhash jobs stop` ends everything.
+pretraining through the deepspeed launcher (the victim: its rank is SIGKILLed mid-run) and,
+beside it, the same pretraining uninterrupted as a plain process (the reference), followed by
+refinement and SFT chained with `after` (from the reference, so that the chain runs while the
+victim restarts), and a command job that records what it received. The fixture waits for all
+of them, then `ds-trhash jobs stop` ends everything.
 """
 import json
 import signal
@@ -18,8 +19,9 @@ import pytest
 
 from tests.training import launch_utils as L
 
-STEPS = 12
-KILL_AFTER_STEP = 4
+STEPS = 8
+EVERY = 2  # checkpoint interval of the pretraining runs
+KILL_AFTER_STEP = 3
 SECRET = "DS_TRHASH_TEST_TOKEN"
 SECRET_VALUE = "tok-4f1e-only-for-the-probe-job"
 PROBE_ARGS = ["a b", "it's \"quoted\"", "50% #1; done", "$HOME", "back\\slash"]
@@ -44,19 +46,19 @@ def _plain(args):
 
 
 def _manifest(root: Path) -> Path:
-    pre_args = ["--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
-                "--set", "zero.stage=1"]
+    pre_args = ["--set", f"checkpoint.every_steps={EVERY}", "--set", "checkpoint.keep_last=10",
+                "--set", "checkpoint.packs=null", "--set", "zero.stage=1"]
     victim = _train_args("pretrain.yaml", root / "pre", STEPS, *pre_args)
     jobs = [
         {"name": "pretrain", "argv": [str(L.VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port",
                                       str(L.free_port()), *victim], "environment": {"OMP_NUM_THREADS": "1"}},
         {"name": "reference", **_plain(_train_args("pretrain.yaml", root / "reference", STEPS, *pre_args))},
-        {"name": "refine", "after": ["pretrain"], **_plain(_train_args(
-            "refine.yaml", root / "refine", 4, "--init-checkpoint", str(root / "pre/checkpoints" / f"step_{STEPS:08d}")))},
+        {"name": "refine", "after": ["reference"], **_plain(_train_args(
+            "refine.yaml", root / "refine", 2, "--init-checkpoint", str(root / "reference/checkpoints" / f"step_{STEPS:08d}")))},
         {"name": "sft", "after": ["refine"], **_plain(_train_args(
-            "sft.yaml", root / "sft", 4, "--init-checkpoint", str(root / "refine/checkpoints/step_00000004"),
+            "sft.yaml", root / "sft", 2, "--init-checkpoint", str(root / "refine/checkpoints/step_00000002"),
             "--source-stage", "refinement"))},
-        {"name": "probe", "after": ["sft", "reference"], "inherit_environment": [SECRET], "restart": "never",
+        {"name": "probe", "after": ["sft", "pretrain"], "inherit_environment": [SECRET], "restart": "never",
          "directory": str(root),
          "argv": [sys.executable, "-c", "import json, os, sys; json.dump({'argv': sys.argv[1:], 'secret': "
                   f"os.environ.get('{SECRET}'), 'resume': os.environ.get('RESUME')}}, open('probe.json', 'w'))",
@@ -86,12 +88,13 @@ def _wait(predicate, what, deadline):
 
 
 def _logged_step(metrics: Path) -> int:
+    """The last step with a complete row in metrics.csv (-1 before the first)."""
     try:
-        rows = metrics.read_text().splitlines()[1:]
+        text = metrics.read_text()
     except FileNotFoundError:
         return -1
-    steps = [int(r.split(",")[0]) for r in rows if r.split(",")[0].isdigit() and r.endswith(tuple("0123456789,"))]
-    return max(steps, default=-1)
+    rows = text.splitlines()[1:] if text.endswith("\n") else text.splitlines()[1:-1]
+    return max((int(r.split(",")[0]) for r in rows if r.split(",")[0].isdigit()), default=-1)
 
 
 @pytest.fixture(scope="session")

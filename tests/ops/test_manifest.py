@@ -162,3 +162,12 @@ def test_rendering_refuses_values_supervisord_cannot_hold(tmp_path):
     short = load_manifest(golden_manifest(tmp_path))
     with pytest.raises(ManifestError, match="too deep for a unix socket"):
         render_config(short, tmp_path / ("d" * 120))
+
+
+def test_the_shipped_demo_manifest_loads_and_renders(tmp_path):
+    manifest = load_manifest(REPO / "ds_configs" / "jobs" / "tiny.toml")
+    assert [(j.name, j.kind, j.after) for j in manifest.jobs] == [
+        ("pretrain", "training", ()), ("refine", "training", ("pretrain",)), ("sft", "training", ("refine",)),
+        ("report", "command", ("sft",))]
+    assert all(j.directory == REPO for j in manifest.jobs) and manifest.jobs_dir == REPO / "runs" / "jobs-tiny"
+    assert "[program:sft]" in render_config(manifest, tmp_path)

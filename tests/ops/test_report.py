@@ -40,17 +40,18 @@ def test_report_of_three_stages_has_plots_and_facts(supervised, tmp_path):
     if "grad_norm" not in header:  # runs from before the grad_norm column
         assert "plots/grad_norm.png" not in images and "not recorded by pretraining" in html
     assert "Per-expert token load" in html and "not recorded" in html
-    assert "finished" in html and "min_eval_loss" in html  # facts from the run records (SFT selection)
+    assert html.count("<code>finished</code>") == 3  # state of each stage
+    assert "plan_unique_core" in html and "sft_manifest_sha256" in html  # facts from each stage's run record
 
 
 def test_report_of_a_run_in_progress(supervised, tmp_path):
     """A live run: metrics.csv ends in a half-written row and the last checkpoint does not exist yet."""
     run = tmp_path / "live"
     shutil.copytree(supervised["root"] / "refine", run, ignore=shutil.ignore_patterns("shard_cache"))
-    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    shutil.rmtree(run / "checkpoints" / "step_00000002")
     metrics = run / "metrics.csv"
     text = metrics.read_text()
-    metrics.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1] + "4,0.1,6.1")  # a torn last row
+    metrics.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1] + "2,0.1,6.1")  # a torn last row
     out = tmp_path / "report"
     proc = cli("report", "--run", str(run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
