@@ -31,7 +31,7 @@ PLOTS = (
     Plot("loss", "Loss: train (raw, smoothed) and held-out eval", ("train_loss", "eval_loss"), "loss"),
     Plot("lr", "Learning rate", ("lr",), "learning rate"),
     Plot("tokens_per_s", "Throughput", ("tok_s",), "tokens / s"),
-    Plot("grad_norm", "Gradient norm (before clipping)", ("grad_norm",), "grad norm", log_y=True),
+    Plot("grad_norm", "Gradient norm", ("grad_norm",), "grad norm", log_y=True),
 )
 
 

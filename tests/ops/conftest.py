@@ -113,6 +113,7 @@ def supervised(tmp_path_factory):
     try:
         server = jobs.rpc(manifest.jobs_dir)
         seen["pids"].add(server.supervisor.getPID())
+        seen["second_up"] = cli("jobs", "up", str(manifest_path), env=env)
         _wait(lambda: _logged_step(root / "pre" / "metrics.csv") >= KILL_AFTER_STEP, "the victim's step", deadline)
         job_pid = server.supervisor.getProcessInfo("pretrain")["pid"]
         ranks = jobs.ranks(job_pid)

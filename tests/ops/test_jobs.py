@@ -46,6 +46,11 @@ def test_after_chains_the_stages_and_secrets_reach_only_the_job_that_inherits_th
         ["probe", "EXITED"], ["idle", "RUNNING"]]
 
 
+def test_a_second_jobs_up_is_refused_while_the_first_runs(supervised):
+    proc = supervised["second_up"]
+    assert proc.returncode == 2 and "its supervisord is already running" in proc.stderr, proc.stderr
+
+
 def test_jobs_stop_leaves_no_process_behind(supervised):
     stop = supervised["stop"]
     assert stop.returncode == 0, stop.stdout + stop.stderr
