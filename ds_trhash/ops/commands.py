@@ -10,6 +10,10 @@ import sys
 import xmlrpc.client
 from pathlib import Path
 
+from ds_trhash.ops import jobs
+from ds_trhash.ops.manifest import ManifestError, load_manifest
+from ds_trhash.ops.render import write_config
+
 EXIT_USER_ERROR = 2
 EXIT_NOT_RUNNING = 3
 
@@ -20,10 +24,6 @@ def _fail(err: BaseException, code: int = EXIT_USER_ERROR) -> int:
 
 
 def run_jobs(args: argparse.Namespace) -> int:
-    from ds_trhash.ops import jobs
-    from ds_trhash.ops.manifest import ManifestError, load_manifest
-    from ds_trhash.ops.render import write_config
-
     try:
         manifest = load_manifest(args.manifest)
         if args.action == "render":

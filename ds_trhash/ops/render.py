@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ds_trhash.io import write_text_atomic
 from ds_trhash.ops.manifest import Job, Manifest, ManifestError, looks_secret
 
 CONFIG_NAME = "supervisord.conf"
@@ -156,13 +157,11 @@ def render_config(manifest: Manifest, out_dir: str | os.PathLike, python: str = 
 
 def write_config(manifest: Manifest, out_dir: str | os.PathLike, python: str = sys.executable) -> Path:
     """Write ``out_dir/supervisord.conf`` atomically with mode 0600; the log folder is created too."""
-    from ds_trhash.ops.atomic import write_text_atomic
-
     text = render_config(manifest, out_dir, python)
     p = _paths(Path(out_dir))
     p["logs"].mkdir(parents=True, exist_ok=True)
     for job in manifest.jobs:
         if job.log is not None:
             job.log.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(p["config"], text)
+    write_text_atomic(p["config"], text, mode=0o600)
     return p["config"]

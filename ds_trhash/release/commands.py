@@ -1,4 +1,4 @@
-"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash report`.
+"""`ds-trhash export` and `ds-trhash sync` (`ds-trhash report` lives in ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors print one line on stderr and return 2.
@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release import hub
+from ds_trhash.release.hub import SyncError, redact, summary
 
 EXIT_USER_ERROR = 2
 
 
 def _fail(err: BaseException | str) -> int:
-    from ds_trhash.release.hub import redact
-
     text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
     print(f"error: {text}", file=sys.stderr)
     return EXIT_USER_ERROR
@@ -30,8 +30,6 @@ class _RefuseToken(argparse.Action):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ds_trhash.release.export import export_checkpoint
-
     try:
         manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer)
     except (ExportError, OSError, ValueError) as err:
@@ -45,13 +43,11 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from ds_trhash.release.hub import SyncError, make_api, summary, sync
-
     try:
-        api = make_api(require_token=not args.dry_run)
-        report = sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
-                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                      lock_timeout=args.lock_timeout)
+        api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
+        report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                          dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                          lock_timeout=args.lock_timeout)
     except SyncError as err:
         code = _fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
@@ -60,28 +56,6 @@ def run_sync(args: argparse.Namespace) -> int:
     except OSError as err:
         return _fail(err)
     print(summary(report))
-    return 0
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ds_trhash.release.record import RecordError, write_run_record
-    from ds_trhash.report.index import is_directory_output, write_report
-    from ds_trhash.report.series import NotARunError
-
-    fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
-              "known_limitations": args.limitation or None}
-    try:
-        if is_directory_output(args.out, len(args.run)):
-            index = write_report([Path(r) for r in args.run], Path(args.out), last_fields=fields,
-                                 export_dir=Path(args.export) if args.export else None)
-            print(f"wrote {index} (plots in {Path(args.out) / 'plots'}, run records in {Path(args.out) / 'records'})")
-            return 0
-        doc = write_run_record(args.out, run_dir=args.run[0], export_dir=args.export, **fields)
-    except (RecordError, NotARunError, OSError) as err:
-        return _fail(err)
-    print(f"wrote {args.out} (and run_record.md beside it); unknown: {', '.join(doc['unknown']) or 'none'}")
     return 0
 
 
@@ -106,20 +80,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="seconds to wait for another sync's lock (default: fail at once)")
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
-
-    rep = subparsers.add_parser("report", help="write the run record (JSON + Markdown), or a report directory "
-                                               "with plots and index.html")
-    rep.add_argument("--run", required=True, action="append",
-                     help="run output directory; repeat for several stages, in order (pretraining first)")
-    rep.add_argument("--out", required=True,
-                     help="OUT.json: the run record of one run; any other OUT (or several --run): a report "
-                          "directory with index.html, plots/ and records/")
-    rep.add_argument("--export", default=None, help="export directory (for the SafeTensors hash; last --run)")
-    rep.add_argument("--selection-rule", default=None,
-                     help="'last' or 'min_eval_loss' (computed), or your own rule text with --selected-checkpoint")
-    rep.add_argument("--selected-checkpoint", default=None)
-    rep.add_argument("--limitation", action="append", default=[], help="a known limitation (repeatable)")
-    rep.set_defaults(func=run_report)
 
 
 def main(argv: list[str] | None = None) -> int:

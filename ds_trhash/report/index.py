@@ -14,8 +14,9 @@ from typing import Any
 
 import jinja2
 
-from ds_trhash.ops.atomic import write_text_atomic
-from ds_trhash.report.plots import PLOTS, has_data, render_plot
+from ds_trhash.io import json_text, write_text_atomic
+from ds_trhash.release.record import build_run_record, render_markdown
+from ds_trhash.report.plots import PLOTS, colour, has_data, render_plot
 from ds_trhash.report.series import StageSeries, read_stages
 
 INDEX = "index.html"
@@ -97,9 +98,6 @@ def _plot_entries(stages: list[StageSeries], plots_dir: Path) -> list[dict]:
 def write_report(runs: list[Path], out: Path, *, last_fields: dict[str, Any] | None = None,
                  export_dir: Path | None = None) -> Path:
     """Write the report directory; ``last_fields``/``export_dir`` go to the last stage's record."""
-    from ds_trhash.release.record import build_run_record, render_markdown
-    from ds_trhash.report.plots import colour
-
     stages = read_stages(runs)
     records = []
     for i, run in enumerate(runs):
@@ -111,13 +109,13 @@ def write_report(runs: list[Path], out: Path, *, last_fields: dict[str, Any] | N
     for i, (series, doc) in enumerate(zip(stages, records, strict=True), 1):
         folder = out / "records" / f"{i}-{series.stage}"
         folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(folder / "run_record.json", json.dumps(doc, indent=2) + "\n", mode=0o644)
-        write_text_atomic(folder / "run_record.md", render_markdown(doc), mode=0o644)
+        write_text_atomic(folder / "run_record.json", json_text(doc))
+        write_text_atomic(folder / "run_record.md", render_markdown(doc))
     page = TEMPLATE.render(
         title="Training report: " + " \u2192 ".join(s.stage for s in stages),
         stages=[{"name": s.stage, "colour": colour(i)} for i, s in enumerate(stages)],
         facts=facts(stages, records), plots=_plot_entries(stages, plots_dir), expert_note=EXPERT_LOAD_NOTE)
-    write_text_atomic(out / INDEX, page, mode=0o644)
+    write_text_atomic(out / INDEX, page)
     return out / INDEX
 
 

@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METRICS = "metrics.csv"
+from ds_trhash.checkpoints import CHECKPOINTS, CheckpointError, list_checkpoints, read_trainer_state
+from ds_trhash.training.metrics import METRICS_FILE
+
 COLUMNS = ("train_loss", "eval_loss", "lr", "tok_s", "grad_norm", "tokens_seen")
 
 
@@ -50,9 +52,9 @@ class StageSeries:
 def check_run_dir(path: Path) -> None:
     if not path.is_dir():
         raise NotARunError(f"{path} is not a directory; pass a training output directory (--output-dir of a launch)")
-    if not (path / METRICS).is_file() and not (path / "checkpoints").is_dir():
-        raise NotARunError(f"{path} is not a run output directory: it has neither {METRICS} nor checkpoints/; "
-                           "pass the --output-dir of a training launch")
+    if not (path / METRICS_FILE).is_file() and not (path / CHECKPOINTS).is_dir():
+        raise NotARunError(f"{path} is not a run output directory: it has neither {METRICS_FILE} nor "
+                           f"{CHECKPOINTS}/; pass the --output-dir of a training launch")
 
 
 def _rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
@@ -76,12 +78,11 @@ def _float(text: str | None) -> float | None:
 
 
 def _newest_state(run: Path) -> dict:
-    ckpts = sorted((p for p in (run / "checkpoints").glob("step_*") if p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]))
-    for ckpt in reversed(ckpts):
+    """trainer_state.json of the newest published checkpoint that has a readable one."""
+    for info in reversed(list_checkpoints(run)):
         try:
-            return json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
+            return read_trainer_state(info.path)
+        except CheckpointError:
             continue
     return {}
 
@@ -96,7 +97,7 @@ def _configured_stage(run: Path) -> str | None:
 
 def read_stage(run: Path, offset: int) -> StageSeries:
     check_run_dir(run)
-    header, rows = _rows(run / METRICS)
+    header, rows = _rows(run / METRICS_FILE)
     state = _newest_state(run)
     stage = state.get("stage") or _configured_stage(run) or run.name
     series = StageSeries(run_dir=run, stage=str(stage), offset=offset,
