@@ -62,7 +62,7 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
     if recorded is not None:
         if preset is not None:
             print(f"note: --preset {preset} ignored; the model config recorded in {source} is used", file=sys.stderr)
-        return TRHashConfig.from_dict(recorded), source
+        return TRHashConfig.from_saved(recorded), source
     if preset is None:
         raise EvalCommandError(f"{checkpoint} records no model config (no trainer_state.json model_config, no "
                                "config.json); pass --preset tiny|200m")
