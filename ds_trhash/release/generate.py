@@ -15,6 +15,7 @@ Greedy unless ``--temperature`` > 0; sampling is reproducible with ``--seed``. `
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -61,14 +62,16 @@ def _hf_tokenizer(tokenizer_json: Path, max_len: int):
 
 
 def _load_export(root: Path) -> Loaded:
-    from transformers import AutoTokenizer
+    # PreTrainedTokenizerFast directly: transformers 5's AutoTokenizer reads config.json first and
+    # would ask whether to trust the export's code just to build a tokenizer.
+    from transformers import PreTrainedTokenizerFast
 
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
 
     if not (root / "tokenizer.json").is_file():
         raise GenerateError(f"{root} has no tokenizer.json; export again with --tokenizer DIR")
     model = TRHashForCausalLM.from_pretrained(str(root), dtype="float32")
-    return Loaded(model, AutoTokenizer.from_pretrained(str(root)), f"export {root} (transformers)")
+    return Loaded(model, PreTrainedTokenizerFast.from_pretrained(str(root)), f"export {root} (transformers)")
 
 
 def _recorded(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -132,6 +135,9 @@ def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
 
 def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu") -> Loaded:
     import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "loaded ..." line says it; no bars in the terminal
 
     try:
         target = torch.device(device)
@@ -170,16 +176,22 @@ def read_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
-    """The template's rendering up to and including the generation prompt "Assistant:\\n"."""
+def check_conversation(messages: list[dict[str, Any]]) -> None:
+    """What the SFT builder would refuse, with its messages, plus a conversation that is already answered."""
     from ds_trhash.data.chat import ChatError, normalize
 
     try:
-        turns = normalize(messages)  # same validation as the SFT builder, with its error messages
+        turns = normalize(messages)
     except ChatError as exc:
         raise GenerateError(f"the conversation cannot be rendered: {exc}") from None
-    if turns and turns[-1].role == "assistant":
+    if not turns:
+        raise GenerateError("the conversation has no non-empty message")
+    if turns[-1].role == "assistant":
         raise GenerateError("the conversation ends with an assistant turn; end it with a user turn to generate a reply")
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The template's rendering up to and including the generation prompt "Assistant:\\n"."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -247,7 +259,11 @@ def run(args) -> int:
                 {"role": "user", "content": args.chat}]
         else:
             messages = None
-        loaded = load(args.model, args.tokenizer, args.device)
+        if messages is not None:
+            check_conversation(messages)
+        # stdout carries only the generated text: libraries' loading chatter goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            loaded = load(args.model, args.tokenizer, args.device)
         text = chat_prompt(loaded.tokenizer, messages) if messages is not None else args.prompt
         print(f"loaded {loaded.source}", file=sys.stderr, flush=True)
         result = generate(loaded, text, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

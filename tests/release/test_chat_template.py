@@ -10,7 +10,7 @@ from ds_trhash.data.embedded import SYSTEM_PROMPT, demo_conversations
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tiny_export):
-    return AutoTokenizer.from_pretrained(tiny_export.out)
+    return AutoTokenizer.from_pretrained(tiny_export.out, trust_remote_code=True)
 
 
 def _same(tok, messages, add_generation_prompt):

@@ -11,7 +11,8 @@ from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release import export as export_mod
 from ds_trhash.release.commands import main as cli
 from ds_trhash.release.export import ExportError, export_checkpoint, export_safetensors, sha256_file, verify_export
-from ds_trhash.training.checkpoint import load_weights_only, save_checkpoint
+from ds_trhash.training.checkpoint import load_weights_only
+from tests.release.checkpoint_utils import write_checkpoint
 
 ROUTE_DTYPES = {"route_table": torch.int64, "fused_route_codes": torch.uint8, "fused_expert_pairs": torch.int32}
 HF_FILES = {"config.json", "generation_config.json", "configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py"}
@@ -28,17 +29,6 @@ def tiny():
     cfg = TRHashConfig.from_preset("tiny")
     model = TRHashForCausalLM(cfg)
     return cfg, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _checkpoint(out, cfg, state, *, lora=False, tokenizer_dir=None, stage="supervised-finetuning", critical=None):
-    def engine(tmp):
-        (tmp / "state").mkdir()
-        torch.save({"module": state}, tmp / "state" / "mp_rank_00_model_states.pt")
-
-    doc = dict(stage=stage, step=7, epoch=1, data_cursor=0, world_size=1, training_critical=critical or {},
-               plan_fingerprint=None, plan_sha256=None, backends_used={"experts": "pytorch"}, lora=lora,
-               family="language", model_config=cfg.to_dict(), tokenizer_dir=tokenizer_dir)
-    return save_checkpoint(out, 7, write_engine_state=engine, trainer_state=doc, rank=0, world_size=1)
 
 
 def test_round_trip_is_exact_and_keeps_route_dtypes(tmp_path, tiny):
@@ -152,7 +142,7 @@ def test_export_checkpoint_with_tokenizer_and_stage(tmp_path, tiny):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"model": "test"}')
-    ckpt = _checkpoint(tmp_path / "run", cfg, state, tokenizer_dir=str(tok))
+    ckpt = write_checkpoint(tmp_path / "run", cfg, state, tokenizer_dir=str(tok))
     manifest = export_checkpoint(ckpt, tmp_path / "export", "float32")
     out = tmp_path / "export"
     assert manifest["stage"] == "supervised-finetuning"
@@ -173,7 +163,7 @@ def test_lora_checkpoint_is_exported_merged(tmp_path, tiny):
     torch.manual_seed(1)
     a, b = torch.randn(4, cfg.hidden_size), torch.randn(cfg.num_heads * cfg.head_dim, 4)
     adapters = {"layers.0.self_attn.q_proj.lora_A": a, "layers.0.self_attn.q_proj.lora_B": b}
-    ckpt = _checkpoint(tmp_path / "run", cfg, {**state, **adapters}, lora=True, critical={"lora.alpha": 8})
+    ckpt = write_checkpoint(tmp_path / "run", cfg, {**state, **adapters}, lora=True, critical={"lora.alpha": 8})
     export_checkpoint(ckpt, tmp_path / "merged")
     loaded = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert set(loaded) == set(state) | rotary_keys(cfg)
@@ -187,7 +177,7 @@ def test_lora_checkpoint_refused_when_it_cannot_be_merged(tmp_path, tiny):
     cfg, state = tiny
     adapters = {"layers.0.self_attn.q_proj.lora_A": torch.zeros(2, cfg.hidden_size),
                 "layers.0.self_attn.q_proj.lora_B": torch.zeros(cfg.num_heads * cfg.head_dim, 2)}
-    no_alpha = _checkpoint(tmp_path / "a", cfg, {**state, **adapters}, lora=True)
+    no_alpha = write_checkpoint(tmp_path / "a", cfg, {**state, **adapters}, lora=True)
     with pytest.raises(ExportError, match="no lora.alpha"):
         export_checkpoint(no_alpha, tmp_path / "x")
     assert not (tmp_path / "x").exists()
@@ -197,7 +187,7 @@ def test_lora_checkpoint_refused_when_it_cannot_be_merged(tmp_path, tiny):
 
 def test_cli_export(tmp_path, tiny, capsys):
     cfg, state = tiny
-    ckpt = _checkpoint(tmp_path / "run", cfg, state, stage="refinement")
+    ckpt = write_checkpoint(tmp_path / "run", cfg, state, stage="refinement")
     assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--dtype", "float16"]) == 0
     assert json.loads((tmp_path / "e" / "export_manifest.json").read_text())["weights"]["dtype"] == "float16"
     capsys.readouterr()
