@@ -70,7 +70,7 @@ def _load_export(root: Path) -> Loaded:
 
     if not (root / "tokenizer.json").is_file():
         raise GenerateError(f"{root} has no tokenizer.json; export again with --tokenizer DIR")
-    model = TRHashForCausalLM.from_pretrained(str(root), dtype="float32")
+    model = TRHashForCausalLM.from_pretrained(str(root)).float()  # no dtype argument: 4.x and 5.x differ
     return Loaded(model, PreTrainedTokenizerFast.from_pretrained(str(root)), f"export {root} (transformers)")
 
 

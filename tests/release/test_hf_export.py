@@ -5,10 +5,13 @@ import shutil
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_trhash.model import TRHashConfig
+from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release.export import export_safetensors, verify_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,6 +150,9 @@ def test_bfloat16_export_keeps_rotary_frequencies_in_fp32(tiny_export, tmp_path)
     assert weights["layers.0.self_attn.rotary_emb.inv_freq"].dtype == torch.float32
     assert weights["embed_tokens.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", trust_remote_code=True, dtype=torch.bfloat16)
-    assert model.layers[0].self_attn.rotary_emb.inv_freq.dtype == torch.float32
+    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"  # 4.5x spelling
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", trust_remote_code=True, **{dtype_kw: torch.bfloat16})
     assert model.embed_tokens.weight.dtype == torch.bfloat16
+    exact = rope_inv_freq(tiny_export.config.head_dim, tiny_export.config.rope_theta)
+    for loaded in (model, model.float().to(torch.bfloat16)):  # loading, and casting the loaded model
+        assert torch.equal(loaded.layers[0].self_attn.rotary_emb.frequencies(), exact)

@@ -9,8 +9,9 @@ query attention, a shared SwiGLU expert plus two routed SwiGLU experts per token
 
 Routing is data: ``route_table`` / ``fused_route_codes`` / ``fused_expert_pairs`` come from the
 checkpoint and are never rebuilt here; a model whose tables were not loaded refuses to run.
-``self_attn.rotary_emb.inv_freq`` is persisted too (and kept in fp32), because transformers 5
-leaves a buffer that is absent from the checkpoint uninitialised.
+``self_attn.rotary_emb.inv_freq`` is persisted too (fp32), because transformers 5 leaves a
+buffer that is absent from the checkpoint uninitialised; it stays fp32 through ``model.to``,
+and a copy rounded by a low-precision load is recomputed rather than used.
 
 The KV cache is transformers' ``DynamicCache`` (same ``update``/``get_seq_length`` in 4.5x and
 5.x). transformers 5.2x names it ``cache`` where 4.5x says ``past_key_values``: forward accepts
@@ -20,6 +21,8 @@ are derived from ``attention_mask``, so left-padded batches generate correctly.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +60,23 @@ class TRHashRotaryEmbedding(nn.Module):
         self.head_dim, self.theta = config.head_dim, config.rope_theta
         self.register_buffer("inv_freq", rope_inv_freq(self.head_dim, self.theta), persistent=True)
 
+    def _apply(self, fn, *args, **kwargs):
+        """model.to(bfloat16) / .half() move the frequencies but keep them fp32."""
+        kept = self.inv_freq
+        super()._apply(fn, *args, **kwargs)
+        if kept.dtype == torch.float32 and self.inv_freq.dtype != torch.float32 and not kept.is_meta:
+            self.inv_freq = kept.to(self.inv_freq.device)
+        return self
+
+    def frequencies(self) -> torch.Tensor:
+        """fp32 [D/2]; a copy that a low-precision load rounded is recomputed, not used."""
+        if self.inv_freq.dtype == torch.float32:
+            return self.inv_freq
+        return rope_inv_freq(self.head_dim, self.theta).to(self.inv_freq.device)
+
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, 1, T, D] in fp32."""
-        angles = position_ids.to(torch.float32)[..., None] * self.inv_freq.float()
+        angles = position_ids.to(torch.float32)[..., None] * self.frequencies()
         angles = torch.cat((angles, angles), dim=-1)  # rotate-half pairs i with i + D/2
         return angles.cos()[:, None], angles.sin()[:, None]
 
@@ -200,8 +217,6 @@ class TRHashPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TRHashDecoderLayer"]
     _supports_cache_class = True
     _supports_sdpa = True
-    _keep_in_fp32_modules = ["rotary_emb"]
-    _keep_in_fp32_modules_strict = ["rotary_emb"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -242,6 +257,17 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self):
         return None  # the head is embed_tokens itself; there is no separate module to tie
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, plus this model's two code files where a release (4.5x) would not
+        copy them, so that the saved directory loads with trust_remote_code like the export."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            here = os.path.dirname(os.path.abspath(__file__))
+            for name in ("configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py"):
+                if not os.path.exists(os.path.join(save_directory, name)):
+                    shutil.copyfile(os.path.join(here, name), os.path.join(save_directory, name))
+        return result
 
     def _check_routes(self) -> None:
         """Validate the route tables once per loaded version (not on every decoding step)."""
