@@ -295,6 +295,9 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
                 return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
         if kwargs.get("cache") is not None:
             past_key_values = kwargs["cache"]
+        if kwargs.get("output_attentions"):
+            raise ValueError("TR-HASH attention runs through scaled_dot_product_attention; attention weights "
+                             "are not returned (output_attentions is not supported)")
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("TR-HASH needs input_ids (routing is by token id); inputs_embeds is not supported")
         if past_key_values is not None and not isinstance(past_key_values, Cache):
