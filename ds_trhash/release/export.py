@@ -1,4 +1,4 @@
-"""SafeTensors export of a trained model, loadable by transformers (SPEC §9).
+"""SafeTensors export of a trained model, loadable by transformers (docs/contracts.md §9).
 
 An export directory holds::
 
@@ -23,7 +23,6 @@ directory renamed into place. A failed export leaves nothing at ``out_dir``.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,12 @@ from typing import Any
 
 import torch
 
+from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints.stages import Stage, StageError
+from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
+from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release.hf import bundle as hf_bundle
 
 WEIGHTS = "model.safetensors"
@@ -49,7 +54,7 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# Route buffers are data (SPEC §1): they keep exactly these dtypes, whatever the float dtype.
+# Route buffers are data (docs/contracts.md §1): they keep exactly these dtypes, whatever the float dtype.
 ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
     "route_table": torch.int64,
     "fused_route_codes": torch.uint8,
@@ -58,7 +63,6 @@ ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
 # Persisted for transformers (which leaves a buffer absent from the checkpoint uninitialised),
 # always fp32: bf16 frequencies would shift RoPE angles by radians at long positions.
 ROTARY_SUFFIX = ".self_attn.rotary_emb.inv_freq"
-_HASH_CHUNK = 1 << 22
 
 
 class ExportError(RuntimeError):
@@ -66,28 +70,6 @@ class ExportError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=True)
-        fh.write("\n")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> tuple[str, torch.dtype]:
@@ -113,7 +95,6 @@ def _read_back(path: Path) -> dict[str, torch.Tensor]:
 
 def _expected_layout(model_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key -> (shape, dtype) of a TRHashForCausalLM built from the config, on the meta device."""
-    from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
     try:
         config = TRHashConfig.from_dict(dict(model_config))
@@ -177,8 +158,6 @@ def _prepare(state_dict: Mapping[str, Any], model_config: Mapping[str, Any],
 
 def _rotary_buffers(state_dict: Mapping[str, Any], model_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Each layer's fp32 inv_freq, as the trainer computes it; a supplied one must agree."""
-    from ds_trhash.model.attention import rope_inv_freq
-
     inv_freq = rope_inv_freq(model_config["head_dim"], model_config["rope_theta"])
     out = {}
     for i in range(model_config["num_layers"]):
@@ -223,8 +202,6 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dest: Path) -> None:
 def _chat_template_text(chat_template: str | os.PathLike | None) -> str:
     """Jinja text: the project's complexity-chat-v2 by default, a string as given, a file's text."""
     if chat_template is None:
-        from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
-
         return CHAT_TEMPLATE_JINJA
     if isinstance(chat_template, os.PathLike):
         src = Path(chat_template)
@@ -261,8 +238,6 @@ def export_safetensors(
     _refuse_existing(out)
     dtype_name, float_dtype = parse_dtype(dtype)
     if stage is not None:
-        from ds_trhash.training.stages import Stage, StageError
-
         try:
             stage = Stage.parse(stage, what="export stage").value
         except StageError as exc:
@@ -281,10 +256,10 @@ def export_safetensors(
         weights = tmp / WEIGHTS
         save_file(tensors, str(weights), metadata={"format": "pt", "producer": EXPORT_FORMAT,
                                                    "dtype": dtype_name, "stage": str(stage)})
-        _fsync(weights)
+        fsync_path(weights)
         _compare(tensors, _read_back(weights))
         hf_bundle.write_model_files(tmp, model_config, dtype_name)
-        _write_json(tmp / RUN, run_doc)
+        write_json(tmp / RUN, run_doc, fsync=False)
         hf_bundle.write_chat_template(tmp, template)
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, tmp)
@@ -292,7 +267,7 @@ def export_safetensors(
         others = {}
         for path in sorted(tmp.iterdir()):
             if path.name != WEIGHTS:
-                _fsync(path)
+                fsync_path(path)
                 others[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
         manifest = {
@@ -306,15 +281,14 @@ def export_safetensors(
             "chat_template": hf_bundle.CHAT_TEMPLATE_FILE,
             "files": others,
         }
-        _write_json(tmp / EXPORT_MANIFEST, manifest)
-        _fsync(tmp / EXPORT_MANIFEST)
+        write_json(tmp / EXPORT_MANIFEST, manifest, fsync=False)
+        fsync_path(tmp / EXPORT_MANIFEST)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is meant to be read
-        _fsync(tmp)
+        fsync_path(tmp)
         try:
-            os.rename(tmp, out)  # atomic; replaces only an empty directory
+            publish_dir(tmp, out, replace=False)  # atomic; replaces only an empty directory
         except OSError as exc:
             raise ExportError(f"cannot move the export into {out}: {exc}") from None
-        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -377,7 +351,6 @@ def export_checkpoint(
     The stage, model config, tokenizer directory and LoRA flag come from its trainer_state.json;
     ``tokenizer_dir`` overrides the recorded one.
     """
-    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_merged_weights, read_trainer_state
 
     ckpt = Path(ckpt_dir)
     _refuse_existing(Path(out_dir))

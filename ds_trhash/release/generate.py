@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.io import read_json_object
+
 
 class GenerateError(ValueError):
     """A model directory or request that cannot be served; the message says how to fix it."""
@@ -40,13 +43,7 @@ class Loaded:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise GenerateError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise GenerateError(f"{path} does not hold a JSON object")
-    return doc
+    return read_json_object(path, GenerateError)
 
 
 def _hf_tokenizer(tokenizer_json: Path, max_len: int):
@@ -76,7 +73,10 @@ def _load_export(root: Path) -> Loaded:
 
 def _recorded(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model config as TRHashConfig.to_dict, trainer state or {}) of a checkpoint or an old export."""
-    state = _read_json(root / "trainer_state.json") if (root / "trainer_state.json").is_file() else {}
+    try:
+        state = read_trainer_state(root) if (root / TRAINER_STATE).is_file() else {}
+    except CheckpointError as exc:
+        raise GenerateError(str(exc)) from None
     config = state.get("model_config")
     if not isinstance(config, dict) and (root / "config.json").is_file():
         config = _read_json(root / "config.json")
@@ -109,8 +109,6 @@ def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
     from ds_trhash.release.hf.bundle import hf_config
     from ds_trhash.release.hf.configuration_tr_hash_moe import TRHashConfig
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
-    from ds_trhash.training.checkpoint import CheckpointError, load_merged_weights
-
     config, state = _recorded(root)
     try:
         native = NativeConfig.from_saved(config)

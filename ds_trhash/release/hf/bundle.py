@@ -9,13 +9,13 @@ the export manifest's hashes) do not depend on the installed transformers releas
 """
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ds_trhash.data.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN, UNK_TOKEN
+from ds_trhash.io import write_json
 from ds_trhash.model.config import HF_MODEL_TYPE, TRHashConfig
 
 HERE = Path(__file__).resolve().parent
@@ -48,16 +48,10 @@ def hf_config(model_config: Mapping[str, Any], dtype: str = "float32") -> dict[s
     }
 
 
-def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=True, ensure_ascii=False)
-        fh.write("\n")
-
-
 def write_model_files(dest: Path, model_config: Mapping[str, Any], dtype: str) -> None:
     """config.json, generation_config.json and the two code files."""
-    _write_json(dest / "config.json", hf_config(model_config, dtype))
-    _write_json(dest / GENERATION_CONFIG, {**SPECIAL_IDS, "do_sample": False})
+    write_json(dest / "config.json", hf_config(model_config, dtype), fsync=False)
+    write_json(dest / GENERATION_CONFIG, {**SPECIAL_IDS, "do_sample": False}, fsync=False)
     for name in CODE_FILES:
         shutil.copyfile(HERE / name, dest / name)
 
@@ -65,7 +59,7 @@ def write_model_files(dest: Path, model_config: Mapping[str, Any], dtype: str) -
 def write_tokenizer_files(dest: Path, chat_template: str, model_max_length: int) -> None:
     """tokenizer_config.json and special_tokens_map.json for the tokenizer.json already in dest;
     the chat template also goes to chat_template.jinja (where transformers 5 saves it)."""
-    _write_json(dest / TOKENIZER_CONFIG, {
+    write_json(dest / TOKENIZER_CONFIG, {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **SPECIAL_TOKENS,
         "model_max_length": model_max_length,
@@ -74,8 +68,8 @@ def write_tokenizer_files(dest: Path, chat_template: str, model_max_length: int)
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "padding_side": "left",  # decoder-only batches generate from the right edge
-    })
-    _write_json(dest / SPECIAL_TOKENS_MAP, SPECIAL_TOKENS)
+    }, fsync=False)
+    write_json(dest / SPECIAL_TOKENS_MAP, SPECIAL_TOKENS, fsync=False)
 
 
 def write_chat_template(dest: Path, chat_template: str) -> None:
