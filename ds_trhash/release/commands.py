@@ -1,4 +1,5 @@
-"""`ds-trhash export` and `ds-trhash sync` (`ds-trhash report` lives in ds_trhash.report.commands).
+"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash generate` (`ds-trhash report` lives in
+ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors print one line on stderr and return 2.
@@ -80,6 +81,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="seconds to wait for another sync's lock (default: fail at once)")
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
+
+    from ds_trhash.release import generate
+
+    generate.register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
