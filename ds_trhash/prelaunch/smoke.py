@@ -40,8 +40,8 @@ from ds_trhash.demo import deepspeed_command
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.eval.commands import load_model
 from ds_trhash.eval.heldout import heldout_loss
-from ds_trhash.ops import smoke_figures as fig
-from ds_trhash.ops.stage_data import resolve_stage_data
+from ds_trhash.prelaunch import smoke_figures as fig
+from ds_trhash.prelaunch.stage_data import resolve_stage_data
 from ds_trhash.release import commands as release_commands
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan

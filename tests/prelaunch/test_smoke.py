@@ -10,8 +10,8 @@ import pytest
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 
 
-def test_smoke_reports_positive_figures(ops_runs):
-    out, r = ops_runs["smoke"].stdout, ops_runs["report"]
+def test_smoke_reports_positive_figures(prelaunch_runs):
+    out, r = prelaunch_runs["smoke"].stdout, prelaunch_runs["report"]
     for step in ("train", "save", "resume", "evaluate", "export", "project"):
         assert f"smoke {step}" in out, out
     train, save = r["train"], r["save"]
@@ -26,8 +26,8 @@ def test_smoke_reports_positive_figures(ops_runs):
     assert "smoke passed" in out
 
 
-def test_projection_arithmetic(ops_runs):
-    r = ops_runs["report"]
+def test_projection_arithmetic(prelaunch_runs):
+    r = prelaunch_runs["report"]
     p = r["projection"]
     # tiny pretraining: 60 steps (training.max_steps), saved at the 3 token-pack boundaries 20/40/60,
     # which rotation never removes
@@ -38,13 +38,13 @@ def test_projection_arithmetic(ops_runs):
     assert p["disk_bytes"] == 3 * p["checkpoint_bytes"]
 
 
-def test_failure_names_the_step(ops_runs):
+def test_failure_names_the_step(prelaunch_runs):
     """TARGET_TOKENS off the plan: the first launch refuses, and the smoke says at which step."""
-    proc = ops_runs["failing_smoke"]
+    proc = prelaunch_runs["failing_smoke"]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "smoke FAILED at step train" in proc.stderr
     assert "TARGET_TOKENS 123 != the plan's trained_tokens" in proc.stderr
-    assert (ops_runs["failing_workdir"] / "logs" / "train.log").is_file()  # kept for reading
+    assert (prelaunch_runs["failing_workdir"] / "logs" / "train.log").is_file()  # kept for reading
 
 
 def test_checkpoint_plan_pack_boundaries_and_rotation():

@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.ops.stage_data import resolve_stage_data
+from ds_trhash.prelaunch.stage_data import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import resources as res
 from ds_trhash.training.engine import EngineError, check_runnable

@@ -2,7 +2,7 @@
 and every failure it exists for provoked once, each refused with exit 2 on the line of the
 check that failed while nothing on disk changes.
 
-The runs are independent processes, started side by side by tests/ops/runs.py; each test
+The runs are independent processes, started side by side by tests/prelaunch/runs.py; each test
 reads its own result."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _lines(proc) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def test_tiny_config_passes_every_check(ops_runs):
-    proc = ops_runs["preflight"]["pass"]
+def test_tiny_config_passes_every_check(prelaunch_runs):
+    proc = prelaunch_runs["preflight"]["pass"]
     lines = _lines(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(CHECKS) <= set(lines), f"missing checks: {set(CHECKS) - set(lines)}\n{proc.stdout}"
@@ -34,7 +34,7 @@ def test_tiny_config_passes_every_check(ops_runs):
     assert "a fresh start" in lines["output"][0][1]
     assert "3 at once" in lines["disk"][0][1]  # tiny pretraining keeps its 3 token-pack checkpoints
     assert "Traceback" not in proc.stderr
-    assert ops_runs["unchanged"], "a preflight run changed files"
+    assert prelaunch_runs["unchanged"], "a preflight run changed files"
 
 
 @pytest.mark.parametrize("case, check, needle", [
@@ -47,8 +47,8 @@ def test_tiny_config_passes_every_check(ops_runs):
     ("pretraining_to_sft", "stage", "pretraining -> supervised-finetuning is not an allowed transition"),
     ("output_holds_run", "output", "already holds a run"),
 ])
-def test_each_failure_is_refused_on_its_own_line(ops_runs, case, check, needle):
-    proc = ops_runs["preflight"][case]
+def test_each_failure_is_refused_on_its_own_line(prelaunch_runs, case, check, needle):
+    proc = prelaunch_runs["preflight"][case]
     lines = _lines(proc)
     failed = {name for name, marks in lines.items() for mark, _ in marks if mark == "FAIL"}
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -56,4 +56,4 @@ def test_each_failure_is_refused_on_its_own_line(ops_runs, case, check, needle):
     assert any(needle in detail for mark, detail in lines[check] if mark == "FAIL"), proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stdout.rstrip().endswith("fix the failed checks before launching")
-    assert ops_runs["unchanged"], "a refused preflight changed files"
+    assert prelaunch_runs["unchanged"], "a refused preflight changed files"
