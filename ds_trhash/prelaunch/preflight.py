@@ -170,7 +170,8 @@ def run_preflight(args: argparse.Namespace) -> int:
     if data is None:
         report.skip("disk", "the step count comes from the data, whose check failed")
     else:
-        after = int(saved["step"]) if saved else 0
+        # a fresh start holds no complete checkpoint (else the output check failed): size it as one
+        after, existing = (int(saved["step"]), existing) if saved else (0, [])
         for check in res.check_disk(res.disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
             report.add(check)
     return report.finish()
