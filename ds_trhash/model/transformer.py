@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import ROPE_BACKENDS, TRHashAttention, document_mask
+from .attention import ROPE_BACKENDS, DocumentMask, TRHashAttention, build_document_mask
 from .config import TRHashConfig
 from .experts import EXPERT_BACKENDS, routed_experts
 from .loss import LOSS_BACKENDS, tied_ce
@@ -192,7 +192,7 @@ class TRHashDecoderLayer(nn.Module):
         self.mlp = TRHashMoE(config, layer)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
+                attn_mask: torch.Tensor | DocumentMask | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position_ids, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x), input_ids)
 
@@ -279,7 +279,8 @@ class TRHashForCausalLM(nn.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        attn_mask = document_mask(document_ids) if document_ids is not None else None
+        # packed rows: one block-sparse document mask shared by every layer (no [T, T] tensor)
+        attn_mask = build_document_mask(document_ids) if document_ids is not None else None
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, input_ids, position_ids, attn_mask)
