@@ -66,8 +66,9 @@ def document_block_mask(document_ids: torch.Tensor, block: int = DOC_BLOCK) -> B
     nb = -(-t // block)
     pad = nb * block - t
     docs = document_ids.long()
-    lo = F.pad(docs, (0, pad), value=torch.iinfo(torch.int64).max).view(b, nb, block).amin(-1)
-    hi = F.pad(docs, (0, pad), value=torch.iinfo(torch.int64).min).view(b, nb, block).amax(-1)
+    # a cut-short last block repeats its last id: its range is then that of its real positions
+    blocks = torch.cat((docs, docs[:, -1:].expand(b, pad)), dim=1).view(b, nb, block)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)  # [B, nb]
     q_lo, q_hi, k_lo, k_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
     idx = torch.arange(nb, device=docs.device)
     below = idx[None, :, None] > idx[None, None, :]  # j < i: [1, nb, nb]
