@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["routed_experts_triton", "TOP_K", "MAX_EXPERT_WIDTH", "SUPPORTED_DTYPES"]
+__all__ = ["routed_experts_triton", "reset_autotuning", "TOP_K", "MAX_EXPERT_WIDTH", "SUPPORTED_DTYPES"]
 
 TOP_K = 2
 #: Widest expert for which the policy picks this kernel (one block holds the whole W).
@@ -577,3 +577,10 @@ def routed_experts_triton(x: torch.Tensor, routes: torch.Tensor, gate: torch.Ten
     y, _, _, _ = _forward_op(x.contiguous(), routes.contiguous(), gate.contiguous(), up.contiguous(),
                              down.contiguous(), weights[0], weights[1])
     return y
+
+
+def reset_autotuning() -> None:
+    """Forget the tuned configs, e.g. after a start-up check on a batch far smaller than training's
+    (the autotune keys hold the widths, not the row count)."""
+    for kernel in (_gate_up_kernel, _grouped_mm_kernel, _grouped_dw_kernel, _pair_reduce_kernel):
+        kernel.cache.clear()

@@ -206,6 +206,8 @@ class TRHashForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
+        self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
+        self.compile_mode = "none"  # set by ds_trhash.model.compile
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, config.init_std)  # submodules init themselves
 
@@ -251,17 +253,23 @@ class TRHashForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.self_attn.rope_backend = rope
 
-    def backends_used(self) -> dict[str, str | None]:
-        """What ran in the last forward (None: not exercised, e.g. loss when no labels)."""
+    def backends_used(self) -> dict:
+        """What ran in the last forward (None: not exercised, e.g. loss when no labels), plus
+        the kernel self-check's findings and the compile mode when there are any."""
 
         def merged(values: list[str | None]) -> str | None:
             seen = sorted({v for v in values if v is not None})
             return "+".join(seen) if seen else None
 
         norms = [m.last_backend for m in self.modules() if isinstance(m, RMSNorm)]
-        return {"experts": merged([e.last_backend for e in self.engines()]),
+        used = {"experts": merged([e.last_backend for e in self.engines()]),
                 "loss": self.last_loss_backend, "norm": merged(norms),
                 "rope": merged([layer.self_attn.last_rope_backend for layer in self.layers])}
+        if self.kernel_self_check:  # what the startup self-check found (fallbacks say why)
+            used["self_check"] = dict(self.kernel_self_check)
+        if self.compile_mode != "none":
+            used["compile"] = self.compile_mode
+        return used
 
     def _reset_backend_records(self) -> None:
         self.last_loss_backend = None

@@ -237,7 +237,8 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.model import backend
+    from ds_trhash.model import backend, selfcheck
+    from ds_trhash.training.engine import compute_dtype
 
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
@@ -257,6 +258,9 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    # every selected fused kernel runs once against PyTorch on this device before training
+    choice = selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                              require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
