@@ -43,10 +43,11 @@ def _groups(routes: torch.Tensor, weights: Sequence[float], num_experts: int, dt
 
 @torch.library.custom_op("ds_trhash::routed_experts_gathered", mutates_args=())
 def _gathered_forward(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                      down: torch.Tensor, w0: float, w1: float) -> torch.Tensor:
-    """x [N, H], routes [N, 2] int64, gate/up [E, H, W], down [E, W, H] -> [N, H] in x's dtype."""
+                      down: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """x [N, H], routes [N, K] int64, gate/up [E, H, W], down [E, W, H] -> [N, H] in x's dtype;
+    weights[k] scales route k."""
     out = torch.zeros_like(x)  # filled in place: one [N, H] buffer however many experts
-    for e, (idx, w) in enumerate(_groups(routes, (w0, w1), gate.shape[0], x.dtype)):
+    for e, (idx, w) in enumerate(_groups(routes, weights, gate.shape[0], x.dtype)):
         if idx.numel() == 0:
             continue  # an idle expert costs nothing
         xe = x.index_select(0, idx)  # [n_e, H]
@@ -57,20 +58,20 @@ def _gathered_forward(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
 
 
 @_gathered_forward.register_fake
-def _(x, routes, gate, up, down, w0, w1):
+def _(x, routes, gate, up, down, weights):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("ds_trhash::routed_experts_gathered_backward", mutates_args=())
 def _gathered_backward(dy: torch.Tensor, x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
-                       up: torch.Tensor, down: torch.Tensor, w0: float,
-                       w1: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       up: torch.Tensor, down: torch.Tensor,
+                       weights: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dgate, dup, ddown) of the gathered path; the SwiGLU pre-activations are recomputed
     (width W per routed token: cheaper than keeping them for the whole step)."""
     dy = dy.to(x.dtype)
     dx = torch.zeros_like(x)
     d_gate, d_up, d_down = torch.zeros_like(gate), torch.zeros_like(up), torch.zeros_like(down)
-    for e, (idx, w) in enumerate(_groups(routes, (w0, w1), gate.shape[0], x.dtype)):
+    for e, (idx, w) in enumerate(_groups(routes, weights, gate.shape[0], x.dtype)):
         if idx.numel() == 0:
             continue  # an idle expert's weight gradient stays zero
         xe, dye = x.index_select(0, idx), dy.index_select(0, idx)  # [n_e, H]
@@ -88,20 +89,20 @@ def _gathered_backward(dy: torch.Tensor, x: torch.Tensor, routes: torch.Tensor, 
 
 
 @_gathered_backward.register_fake
-def _(dy, x, routes, gate, up, down, w0, w1):
+def _(dy, x, routes, gate, up, down, weights):
     return torch.empty_like(x), torch.empty_like(gate), torch.empty_like(up), torch.empty_like(down)
 
 
 def _gathered_setup(ctx, inputs, output):
-    x, routes, gate, up, down, w0, w1 = inputs
+    x, routes, gate, up, down, weights = inputs
     ctx.save_for_backward(x, routes, gate, up, down)
-    ctx.weights = (w0, w1)
+    ctx.weights = weights
 
 
 def _gathered_grad(ctx, dy):
     x, routes, gate, up, down = ctx.saved_tensors
-    dx, d_gate, d_up, d_down = _gathered_backward(dy, x, routes, gate, up, down, *ctx.weights)
-    return dx, None, d_gate, d_up, d_down, None, None
+    dx, d_gate, d_up, d_down = _gathered_backward(dy, x, routes, gate, up, down, ctx.weights)
+    return dx, None, d_gate, d_up, d_down, None
 
 
 _gathered_forward.register_autograd(_gathered_grad, setup_context=_gathered_setup)
@@ -110,8 +111,7 @@ _gathered_forward.register_autograd(_gathered_grad, setup_context=_gathered_setu
 def routed_experts_pytorch(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                            down: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
     """x [N, H], routes [N, K] int64, gate/up [E, H, W], down [E, W, H] -> [N, H]."""
-    w0, w1 = (float(w) for w in weights)
-    return _gathered_forward(x, routes, gate, up, down, w0, w1)
+    return _gathered_forward(x, routes, gate, up, down, [float(w) for w in weights])
 
 
 def routed_experts(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
