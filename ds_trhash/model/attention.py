@@ -133,15 +133,14 @@ def _blockwise_document_attention(q, k, v, document_ids, scale, enable_gqa, bloc
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], scale=scale,
                                               enable_gqa=enable_gqa)
 
-    outs = []
+    # each block is copied into one output as it is made: no list of blocks plus their concatenation
+    out = q.new_empty(q.shape[:3] + v.shape[3:])  # [B, heads, T, D]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     for start in range(0, t, block):
         stop = min(start + block, t)
         args = (q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], document_ids, start)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            outs.append(checkpoint(one_block, *args, use_reentrant=False))
-        else:
-            outs.append(one_block(*args))
-    return torch.cat(outs, dim=2)
+        out[:, :, start:stop] = checkpoint(one_block, *args, use_reentrant=False) if grad else one_block(*args)
+    return out
 
 
 _compiled_flex = None

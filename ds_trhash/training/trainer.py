@@ -238,6 +238,7 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     from ds_trhash.model import TRHashForCausalLM
     from ds_trhash.model import backend, selfcheck
+    from ds_trhash.model.compile import compile_model
     from ds_trhash.training.engine import compute_dtype
 
     torch.manual_seed(cfg.seed)
@@ -264,6 +265,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     backend.apply(model, choice)
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
+    compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
     return model.to(device)
 
 

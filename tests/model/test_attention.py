@@ -3,6 +3,7 @@ K, Q, V row order of the fused projection."""
 
 import math
 
+import pytest
 import torch
 
 from ds_trhash.model import TRHashConfig
@@ -148,3 +149,20 @@ def test_flex_attention_and_the_blockwise_path_equal_the_dense_document_mask():
     assert calls == [1]
     torch.testing.assert_close(blockwise, dense, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(blockwise_grad, dense_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_flex_attention_trains_on_cuda_like_the_dense_mask():
+    from ds_trhash.model.attention import build_document_mask
+
+    torch.manual_seed(0)
+    attn = TRHashAttention(TINY).cuda()
+    docs = torch.cat([PACKED, PACKED[:, :4]], dim=1).cuda()  # T = 64
+    x = torch.randn(3, 64, TINY.hidden_size, device="cuda")
+    positions = torch.arange(64, device="cuda").expand(3, 64)
+    mask = build_document_mask(docs)
+    assert mask.block_mask is not None  # CUDA: flex attention
+    flex, flex_grad = attention_outputs(attn, x, positions, mask)
+    dense, dense_grad = attention_outputs(attn, x, positions, document_mask(docs))
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(flex_grad, dense_grad, rtol=1e-4, atol=1e-5)

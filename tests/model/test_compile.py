@@ -67,3 +67,39 @@ def test_compiled_model_matches_eager_forward_and_gradients(batch):
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiled_model.layers[0].mlp.engine.expert_gate.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["layers", "model"])
+def test_compiling_in_place_keeps_state_dict_names(mode):
+    from ds_trhash.model.compile import compile_model
+
+    plain = make_model().state_dict()
+    model = compile_model(make_model(), mode)
+    assert list(model.state_dict()) == list(plain)  # no "_orig_mod." anywhere
+    assert all(torch.equal(v, plain[k]) for k, v in model.state_dict().items())
+    compiled = model.layers if mode == "layers" else [model]
+    assert all(m._compiled_call_impl is not None for m in compiled)
+    assert model.backends_used()["compile"] == mode
+    with pytest.raises(ValueError, match="unknown compile mode 'all'"):
+        compile_model(make_model(), "all")
+
+
+@pytest.mark.gpu
+def test_inductor_compiled_model_with_triton_experts_matches_eager_on_cuda(batch):
+    """On a GPU: inductor, fullgraph, bf16, Triton experts and flex attention for the packed rows."""
+    from ds_trhash.model.compile import compile_model
+
+    eager, compiled = make_model().cuda().bfloat16(), make_model().cuda().bfloat16()
+    for m in (eager, compiled):
+        m.set_backends(experts="triton")
+    compile_model(compiled, "model")
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    loss_eager, loss_compiled = eager(**cuda_batch), compiled(**cuda_batch)
+    torch.testing.assert_close(loss_compiled.float(), loss_eager.float(), rtol=2e-2, atol=2e-2)
+    loss_eager.backward()
+    loss_compiled.backward()
+    grads = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        err = (grads[name].grad.float() - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)
+        assert err < 5e-2, name
+    assert compiled.backends_used()["experts"] == "triton"
