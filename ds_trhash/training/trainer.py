@@ -306,7 +306,8 @@ class ProgressCallback(loop.Callback):
         self.progress, self.model, self.every, self.batches = progress, model, every, batches
 
     def on_step_end(self, state, metrics):
-        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
+        # the loss lazily: read from the device only for a step the progress display shows
+        self.progress.update(state.step, lambda: metrics["loss"], metrics["lr"], metrics["tok_s"],
                              backends=self.model.backends_used(), extra=self.extra())
 
     def extra(self) -> dict | None:
