@@ -1,7 +1,7 @@
 """Routed SwiGLU experts: the PyTorch gathered path and the dispatch to fused kernels.
 
-The gathered path is the numerical reference for the Triton kernels (docs/kernels.md), so it
-is kept plain: each expert runs only on the tokens routed to it (half the FLOPs of computing
+The gathered path is the numerical reference for the Triton kernels (docs/contracts.md §7), so
+it is kept plain: each expert runs only on the tokens routed to it (half the FLOPs of computing
 every expert on every token with top-2 of 4), and results are scattered back with their weight.
 
 Both backends are ``torch.library`` custom ops (``ds_trhash::routed_experts_gathered`` here,
@@ -121,6 +121,7 @@ def routed_experts(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up
     if backend == "pytorch":
         fn = routed_experts_pytorch
     elif backend == "triton":
+        # lazy: Triton is optional (CUDA only); importing it costs seconds on every CPU run
         from ds_trhash.kernels.routed_experts import routed_experts_triton as fn
     else:
         raise ValueError(f"unknown experts backend {backend!r}; allowed: {list(EXPERT_BACKENDS)}")
