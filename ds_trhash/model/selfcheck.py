@@ -7,7 +7,8 @@ output and input gradients with the PyTorch path. A kernel that raises or disagr
 tolerance is replaced by its PyTorch path under policy ``auto`` (the reason is logged as a
 warning and kept in ``KernelChoice.reason`` and ``KernelChoice.self_check``); under an explicit policy
 ``triton``, or a Liger kernel under ``require_liger``, it raises BackendError instead (the
-launcher turns that into exit 2).
+launcher turns that into exit 2). With several ranks the failures are agreed over them first, so
+every rank runs the same kernels and a refusal stops every rank.
 
 The random batch comes from a private generator: the global RNG streams (and so resume) are
 untouched. Triton autotuning results from the small batch are dropped afterwards so the real
@@ -160,23 +161,42 @@ def faulty_kernels() -> set[str]:
     return names
 
 
+def _failed_anywhere(failed: list[bool], device: torch.device) -> list[bool]:
+    """Each component's failure flag OR-ed over the ranks, so that every rank runs the same
+    kernels (and every rank raises, rather than one rank leaving the others in a collective)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return failed
+    flags = torch.tensor([int(f) for f in failed], dtype=torch.int32,
+                         device=device if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return [bool(f) for f in flags.tolist()]
+
+
 def verify(choice: KernelChoice, policy: str, device: torch.device | str, config: Any,
            dtype: torch.dtype = torch.float32, require_liger: bool = False) -> KernelChoice:
-    """Self-check every fused kernel in `choice`; return the choice that may run (see module doc)."""
+    """Self-check every fused kernel in `choice`; return the choice that may run (see module doc).
+
+    Under torch.distributed every rank must call it (the failures are agreed over the ranks)."""
     device = torch.device(device)
     faulty = faulty_kernels()
     tol = TOLERANCE.get(dtype, 3e-2)
     gen = torch.Generator().manual_seed(0x5E1F)
+    problems: dict[str, str | None] = {}
+    for component, (fused, check) in CHECKS.items():
+        if getattr(choice, component) == fused:
+            problems[component] = check(config, device, dtype, gen, tol, component in faulty)
+    # one flag per known component, whatever this rank selected: every rank reduces the same shape
+    agreed = dict(zip(CHECKS, _failed_anywhere([problems.get(c) is not None for c in CHECKS], device)))
     results: dict[str, str] = {}
     changes: dict[str, str] = {}
     notes: list[str] = []
-    for component, (fused, check) in CHECKS.items():
-        if getattr(choice, component) != fused:
-            continue
-        problem = check(config, device, dtype, gen, tol, component in faulty)
-        if problem is None:
+    for component, problem in problems.items():
+        fused = CHECKS[component][0]
+        if not agreed[component]:
             results[component] = "passed"
             continue
+        problem = problem or "failed on another rank"
         message = f"self-check of the {fused} {component} kernel on {device} ({dtype}) failed: {problem}"
         if policy == "triton" and component == "experts":
             raise BackendError(f"{message}; kernel policy 'triton' requires it (use policy auto to fall "

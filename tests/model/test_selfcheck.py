@@ -72,3 +72,31 @@ def test_the_fault_hook_refuses_unknown_names(monkeypatch):
     monkeypatch.setenv(selfcheck.FAULT_ENV, "experts,attention")
     with pytest.raises(BackendError, match=r"unknown kernels \['attention'\]"):
         selfcheck.verify(TRITON, "auto", DEVICE, CFG)
+
+
+def _rank_worker(rank, port, out):
+    import torch.distributed as dist
+
+    if rank == 1:  # the kernel is broken on rank 1's device only
+        os.environ[selfcheck.FAULT_ENV] = "experts"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        selfcheck._TOKENS = 24
+        checked = selfcheck.verify(TRITON, "auto", "cpu", CFG)
+        out[rank] = (checked.experts, checked.self_check["experts"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two CPU ranks over gloo")
+def test_ranks_agree_when_the_kernel_fails_on_one_of_them():
+    import torch.multiprocessing as mp
+
+    from tests.training.launch_utils import free_port
+
+    out = mp.Manager().dict()
+    mp.start_processes(_rank_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
+    assert out[1][0] == out[0][0] == "pytorch"  # both ranks run the same kernels
+    assert "differs from the PyTorch reference" in out[1][1]
+    assert out[0][1] == "failed, using pytorch: failed on another rank"
