@@ -98,6 +98,7 @@ def _check_experts(config, device, dtype, gen, tol, faulty) -> Optional[str]:
 def _reset_triton_autotuning() -> None:
     """Forget configs tuned on the self-check's batch (the autotune keys omit the row count)."""
     try:
+        # lazy: only reached after the Triton experts ran, so triton is importable and loaded
         from ds_trhash.kernels.routed_experts import reset_autotuning
     except ImportError:
         return
@@ -119,6 +120,7 @@ def _check_loss(config, device, dtype, gen, tol, faulty) -> Optional[str]:
 
 
 def _check_norm(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+    # lazy: Liger (and triton under it) is optional and only checked when the policy chose it
     from liger_kernel.transformers.functional import liger_rms_norm
 
     eps = config.norm_eps
@@ -129,6 +131,7 @@ def _check_norm(config, device, dtype, gen, tol, faulty) -> Optional[str]:
 
 
 def _check_rope(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+    # lazy: as in _check_norm
     from liger_kernel.transformers.functional import liger_rope
 
     t, d = 32, config.head_dim
