@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
 
+import torch
+
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.prelaunch.stage_data import resolve_stage_data
@@ -30,7 +32,7 @@ from ds_trhash.training.footprint import estimate
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 from ds_trhash.training.resources import FAIL, PASS, WARN, Check
 from ds_trhash.training.stage_inputs import model_config
-from ds_trhash.training.trainer import USER_ERRORS, check_fresh_output_dir, guard_stage
+from ds_trhash.training.trainer import USER_ERRORS, check_fresh_output_dir, guard_stage, kernel_choice
 
 EXIT_FAILED = 2
 # what the launcher prints as one line besides the trainer's USER_ERRORS
@@ -154,8 +156,19 @@ def run_preflight(args: argparse.Namespace) -> int:
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
     model_cfg = model_config(cfg)
-    for check in res.check_packages(cfg, model_cfg, devices):
+    deepspeed = report.add(res.check_deepspeed())
+    device = torch.device("cuda", 0) if devices.kind == "cuda" else torch.device("cpu")
+
+    def kernels():
+        choice = kernel_choice(cfg, model_cfg, device)
+        return choice, (f"experts={choice.experts} loss={choice.loss} norm={choice.norm} rope={choice.rope} "
+                        f"({choice.reason})")
+
+    choice = report.run("kernels", kernels)
+    for check in res.kernel_packages(choice) if choice is not None else []:
         report.add(check)
+    if not deepspeed.failed:
+        report.add(res.check_comm_op(devices))
     with tempfile.TemporaryDirectory(prefix="ds-trhash-preflight-") as scratch:
         resolved = report.run("data", lambda: _data(cfg, model_cfg, world, args.deep, Path(scratch)))
     data, spe = (resolved.data, resolved.steps_per_epoch) if resolved is not None else (None, None)

@@ -204,32 +204,19 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def check_packages(cfg, model_cfg, devices: Devices) -> list[Check]:
-    """DeepSpeed (always), the kernels the profile resolves to (Triton, Liger) and the DeepSpeed
-    op this machine's communication needs, each imported for real."""
-    checks = []
+def check_deepspeed() -> Check:
+    """DeepSpeed imports (for real), with the versions that will run."""
     err = backend._import_error("deepspeed")
     if err:
-        checks.append(Check("package deepspeed", FAIL, f"not importable ({err})",
-                            "install it: make install (pins deepspeed==0.19.8)"))
-    else:
-        checks.append(Check("package deepspeed", PASS, f"deepspeed {package_version('deepspeed')}, "
-                                                       f"torch {torch.__version__}"))
-    device = torch.device("cuda", 0) if devices.kind == "cuda" else torch.device("cpu")
-    try:
-        choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
-    except backend.BackendError as exc:
-        checks.append(Check("kernels", FAIL, str(exc), "install the missing kernel package or change kernels.policy"))
-        return checks
-    checks.append(Check("kernels", PASS, f"experts={choice.experts} loss={choice.loss} norm={choice.norm} "
-                                         f"rope={choice.rope} ({choice.reason})"))
-    for module, dist, used in (("triton", "triton", choice.experts == "triton"),
-                               ("liger_kernel", "liger-kernel", choice.loss == "liger")):
-        if used:  # resolve imported it already; name the version that will run
-            checks.append(Check(f"package {dist}", PASS, f"{dist} {package_version(dist)} (used by this profile)"))
-    if err is None:
-        checks.append(check_comm_op(devices))
-    return checks
+        return Check("package deepspeed", FAIL, f"not importable ({err})", "install it: make install (pins deepspeed==0.19.8)")
+    return Check("package deepspeed", PASS, f"deepspeed {package_version('deepspeed')}, torch {torch.__version__}")
+
+
+def kernel_packages(choice) -> list[Check]:
+    """The versions of the kernel packages a resolved ``KernelChoice`` runs (it imported them)."""
+    return [Check(f"package {dist}", PASS, f"{dist} {package_version(dist)} (used by this profile)")
+            for dist, used in (("triton", choice.experts == "triton"), ("liger-kernel", choice.loss == "liger"))
+            if used]
 
 
 def check_comm_op(devices: Devices) -> Check:
@@ -308,5 +295,5 @@ def check_at_launch(cfg, model_cfg, world: int, local_processes: int, devices: D
 
 
 __all__ = ["Check", "Devices", "ResourceError", "PASS", "WARN", "FAIL", "GIB", "probe_devices", "default_nproc",
-           "check_devices", "check_precision", "check_memory", "check_disk", "free_bytes", "check_packages",
+           "check_devices", "check_precision", "check_memory", "check_disk", "free_bytes", "check_deepspeed", "kernel_packages",
            "check_comm_op", "check_at_launch", "disk_needs", "shared_free_bytes", "local_processes", "package_version", "host_memory", "peak_memory"]

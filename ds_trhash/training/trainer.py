@@ -30,8 +30,9 @@ from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.shards import ShardError
 from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
-from ds_trhash.model import TRHashForCausalLM, backend
+from ds_trhash.model import TRHashForCausalLM, backend, selfcheck
 from ds_trhash.model.backend import BackendError
+from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
@@ -47,7 +48,8 @@ from ds_trhash.training.callbacks import (
     training_parts,
 )
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.engine import build_engine, check_runnable, describe_hardware, expert_parallel_group
+from ds_trhash.training.engine import (build_engine, check_runnable, compute_dtype, describe_hardware,
+                                      expert_parallel_group)
 from ds_trhash.training.metrics import MetricsError, MetricsWriter
 from ds_trhash.training.progress import Progress
 from ds_trhash.training.stage_inputs import ShardFilesError, model_config, pretrain_inputs
@@ -228,6 +230,14 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 # ----------------------------------------------------------------------------- model
 
 
+def kernel_choice(cfg: tcfg.TrainConfig, model_cfg, device: torch.device) -> backend.KernelChoice:
+    """The kernels this launch runs: the policy resolved for the device, then every selected fused
+    kernel run once against PyTorch on it (``ds-trhash preflight`` makes the same two calls)."""
+    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    return selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                            require_liger=cfg.kernels.require_liger)
+
+
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
@@ -244,10 +254,11 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         from ds_trhash.model.expert_parallel import enable_expert_parallel
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
-    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    choice = kernel_choice(cfg, model_cfg, device)
     backend.apply(model, choice)
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
+    compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
     return model.to(device)
 
 
