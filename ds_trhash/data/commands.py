@@ -52,7 +52,7 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
-    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out)
+    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
     print(path)
     return 0
 
@@ -132,6 +132,8 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing tokenizer.json (data made with the old one no longer matches)")
     p.set_defaults(func=_guarded(_train_tokenizer))
 
     p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest")
