@@ -57,7 +57,11 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
         overrides.append("lora.enabled=false")
     if args.lora_rank is not None:
         overrides += ["lora.enabled=true", f"lora.rank={args.lora_rank}"]
-    return tcfg.load_config(args.config, overrides)
+    cfg = tcfg.load_config(args.config, overrides)
+    import torch
+
+    tcfg.check_device(cfg, torch.cuda.is_available())
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

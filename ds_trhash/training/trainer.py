@@ -120,7 +120,10 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
                                f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
     env_target = os.environ.get("TARGET_TOKENS")
-    check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
+    if env_target not in (None, ""):
+        check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
+    else:
+        check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
     from ds_trhash.data.reader import source_manifests
 
