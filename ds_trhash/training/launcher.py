@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from ds_trhash.training import checkpoint as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import EngineError, init_distributed
+from ds_trhash.training.launch_checks import LaunchCheckError
 from ds_trhash.training.stages import StageError
 
 log = logging.getLogger("ds_trhash")
@@ -27,10 +30,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set batch.micro_batch=8 (repeatable)")
     p.add_argument("--max-steps", type=int, help="a bounded run: at most this many optimizer steps")
     p.add_argument("--init-checkpoint", "--checkpoint", dest="init_checkpoint", metavar="DIR",
-                   help="weights-only initialisation: fresh optimizer, scheduler and step")
+                   help="weights-only initialisation: fresh optimizer, scheduler and step; DIR is a "
+                        "checkpoint, an export, or a run's --output-dir (its final complete checkpoint)")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="exact continuation from DIR, or 'auto' for the newest complete checkpoint "
                         "in the output directory (also RESUME=auto)")
+    p.add_argument("--allow-fresh-over-damaged", action="store_true",
+                   help="with --resume auto: when checkpoints exist but none verifies, set them aside "
+                        "(renamed, never deleted) and start fresh instead of refusing")
+    p.add_argument("--fork", action="store_true",
+                   help="--resume DIR of another run into this --output-dir: continue it here as a new run")
     p.add_argument("--reshard", action="store_true",
                    help="allow --resume onto a different world size (universal checkpoint conversion)")
     p.add_argument("--source-stage", choices=["refinement", "supervised-finetuning"],
@@ -64,28 +73,67 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     return cfg
 
 
+_OS_CAUSES = {
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "the file grew beyond the size limit",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line naming the cause and the path, for the errors a full or read-only disk raises."""
+    cause = _OS_CAUSES.get(e.errno or -1, e.strerror or str(e))
+    where = f" writing {e.filename}" if e.filename else ""
+    return f"{cause}{where}"
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank exited (it reports its own cause)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ds_trhash.training import shutdown
+
+    # First of all: from here on SIGTERM/SIGINT only record a stop request (see shutdown.py).
+    shutdown.install()
     args = build_arg_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-    except tcfg.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rank, world = init_distributed()
+    env_rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO if env_rank == 0 else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:
+        cfg = config_from_args(args)
+        from ds_trhash.training.trainer import check_output_side
+
+        # Output directory, --resume, --init-checkpoint: refused before the process group exists.
+        checked = check_output_side(cfg, args, env_rank)
+    except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
+        if env_rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed()
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         from ds_trhash.training.trainer import run_stage
 
-        run_stage(cfg, args, rank, world)
+        state = run_stage(cfg, args, rank, world, checked)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
-    except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError) as e:
+        if state.stop_requested:
+            # One line per rank, so the operator (and the tests) see every rank stop at the same step.
+            print(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
+                  f"checkpoint ({state.stop_reason}); exiting 0", file=sys.stderr, flush=True)
+    except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError,
+            LaunchCheckError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -96,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
+        if isinstance(e, OSError):  # the disk: read-only, full, gone (one line per rank that hit it)
+            print(f"error: rank {rank}: {describe_os_error(e)}; training stopped, the last complete "
+                  "checkpoint is kept", file=sys.stderr, flush=True)
+            return 1
+        if peer_lost(e):
+            print(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
+                  "why); exiting", file=sys.stderr, flush=True)
+            return 1
         raise
     finally:
         if dist.is_initialized():

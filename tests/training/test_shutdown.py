@@ -1,0 +1,43 @@
+"""The stop recorder: handlers only record, duplicates within the window count once, and a
+process not started by the deepspeed launcher watches nothing."""
+
+import os
+import signal
+import time
+
+from ds_trhash.training.shutdown import LauncherWatch, StopAgreement, StopRequests
+
+
+def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
+    requests = StopRequests(window_s=5.0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # terminal
+        os.kill(os.getpid(), signal.SIGINT)  # the same request forwarded again
+        os.kill(os.getpid(), signal.SIGTERM)  # launch.py terminating the rank
+        time.sleep(0.05)
+        assert requests.requested and len(requests.deliveries) == 3 and requests.requests == 2
+        assert requests.describe() == "SIGINT x2, SIGTERM (1 duplicate deliveries counted once)"
+    finally:
+        requests.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_repeat_after_the_window_is_a_new_request():
+    requests = StopRequests(window_s=0.01)
+    requests.handle(signal.SIGTERM)
+    time.sleep(0.05)
+    requests.handle(signal.SIGTERM)
+    assert requests.requests == 2
+
+
+def test_single_process_agreement_follows_the_local_request():
+    requests = StopRequests()
+    stop = StopAgreement(requests, LauncherWatch.for_this_process(), world_size=1)
+    assert not stop() and not stop()
+    requests.handle(signal.SIGTERM)
+    assert stop() and stop.describe() == "stop requested here: SIGTERM"
+
+
+def test_a_process_not_started_by_the_launcher_watches_nothing():
+    assert LauncherWatch.for_this_process().watched == []
+    assert LauncherWatch.for_this_process().gone() is None
