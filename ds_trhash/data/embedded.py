@@ -4,7 +4,7 @@
 so the demo and the tests need no download. From it this module makes a tokenizer, shards
 for two sources, a pretraining plan with a replay phase, its refinement plan, and small
 chat sets. Every conversation fits ``seq_len`` tokens under the complexity-chat-v2 layout
-(docs/contracts.md), so an SFT build at the demo length never hits the no-truncation gate.
+(docs/contracts.md §5), so an SFT build at the demo length never hits the no-truncation gate.
 
 Each build lives in its own directory named by the hash of everything that determines its
 content (format, seq_len, vocabulary, seed, Python's topics): a run reading one corpus never
@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from ds_trhash.io import publish_dir, sha256_file
 
 from .plan import build_plan, derive_refinement, write_plan
 from .shards import tokenize_to_shards
@@ -182,7 +184,7 @@ def _is_complete(paths: EmbeddedPaths, stamp: dict) -> bool:
         return False
     for relative, digest in recorded.get("files", {}).items():
         file = paths.root / relative
-        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        if not file.is_file() or sha256_file(file) != digest:
             return False
     return bool(recorded.get("files"))
 
@@ -207,7 +209,7 @@ def _build(root: Path, seq_len: int, vocab_size: int, seed: int, topics: dict[st
     train, evaluation = _chat_sets(topics, load_tokenizer(paths.tokenizer_dir), seq_len, seed)
     _write_jsonl(paths.chat_train_jsonl, train)
     _write_jsonl(paths.chat_eval_jsonl, evaluation)
-    files = {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in paths.files()}
+    files = {str(f.relative_to(root)): sha256_file(f) for f in paths.files()}
     (root / STAMP_FILE).write_text(json.dumps({**stamp, "files": files}, indent=2) + "\n", encoding="utf-8")
 
 

@@ -12,7 +12,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ds_trhash.training import checkpoint as ckpt
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.io import sha256_file
 
 Log = Callable[[str], None]
 # Next to a run's files, the names a damaged run is set aside under (never deleted).
@@ -164,8 +165,6 @@ def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, 
     """Every shard the plan reads: present with its manifest size (all ranks), and its SHA-256
     equal to the manifest's (each rank hashes every world-th shard, so the whole set is hashed
     once). Returns the problems found here; ``agree_on_problems`` shares them."""
-    from ds_trhash.data.shards import sha256_file
-
     needed: dict[tuple[str, str], None] = {}
     for phase in plan_doc["phases"]:
         for source, entries in phase["sources"].items():

@@ -7,14 +7,18 @@ import errno
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ds_trhash.training import checkpoint as ckpt
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.training.callbacks import Callback
+from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import EngineError, init_distributed
 from ds_trhash.training.launch_checks import LaunchCheckError
-from ds_trhash.training.stages import StageError
+from ds_trhash.training.trainer import USER_ERRORS, check_output_side, run_stage
 
 log = logging.getLogger("ds_trhash")
 
@@ -97,11 +101,13 @@ def peer_lost(e: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ds_trhash.training import shutdown
-
-    # First of all: from here on SIGTERM/SIGINT only record a stop request (see shutdown.py).
-    shutdown.install()
+def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
+         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
+    them with evaluation); ``user_errors``: further exception types that describe a wrong launch
+    (printed as one line, exit 2) from the packages that supplied parts."""
+    # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
+    install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
     env_rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -111,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = config_from_args(args)
-        from ds_trhash.training.trainer import check_output_side
-
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
         checked = check_output_side(cfg, args, env_rank)
     except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
@@ -123,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        from ds_trhash.training.trainer import run_stage
-
-        state = run_stage(cfg, args, rank, world, checked)
+        state = run_stage(cfg, args, rank, world, parts, checked)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
@@ -138,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # data-layer errors carry their own types; all are user-facing here
-        from ds_trhash.training.trainer import USER_ERRORS
-
-        if isinstance(e, USER_ERRORS):
+        if isinstance(e, USER_ERRORS + tuple(user_errors)):
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ds_trhash.training.checkpoint import list_checkpoints, verify
-from ds_trhash.training.shutdown import LAUNCHER_GRACE_S
+from ds_trhash.checkpoints import list_checkpoints, verify
+from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,9 @@
 
 import pytest
 
-from ds_trhash.training.stages import StageError
-from ds_trhash.training.trainer import FaultInjection, StageData, check_tokenizer_identity
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.training.callbacks.faults import FaultInjection
+from ds_trhash.training.trainer import StageData, check_tokenizer_identity
 
 
 def _data(tok):

@@ -1,4 +1,4 @@
-"""A stop every rank agrees on: signals recorded, shared once per step, one checkpoint, exit 0.
+"""Stop handling: a stop every rank agrees on, at one step, with one checkpoint, exit 0.
 
 How the DeepSpeed 0.19 launcher delivers a stop decides the design:
 
@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ds_trhash.training.callbacks.base import Callback, RunContext
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
@@ -206,3 +208,22 @@ def install(signals: Iterable[int] = STOP_SIGNALS) -> StopRequests:
     if _PROCESS_REQUESTS is None:
         _PROCESS_REQUESTS = StopRequests(signals=tuple(signals)).install()
     return _PROCESS_REQUESTS
+
+
+class StopCallback(Callback):
+    """First in the list: after each optimizer step every rank asks the ``StopAgreement`` (a
+    collective), and an agreed stop becomes ``state.stop_requested``, which the metrics and
+    checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
+    and the loop obeys."""
+
+    def __init__(self, stop: StopAgreement):
+        self.stop = stop
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "StopCallback | None":
+        return cls(run.stop) if run.stop is not None else None
+
+    def on_step_end(self, state, metrics):
+        if self.stop():
+            state.stop_requested = True
+            state.stop_reason = self.stop.describe()

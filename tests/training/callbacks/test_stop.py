@@ -1,11 +1,12 @@
-"""The stop recorder: handlers only record, duplicates within the window count once, and a
-process not started by the deepspeed launcher watches nothing."""
+"""Stop handling in one process: handlers only record, duplicates within the window count once, a
+process not started by the deepspeed launcher watches nothing, and StopCallback turns an agreed
+stop into a stop request (the multi-rank behaviour: tests/training/test_stop_signals.py)."""
 
 import os
 import signal
 import time
 
-from ds_trhash.training.shutdown import LauncherWatch, StopAgreement, StopRequests
+from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
 
 
 def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
@@ -41,3 +42,16 @@ def test_single_process_agreement_follows_the_local_request():
 def test_a_process_not_started_by_the_launcher_watches_nothing():
     assert LauncherWatch.for_this_process().watched == []
     assert LauncherWatch.for_this_process().gone() is None
+
+
+def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
+    from ds_trhash.training.loop import TrainState
+
+    requests = StopRequests()
+    cb = StopCallback(StopAgreement(requests, LauncherWatch(), world_size=1))
+    state = TrainState(step=1, total_steps=10)
+    cb.on_step_end(state, {})
+    assert not state.stop_requested
+    requests.handle(signal.SIGTERM)
+    cb.on_step_end(state, {})
+    assert state.stop_requested and state.stop_reason == "stop requested here: SIGTERM"
