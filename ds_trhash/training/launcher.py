@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -94,6 +95,36 @@ def describe_os_error(e: OSError) -> str:
     return f"{cause}{where}"
 
 
+# How torch.save's C++ writer reports a failed write (it raises RuntimeError, not OSError).
+_TORCH_WRITE_FAILURES = ("file write failed", "PytorchStreamWriter", "unexpected pos", "iostream error")
+
+
+def disk_failure(e: BaseException, output_dir: str) -> str | None:
+    """The cause, when ``e`` is a failed write to disk: an OSError, or torch.save's own
+    RuntimeError ("file write failed"), whose cause is then read from the file system."""
+    if isinstance(e, OSError):
+        return describe_os_error(e)
+    chain, seen = [], e
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    texts = " ".join(str(x) for x in chain)
+    if not isinstance(e, RuntimeError) or not any(s in texts for s in _TORCH_WRITE_FAILURES):
+        return None
+    target = Path(output_dir)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        stats = os.statvfs(target)
+    except OSError:
+        return f"a checkpoint file could not be written under {output_dir}"
+    if stats.f_flag & os.ST_RDONLY:
+        return f"the file system of {output_dir} is read-only"
+    if stats.f_bavail * stats.f_frsize < 64 * 2**20:
+        return f"no space left on the device of {output_dir} ({stats.f_bavail * stats.f_frsize // 2**20} MiB free)"
+    return f"a checkpoint file could not be written under {output_dir}"
+
+
 def peer_lost(e: BaseException) -> bool:
     """A collective failed because another rank exited (it reports its own cause)."""
     text = str(e)
@@ -144,9 +175,10 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
-        if isinstance(e, OSError):  # the disk: read-only, full, gone (one line per rank that hit it)
-            print(f"error: rank {rank}: {describe_os_error(e)}; training stopped, the last complete "
-                  "checkpoint is kept", file=sys.stderr, flush=True)
+        cause = disk_failure(e, cfg.output_dir)
+        if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
+            print(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept",
+                  file=sys.stderr, flush=True)
             return 1
         if peer_lost(e):
             print(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "

@@ -44,7 +44,8 @@ def _launch(out: Path, target, *, resume: bool) -> dict:
     cmd = [str(L.VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
            str(L.REPO / "launch" / "train.py"), "--config", "ds_configs/tiny/pretrain.yaml",
            "--output-dir", str(out), "--max-steps", str(STEPS), "--set", "batch.micro_batch=4",
-           "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000", "--set", "checkpoint.packs=null"]
+           "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000", "--set", "checkpoint.packs=null",
+           "--set", "checkpoint.keep_last=10"]
     if resume:
         cmd += ["--resume", "auto"]
     start_rows = _rows(out)
