@@ -9,7 +9,8 @@ import argparse
 import sys
 
 from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
-from ds_trhash.release.hub import SyncError, make_api, redact, summary, sync
+from ds_trhash.release import hub
+from ds_trhash.release.hub import SyncError, redact, summary
 from ds_trhash.release.record import RecordError, write_run_record
 
 EXIT_USER_ERROR = 2
@@ -45,10 +46,10 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_sync(args: argparse.Namespace) -> int:
     try:
-        api = make_api(require_token=not args.dry_run)
-        report = sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
-                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                      lock_timeout=args.lock_timeout)
+        api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
+        report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                          dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                          lock_timeout=args.lock_timeout)
     except SyncError as err:
         code = _fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
