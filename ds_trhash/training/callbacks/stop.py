@@ -210,6 +210,15 @@ def install(signals: Iterable[int] = STOP_SIGNALS) -> StopRequests:
     return _PROCESS_REQUESTS
 
 
+def uninstall() -> None:
+    """Give the previous handlers back: for callers that run a launch inside a longer-lived
+    process (tests calling ``launcher.main``); a real launch keeps them until it exits."""
+    global _PROCESS_REQUESTS
+    if _PROCESS_REQUESTS is not None:
+        _PROCESS_REQUESTS.uninstall()
+        _PROCESS_REQUESTS = None
+
+
 class StopCallback(Callback):
     """First in the list: after each optimizer step every rank asks the ``StopAgreement`` (a
     collective), and an agreed stop becomes ``state.stop_requested``, which the metrics and

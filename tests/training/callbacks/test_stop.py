@@ -10,6 +10,7 @@ from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, Stop
 
 
 def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
+    before = signal.getsignal(signal.SIGINT)
     requests = StopRequests(window_s=5.0).install()
     try:
         os.kill(os.getpid(), signal.SIGINT)  # terminal
@@ -20,7 +21,7 @@ def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
         assert requests.describe() == "SIGINT x2, SIGTERM (1 duplicate deliveries counted once)"
     finally:
         requests.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_repeat_after_the_window_is_a_new_request():
