@@ -38,32 +38,40 @@ def check_fresh_output_dir(output_dir: Path) -> None:
             "launch in a new --output-dir")
 
 
-def damaged_checkpoints(output_dir: Path) -> list[tuple[str, str]]:
-    """(name, why) of every checkpoint under ``output_dir`` when none of them verifies; [] when
-    there are none or at least one is complete."""
-    found = ckpt.list_checkpoints(output_dir)
-    results = []
-    for info in found:
+def resume_auto(output_dir: Path, allow_fresh_over_damaged: bool,
+                log: Log = print) -> tuple[ckpt.CheckpointInfo | None, list[tuple[str, str]]]:
+    """``--resume auto``: (the newest checkpoint that verifies, []) — each checkpoint is hashed
+    once, newest first, and newer broken ones are reported. When checkpoints exist but none
+    verifies the launch is refused, listing each and why: starting fresh would write a new run
+    over the remains of one that may be repairable. ``--allow-fresh-over-damaged`` is the
+    explicit way past; then (None, the damaged ones) comes back, for ``set_aside_damaged``
+    once every other check passed. No checkpoint at all: (None, []), a fresh start."""
+    skipped: list[tuple[str, str]] = []
+    for info in reversed(ckpt.list_checkpoints(output_dir)):
         ok, reason = ckpt.verify(info.path)
         if ok:
-            return []
-        results.append((info.name, reason))
-    return results
-
-
-def check_resume_auto(output_dir: Path, allow_fresh_over_damaged: bool) -> list[tuple[str, str]]:
-    """``--resume auto`` over checkpoints that all fail to verify is refused, listing each and
-    why: starting fresh would write a new run over the remains of one that may be repairable.
-    ``--allow-fresh-over-damaged`` is the explicit way past; the damaged ones are returned so
-    the caller can set them aside (``set_aside_damaged``) once every other check passed."""
-    damaged = damaged_checkpoints(output_dir)
-    if damaged and not allow_fresh_over_damaged:
+            for name, why in skipped:
+                log(f"{name} is {why} — falling back to {info.name}")
+            log(f"resume auto: continuing from {info.path}")
+            return info, []
+        skipped.append((info.name, reason))
+    if not skipped:
+        log(f"resume auto: no checkpoint under {ckpt.checkpoints_root(output_dir)} — starting fresh")
+        return None, []
+    damaged = skipped[::-1]
+    if not allow_fresh_over_damaged:
         listing = "; ".join(f"{name} is {why}" for name, why in damaged)
         raise LaunchCheckError(
             f"--resume auto found checkpoints under {ckpt.checkpoints_root(output_dir)} but none verifies "
             f"({listing}); restore one, resume from a copy with --resume DIR, or pass "
             "--allow-fresh-over-damaged to set them aside and start fresh")
-    return damaged
+    return None, damaged
+
+
+def check_resume_auto(output_dir: Path, allow_fresh_over_damaged: bool = False) -> list[tuple[str, str]]:
+    """The refusal part of ``resume_auto`` alone (for preflight): the damaged checkpoints when
+    allowed, [] when one verifies or there are none."""
+    return resume_auto(output_dir, allow_fresh_over_damaged, log=lambda _: None)[1]
 
 
 def set_aside_damaged(output_dir: Path, stamp: str, log: Log = print) -> list[Path]:

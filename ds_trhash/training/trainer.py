@@ -336,10 +336,13 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     output_dir = Path(cfg.output_dir)
     say = log.info if rank == 0 else (lambda *_: None)
     resume_choice = args.resume or os.environ.get("RESUME") or None
-    damaged = (launch_checks.check_resume_auto(output_dir, args.allow_fresh_over_damaged)
-               if resume_choice == "auto" else [])
-    resume_dir = None if damaged else ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir,
-                                                          log=say)
+    damaged: list = []
+    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
+        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    if resume_choice == "auto":
+        resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
+    else:
+        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
     if resume_dir is not None and resume_choice != "auto":
         launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
     saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
