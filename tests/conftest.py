@@ -20,6 +20,16 @@ import pytest  # noqa: E402
 from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: E402,F401
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that runs ``launcher.main`` in-process installs the launch's stop handlers; the
+    next test (and Ctrl-C of pytest itself) gets the previous ones back."""
+    yield
+    from ds_trhash.training.callbacks.stop import uninstall
+
+    uninstall()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU")
     config.addinivalue_line("markers", "slow: launches processes (deepspeed launcher); still in the default suite")

@@ -155,12 +155,17 @@ def _piqa(args: argparse.Namespace) -> int:
 
 
 def _heldout(args: argparse.Namespace) -> int:
-    model, config, source, _record = load_model(args.checkpoint, args.preset)
+    config, source = resolve_config(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)
     seq_len = args.seq_len
     if seq_len is None and (sft_dir / "manifest.json").is_file():
         seq_len = _read_json(sft_dir / "manifest.json").get("seq_len")
     seq_len = int(seq_len or config.max_seq_len)
+    if seq_len > config.max_seq_len:  # checked before the model is allocated
+        raise EvalCommandError(
+            f"--seq-len {seq_len} exceeds the {config.max_seq_len} positions of the model ({source}); "
+            f"pass --seq-len {config.max_seq_len} or less")
+    model, config, source, _record = load_model(args.checkpoint, args.preset)
     tokenizer_hash = recorded_tokenizer_sha256(args.checkpoint)
     data = open_sft(sft_dir, expect_vocab=config.vocab_size, seq_len=seq_len, tokenizer_hash=tokenizer_hash)
     partition = data.partition("eval")

@@ -163,7 +163,11 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 
     run = Path(run_dir)
     if not run.is_dir():
-        raise RecordError(f"{run} is not a run output directory")
+        raise RecordError(f"{run} is not a run output directory (it does not exist or is no directory); "
+                          "pass the --output-dir of a training launch")
+    if not any((run / name).exists() for name in ("config.json", "metrics.csv", "checkpoints")):
+        raise RecordError(f"{run} is not a run output directory (it holds no config.json, metrics.csv or "
+                          "checkpoints/); pass the --output-dir of a training launch")
     fields: dict[str, Any] = {}
     prov: dict[str, str] = {}
 

@@ -49,6 +49,7 @@ __all__ = [
     "config_from_dict",
     "dump_config",
     "require_source_stage",
+    "check_device",
     "to_deepspeed_dict",
     "training_critical",
     "tokens_per_step",
@@ -107,6 +108,11 @@ def _lora_targets(v: tuple[str, ...]) -> str | None:
     if len(set(v)) != len(v):
         return f"duplicate targets in {list(v)}"
     return None
+
+
+def _seed(v: int) -> str | None:
+    # Every RNG seeded from it (torch, numpy PCG64, DeepSpeed) takes an unsigned 64-bit value.
+    return None if 0 <= v < 2**64 else f"must fit an unsigned 64-bit integer (0 <= seed < 2**64), got {v}"
 
 
 def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = None,
@@ -240,7 +246,7 @@ class TrainConfig:
     lora: LoraSection = _f(factory=LoraSection)
     checkpoint: CheckpointSection = _f(factory=CheckpointSection)
     eval: EvalSection = _f(factory=EvalSection)
-    seed: int = 1234
+    seed: int = _f(1234, check=_seed)
     # Checked at launch (require_source_stage), not at load: the CLI may supply it.
     source_stage: Literal["refinement", "supervised-finetuning"] | None = None
     # Where the values came from, for error messages raised after loading; not a YAML key.
@@ -262,6 +268,29 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice; YAML would silently keep the last one."""
+
+
+def _construct_unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: SafeLoader reports it below
+            continue
+        if first is not None:
+            raise DuplicateKeyError(f"duplicate key {key!r} on line {first} and line {line}; "
+                                    "YAML keeps only the last, so remove one of them")
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
 def _yaml_load(text: str) -> Any:
@@ -531,8 +560,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(path, "", f"cannot read config file: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(path, "", f"not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                                    "save the config as UTF-8") from None
     try:
         raw = _yaml_load(text)
+    except DuplicateKeyError as err:
+        raise ConfigError(path, "", str(err)) from None
     except yaml.YAMLError as err:
         raise ConfigError(path, "", f"not valid YAML: {err}") from None
     return config_from_dict(raw, source=path, overrides=overrides)
@@ -550,6 +584,14 @@ def _plain(value: Any) -> Any:
 def dump_config(cfg: TrainConfig) -> dict:
     """The full config (defaults included) as plain YAML/JSON types; loads back to an equal config."""
     return _plain(cfg)
+
+
+def check_device(cfg: TrainConfig, cuda_available: bool) -> None:
+    """What the config asks of a device this machine lacks, refused before any process group."""
+    if cfg.precision == "fp16" and not cuda_available:
+        raise ConfigError(cfg.origin, "precision",
+                          "fp16 needs a CUDA device: DeepSpeed's fp16 loss-scaling optimizer runs on GPUs only, "
+                          "and this machine has none; use fp32 (or bf16) on CPU")
 
 
 def require_source_stage(cfg: TrainConfig) -> str | None:

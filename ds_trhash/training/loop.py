@@ -43,6 +43,7 @@ class TrainState:
     tokens_seen: int = 0  # input tokens over all ranks
     supervised_seen: int = 0
     stop_requested: bool = False
+    stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     last: dict = field(default_factory=dict)  # metrics of the last step
 
 

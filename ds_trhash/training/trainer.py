@@ -11,7 +11,8 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,23 +31,26 @@ from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.shards import ShardError
 from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
+from ds_trhash.io import sha256_file
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend, selfcheck
 from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import loop
+from ds_trhash.training import launch_checks, loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
-    GracefulStop,
+    LauncherWatch,
     RunContext,
+    StopAgreement,
     build_callbacks,
     make_callbacks,
     training_parts,
 )
+from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import (build_engine, check_runnable, compute_dtype, describe_hardware,
                                       expert_parallel_group)
 from ds_trhash.training.metrics import MetricsError, MetricsWriter
@@ -90,7 +94,10 @@ class StageData:
     tokenizer_dir: str | None = None
     tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
     sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
+    sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
     describe: str = ""
+    # Creates what reading needs on disk (the shard cache); called once every check has passed.
+    start: Callable[[], None] | None = None
 
 
 def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
@@ -123,20 +130,33 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
                                f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
     env_target = os.environ.get("TARGET_TOKENS")
-    check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
+    if env_target not in (None, ""):
+        check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
+    else:
+        check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
-    # Every shard is read through the bounded cache, which verifies its SHA-256 against the
-    # manifest before a single row is trained on (one cache folder per rank).
-    cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-    cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ),
-                       source_manifests(shards_dir, plan))
-    reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
-    batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
-    return StageData(batches=batches, total_steps=_max_steps(cfg, steps), plan=plan,
+    manifests = source_manifests(shards_dir, plan)
+    launch_checks.check_tokenizer_matches(tokenizer_dir, {
+        f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
+        **{f"the {source} shard manifest": m.get("tokenizer_sha256") for source, m in manifests.items()}})
+    # Before the model and engine: every planned shard present, sized and hashed as planned.
+    launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
+    data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=plan.doc.get("tokenizer_sha256"),
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
+
+    def start() -> None:
+        # Every shard is read through the bounded cache, which verifies its SHA-256 against the
+        # manifest again as it copies it (one cache folder per rank).
+        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
+        cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), manifests)
+        reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
+        data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+
+    data.start = start
+    return data
 
 
 def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
@@ -172,6 +192,7 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
                      tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
                      sft_dir=str(Path(sft_dir).resolve()),
+                     sft_manifest_sha256=sha256_file(Path(sft_dir) / "manifest.json"),
                      describe=f"SFT set {sft_dir}")
 
 
@@ -193,17 +214,6 @@ def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) 
         raise StageError(
             f"the data of this launch was tokenized with tokenizer {ours[:12]}…, but {init_dir} was trained with "
             f"tokenizer {theirs[:12]}…; rebuild the data with the checkpoint's tokenizer")
-
-
-def check_fresh_output_dir(output_dir: Path) -> None:
-    """A fresh start never writes over a run: its checkpoints and metrics would be mixed with
-    the new ones. Continuing that run is an explicit --resume."""
-    done = [c.name for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
-    if done or (output_dir / "metrics.csv").exists():
-        what = f"checkpoints {', '.join(done[-3:])}" if done else "a metrics.csv"
-        raise ckpt.CheckpointError(
-            f"{output_dir} already holds a run ({what}); continue it with --resume auto, or start this "
-            "launch in a new --output-dir")
 
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
@@ -300,6 +310,8 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
             "sft_dir": data.sft_dir,
+            "sft_manifest_sha256": data.sft_manifest_sha256,
+            "source_stage": cfg.source_stage,
             "hardware": hardware,
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
@@ -313,10 +325,49 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
 # ----------------------------------------------------------------------------- the stage
 
 
+@dataclass
+class OutputSide:
+    """What the command line and the output directory decided, before anything was written."""
+
+    resume_dir: object | None  # CheckpointInfo
+    saved: dict | None  # its trainer_state.json
+    init_dir: str | None
+    damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
+
+
+def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+    """Refusals that need only the command line and the output directory. The launcher runs
+    them before the process group exists (a refused launch fails in its first seconds), and
+    nothing is written until all of them and the data checks pass."""
+    output_dir = Path(cfg.output_dir)
+    say = log.info if rank == 0 else (lambda *_: None)
+    resume_choice = args.resume or os.environ.get("RESUME") or None
+    damaged: list = []
+    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
+        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    if resume_choice == "auto":
+        resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
+    else:
+        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
+    if resume_dir is not None and resume_choice != "auto":
+        launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
+    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    if saved is not None and init_dir is None:
+        init_dir = saved.get("init_checkpoint")
+    if not damaged:
+        ckpt.check_output_dir_stage(output_dir, cfg.stage)
+    if saved is None and resume_choice is None:
+        launch_checks.check_fresh_output_dir(output_dir)
+    launch_checks.probe_writable(output_dir)
+    return OutputSide(resume_dir, saved, init_dir, damaged)
+
+
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
-              parts: Sequence[type[Callback]] | None = None) -> loop.TrainState:
+              parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
-    point composes them, evaluation included); default ``training_parts()``, without evaluation."""
+    point composes them, evaluation included); default ``training_parts()``, without evaluation.
+    ``checked``: what ``check_output_side`` decided before the process group existed."""
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
@@ -324,17 +375,14 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
                                     loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
 
-    # --- everything that can refuse the launch, before the model exists
+    pre = checked if checked is not None else check_output_side(cfg, args, rank)
+    resume_dir, saved, init_dir, damaged = pre.resume_dir, pre.saved, pre.init_dir, pre.damaged
+    say = log.info if rank == 0 else (lambda *_: None)
+
+    # --- the data: plan, budgets, tokenizer identity, every shard's hash (reads only; the
+    # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world))
-    resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)
-    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
-    init_dir = args.init_checkpoint
-    if saved is not None and init_dir is None:
-        init_dir = saved.get("init_checkpoint")
-    ckpt.check_output_dir_stage(output_dir, cfg.stage)
-    if saved is None and not args.resume and not os.environ.get("RESUME"):
-        check_fresh_output_dir(output_dir)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
@@ -347,7 +395,17 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
             plan_sha256=data.plan.sha256 if data.plan is not None else None,
             found=ckpt.inspect_saved_parts(resume_dir),
         )
+        launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256,
+                                                   data.sft_dir)
         resharding = ckpt.is_reshard(saved, world, args.reshard)
+
+    # --- every check passed: from here on the launch writes
+    if damaged:
+        if rank == 0:
+            launch_checks.set_aside_damaged(output_dir, time.strftime("%Y%m%dT%H%M%S"), log=say)
+        _barrier()
+    if data.start is not None:
+        data.start()
 
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -382,14 +440,16 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     pack_of, protect = protected_steps(cfg, data)
     trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, pack_of)
 
-    with GracefulStop() as stop:
-        run = RunContext(
-            cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
-            model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
-            trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-            protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
-        state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
-                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
+    # Signals were recorded since the launcher started (callbacks.stop.install); from here on
+    # every rank asks once per step whether any rank wants to stop.
+    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), world)
+    run = RunContext(
+        cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
+        model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
+        trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
+        protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
+    state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
+                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)
     if cache is not None:
         cache.close()

@@ -100,8 +100,10 @@ def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root,
     from ds_trhash.data.reader import ReplayReader
 
     two_rank_run(1)  # builds the embedded demo corpus under root
-    embedded = root / "embedded"
-    reader = ReplayReader(load_plan(embedded / "plans" / "pretrain.json"), embedded / "shards", 1234)
+    from ds_trhash.data.embedded import build_embedded
+
+    embedded = build_embedded(root / "embedded")  # the corpus the launch built: found, not rebuilt
+    reader = ReplayReader(load_plan(embedded.pretrain_plan), embedded.shards_dir, 1234)
 
     def step_rows(step, world, micro, accum):
         parts = [reader.batch(step, m, r, world, micro, accum)[0] for m in range(accum) for r in range(world)]

@@ -152,3 +152,21 @@ def test_wrong_preset_for_the_weights_is_a_user_error(setup, tmp_path, capsys):
     assert _run(argv) == 2
     err = capsys.readouterr().err
     assert "do not fit the model from --preset tiny" in err and len(err.strip().splitlines()) == 1
+
+
+def test_heldout_seq_len_beyond_the_model_positions_is_refused_before_allocating(setup, tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    config = TRHashConfig.from_preset("tiny", vocab_size=VOCAB_SIZE)
+    # A checkpoint that records its config but holds no weights: a check made after loading the
+    # model would fail on the missing weights instead.
+    ckpt = tmp_path / "step_5"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 5, "model_config": config.to_dict()}))
+    before = tree_digest(tmp_path)
+    argv = ["eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", str(setup["sft"]),
+            "--seq-len", str(config.max_seq_len + 1), "--device", "cpu", "--out", str(tmp_path / "h.json")]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--seq-len {config.max_seq_len + 1} exceeds the {config.max_seq_len} positions" in err[0]
+    assert tree_digest(tmp_path) == before

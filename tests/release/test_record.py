@@ -110,3 +110,15 @@ def test_cli_report(tmp_path, capsys):
     assert (tmp_path / "run_record.md").is_file()
     assert cli(["report", "--run", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "not a run output directory" in capsys.readouterr().err
+
+
+def test_cli_report_on_a_directory_that_is_not_a_run_exits_2_and_writes_nothing(tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a run")
+    before = tree_digest(tmp_path)
+    assert cli(["report", "--run", str(tmp_path / "notes"), "--out", str(tmp_path / "record.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a run output directory (it holds no config.json, metrics.csv or checkpoints/)" in err
+    assert "Traceback" not in err and tree_digest(tmp_path) == before

@@ -46,12 +46,15 @@ def test_every_shipped_config_loads():
         cfg = load_config(path)
         assert cfg.output_dir.startswith("runs/")
         if cfg.stage == "supervised-finetuning":
-            assert require_source_stage(cfg) == "refinement"
+            # The source stage is a fact of the launch, given on the command line (--source-stage).
+            assert cfg.source_stage is None
+            with pytest.raises(ConfigError, match="pass --source-stage"):
+                require_source_stage(cfg)
 
 
 def test_200m_sft_is_the_published_recipe():
     cfg = load_config(ROOT / "ds_configs/200m/sft.yaml")
-    assert cfg.stage == "supervised-finetuning" and cfg.source_stage == "refinement"
+    assert cfg.stage == "supervised-finetuning" and cfg.source_stage is None  # --source-stage at launch
     assert cfg.model.preset == "200m" and cfg.data.kind == "sft" and cfg.data.seq_len == 2048
     o, s = cfg.optimizer, cfg.schedule
     assert (o.lr, o.betas, o.weight_decay, o.grad_clip) == (2e-5, (0.9, 0.95), 0.1, 1.0)

@@ -98,7 +98,8 @@ def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(st
 
     # resume the LoRA run as a full-parameter run: refused, naming both modes
     proc = L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
-                     "--resume", "auto", "--full-parameter", "--set", "checkpoint.every_steps=2"])
+                     "--resume", "auto", "--full-parameter", "--source-stage", "refinement",
+                     "--set", "checkpoint.every_steps=2"])
     assert proc.returncode == 2, L.explain(proc)
     assert "LoRA" in proc.stderr and "full-parameter" in proc.stderr
 
