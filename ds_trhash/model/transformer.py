@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .attention import ROPE_BACKENDS, TRHashAttention, document_mask
@@ -20,6 +21,7 @@ from .loss import LOSS_BACKENDS, tied_ce
 from .norms import NORM_BACKENDS, RMSNorm
 from .routing import RouteTableError, build_route_table, expert_pairs, pair_codes, validate_route_table
 
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_n")
 _DROPPED_KEY_SUFFIX = ".self_attn.rotary_emb.inv_freq"  # recomputed, never a parameter
 
 
@@ -190,6 +192,7 @@ class TRHashDecoderLayer(nn.Module):
         self.self_attn = TRHashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = TRHashMoE(config, layer)
+        self.checkpointed = False  # recompute this layer in backward (set_activation_checkpointing)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -228,6 +231,24 @@ class TRHashForCausalLM(nn.Module):
 
     def engines(self) -> list[TRHashMoEEngine]:
         return [layer.mlp.engine for layer in self.layers]
+
+    # ----------------------------------------------------------------- activation checkpointing
+    def set_activation_checkpointing(self, mode: str, every: int = 2) -> list[int]:
+        """Recompute decoder layers in backward instead of storing their activations.
+
+        ``none``; ``full`` (every layer); ``every_n`` (layers 0, n, 2n, ... for n = ``every``).
+        Non-reentrant ``torch.utils.checkpoint`` with the RNG state preserved, so the gradients
+        are those of the plain forward; only peak memory and time change. Returns the layers.
+        """
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"unknown activation checkpointing {mode!r}; allowed: {list(ACTIVATION_CHECKPOINTING)}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"activation checkpointing every_n needs n >= 1, got {every!r}")
+        step = {"none": 0, "full": 1, "every_n": every}[mode]
+        chosen = [i for i in range(len(self.layers)) if step and i % step == 0]
+        for i, layer in enumerate(self.layers):
+            layer.checkpointed = i in chosen
+        return chosen
 
     # ----------------------------------------------------------------- backends
     def set_backends(self, experts: str | None = None, loss: str | None = None,
@@ -282,7 +303,10 @@ class TRHashForCausalLM(nn.Module):
         attn_mask = document_mask(document_ids) if document_ids is not None else None
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, input_ids, position_ids, attn_mask)
+            if layer.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, input_ids, position_ids, attn_mask, use_reentrant=False)
+            else:
+                x = layer(x, input_ids, position_ids, attn_mask)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -60,12 +61,26 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     return tcfg.load_config(args.config, overrides)
 
 
+def launch_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size as the launcher announced them (before
+    torch.distributed starts): every rank reads the same config, so one of them reports."""
+    def env_int(name: str) -> int:
+        try:
+            return int(os.environ.get(name, ""))
+        except ValueError:
+            return 0 if name == "RANK" else 1
+    return env_int("RANK"), max(1, env_int("WORLD_SIZE"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
+    env_rank, env_world = launch_rank_and_world()
     try:
         cfg = config_from_args(args)
+        tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
     except tcfg.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if env_rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     rank, world = init_distributed()
     logging.basicConfig(

@@ -250,6 +250,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         from ds_trhash.model.lora import apply_lora
 
         apply_lora(model, cfg.lora)
+    model.set_activation_checkpointing(cfg.model.activation_checkpointing, cfg.model.activation_checkpointing_every)
     if cfg.parallel.ep_size > 1:
         # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
         from ds_trhash.model.expert_parallel import enable_expert_parallel
@@ -506,6 +507,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
+    loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     output_dir = Path(cfg.output_dir)
     model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
                                     loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
@@ -527,7 +529,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         from ds_trhash.eval.piqa import read_piqa
 
         piqa_examples = read_piqa(cfg.eval.piqa)  # a malformed file fails here, before the model
-    critical = tcfg.training_critical(cfg)
+    critical = tcfg.training_critical(cfg, world)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
         ckpt.check_resume_compatible(
@@ -561,7 +563,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(cfg), indent=2))
+        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(loaded), indent=2))
         progress.message(
             f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
             f"{data.total_steps} optimizer steps"
