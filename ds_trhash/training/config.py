@@ -510,6 +510,8 @@ def _set_path(raw: dict, dotted: str, value: Any, label: str) -> None:
     for i, part in enumerate(parts):
         fields = _schema_fields(cls)
         if part not in fields:
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(label, dotted, REMOVED_KEYS[dotted])
             done = ".".join(parts[:i]) or "<top level>"
             raise ConfigError(label, dotted, f"unknown key; allowed keys under {done}: {', '.join(sorted(fields))}")
         tp = _hints(cls)[part]
