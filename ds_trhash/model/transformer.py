@@ -209,6 +209,9 @@ class TRHashForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
+        # Per-layer routed-token counts [L, E] of training forwards, for monitors; off by default.
+        self.track_expert_load = False
+        self._expert_load: torch.Tensor | None = None
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, config.init_std)  # submodules init themselves
 
@@ -249,6 +252,20 @@ class TRHashForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.checkpointed = i in chosen
         return chosen
+
+    # ----------------------------------------------------------------- expert load
+    def _count_expert_load(self, input_ids: torch.Tensor) -> None:
+        """Add this forward's routes to the [L, E] counts (on the device, no host sync). Counted
+        here, outside the decoder layers, so a checkpointed layer's recompute is not counted twice."""
+        ids = input_ids.reshape(-1).clamp(0, self.config.vocab_size - 1)
+        counts = torch.stack([torch.bincount(e.route_table[:, ids].reshape(-1), minlength=self.config.num_experts)
+                              for e in self.engines()])
+        self._expert_load = counts if self._expert_load is None else self._expert_load + counts
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """The counts since the last call ([L, E] int64), and start again; None when none."""
+        counts, self._expert_load = self._expert_load, None
+        return counts
 
     # ----------------------------------------------------------------- backends
     def set_backends(self, experts: str | None = None, loss: str | None = None,
@@ -302,6 +319,8 @@ class TRHashForCausalLM(nn.Module):
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         attn_mask = document_mask(document_ids) if document_ids is not None else None
         x = self.embed_tokens(input_ids)
+        if self.track_expert_load and torch.is_grad_enabled():
+            self._count_expert_load(input_ids)
         for layer in self.layers:
             if layer.checkpointed and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, input_ids, position_ids, attn_mask, use_reentrant=False)

@@ -79,6 +79,20 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
     return valid, ignored, bad
 
 
+def _reduced_grad_norm(engine) -> torch.Tensor | None:
+    """The global gradient norm before clipping, where DeepSpeed does not keep one.
+
+    ZeRO 1/2 and the bf16/fp16 optimizers record it (``get_global_grad_norm``); plain ZeRO 0
+    fp32 clips through ``clip_grad_norm_`` and drops the value. There, after the last backward
+    of the step the gradients are already averaged over the data-parallel ranks, so their norm
+    here is the global one.
+    """
+    if hasattr(getattr(engine, "optimizer", None), "_global_grad_norm") or not hasattr(engine, "module"):
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
 def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
                vocab_size: int | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics."""
@@ -91,17 +105,22 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
             f"size {vocab_size}; the data does not belong to this model (check the tokenizer and vocabulary)")
     scale = world_size / max(n_step, 1.0)
     loss_sum_local = 0.0
-    for mb in micro_batches:
+    own_norm = None
+    for i, mb in enumerate(micro_batches):
         inputs = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         loss_sum = engine(
             inputs.pop("input_ids"), labels=inputs.pop("labels"), reduction="sum", **inputs
         )
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
+        if i == len(micro_batches) - 1:
+            own_norm = _reduced_grad_norm(engine)
         engine.step()
         loss_sum_local += float(loss_sum.detach())
     (loss_total,) = _all_reduce_sum([loss_sum_local], device)
     loss = loss_total / max(n_step, 1.0)
-    return {"loss": loss, "supervised_tokens": int(n_step), "tokens": int(t_step),
+    norm = own_norm if own_norm is not None else getattr(engine, "get_global_grad_norm", lambda: None)()
+    return {"loss": loss, "grad_norm": None if norm is None else float(norm),
+            "supervised_tokens": int(n_step), "tokens": int(t_step),
             "label_valid": int(n_step), "label_ignored": int(ignored_step), "label_out_of_range": int(bad_step)}
 
 
@@ -136,6 +155,8 @@ def run(
             "ppl": math.exp(min(stats["loss"], 50.0)),
             "lr": lr,
             "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
+            "step_time": dt,
+            "grad_norm": stats["grad_norm"],
             "tokens_seen": state.tokens_seen,
             "supervised_tokens": stats["supervised_tokens"],
             "label_valid": stats["label_valid"],

@@ -259,6 +259,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
+    model.kernels_requested = choice.to_dict()  # for the startup summary
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
     return model.to(device)
@@ -318,11 +319,21 @@ class ProgressCallback(loop.Callback):
 
 
 class MetricsCallback(loop.Callback):
-    def __init__(self, writer, model, every: int):
+    """A metrics.csv row every ``every`` steps (and the first, the last, a stop), with the train
+    loss averaged over the steps since the previous row; the row also reaches the DeepSpeed
+    monitors through the writer, and the monitors get peak memory, MFU and expert load."""
+
+    def __init__(self, writer, model, every: int, sink=None, device=None, mfu=None):
+        from ds_trhash.training.monitor import IntervalMean
+
         self.writer, self.model, self.every = writer, model, every
+        self.sink, self.device, self.mfu = sink, device, mfu  # mfu: tokens/s -> fraction or None
+        self.interval = IntervalMean()
 
     def on_step_end(self, state, metrics):
-        if state.step % self.every == 0 or state.step in (1, state.total_steps) or state.stop_requested:
+        self.interval.add(loss=metrics["loss"])
+        regular = state.step % self.every == 0 or state.step in (1, state.total_steps)
+        if regular or state.stop_requested:
             b = self.model.backends_used()
             self.writer.write(
                 step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
@@ -331,7 +342,17 @@ class MetricsCallback(loop.Callback):
                 label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
                 experts_backend=b.get("experts"),
                 loss_backend=b.get("loss"), norm_backend=b.get("norm"),
+                train_loss_avg=self.interval.take()["loss"], grad_norm=metrics.get("grad_norm"),
+                step_time=metrics.get("step_time"),
             )
+        if regular and self.sink is not None and self.sink.enabled:
+            from ds_trhash.training.monitor import expert_load, peak_memory_mib
+
+            events = {"Train/peak_memory_mib": peak_memory_mib(self.device),
+                      **expert_load(self.model, self.device)}  # every rank: the counts are all-reduced
+            if self.mfu is not None:
+                events["Train/mfu"] = self.mfu(metrics["tok_s"])
+            self.sink.write(state.step, events)
 
 
 class EvalCallback(loop.Callback):
@@ -543,7 +564,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(cfg, model_cfg, init_dir if saved is None else None, device, rank)
-    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps,
+    ds_config = tcfg.to_deepspeed_dict(cfg, world)
+    engine = build_engine(model, cfg, ds_config, data.total_steps,
                           load_universal=resharding and ckpt.needs_universal(resume_dir))
     state = loop.TrainState(step=0, total_steps=data.total_steps)
     if saved is not None:
@@ -561,6 +583,10 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
 
     # --- pluggable parts
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
+    from ds_trhash.training.engine import describe_hardware, optimizer_name
+    from ds_trhash.training.summary import startup_summary
+
+    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(loaded), indent=2))
@@ -568,7 +594,19 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
-    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
+        progress.message(startup_summary(
+            cfg, tcfg.batch_layout(loaded, world), model=model, total_steps=data.total_steps, start_step=state.step,
+            ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
+            kernels=getattr(model, "kernels_requested", None), hardware=describe_hardware(),
+            checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
+    from ds_trhash.model.flops import train_flops_per_token
+    from ds_trhash.training.monitor import MonitorSink, model_flops_utilisation
+
+    sink = MonitorSink(getattr(engine.engine, "monitor", None))
+    model.track_expert_load = sink.enabled
+    flops_per_token = train_flops_per_token(model_cfg, cfg.data.seq_len)
+    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None,
+                           on_row=sink.row)
     from ds_trhash.data.budget import pack_boundaries
 
     pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
@@ -579,9 +617,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
         spe = data.batches.steps_per_epoch
         protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
 
-    from ds_trhash.training.engine import describe_hardware
-
-    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {
@@ -631,7 +666,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
                                  faults, eval_results,
                                  is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1),
                                  piqa_results=piqa_results)
-    callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
+    callbacks += [MetricsCallback(writer, model, cfg.training.log_every, sink=sink, device=device,
+                                  mfu=lambda tok_s: model_flops_utilisation(tok_s, flops_per_token, world,
+                                                                            cfg.precision, device)),
                   ProgressCallback(progress, model, cfg.training.log_every, data.batches), ckpt_cb]
     if cfg.data.kind == "sft":
         callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress,
