@@ -1,4 +1,4 @@
-"""Sync complete checkpoints and exports to the Hugging Face Hub (SPEC §9).
+"""Sync complete checkpoints and exports to the Hugging Face Hub (docs/contracts.md §9).
 
 Rules, in the order ``sync`` applies them:
 
@@ -28,13 +28,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
+from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
 
 TOKEN_ENV = "HF_TOKEN"
@@ -151,15 +152,13 @@ class SyncReport:
 
 
 def _checkpoint_unit(path: Path, path_in_repo: str) -> Unit | str:
-    from ds_trhash.training.checkpoint import MANIFEST, verify
-
     ok, reason = verify(path, deep=True)
     if not ok:
         return reason
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     files = {rel: {"sha256": e["sha256"], "size": e["size"]} for rel, e in manifest["files"].items()}
     manifest_path = path / MANIFEST
-    files[MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    files[MANIFEST] = {"sha256": sha256_file(manifest_path), "size": manifest_path.stat().st_size}
     return Unit("checkpoint", path, path_in_repo, files, step=int(manifest.get("step", -1)))
 
 
@@ -169,19 +168,11 @@ def _export_unit(path: Path, path_in_repo: str) -> Unit | str:
         return reason
     files = dict(export_files(read_export_manifest(path)))
     manifest_path = path / EXPORT_MANIFEST
-    files[EXPORT_MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    files[EXPORT_MANIFEST] = {"sha256": sha256_file(manifest_path), "size": manifest_path.stat().st_size}
     return Unit("export", path, path_in_repo, files)
 
 
-def _sha256(path: Path) -> str:
-    from ds_trhash.release.export import sha256_file
-
-    return sha256_file(path)
-
-
 def _is_checkpoint(path: Path) -> bool:
-    from ds_trhash.training.checkpoint import ENGINE_TAG, MANIFEST, TRAINER_STATE
-
     return any((path / n).exists() for n in (MANIFEST, TRAINER_STATE, ENGINE_TAG))
 
 
@@ -199,7 +190,6 @@ class _Plan:
 
 def discover(local_dir: str | os.PathLike) -> _Plan:
     """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS, list_checkpoints
 
     root = Path(local_dir)
     if not root.is_dir():
@@ -307,13 +297,6 @@ def _upload(api: Any, repo_id: str, unit: Unit, repo_type: str | None, revision:
           commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
 
 
-def _remove_checkpoint(path: Path) -> None:
-    """Out of the listing first (list_checkpoints ignores *.tmp*), then delete."""
-    doomed = path.with_name(path.name + ".tmp-deleting")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed)
-
-
 def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
     keep_steps = set(sorted(plan.complete_steps)[-keep_last:])
     prune, keep = [], []
@@ -401,7 +384,7 @@ def sync(
                     report.would_prune.append(unit.name)
                     say(f"would prune local {unit.name} once verified on the Hub")
                     continue
-                _remove_checkpoint(unit.path)
+                remove_dir(unit.path)
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
     return report
@@ -410,7 +393,6 @@ def sync(
 def discover_lock_dir(root: Path) -> Path:
     """The output directory whose lock guards ``root`` (the same for a run, its checkpoints and
     its exports)."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS
 
     if root.is_dir() and _is_checkpoint(root):
         return root.parent.parent if root.parent.name == CHECKPOINTS else root.parent

@@ -9,7 +9,7 @@ from huggingface_hub.hf_api import RepoFile
 
 from ds_trhash.release import commands, hub
 from ds_trhash.release.hub import SyncError, sync, sync_lock
-from ds_trhash.training.checkpoint import MANIFEST, list_checkpoints, save_checkpoint
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, save_checkpoint
 
 TOKEN = "hf_FAKEtokenVALUE0123456789abcd"
 
@@ -86,7 +86,7 @@ def _run(tmp_path, steps=(10, 20, 30), export=True):
         exp.mkdir()
         (exp / "model.safetensors").write_bytes(b"final weights")
         (exp / "config.json").write_text("{}")
-        from ds_trhash.release.export import sha256_file
+        from ds_trhash.io import sha256_file
 
         entry = lambda p: {"sha256": sha256_file(p), "size": p.stat().st_size}  # noqa: E731
         import json

@@ -3,7 +3,7 @@ import pytest
 
 from ds_trhash.data.budget import plan_steps
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.checkpoint import ResumeError, check_resume_compatible
+from ds_trhash.checkpoints import ResumeError, check_resume_compatible
 
 ROOT = "ds_configs"
 RELEASED_PLAN = {"trained_tokens": 129_995_112_448, "seq_len": 2048}
