@@ -57,6 +57,18 @@ def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> s
     return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
 
 
+def read_json_object(path: PathLike, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object in ``path``; ``error(message naming the file)`` when the text is not JSON or
+    not an object (a missing file raises FileNotFoundError as usual)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path} does not hold a JSON object")
+    return doc
+
+
 def write_json(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = True, fsync: bool = True,
                indent: int | None = 2) -> None:
     """Write ``doc`` to ``path`` in place (for files inside a temporary directory that is published

@@ -17,10 +17,14 @@ from .norms import RMSNorm
 ROPE_BACKENDS = ("pytorch", "liger")
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """fp32 [D/2] rotary frequencies; exports persist them as ``self_attn.rotary_emb.inv_freq``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, T, D] built in fp32: bf16 angles at position ~2k lose whole radians."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                              dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)  # rotate-half pairs i with i + D/2
     return angles.cos()[:, None], angles.sin()[:, None]

@@ -1,4 +1,4 @@
-"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash report`.
+"""`ds-trhash export`, `ds-trhash sync`, `ds-trhash report` and `ds-trhash generate`.
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors print one line on stderr and return 2.
@@ -102,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rep.add_argument("--selected-checkpoint", default=None)
     rep.add_argument("--limitation", action="append", default=[], help="a known limitation (repeatable)")
     rep.set_defaults(func=run_report)
+
+    from ds_trhash.release import generate
+
+    generate.register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
