@@ -24,8 +24,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import yaml
 
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
-from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from ds_trhash.model.config import TRHashConfig
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from ds_trhash.training import deepspeed_config as dsc
+from ds_trhash.training import global_batch
 
 __all__ = [
     "ConfigError",
@@ -53,6 +55,8 @@ __all__ = [
     "to_deepspeed_dict",
     "training_critical",
     "tokens_per_step",
+    "batch_layout",
+    "for_world",
 ]
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
@@ -131,6 +135,10 @@ class ModelSection:
     # "vision" integrates refinement in its own recipe, so the stage guard lets it go
     # pretraining -> SFT directly.
     family: Literal["language", "vision"] = "language"
+    # Recompute decoder layers in backward instead of keeping their activations: none, every
+    # layer (full) or every activation_checkpointing_every-th layer (every_n). Same gradients.
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    activation_checkpointing_every: int = _f(2, check=_positive)
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,8 @@ class OptimizerSection:
     weight_decay: float = _f(0.1, check=_non_negative)
     grad_clip: float = _f(1.0, check=_non_negative)
     eps: float = _f(1.0e-8, check=_positive)
-    # True: torch.optim.AdamW; False: DeepSpeed FusedAdam (CUDA build needed). Same update rule.
+    # True: torch.optim.AdamW (fused kernel on CUDA). False: DeepSpeed's FusedAdam on CUDA; on CPU,
+    # where FusedAdam does not exist, torch AdamW again (the startup summary says which ran).
     torch_adam: bool = True
 
 
@@ -174,7 +183,11 @@ class ScheduleSection:
 @dataclass(frozen=True)
 class BatchSection:
     micro_batch: int = _f(16, check=_positive)
-    grad_accum: int = _f(1, check=_positive)
+    # Derived at launch from global_tokens and the world size when global_tokens is set;
+    # without global_tokens the batch is per rank and grad_accum defaults to 1.
+    grad_accum: int | None = _f(None, check=_optional(_positive))
+    # Tokens per optimizer step over all ranks (see ds_trhash.training.global_batch).
+    global_tokens: int | None = _f(None, check=_optional(_positive))
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,6 @@ class TrainingSection:
     epochs: int = _f(1, check=_positive)
     max_steps: int | None = _f(None, check=_optional(_positive))
     log_every: int = _f(1, check=_positive)
-    eval_every_epoch: bool = True
 
 
 @dataclass(frozen=True)
@@ -247,6 +259,8 @@ class TrainConfig:
     checkpoint: CheckpointSection = _f(factory=CheckpointSection)
     eval: EvalSection = _f(factory=EvalSection)
     seed: int = _f(1234, check=_seed)
+    # Passed to DeepSpeed: deep-merged into the generated config (ds_trhash.training.deepspeed_config).
+    deepspeed: dict = _f(factory=dict)
     # Checked at launch (require_source_stage), not at load: the CLI may supply it.
     source_stage: Literal["refinement", "supervised-finetuning"] | None = None
     # Where the values came from, for error messages raised after loading; not a YAML key.
@@ -320,7 +334,15 @@ def _type_name(tp: Any) -> str:
         return f"a list of {len(args)} {_type_name(args[0])}"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a mapping"}.get(tp, str(tp))
+
+
+# Keys that existed once: a config still carrying one gets told what replaced it.
+REMOVED_KEYS = {
+    "training.eval_every_epoch": "removed: held-out evaluation runs at step 0 and at every epoch end "
+                                 "whenever eval.heldout is true; delete the key (eval.heldout false turns it off)",
+}
 
 
 class _Builder:
@@ -357,6 +379,8 @@ class _Builder:
         for key in raw:
             if key not in fields:
                 full = f"{prefix}.{key}" if prefix else str(key)
+                if full in REMOVED_KEYS:
+                    raise self.fail(full, REMOVED_KEYS[full])
                 raise self.fail(full, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
         values = {}
         for name, f in fields.items():
@@ -403,6 +427,10 @@ class _Builder:
             if len(value) != len(args):
                 raise self.fail(key, f"expected {_type_name(tp)}, got {len(value)} item(s) {list(value)!r}")
             return tuple(self.convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        if tp is dict:
+            if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+                return _deep_copy(value)
+            raise self.fail(key, f"expected a mapping of DeepSpeed config keys, got {got}")
         if tp is bool:
             if isinstance(value, bool):
                 return value
@@ -486,6 +514,25 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if max_seq is not None and cfg.data.seq_len > max_seq:
         raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {max_seq}-token context of preset "
                                      f"{cfg.model.preset}; allowed: 1..{max_seq}", "model.preset")
+    bt = cfg.batch
+    problem = global_batch.check_static(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens)
+    if problem:
+        raise b.fail(problem[0], problem[1], "batch.global_tokens", "data.seq_len")
+    _check_deepspeed_section(cfg, b)
+
+
+def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
+    """Owned keys and DeepSpeed's own reading of the merged dict (only when the section is used)."""
+    if not cfg.deepspeed:
+        return
+    for key, problem in dsc.owned_problems(cfg.deepspeed):
+        raise b.fail(key, problem)
+    # The batch keys do not matter to what is checked here; one micro-batch per step stands in.
+    probe = dataclasses.replace(cfg, batch=BatchSection(micro_batch=cfg.batch.micro_batch, grad_accum=1))
+    merged = dsc.merge(_generated_deepspeed(probe), cfg.deepspeed)
+    problem = dsc.deepspeed_problem(merged, cfg.deepspeed)
+    if problem:
+        raise b.fail(*problem)
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -498,9 +545,29 @@ def _set_path(raw: dict, dotted: str, value: Any, label: str) -> None:
     for i, part in enumerate(parts):
         fields = _schema_fields(cls)
         if part not in fields:
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(label, dotted, REMOVED_KEYS[dotted])
             done = ".".join(parts[:i]) or "<top level>"
             raise ConfigError(label, dotted, f"unknown key; allowed keys under {done}: {', '.join(sorted(fields))}")
         tp = _hints(cls)[part]
+        if tp is dict:  # a free-form section (deepspeed): the rest of the path is its keys
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = _deep_copy(child) if isinstance(child, Mapping) else {}
+            node = child
+            rest = parts[i + 1:]
+            if not rest:
+                if not isinstance(value, Mapping):
+                    raise ConfigError(label, dotted, f"expected a mapping, got {value!r}")
+                _deep_merge(node, value)
+                return
+            for sub in rest[:-1]:
+                child = node.get(sub)
+                if not isinstance(child, dict):
+                    child = node[sub] = {}
+                node = child
+            node[rest[-1]] = value
+            return
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(tp) and isinstance(value, Mapping) and isinstance(node.get(part), Mapping):
                 node[part] = {**node[part], **value}
@@ -543,6 +610,16 @@ def config_from_dict(raw: Any, source: str = "<dict>", overrides: Sequence[str] 
     cfg = dataclasses.replace(cfg, origin=origin)
     _check_combinations(cfg, b)
     return cfg
+
+
+def _deep_merge(into: dict, extra: Mapping) -> dict:
+    """Merge ``extra`` into ``into`` key by key, mappings recursively; returns ``into``."""
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = _deep_copy(v)
+    return into
 
 
 def _deep_copy(raw: Any) -> Any:
@@ -609,10 +686,25 @@ def require_source_stage(cfg: TrainConfig) -> str | None:
     return cfg.source_stage
 
 
+def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.BatchLayout:
+    """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""
+    _check_world(cfg, world_size)
+    bt = cfg.batch
+    got = global_batch.resolve(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens, world_size)
+    if isinstance(got, tuple):
+        raise ConfigError(cfg.origin, *got)
+    return got
+
+
+def for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg`` with ``batch.grad_accum`` filled in for ``world_size`` ranks (idempotent)."""
+    layout = batch_layout(cfg, world_size)
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, grad_accum=layout.grad_accum))
+
+
 def tokens_per_step(cfg: TrainConfig, world_size: int) -> int:
     """Token positions per optimizer step (for SFT, the packed capacity, not supervised tokens)."""
-    _check_world(cfg, world_size)
-    return cfg.data.seq_len * cfg.batch.micro_batch * cfg.batch.grad_accum * world_size
+    return batch_layout(cfg, world_size).global_tokens
 
 
 def _check_world(cfg: TrainConfig, world_size: int) -> None:
@@ -632,7 +724,16 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     ``schedule.build_scheduler``, which DeepSpeed steps once per optimizer step. Both are on
     DeepSpeed's ZeRO-supported list, so no "zero_allow_untested_optimizer" is needed.
     """
-    _check_world(cfg, world_size)
+    cfg = for_world(cfg, world_size)
+    generated = _generated_deepspeed(cfg)
+    generated["train_batch_size"] *= world_size
+    section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
+    return dsc.merge(generated, section)
+
+
+def _generated_deepspeed(cfg: TrainConfig) -> dict:
+    """Our part of the DeepSpeed config (grad_accum resolved), for one rank: train_batch_size
+    still lacks the world-size factor."""
     mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum
     fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
     if cfg.precision == "fp16":
@@ -640,7 +741,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": ga,
-        "train_batch_size": mb * ga * world_size,
+        "train_batch_size": mb * ga,
         "gradient_clipping": cfg.optimizer.grad_clip,
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": fp16,
@@ -651,13 +752,17 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     }
 
 
-def training_critical(cfg: TrainConfig) -> dict:
+def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
     """Settings an exact resume must match (docs/contracts.md §4), as a flat ``{dotted key: value}`` dict.
 
     Left out on purpose: where things are written or cached (output_dir, cache, checkpoint
-    cadence, logging, evaluation) -- they do not change the trained trajectory. LoRA details
-    are included only when LoRA is on, so editing an unused default does not block a resume.
+    cadence, logging, evaluation, DeepSpeed monitors and profilers) -- they do not change the
+    trained trajectory; nor does activation checkpointing (same gradients). LoRA details are
+    included only when LoRA is on, so editing an unused default does not block a resume. The
+    batch is recorded as laid out on ``world_size`` ranks (grad_accum derived from
+    batch.global_tokens), so a resume compares the global batch, not the YAML spelling of it.
     """
+    cfg = for_world(cfg, world_size)
     d, o, s = cfg.data, cfg.optimizer, cfg.schedule
     crit: dict[str, Any] = {
         "stage": cfg.stage,
@@ -696,4 +801,5 @@ def training_critical(cfg: TrainConfig) -> dict:
     }
     if cfg.lora.enabled:
         crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
+    crit.update(dsc.critical_items(cfg.deepspeed))
     return crit

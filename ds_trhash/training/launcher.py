@@ -132,6 +132,17 @@ def peer_lost(e: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
 
 
+def launch_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size as the launcher announced them (before
+    torch.distributed starts): every rank reads the same config, so one of them reports."""
+    def env_int(name: str) -> int:
+        try:
+            return int(os.environ.get(name, ""))
+        except ValueError:
+            return 0 if name == "RANK" else 1
+    return env_int("RANK"), max(1, env_int("WORLD_SIZE"))
+
+
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
          user_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
     install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
-    env_rank = int(os.environ.get("RANK", "0"))
+    env_rank, env_world = launch_rank_and_world()
     logging.basicConfig(
         level=logging.INFO if env_rank == 0 else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     )
     try:
         cfg = config_from_args(args)
+        tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
         checked = check_output_side(cfg, args, env_rank)
     except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:

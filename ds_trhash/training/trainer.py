@@ -51,10 +51,18 @@ from ds_trhash.training.callbacks import (
     training_parts,
 )
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
-from ds_trhash.training.engine import (build_engine, check_runnable, compute_dtype, describe_hardware,
-                                      expert_parallel_group)
+from ds_trhash.training.engine import (
+    build_engine,
+    check_runnable,
+    compute_dtype,
+    describe_hardware,
+    expert_parallel_group,
+    optimizer_name,
+)
 from ds_trhash.training.metrics import MetricsError, MetricsWriter
+from ds_trhash.training.monitor import MonitorSink
 from ds_trhash.training.progress import Progress
+from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -250,6 +258,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
+    model.set_activation_checkpointing(cfg.model.activation_checkpointing, cfg.model.activation_checkpointing_every)
     if cfg.parallel.ep_size > 1:
         # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
         # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
@@ -261,6 +270,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     choice = selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
                               require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
+    model.kernels_requested = choice.to_dict()  # for the startup summary
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
     compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
@@ -371,6 +381,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
+    loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     output_dir = Path(cfg.output_dir)
     model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
                                     loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
@@ -386,7 +397,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
-    critical = tcfg.training_critical(cfg)
+    critical = tcfg.training_critical(cfg, world)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
         ckpt.check_resume_compatible(
@@ -410,7 +421,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(cfg, model_cfg, init_dir if saved is None else None, device, rank)
-    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps,
+    ds_config = tcfg.to_deepspeed_dict(cfg, world)
+    engine = build_engine(model, cfg, ds_config, data.total_steps,
                           load_universal=resharding and ckpt.needs_universal(resume_dir))
     state = loop.TrainState(step=0, total_steps=data.total_steps)
     if saved is not None:
@@ -430,12 +442,20 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(cfg), indent=2))
+        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(loaded), indent=2))
         progress.message(
             f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
-    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
+        progress.message(startup_summary(
+            cfg, tcfg.batch_layout(loaded, world), model=model, total_steps=data.total_steps, start_step=state.step,
+            ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
+            kernels=getattr(model, "kernels_requested", None), hardware=describe_hardware(),
+            checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
+    monitor = MonitorSink(getattr(engine.engine, "monitor", None))  # DeepSpeed's monitors, when configured
+    model.track_expert_load = monitor.enabled
+    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None,
+                           on_row=monitor.row)
 
     pack_of, protect = protected_steps(cfg, data)
     trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, pack_of)
@@ -447,7 +467,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
         model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-        protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
+        protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor)
     state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)

@@ -129,7 +129,8 @@ def test_plain_resume_onto_another_world_size_is_refused_and_points_to_reshard(r
 
 def test_reshard_that_changes_the_global_batch_is_refused_naming_both(root, two_rank_run):
     out = _stopped_at(two_rank_run(1), root / "global-batch")
-    proc = L.single(_args(out, micro=4, extra=["--resume", "auto", "--reshard"]))
+    # a per-rank batch (no global_tokens): micro_batch 4 on one rank is half the checkpoint's batch
+    proc = L.single(_args(out, micro=4, extra=["--resume", "auto", "--reshard", "--set", "batch.global_tokens=null"]))
     assert proc.returncode == 2, L.explain(proc)
     assert "global batch: checkpoint 8 rows per step (micro_batch 4 × grad_accum 1 × 2 ranks), this run 4 rows " \
            "per step (micro_batch 4 × grad_accum 1 × 1 rank)" in proc.stderr, L.explain(proc)

@@ -57,6 +57,36 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
         assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
 
 
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, **env: str) -> list[subprocess.CompletedProcess]:
+    """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
+    the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
+    address and port on loopback; one CPU process per node. Returns both launchers' results."""
+    port = free_port()
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    procs = []
+    for node in (0, 1):
+        cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), str(REPO / "launch" / "train.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=base_env(**env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        leftover = shm_segments(port)
+        for seg in leftover:
+            seg.unlink(missing_ok=True)
+    assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
+    return results
+
+
 def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     """One plain process (no launcher): RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* set by hand."""
     e = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

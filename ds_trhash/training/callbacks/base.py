@@ -74,6 +74,7 @@ class RunContext:
     stop: Any = None  # callbacks.stop.StopAgreement, asked once per step on every rank
     faults: Any = None  # callbacks.faults.FaultInjection
     barrier: Callable[[], Any] = lambda: None
+    monitor: Any = None  # training.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
     last_checkpoint: Path | None = None
 
