@@ -11,7 +11,8 @@ Rules, in the order ``sync`` applies them:
    manifests vouch for are uploaded, with the manifest itself.
 3. After upload every remote file is checked against the local hash: LFS files by their
    SHA-256 (``RepoFile.lfs.sha256``), regular git files by their git blob id (SHA-1 of
-   ``"blob <size>\\0" + bytes``), both from ``HfApi.get_paths_info``.
+   ``"blob <size>\\0" + bytes``), both from ``HfApi.list_repo_tree`` of the unit's folder. Files
+   in that folder that the manifest does not list are deleted in the unit's upload commit.
 4. Any failure (upload or verification) stops the sync and prunes nothing. Pruning removes
    only checkpoints whose every file verified remotely, never the newest ``keep_last``
    checkpoints, never an export, never anything incomplete.
@@ -39,7 +40,6 @@ from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, rea
 
 TOKEN_ENV = "HF_TOKEN"
 LOCK_FILE = ".sync.lock"
-_PATHS_PER_REQUEST = 50
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
 
 Log = Callable[[str], None]
@@ -264,23 +264,44 @@ def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise SyncError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
 
+def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
+                 revision: str | None = None) -> dict[str, Any]:
+    """Every file the Hub holds under the unit's folder (the whole repository for a root unit),
+    by repository path, with its size and hashes; empty when the folder does not exist."""
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def listing() -> list[Any]:
+        try:
+            return list(api.list_repo_tree(repo_id, path_in_repo=unit.path_in_repo or None, recursive=True,
+                                           repo_type=repo_type, revision=revision))
+        except EntryNotFoundError:  # the folder is not on the Hub yet
+            return []
+
+    entries = _call(f"listing {unit.path_in_repo or 'the root'} of {repo_id}", listing)
+    return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
+
+
+def stale_remote_files(unit: Unit, remote: Mapping[str, Any]) -> list[str]:
+    """Files on the Hub inside a unit's own folder that its manifest does not list (left there by
+    an earlier run with another layout). A root unit (an export synced alone) owns no folder, so
+    nothing beside it counts as stale."""
+    if not unit.path_in_repo:
+        return []
+    wanted = {unit.remote(rel) for rel in unit.files}
+    return sorted(path for path in remote if path not in wanted)
+
+
 def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
-                       revision: str | None = None) -> list[str]:
-    """One line per file of ``unit`` that is missing on the Hub or differs from the local file."""
-    wanted = {unit.remote(rel): rel for rel in unit.files}
-    remote: dict[str, Any] = {}
-    names = sorted(wanted)
-    for i in range(0, len(names), _PATHS_PER_REQUEST):
-        batch = names[i:i + _PATHS_PER_REQUEST]
-        infos = _call(f"reading file info from {repo_id}", api.get_paths_info, repo_id, batch,
-                      expand=False, repo_type=repo_type, revision=revision)
-        for info in infos:
-            remote[info.path] = info
+                       revision: str | None = None, remote: Mapping[str, Any] | None = None) -> list[str]:
+    """One line per file of ``unit`` that is missing on the Hub or differs from the local file,
+    and per stale file in the unit's folder."""
+    if remote is None:
+        remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
     problems = []
-    for remote_path, rel in sorted(wanted.items()):
-        local = unit.files[rel]
+    for rel in sorted(unit.files):
+        local, remote_path = unit.files[rel], unit.remote(rel)
         info = remote.get(remote_path)
-        if info is None or not hasattr(info, "blob_id"):
+        if info is None:
             problems.append(f"{remote_path}: missing on the Hub")
             continue
         if info.size != local["size"]:
@@ -292,17 +313,22 @@ def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | N
                 problems.append(f"{remote_path}: Hub SHA-256 {lfs.sha256} differs from local {local['sha256']}")
         elif info.blob_id != git_blob_sha1(unit.path / rel):
             problems.append(f"{remote_path}: Hub git blob id {info.blob_id} differs from the local file's")
+    problems += [f"{path}: on the Hub but not in the local manifest" for path in stale_remote_files(unit, remote)]
     return problems
 
 
 # --------------------------------------------------------------------------- sync
 
 
-def _upload(api: Any, repo_id: str, unit: Unit, repo_type: str | None, revision: str | None) -> None:
-    from huggingface_hub import CommitOperationAdd
+def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str | None,
+            revision: str | None) -> None:
+    """One commit per unit: its files (the client skips those already identical on the Hub) and
+    the deletion of stale files in its folder, so the remote folder equals the manifest."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    operations = [CommitOperationAdd(path_in_repo=unit.remote(rel), path_or_fileobj=str(unit.path / rel))
-                  for rel in sorted(unit.files)]
+    operations: list[Any] = [CommitOperationAdd(path_in_repo=unit.remote(rel), path_or_fileobj=str(unit.path / rel))
+                             for rel in sorted(unit.files)]
+    operations += [CommitOperationDelete(path_in_repo=path) for path in stale]
     _call(f"uploading {unit.name} to {repo_id}", api.create_commit, repo_id, operations,
           commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
 
@@ -362,13 +388,17 @@ def sync(
             say(f"skip {name}: it is {why}; only complete checkpoints are uploaded")
         verified: set[str] = set()
         try:
+            if not dry_run and plan.units:
+                _call(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True,
+                      exist_ok=True)
             for unit in plan.units:
                 try:
-                    before = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                    remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                    before = remote_differences(api, repo_id, unit, remote=remote)
                 except SyncError as exc:
                     if not dry_run:
                         raise
-                    before = [f"remote state unknown ({exc})"]
+                    remote, before = {}, [f"remote state unknown ({exc})"]
                 if not before:
                     report.already_remote.append(unit.name)
                     verified.add(unit.name)
@@ -379,7 +409,7 @@ def sync(
                     say(f"would upload {unit.name} ({len(unit.files)} files)")
                     continue
                 say(f"uploading {unit.name} ({len(unit.files)} files) to {repo_id}")
-                _upload(api, repo_id, unit, repo_type, revision)
+                _upload(api, repo_id, unit, stale_remote_files(unit, remote), repo_type, revision)
                 report.uploaded.append(unit.name)
                 after = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
                 if after:
