@@ -4,8 +4,9 @@ Rules, in the order ``sync`` applies them:
 
 1. One lock per output directory (``<output_dir>/.sync.lock``, ``fcntl.flock``) is held for
    discovery, upload, remote verification and pruning, so deletion and upload never race.
-   A second sync (or a trainer rotation wrapped in ``sync_lock``) fails fast instead of
-   waiting, unless ``lock_timeout`` seconds are granted.
+   A second sync fails fast instead of waiting, unless ``lock_timeout`` seconds are granted;
+   the trainer's rotation takes the same lock (``checkpoints.sync_guard``) and, while a sync
+   holds it, leaves rotation for its next checkpoint.
 2. Only complete units are uploaded: a checkpoint must pass ``checkpoint.verify`` (every file
    against its MANIFEST.json), an export must pass ``verify_export``. Only the files those
    manifests vouch for are uploaded, with the manifest itself.
@@ -16,30 +17,30 @@ Rules, in the order ``sync`` applies them:
 4. Any failure (upload or verification) stops the sync and prunes nothing. Pruning removes
    only checkpoints whose every file verified remotely, never the newest ``keep_last``
    checkpoints, never an export, never anything incomplete.
-5. The access token comes only from ``HF_TOKEN`` in the environment (``make_api``); it is
+5. Every checkpoint verified on the Hub is recorded, with its manifest's SHA-256, in
+   ``<output_dir>/sync_verified.json``; rotation with ``checkpoint.keep_unsynced`` deletes only
+   checkpoints recorded there.
+6. The access token comes only from ``HF_TOKEN`` in the environment (``make_api``); it is
    passed to ``HfApi`` explicitly so the library never falls back to a token file, and it is
    scrubbed from every log line and error message this module produces.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
 
 TOKEN_ENV = "HF_TOKEN"
-LOCK_FILE = ".sync.lock"
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
 
 Log = Callable[[str], None]
@@ -84,29 +85,13 @@ def make_api(*, require_token: bool = True) -> Any:
 
 @contextlib.contextmanager
 def sync_lock(directory: str | os.PathLike, timeout: float = 0.0) -> Iterator[Path]:
-    """Hold ``<directory>/.sync.lock``; anything that deletes checkpoints in ``directory``
-    (sync's prune, a rotation) should hold it. ``timeout`` 0 fails at once when held."""
-    path = Path(directory) / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """The output directory's lock (``checkpoints.sync_guard.output_lock``), which the trainer's
+    rotation takes too; ``timeout`` 0 fails at once when held."""
     try:
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                if time.monotonic() >= deadline:
-                    raise SyncError(f"{path} is held by another sync or prune; deletion and upload never run at "
-                                    "the same time: wait for it to finish (or pass a lock timeout)") from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        yield path
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
+        with output_lock(directory, timeout) as path:
+            yield path
+    except LockHeld as exc:
+        raise SyncError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- local units
@@ -340,6 +325,15 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+def _mark_verified(lock_dir: Path, unit: Unit, repo_id: str) -> None:
+    """Tell the trainer's rotation (``checkpoint.keep_unsynced``) this checkpoint is on the Hub."""
+    from ds_trhash.training.checkpoint import MANIFEST
+
+    if unit.kind == "checkpoint":
+        update_verified(lock_dir, add={unit.name: {"manifest_sha256": unit.files[MANIFEST]["sha256"],
+                                                   "repo_id": repo_id}})
+
+
 def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
     keep_steps = set(sorted(plan.complete_steps)[-keep_last:])
     prune, keep = [], []
@@ -402,6 +396,8 @@ def sync(
                 if not before:
                     report.already_remote.append(unit.name)
                     verified.add(unit.name)
+                    if not dry_run:
+                        _mark_verified(lock_dir, unit, repo_id)
                     say(f"{unit.name}: already on {repo_id}, every file verified")
                     continue
                 if dry_run:
@@ -416,6 +412,7 @@ def sync(
                     raise SyncError(f"{unit.name} does not verify on {repo_id} after upload; nothing was pruned:\n"
                                     + "\n".join(f"  - {p}" for p in after))
                 verified.add(unit.name)
+                _mark_verified(lock_dir, unit, repo_id)
                 report.verified.append(unit.name)
                 say(f"{unit.name}: every file verified on {repo_id}")
         except SyncError as exc:
@@ -432,6 +429,7 @@ def sync(
                     say(f"would prune local {unit.name} once verified on the Hub")
                     continue
                 _remove_checkpoint(unit.path)
+                update_verified(lock_dir, remove=(unit.name,))
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
     return report

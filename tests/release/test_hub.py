@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import CommitOperationAdd, constants
 
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
 from ds_trhash.release import commands, hub
 from ds_trhash.release.export import sha256_file
 from ds_trhash.release.hub import SyncError, sync, sync_lock
@@ -72,8 +73,9 @@ def _steps(out):
 
 
 def _tree_digest(root: Path) -> str:
+    """Every checkpoint and export byte (the sync's own lock and verified record aside)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != hub.LOCK_FILE):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in (LOCK_FILE, VERIFIED_FILE)):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -98,11 +100,14 @@ def test_upload_verify_then_prune_and_a_second_pass_uploads_nothing(tmp_path, se
     assert report.uploaded == UNITS and report.verified == UNITS
     assert report.pruned == UNITS[:2] and report.kept == [UNITS[2]]
     assert _steps(out) == [30] and (out / "export" / "model.safetensors").is_file()
+    # what rotation (checkpoint.keep_unsynced) reads: the verified checkpoints still on disk
+    assert read_verified(out) == {UNITS[2]: {"manifest_sha256": sha256_file(out / UNITS[2] / MANIFEST),
+                                             "repo_id": REPO}}
     repo = server.repo(REPO)
     assert repo.private and len(repo.commits) == 4  # created private, one commit per unit
     for unit in UNITS[2:]:
         _assert_remote_equals_local(server, out, unit)
-    assert not any(hub.LOCK_FILE in p for p in repo.files)
+    assert not any(LOCK_FILE in p for p in repo.files)
     # the LFS objects went through the batch API and one pre-signed PUT each, then were committed by oid
     assert server.counts["lfs_upload"] == server.counts["lfs_verify"] == len(server.lfs_store) >= 4
     server.observers.clear()
@@ -122,7 +127,7 @@ def test_a_remote_hash_mismatch_stops_the_sync_and_prunes_nothing(tmp_path, serv
         sync(out, REPO, hub.make_api(), prune_local=True, keep_last=1, log=_quiet)
     assert bad in str(info.value)
     assert info.value.report.pruned == [] and info.value.report.verified == [UNITS[0]]
-    assert _tree_digest(out) == before
+    assert _tree_digest(out) == before and list(read_verified(out)) == [UNITS[0]]
 
 
 def test_a_dropped_upload_prunes_nothing_and_the_next_pass_completes(tmp_path, server):
@@ -132,13 +137,13 @@ def test_a_dropped_upload_prunes_nothing_and_the_next_pass_completes(tmp_path, s
     with pytest.raises(SyncError, match=f"uploading {UNITS[1]} to {REPO} failed") as info:
         sync(out, REPO, hub.make_api(), prune_local=True, keep_last=1, log=_quiet)
     assert info.value.report.verified == [UNITS[0]] and info.value.report.pruned == []
-    assert _tree_digest(out) == before and _steps(out) == [10, 20, 30]
+    assert _tree_digest(out) == before and _steps(out) == [10, 20, 30] and list(read_verified(out)) == [UNITS[0]]
     assert not any(p.startswith(UNITS[1]) for p in server.repo(REPO).files)  # a commit is all or nothing
     assert set(server.lfs_store) >= {sha256_file(out / UNITS[1] / "state" / "mp_rank_00_model_states.pt")}
 
     report = sync(out, REPO, hub.make_api(), prune_local=True, keep_last=1, log=_quiet)
     assert report.already_remote == [UNITS[0]] and report.uploaded == UNITS[1:]
-    assert report.pruned == UNITS[:2] and _steps(out) == [30]
+    assert report.pruned == UNITS[:2] and _steps(out) == [30] and list(read_verified(out)) == [UNITS[2]]
     # step 20's weights reached the LFS store before the drop; the retry commits them without a new PUT
     assert server.counts["lfs_upload"] == len(server.lfs_store)
 
