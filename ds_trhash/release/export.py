@@ -380,6 +380,8 @@ def export_checkpoint(
         "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
         "framework_commit": trainer_state.get("framework_commit"),
         "backends_used": trainer_state.get("backends_used"),
+        # what `ds-trhash eval heldout` packs the eval partition with by default
+        "packing_policy": (trainer_state.get("training_critical") or {}).get("data.packing.policy"),
     }
     return export_safetensors(state, out_dir, dtype=dtype, model_config=model_config, tokenizer_dir=tok,
                               chat_template=chat_template, stage=stage, extra_meta=extra)
