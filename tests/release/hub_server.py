@@ -28,7 +28,9 @@ is not emulated here, so tests set ``HF_HUB_DISABLE_XET`` and the client uses th
 
 Faults a test can arm: ``drop`` (endpoint name -> which of its requests, counted from 1, to drop:
 the server reads half the body and closes the socket without answering) and ``corrupt`` (repository paths whose
-committed bytes get their first byte flipped, so the Hub's reported hashes differ).
+committed bytes get their first byte flipped, so the Hub's reported hashes differ); ``hold``
+(endpoint name -> event: such a request, once it arrived (``arrived[name]`` is set), waits up to
+60 s for the event, so a test can act while a client is mid-request).
 
 The server handles requests in a loop bounded by ``deadline_s`` and stops by itself then, or when
 the ``with`` block exits; handler sockets time out after a few seconds.
@@ -106,6 +108,8 @@ class HubServer:
         self.counts: dict[str, int] = {}  # requests per endpoint name
         self.drop: dict[str, set[int]] = {}
         self.corrupt: set[str] = set()
+        self.hold: dict[str, threading.Event] = {}
+        self.arrived: dict[str, threading.Event] = {}
         self.observers: list[Any] = []  # callables(endpoint) run on every request (e.g. "is the local dir intact?")
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -173,6 +177,10 @@ class _Handler(BaseHTTPRequestHandler):
             if drop:
                 self._drop()
                 return
+            gate = self.hub.hold.get(name)
+            if gate is not None:  # keep the client waiting (mid-request) until the test opens the gate
+                self.hub.arrived.setdefault(name, threading.Event()).set()
+                gate.wait(timeout=60)
             if name == "lfs_upload":  # a pre-signed URL, as the Hub hands out: the PUT carries no token
                 if query.get("sig", [""])[0] != self.hub.sign(match.group("oid")):
                     raise _HTTPError(403, "bad upload signature")
