@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from ds_trhash.model.loss import IGNORE_INDEX
+
 
 def _timed(fn, iters: int, warmup: int):
     """Median milliseconds of fn() and peak bytes allocated above the state before it."""
@@ -99,7 +101,7 @@ def bench_loss(n_tokens: int, iters: int, warmup: int, device: torch.device, chu
     hidden = torch.randn(n_tokens, H, generator=gen).to(device, dt).requires_grad_()
     weight = (0.02 * torch.randn(V, H, generator=gen)).to(device, dt).requires_grad_()
     labels = torch.randint(0, V, (n_tokens,), generator=gen).to(device)
-    labels[::7] = -100  # some unsupervised positions, as in SFT
+    labels[::7] = IGNORE_INDEX  # some unsupervised positions, as in SFT
 
     def run(backend):
         def step():

@@ -73,6 +73,8 @@ from pathlib import Path
 
 import torch
 
+from ds_trhash.model.loss import IGNORE_INDEX
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "ds_configs" / "200m" / "pretrain.yaml"
 
@@ -243,7 +245,7 @@ class Ctx:
                              f"{self.model_cfg.max_seq_len}")
         gen = torch.Generator(device="cpu").manual_seed(1234)
         ids = torch.randint(0, self.model_cfg.vocab_size, (args.micro_batch, args.seq_len), generator=gen)
-        labels = torch.full_like(ids, -100)
+        labels = torch.full_like(ids, IGNORE_INDEX)
         labels[:, :-1] = ids[:, 1:]  # next-token targets, the last position unsupervised
         self.cpu_batch = {"input_ids": ids, "labels": labels}  # what the trainer's loop receives
         self.ids, self.labels = ids.to(device), labels.to(device)

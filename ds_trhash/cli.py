@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ds_trhash import demo
+from ds_trhash.data import commands as data_commands
+from ds_trhash.data import sft_commands
+from ds_trhash.eval import commands as eval_commands
+from ds_trhash.release import commands as release_commands
+
 
 def _register_all(sub) -> None:
-    from ds_trhash import demo
-    from ds_trhash.data import commands as data_commands
-    from ds_trhash.data import sft_commands
-    from ds_trhash.eval import commands as eval_commands
-    from ds_trhash.release import commands as release_commands
-
     data_commands.register(sub)
     sft_commands.register(sub)
     eval_commands.register(sub)

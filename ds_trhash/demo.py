@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from ds_trhash.checkpoints import find_resumable
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch" / "train.py"
@@ -48,8 +49,6 @@ def loss_range(metrics_csv: Path) -> tuple[float, float, int]:
 
 
 def latest_checkpoint(output_dir: Path) -> Path:
-    from ds_trhash.training.checkpoint import find_resumable
-
     info = find_resumable(output_dir, log=lambda *_: None)
     if info is None:
         raise RuntimeError(f"no complete checkpoint in {output_dir}")

@@ -1,4 +1,4 @@
-"""Triton routed experts for TR-HASH (SPEC §1 routed experts, §7 kernels).
+"""Triton routed experts for TR-HASH (docs/contracts.md §1 routed experts, §7 kernels).
 
 ``routed_experts_triton(x, routes, gate, up, down, weights)`` computes, for every token n,
 

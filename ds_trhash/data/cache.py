@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from ds_trhash.io import sha256_file
+
 from .shards import MANIFEST_FILE, load_manifest
 from .tokenizer import PathLike
 
@@ -175,11 +177,7 @@ class ShardCache:
         os.replace(partial, final)
 
     def _local_copy_ok(self, key: Key, sha256: str) -> bool:
-        digest = hashlib.sha256()
-        with open(self._path(key), "rb") as handle:
-            for block in iter(lambda: handle.read(_CHUNK), b""):
-                digest.update(block)
-        return digest.hexdigest() == sha256
+        return sha256_file(self._path(key), _CHUNK) == sha256
 
     def _fetch(self, key: Key, sha256: str, size: int, prefetched: bool) -> None:
         """Copy a reserved key in, then record it; the reservation is dropped either way."""

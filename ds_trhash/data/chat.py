@@ -1,4 +1,4 @@
-"""The `complexity-chat-v2` chat template and final-assistant-only supervision (SPEC §5).
+"""The `complexity-chat-v2` chat template and final-assistant-only supervision (docs/contracts.md §5).
 
 The template is reproduced byte for byte because a model fine-tuned on one spelling and
 prompted with another silently degrades. The EOS that ends an assistant turn is a token id
@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from ds_trhash.model.loss import IGNORE_INDEX  # re-exported: the data layer writes it into labels
+
 CHAT_TEMPLATE_ID = "complexity-chat-v2"
 EOS_TOKEN = "</s>"
 EOS_ID = 0
 PAD_TOKEN = "<pad>"
 PAD_ID = 1
-IGNORE_INDEX = -100
 GENERATION_PROMPT = "Assistant:\n"
 DEFAULT_SYSTEM_PROMPT = ""
 SUPERVISION_MODES = ("final_assistant_only",)

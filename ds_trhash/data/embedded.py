@@ -4,7 +4,7 @@
 so the demo and the tests need no download. From it this module makes a tokenizer, shards
 for two sources, a pretraining plan with a replay phase, its refinement plan, and small
 chat sets. Every conversation fits ``seq_len`` tokens under the complexity-chat-v2 layout
-(SPEC §5), so an SFT build at the demo length never hits the no-truncation gate.
+(docs/contracts.md §5), so an SFT build at the demo length never hits the no-truncation gate.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from ds_trhash.io import publish_dir, sha256_file
 
 from .plan import build_plan, derive_refinement, write_plan
 from .shards import tokenize_to_shards
@@ -178,7 +180,7 @@ def _is_complete(paths: EmbeddedPaths, stamp: dict) -> bool:
         return False
     for relative, digest in recorded.get("files", {}).items():
         file = paths.root / relative
-        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        if not file.is_file() or sha256_file(file) != digest:
             return False
     return bool(recorded.get("files"))
 
@@ -203,7 +205,7 @@ def _build(root: Path, seq_len: int, vocab_size: int, seed: int, topics: dict[st
     train, evaluation = _chat_sets(topics, load_tokenizer(paths.tokenizer_dir), seq_len, seed)
     _write_jsonl(paths.chat_train_jsonl, train)
     _write_jsonl(paths.chat_eval_jsonl, evaluation)
-    files = {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in paths.files()}
+    files = {str(f.relative_to(root)): sha256_file(f) for f in paths.files()}
     (root / STAMP_FILE).write_text(json.dumps({**stamp, "files": files}, indent=2) + "\n", encoding="utf-8")
 
 
@@ -223,13 +225,9 @@ def build_embedded(out_dir: PathLike, seq_len: int = 128, vocab_size: int = 4096
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build(tmp, seq_len, vocab_size, seed, topics, stamp)
-        if root.exists():
-            if _is_complete(paths, stamp):  # another process finished first
-                return paths
-            trash = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(root, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, root)
+        if root.exists() and _is_complete(paths, stamp):  # another process finished first
+            return paths
+        publish_dir(tmp, root, fsync=False)  # an incomplete or stale copy is swapped out whole
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return paths

@@ -1,4 +1,4 @@
-"""Replay plans (SPEC §2): build, write once, load, fingerprint, derive and check refinement.
+"""Replay plans (docs/contracts.md §2): build, write once, load, fingerprint, derive and check refinement.
 
 A plan is the immutable statement of which rows a run trains on and how often. Refinement
 is only meaningful on the same corpus, so the unique core gets a fingerprint over its exact
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Optional, Union
+
+from ds_trhash.io import json_text, sha256_file
 
 from .shards import check_source_name
 from .tokenizer import PathLike
@@ -100,7 +102,7 @@ def _unique_core(doc: Mapping) -> dict:
 
 
 def unique_core_fingerprint(doc: PlanLike) -> str:
-    """SHA-256 of the canonical JSON of the unique core's identity (SPEC §2)."""
+    """SHA-256 of the canonical JSON of the unique core's identity (docs/contracts.md §2)."""
     doc = plan_doc(doc)
     missing = [key for key in FINGERPRINT_KEYS if key not in doc]
     if missing:
@@ -311,7 +313,7 @@ def derive_refinement(doc: PlanLike) -> dict:
 
 
 def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
-    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre`` (SPEC §3)."""
+    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre`` (docs/contracts.md §3)."""
     ref_doc, pre_doc = plan_doc(ref), plan_doc(pre)
     phases = ref_doc.get("phases") or []
     if len(phases) != 1:
@@ -336,10 +338,6 @@ def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
             "(a changed shard or row counts even when totals match); derive it with `ds-trhash data plan --refinement-of`",
             rule="fingerprint",
         )
-
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_plan(path: PathLike) -> ReplayPlan:
@@ -367,7 +365,7 @@ def write_plan(doc: Mapping, path: PathLike) -> ReplayPlan:
     """Write a plan once. The same bytes again is a no-op; different bytes are refused."""
     validate_plan_doc(doc)
     path = Path(path)
-    data = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+    data = json_text(doc).encode("utf-8")
     if path.exists():
         if path.read_bytes() != data:
             raise PlanError(f"refusing to overwrite {path}: plans are immutable; write the new plan to another path")
@@ -390,7 +388,7 @@ def check_plan_unchanged(plan: Union[ReplayPlan, PathLike], recorded_sha256: str
     path = plan.path if isinstance(plan, ReplayPlan) else Path(plan)
     if path is None:
         raise PlanError("plan was not loaded from a file; cannot compare it with the checkpoint's record")
-    current = _file_sha256(path) if path.is_file() else "<missing>"
+    current = sha256_file(path) if path.is_file() else "<missing>"
     if current != recorded_sha256:
         raise PlanError(
             f"plan file changed since the checkpoint recorded it: {path} has sha256 {current}, "

@@ -4,7 +4,7 @@ The order is a pure function of (plan, seed, shuffle_window), never of world siz
 how far a run got, so a resume only needs the global row cursor:
 
 1. Phases in plan order; a phase with ``passes = p`` is walked p times (one *segment* each).
-2. Within a segment, sources interleave by weighted fair queuing (SPEC §2): the next row
+2. Within a segment, sources interleave by weighted fair queuing (docs/contracts.md §2): the next row
    comes from the source with the smallest served/weight, weight = the source's row count
    in the phase, ties to the smaller source name. Source s's k-th row thus sits at the
    rank of the key (k / n_s, name) among all keys, which is computed arithmetically, so

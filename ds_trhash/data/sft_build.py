@@ -1,4 +1,4 @@
-"""Chat JSONL -> audited, tokenized SFT set with a fail-closed manifest (SPEC §5).
+"""Chat JSONL -> audited, tokenized SFT set with a fail-closed manifest (docs/contracts.md §5).
 
 The build is all-or-nothing: every invalid conversation is reported (file:line, reason) and
 the build fails leaving no output, unless `drop_invalid` is set, in which case invalid
@@ -32,8 +32,8 @@ from ds_trhash.data.chat import (
     Example,
     tokenize_example,
 )
-from ds_trhash.data.shards import sha256_file
 from ds_trhash.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_file, tokenizer_sha256
+from ds_trhash.io import publish_dir, sha256_file, write_json
 
 MANIFEST_FORMAT = "tr-hash-sft-manifest-v1"
 INDEX_FORMAT = "tr-hash-sft-bin-v1"
@@ -139,7 +139,7 @@ def _write_partition(out: Path, name: str, source: Path, source_name: str, token
             }
             index_f.write(json.dumps(entry, ensure_ascii=False) + "\n")
             stats.add(example)
-    _write_json(out / "sft.idx.json", {
+    write_json(out / "sft.idx.json", {
         "format": INDEX_FORMAT,
         "examples": stats.examples,
         "num_tokens": stats.num_tokens,
@@ -152,12 +152,8 @@ def _write_partition(out: Path, name: str, source: Path, source_name: str, token
         "input_dtype": INPUT_DTYPE,
         "label_dtype": LABEL_DTYPE,
         "pre_shifted": True,
-    })
+    }, fsync=False)
     return stats
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _invalid_listing(invalid: list[InvalidRecord]) -> str:
@@ -186,7 +182,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     _check_out_dir(out_dir)
     if out_dir.exists():
         out_dir.rmdir()
-    os.rename(tmp, out_dir)
+    publish_dir(tmp, out_dir, replace=False, fsync=False)
 
 
 def _all_files(root: Path) -> dict[str, str]:
@@ -217,9 +213,9 @@ def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathL
             raise SFTBuildError(f"no valid example left in partition(s) {', '.join(empty)}; an SFT set needs train and held-out examples")
         (tmp / "tokenizer").mkdir()
         shutil.copyfile(tokenizer_file(tokenizer_dir), tmp / TOKENIZER_FILE)
-        _write_json(tmp / TEMPLATE_FILE, TEMPLATE_DESCRIPTION)
+        write_json(tmp / TEMPLATE_FILE, TEMPLATE_DESCRIPTION, fsync=False)
         manifest = _manifest(stats, tokenizer_hash, tokenizer.get_vocab_size(), vocab, seq_len, revision, drop_invalid, _all_files(tmp))
-        _write_json(tmp / MANIFEST_FILE, manifest)
+        write_json(tmp / MANIFEST_FILE, manifest, fsync=False)
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,7 @@ tokenizer or vocabulary, or that holds an example which cannot fit a window is r
 with a message naming the file and field, instead of surfacing later as a silent loss
 change. Every check reads only the set itself.
 
-The order of packs in an epoch is a pure function of (seed, epoch) (SPEC §4 improve), so
+The order of packs in an epoch is a pure function of (seed, epoch) (docs/contracts.md §4 "Here"), so
 a run resumed at (epoch e, batch k) sees exactly the batches an uninterrupted run would.
 """
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, IGNORE_INDEX, PAD_ID, SUPERVISION_MODES
-from ds_trhash.data.shards import sha256_file
+from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, PAD_ID, SUPERVISION_MODES
+from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import (
     INDEX_FORMAT,
     INPUT_DTYPE,

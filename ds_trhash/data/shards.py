@@ -1,6 +1,6 @@
 """Text -> little-endian uint16 token shards, with a per-source manifest.
 
-Stream layout (SPEC §2): documents are tokenized and joined into one stream, each followed
+Stream layout (docs/contracts.md §2): documents are tokenized and joined into one stream, each followed
 by EOS (id 0). Shard k holds ``rows·L + 1`` tokens, stream positions
 ``[k·R·L, k·R·L + rows·L + 1)`` for R rows per shard: the stream advances by ``R·L`` per
 shard, so the last token of a shard is repeated as the first token of the next. That way
@@ -25,6 +25,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ds_trhash.io import json_text, publish_dir
+
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_sha256
 
 SHARD_FORMAT = "tr-hash-token-shards-v1"
@@ -37,14 +39,6 @@ _ENCODE_BATCH = 256
 
 class ShardError(ValueError):
     """Shard data or a manifest is inconsistent with what the caller asked for."""
-
-
-def sha256_file(path: PathLike, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(chunk_bytes), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_source_name(name: str) -> str:
@@ -179,8 +173,8 @@ def write_shards(
             "total_rows": sum(shard["rows"] for shard in writer.shards),
             "shards": writer.shards,
         }
-        (tmp_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        os.rename(tmp_dir, final_dir)
+        (tmp_dir / MANIFEST_FILE).write_text(json_text(manifest), encoding="utf-8")
+        publish_dir(tmp_dir, final_dir, replace=False, fsync=False)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

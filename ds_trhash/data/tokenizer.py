@@ -6,17 +6,18 @@ that merely look alike never pass for each other.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ds_trhash.io import sha256_file
+
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<s>", "<unk>"
 EOS_ID, PAD_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-# Order matters: the trainer assigns ids in list order, and SPEC §5 fixes these ids.
+# Order matters: the trainer assigns ids in list order, and docs/contracts.md §5 fixes these ids.
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN)
 BYTE_ALPHABET_SIZE = 256
 
@@ -52,7 +53,7 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
     """Train a byte-level BPE on files (``Path`` items) or texts (``str`` items).
 
     Returns the path of the written ``tokenizer.json``. Byte-level means every byte has a
-    token, so ``<unk>`` exists only to keep the SPEC id layout.
+    token, so ``<unk>`` exists only to keep the released id layout (docs/contracts.md §5).
     """
     minimum = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE
     if vocab_size < minimum:
@@ -79,7 +80,7 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
 
 
 def check_special_ids(tokenizer: Tokenizer) -> None:
-    """Fail unless the SPEC §5 special tokens sit at ids 0..3."""
+    """Fail unless the docs/contracts.md §5 special tokens sit at ids 0..3."""
     for expected, token in enumerate(SPECIAL_TOKENS):
         actual = tokenizer.token_to_id(token)
         if actual != expected:
@@ -116,4 +117,4 @@ def load_tokenizer(path_or_dir: PathLike, *, require_special_ids: bool = True) -
 
 def tokenizer_sha256(path_or_dir: PathLike) -> str:
     """SHA-256 hex digest of the tokenizer.json bytes: the tokenizer's identity."""
-    return hashlib.sha256(tokenizer_file(path_or_dir).read_bytes()).hexdigest()
+    return sha256_file(tokenizer_file(path_or_dir))

@@ -18,6 +18,14 @@ from typing import Any, Callable
 
 import torch
 
+from ds_trhash.checkpoints import CheckpointError, load_merged_weights
+from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
+from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
+from ds_trhash.io import sha256_file, write_json_atomic
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+
 EXIT_ERROR = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -56,8 +64,6 @@ def recorded_model_config(checkpoint: str | os.PathLike) -> tuple[dict[str, Any]
 
 def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
     """TRHashConfig for ``checkpoint``: the recorded one wins; ``--preset`` is the fallback."""
-    from ds_trhash.model import TRHashConfig
-
     recorded, source = recorded_model_config(checkpoint)
     if recorded is not None:
         if preset is not None:
@@ -71,9 +77,6 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
 
 def load_model(checkpoint: str | os.PathLike, preset: str | None = None):
     """(model in eval mode on CPU in fp32, config, config source, weights-only record)."""
-    from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.training.checkpoint import load_merged_weights
-
     config, source = resolve_config(checkpoint, preset)
     state, record = load_merged_weights(checkpoint)
     model = TRHashForCausalLM(config)
@@ -91,7 +94,7 @@ def recorded_tokenizer_sha256(checkpoint: str | os.PathLike) -> str | None:
     training checkpoint's trainer_state.json ``tokenizer_sha256``; None when it records none."""
     root = Path(checkpoint)
     if (root / "tokenizer.json").is_file():
-        return _sha256(root / "tokenizer.json")
+        return sha256_file(root / "tokenizer.json")
     if (root / "trainer_state.json").is_file():
         return _read_json(root / "trainer_state.json").get("tokenizer_sha256")
     return None
@@ -154,24 +157,13 @@ def _write_out(path: str | None, doc: dict[str, Any]) -> None:
         return
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
-
-
-def _sha256(path: str | os.PathLike) -> str:
-    from ds_trhash.release.export import sha256_file
-
-    return sha256_file(path)
+    write_json_atomic(out, doc)
 
 
 # --------------------------------------------------------------------------- handlers
 
 
 def _piqa(args: argparse.Namespace) -> int:
-    from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
-    from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
-
     examples = read_piqa(args.data, args.labels)
     tokenizer = load_tokenizer(args.tokenizer)
     recorded = recorded_tokenizer_sha256(args.checkpoint)
@@ -192,16 +184,13 @@ def _piqa(args: argparse.Namespace) -> int:
     print(format_result(result))
     _write_out(args.out, {
         "task": "piqa", "checkpoint": str(args.checkpoint), "model_config_source": source,
-        "tokenizer": str(args.tokenizer), "data": str(args.data), "data_sha256": _sha256(args.data),
+        "tokenizer": str(args.tokenizer), "data": str(args.data), "data_sha256": sha256_file(args.data),
         "labels": str(args.labels) if args.labels else None, "device": str(device), "dtype": dtype,
         "batch_size": args.batch_size, **result})
     return 0
 
 
 def _heldout(args: argparse.Namespace) -> int:
-    from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
-    from ds_trhash.eval.heldout import heldout_loss
-
     model, config, source, _record = load_model(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)
     seq_len = args.seq_len
@@ -229,12 +218,9 @@ def _heldout(args: argparse.Namespace) -> int:
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from ds_trhash.release.export import ExportError
-        from ds_trhash.training.checkpoint import CheckpointError
-
         try:
             return handler(args)
-        except (ValueError, OSError, CheckpointError, ExportError) as exc:
+        except (ValueError, OSError, CheckpointError) as exc:
             message = " ".join(str(exc).split())
             print(f"ds-trhash eval {args.eval_command}: error: {message}", file=sys.stderr)
             return EXIT_ERROR
@@ -264,7 +250,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     group = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out loss, PIQA")
     sub = group.add_subparsers(dest="eval_command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("piqa", help="zero-shot PIQA acc / acc_norm (SPEC §8)")
+    p = sub.add_parser("piqa", help="zero-shot PIQA acc / acc_norm (docs/contracts.md §8)")
     _model_options(p, "auto: float32 on CPU, float16 on CUDA (the release protocol); CPU is always float32")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
     p.add_argument("--data", required=True, metavar="PIQA.jsonl", help="JSONL with goal, sol1, sol2, label")
@@ -274,7 +260,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
     p.set_defaults(func=_guarded(_piqa))
 
-    p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (SPEC §8)")
+    p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (docs/contracts.md §8)")
     _model_options(p, "auto: float32")
     p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
     p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-IGNORE = -100
+from ds_trhash.model.loss import IGNORE_INDEX
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torc
         # window): expert-parallel layers exchange tokens inside the forward, so a rank that
         # skipped one would leave its peers waiting.
         b = {k: v.to(device) for k, v in b.items()}
-        n = int((b["labels"] != IGNORE).sum())
+        n = int((b["labels"] != IGNORE_INDEX).sum())
         batch_loss = model(b.pop("input_ids"), labels=b.pop("labels"), reduction="sum", **b)
         loss_sum += float(batch_loss) if n else 0.0
         tokens += n

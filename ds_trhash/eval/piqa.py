@@ -1,4 +1,4 @@
-"""PIQA zero-shot accuracy (SPEC §8).
+"""PIQA zero-shot accuracy (docs/contracts.md §8).
 
 Protocol, exactly as published:
 
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 PIQA_VALIDATION_SIZE = 1838
-PAD_ID = 1  # SPEC §5 <pad>; right padding is never attended to by a real token (causal mask)
+PAD_ID = 1  # docs/contracts.md §5 <pad>; right padding is never attended to by a real token (causal mask)
 FIELDS = ("goal", "sol1", "sol2")
 
 
@@ -260,7 +260,7 @@ def evaluate_piqa(model, tokenizer, examples: Iterable[PiqaExample], max_len: in
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """One line: acc / acc_norm in percent, as SPEC §8 publishes them."""
+    """One line: acc / acc_norm in percent, as docs/contracts.md §8 publishes them."""
     return (f"PIQA acc {100 * result['acc']:.2f} / acc_norm {100 * result['acc_norm']:.2f} "
             f"({result['n']} examples, expected {result['expected_n']}; {result['truncated']} truncated)")
 

@@ -1,4 +1,4 @@
-"""Grouped-query self-attention with QK-norm and rotate-half RoPE (SPEC §1).
+"""Grouped-query self-attention with QK-norm and rotate-half RoPE (docs/contracts.md §1).
 
 q, k and v stay separate modules (the checkpoint names them separately and LoRA wraps
 q_proj/v_proj as modules); the released fused layout is exposed through fused_qkv_weight.
@@ -63,7 +63,7 @@ class TRHashAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """SPEC init; o_proj writes into the residual stream, so it gets the depth-scaled std."""
+        """The contract init (docs/contracts.md §1); o_proj writes into the residual stream, so it gets the depth-scaled std."""
         with torch.no_grad():
             for proj in (self.q_proj, self.k_proj, self.v_proj):
                 proj.weight.normal_(0.0, self.init_std)
@@ -72,7 +72,7 @@ class TRHashAttention(nn.Module):
         self.k_norm.reset_parameters()
 
     def fused_qkv_weight(self) -> torch.Tensor:
-        """[kv + q + kv, H] in the released fused row order K, Q, V (SPEC §1)."""
+        """[kv + q + kv, H] in the released fused row order K, Q, V (docs/contracts.md §1)."""
         return torch.cat((self.k_proj.weight, self.q_proj.weight, self.v_proj.weight), dim=0)
 
     def load_fused_qkv_weight(self, fused: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Kernel policy: which implementation runs the routed experts, the loss and the norms (SPEC §7).
+"""Kernel policy: which implementation runs the routed experts, the loss and the norms (docs/contracts.md §7).
 
 ``resolve(policy, device, config, require_liger=False) -> KernelChoice`` decides;
 ``apply(model, choice)`` installs the choice on a model; ``recorded_backends(model)`` reads what
@@ -40,12 +40,14 @@ from typing import Any, Optional
 
 import torch
 
+from .attention import ROPE_BACKENDS
+from .experts import EXPERT_BACKENDS
+from .loss import LOSS_BACKENDS
+from .norms import NORM_BACKENDS
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "triton", "pytorch")
-EXPERT_BACKENDS = ("triton", "pytorch")
-LOSS_BACKENDS = ("liger", "chunked", "plain")
-NORM_BACKENDS = ("liger", "pytorch")
 
 #: Widest routed expert the Triton kernel is selected for (a block holds the full width).
 MAX_TRITON_EXPERT_WIDTH = 256
@@ -66,7 +68,7 @@ class KernelChoice:
 
     def __post_init__(self) -> None:
         for field, allowed in (("experts", EXPERT_BACKENDS), ("loss", LOSS_BACKENDS),
-                               ("norm", NORM_BACKENDS), ("rope", NORM_BACKENDS)):
+                               ("norm", NORM_BACKENDS), ("rope", ROPE_BACKENDS)):
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"KernelChoice.{field}={value!r}; allowed: {list(allowed)}")

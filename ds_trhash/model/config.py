@@ -1,4 +1,4 @@
-"""Model hyper-parameters for TR-HASH (SPEC §1).
+"""Model hyper-parameters for TR-HASH (docs/contracts.md §1).
 
 The config is frozen so that a model, its route tables and its checkpoint metadata can never
 drift apart after construction; derive a new one with `dataclasses.replace` instead.

@@ -34,13 +34,13 @@ exactly that module structure: ``deepspeed_moe.experts.deepspeed_experts[j].{gat
 ([H, W], [H, W], [W, H] per expert). Consequently, in EP mode a model's own state dict holds
 ``layers.i.mlp.engine.ep.deepspeed_moe.experts.deepspeed_experts.<j>.{gate,up,down}`` (its
 local experts only) instead of the stacked ``layers.i.mlp.engine.expert_{gate,up,down}``.
-The SPEC §1 names and full [E, H, W] tensors are recovered by:
+The docs/contracts.md §1 names and full [E, H, W] tensors are recovered by:
 
-- `full_state_dict(model)`: collective all-gather in the EP group -> SPEC state dict (exports);
+- `full_state_dict(model)`: collective all-gather in the EP group -> released-layout state dict (exports);
 - `consolidate_checkpoint(tag_dir)`: offline, from the DeepSpeed files of an EP checkpoint
-  (``mp_rank_00_model_states.pt`` + the per-expert files) -> SPEC state dict (weights-only
+  (``mp_rank_00_model_states.pt`` + the per-expert files) -> released-layout state dict (weights-only
   init / export); these are the module weights DeepSpeed saved (bf16 copies under bf16);
-- loading a SPEC state dict (full stacked tensors) into an EP model slices it on load
+- loading a released-layout state dict (full stacked tensors) into an EP model slices it on load
   (`TRHashMoEEngine` load pre-hook), and `enable_expert_parallel` slices a full model.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ def is_expert_parallel(model) -> bool:
 
 
 def _spec_order(ep_state: Mapping[str, torch.Tensor], experts: Mapping[str, Mapping[str, torch.Tensor]]):
-    """EP-mode state dict -> SPEC names, stacked experts placed where the full model has them
+    """EP-mode state dict -> released names, stacked experts placed where the full model has them
     (before the engine's route_table buffer)."""
     out = OrderedDict()
     for key, value in ep_state.items():
@@ -247,7 +247,7 @@ def _spec_order(ep_state: Mapping[str, torch.Tensor], experts: Mapping[str, Mapp
 
 
 def full_state_dict(model) -> "OrderedDict[str, torch.Tensor]":
-    """The SPEC §1 state dict of an expert-parallel model (full stacked experts), on every
+    """The docs/contracts.md §1 state dict of an expert-parallel model (full stacked experts), on every
     rank; collective over each EP group. A model without EP returns its own state dict."""
     state = model.state_dict()
     if not is_expert_parallel(model):
@@ -269,7 +269,7 @@ def expert_files(tag_dir: str | Path) -> list[Path]:
 
 
 def consolidate_checkpoint(tag_dir: str | Path) -> "OrderedDict[str, torch.Tensor]":
-    """SPEC-named full state dict from an expert-parallel DeepSpeed checkpoint directory
+    """Full state dict with the released names from an expert-parallel DeepSpeed checkpoint directory
     (``<step>/state``): the non-expert weights of ``mp_rank_00_model_states.pt`` plus every
     ``layer_*_expert_*`` file, stacked in expert order. Fails when an expert is missing."""
     tag_dir = Path(tag_dir)

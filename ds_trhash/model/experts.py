@@ -1,6 +1,6 @@
 """Routed SwiGLU experts: the PyTorch gathered path and the dispatch to fused kernels.
 
-The gathered path is the numerical reference for the Triton kernels (SPEC §7), so it is kept
+The gathered path is the numerical reference for the Triton kernels (docs/contracts.md §7), so it is kept
 plain: each expert runs only on the tokens routed to it (half the FLOPs of computing every
 expert on every token with top-2 of 4), and results are scattered back with their weight.
 """
@@ -45,6 +45,7 @@ def routed_experts(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up
     if backend == "pytorch":
         return routed_experts_pytorch(x, routes, gate, up, down, weights)
     if backend == "triton":
+        # lazy: Triton is optional (CUDA only); importing it costs seconds on every CPU run
         from ds_trhash.kernels.routed_experts import routed_experts_triton
 
         return routed_experts_triton(x, routes, gate, up, down, weights)

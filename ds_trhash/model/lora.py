@@ -1,4 +1,4 @@
-"""LoRA adapters for SFT LoRA mode (SPEC §6).
+"""LoRA adapters for SFT LoRA mode (docs/contracts.md §6).
 
 `apply_lora(model, lora_cfg)` wraps the chosen projections in place and freezes everything
 else. The state dict of a wrapped model keeps every base name unchanged
@@ -55,6 +55,10 @@ LINEAR_TARGETS: dict[str, str] = {
     "shared_up": "mlp.engine.shared_up",
     "shared_down": "mlp.engine.shared_down",
 }
+# The names a config may list under lora.targets, and the default list (every attention
+# projection but k_proj, and the shared expert's three linears).
+LORA_TARGETS = tuple(LINEAR_TARGETS)
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
 # Stacked routed-expert weights adapted when `experts` is on; adapter module = name + "_lora".
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
@@ -258,7 +262,7 @@ def has_lora_state(state_dict: Mapping[str, Any]) -> bool:
 
 
 def check_state_mode(state_dict: Mapping[str, Any], lora_enabled: bool, where: str = "checkpoint") -> None:
-    """Resume rule (SPEC §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
+    """Resume rule (docs/contracts.md §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
     found = has_lora_state(state_dict)
     if found and not lora_enabled:
         raise LoRAError(f"{where} holds LoRA adapter state but this run is full-parameter; full and "

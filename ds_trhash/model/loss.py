@@ -1,4 +1,4 @@
-"""Tied-head cross entropy: plain, chunked (SPEC §7) and Liger's fused kernel.
+"""Tied-head cross entropy: plain, chunked (docs/contracts.md §7) and Liger's fused kernel.
 
 All three share one contract: labels are already aligned with the hidden rows (no shift
 here), -100 is ignored, "mean" divides the summed loss by the number of valid labels and a
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The label of a position that is not trained on (prompt tokens, separators, padding): the one
+# definition every producer of labels (data) and every counter of them (training, eval) imports.
 IGNORE_INDEX = -100
 LOSS_BACKENDS = ("plain", "chunked", "liger")
 REDUCTIONS = ("mean", "sum")

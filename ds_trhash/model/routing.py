@@ -1,4 +1,4 @@
-"""Token-id hash routing (SPEC §1 "Routing is data, not code").
+"""Token-id hash routing (docs/contracts.md §1 "Routing is data, not code").
 
 Routes are built once from (seed, layer, token id) and then persisted as buffers; everything
 here is deterministic integer arithmetic so that two machines build bit-identical tables.
@@ -39,7 +39,7 @@ def mix32(v):
 
 
 def route_scores(vocab_size: int, num_experts: int, layer: int, seed: int, channels: int = 2) -> np.ndarray:
-    """int64 [V, E] multi-hash scores; summed unmasked in 64 bits as the SPEC requires."""
+    """int64 [V, E] multi-hash scores; summed unmasked in 64 bits as docs/contracts.md §1.1 requires."""
     tokens = np.arange(vocab_size, dtype=np.uint64)
     layer_salt = (seed + layer * _GOLDEN) & MASK32
     scores = np.zeros((vocab_size, num_experts), dtype=np.int64)

@@ -1,4 +1,4 @@
-"""TR-HASH causal LM: pre-norm decoder layers with a shared + hash-routed MoE MLP (SPEC §1).
+"""TR-HASH causal LM: pre-norm decoder layers with a shared + hash-routed MoE MLP (docs/contracts.md §1).
 
 Module names mirror the released checkpoint keys exactly (no `model.` prefix, no lm_head:
 the head is tied to embed_tokens), so a state dict loads in both directions unchanged.
@@ -27,7 +27,7 @@ class TRHashMoEEngine(nn.Module):
     """Shared SwiGLU expert plus top-2 routed experts on flattened tokens [N, H].
 
     The route buffers are persistent: once a checkpoint provides them they are the routing,
-    whatever the config would build (SPEC: routing is data, not code).
+    whatever the config would build (docs/contracts.md §1.1: routing is data, not code).
     """
 
     def __init__(self, config: TRHashConfig, layer: int) -> None:
@@ -77,7 +77,7 @@ class TRHashMoEEngine(nn.Module):
                             self.config, f"layer {self.layer}")
 
     def reset_parameters(self) -> None:
-        """SPEC init; the down projections feed the residual stream: depth-scaled std."""
+        """The contract init (docs/contracts.md §1); the down projections feed the residual stream: depth-scaled std."""
         c = self.config
         residual_std = c.init_std / math.sqrt(2 * c.num_layers)
         if self.ep is not None:  # draw the full stacked tensors (same RNG use), keep this rank's slice
@@ -101,7 +101,7 @@ class TRHashMoEEngine(nn.Module):
     def enable_expert_parallel(self, group, ep_size: int) -> None:
         """Keep only this rank's experts (EP rank r: experts [r·E/P, (r+1)·E/P)) in a
         DeepSpeed-MoE child `ep` that exchanges tokens in `group`; see expert_parallel.py."""
-        from .expert_parallel import ExpertParallelError, HashRoutedExperts
+        from .expert_parallel import ExpertParallelError, HashRoutedExperts  # lazy: imports deepspeed.moe
 
         if self.ep is not None:
             raise ExpertParallelError(f"layer {self.layer} is already expert-parallel")
@@ -147,7 +147,7 @@ class TRHashMoEEngine(nn.Module):
 
 def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict, prefix, local_metadata, strict,
                                 missing_keys, unexpected_keys, error_msgs) -> None:
-    """Load-state-dict pre-hook: an expert-parallel engine given the SPEC's full stacked
+    """Load-state-dict pre-hook: an expert-parallel engine given the released full stacked
     expert_{gate,up,down} takes its own experts' slices (renamed to its `ep` keys)."""
     if module.ep is None:
         return
@@ -163,7 +163,7 @@ def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict, prefix, loc
         error_msgs.append(f"{prefix}expert_gate holds {full[0].shape[0]} experts, the model "
                           f"{module.config.num_experts}")
         return
-    from .expert_parallel import EXPERT_KEY_PREFIX, LOCAL_NAMES
+    from .expert_parallel import EXPERT_KEY_PREFIX, LOCAL_NAMES  # lazy: imports deepspeed.moe
 
     first = module.ep.first_expert
     for j in range(module.ep.num_local_experts):
@@ -211,7 +211,7 @@ class TRHashForCausalLM(nn.Module):
 
     # ----------------------------------------------------------------- initialisation
     def init_weights(self) -> None:
-        """Re-apply the SPEC init everywhere, e.g. after `to_empty()` on a meta-built model
+        """Re-apply the contract init everywhere, e.g. after `to_empty()` on a meta-built model
         (call init_routes() too: to_empty leaves the route buffers uninitialised)."""
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, self.config.init_std)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release import hub
+from ds_trhash.release.hub import SyncError, redact, summary
+from ds_trhash.release.record import RecordError, write_run_record
 
 EXIT_USER_ERROR = 2
 
 
 def _fail(err: BaseException | str) -> int:
-    from ds_trhash.release.hub import redact
-
     text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
     print(f"error: {text}", file=sys.stderr)
     return EXIT_USER_ERROR
@@ -30,8 +31,6 @@ class _RefuseToken(argparse.Action):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ds_trhash.release.export import export_checkpoint
-
     try:
         manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer)
     except (ExportError, OSError, ValueError) as err:
@@ -45,13 +44,11 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from ds_trhash.release.hub import SyncError, make_api, summary, sync
-
     try:
-        api = make_api(require_token=not args.dry_run)
-        report = sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
-                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                      lock_timeout=args.lock_timeout)
+        api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
+        report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                          dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                          lock_timeout=args.lock_timeout)
     except SyncError as err:
         code = _fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
@@ -64,8 +61,6 @@ def run_sync(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from ds_trhash.release.record import RecordError, write_run_record
-
     fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
               "known_limitations": args.limitation or None}
     try:

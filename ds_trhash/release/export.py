@@ -1,4 +1,4 @@
-"""SafeTensors export of a trained model (SPEC §9).
+"""SafeTensors export of a trained model (docs/contracts.md §9).
 
 An export directory holds::
 
@@ -17,7 +17,6 @@ directory renamed into place. A failed export leaves nothing at ``out_dir``.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints.stages import Stage, StageError
+from ds_trhash.data.chat import TEMPLATE_DESCRIPTION
+from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -42,14 +47,13 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# Route buffers are data (SPEC §1): they keep exactly these dtypes, whatever the float dtype.
+# Route buffers are data (docs/contracts.md §1): they keep exactly these dtypes, whatever the float dtype.
 ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
     "route_table": torch.int64,
     "fused_route_codes": torch.uint8,
     "fused_expert_pairs": torch.int32,
 }
 _TOLERATED_EXTRA_SUFFIX = ".self_attn.rotary_emb.inv_freq"
-_HASH_CHUNK = 1 << 22
 
 
 class ExportError(RuntimeError):
@@ -57,28 +61,6 @@ class ExportError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=True)
-        fh.write("\n")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> tuple[str, torch.dtype]:
@@ -104,7 +86,6 @@ def _read_back(path: Path) -> dict[str, torch.Tensor]:
 
 def _expected_layout(model_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key -> (shape, dtype) of a TRHashForCausalLM built from the config, on the meta device."""
-    from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
     try:
         config = TRHashConfig.from_dict(dict(model_config))
@@ -202,7 +183,7 @@ def _write_chat_template(chat_template: Any, dest: Path) -> str:
         shutil.copyfile(src, dest / name)
         return name
     if isinstance(chat_template, Mapping):
-        _write_json(dest / "chat_template.json", chat_template)
+        write_json(dest / "chat_template.json", chat_template, fsync=False)
         return "chat_template.json"
     if isinstance(chat_template, str):
         (dest / CHAT_TEMPLATE_TEXT).write_text(chat_template, encoding="utf-8")
@@ -231,8 +212,6 @@ def export_safetensors(
     _refuse_existing(out)
     dtype_name, float_dtype = parse_dtype(dtype)
     if stage is not None:
-        from ds_trhash.training.stages import Stage, StageError
-
         try:
             stage = Stage.parse(stage, what="export stage").value
         except StageError as exc:
@@ -250,17 +229,17 @@ def export_safetensors(
         weights = tmp / WEIGHTS
         save_file(tensors, str(weights), metadata={"format": "pt", "producer": EXPORT_FORMAT,
                                                    "dtype": dtype_name, "stage": str(stage)})
-        _fsync(weights)
+        fsync_path(weights)
         _compare(tensors, _read_back(weights))
-        _write_json(tmp / CONFIG, dict(model_config))
-        _write_json(tmp / RUN, run_doc)
+        write_json(tmp / CONFIG, dict(model_config), fsync=False)
+        write_json(tmp / RUN, run_doc, fsync=False)
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, tmp)
         template_file = _write_chat_template(chat_template, tmp) if chat_template is not None else None
         others = {}
         for path in sorted(tmp.iterdir()):
             if path.name != WEIGHTS:
-                _fsync(path)
+                fsync_path(path)
                 others[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
         manifest = {
@@ -274,15 +253,14 @@ def export_safetensors(
             "chat_template": template_file,
             "files": others,
         }
-        _write_json(tmp / EXPORT_MANIFEST, manifest)
-        _fsync(tmp / EXPORT_MANIFEST)
+        write_json(tmp / EXPORT_MANIFEST, manifest, fsync=False)
+        fsync_path(tmp / EXPORT_MANIFEST)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is meant to be read
-        _fsync(tmp)
+        fsync_path(tmp)
         try:
-            os.rename(tmp, out)  # atomic; replaces only an empty directory
+            publish_dir(tmp, out, replace=False)  # atomic; replaces only an empty directory
         except OSError as exc:
             raise ExportError(f"cannot move the export into {out}: {exc}") from None
-        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -346,7 +324,6 @@ def export_checkpoint(
     ``tokenizer_dir`` overrides the recorded one. For SFT stages the complexity-chat-v2 template
     description is written beside the weights unless ``chat_template`` is given.
     """
-    from ds_trhash.training.checkpoint import CheckpointError, MANIFEST, load_merged_weights, read_trainer_state
 
     ckpt = Path(ckpt_dir)
     _refuse_existing(Path(out_dir))
@@ -364,8 +341,6 @@ def export_checkpoint(
         raise ExportError(f"the tokenizer recorded for {ckpt} ({tok}) no longer exists; pass tokenizer_dir")
     stage = trainer_state.get("stage")
     if chat_template is None and stage == "supervised-finetuning":
-        from ds_trhash.data.chat import TEMPLATE_DESCRIPTION
-
         chat_template = TEMPLATE_DESCRIPTION
     manifest_path = ckpt / MANIFEST
     extra = {

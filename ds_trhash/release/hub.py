@@ -1,4 +1,4 @@
-"""Sync complete checkpoints and exports to the Hugging Face Hub (SPEC §9).
+"""Sync complete checkpoints and exports to the Hugging Face Hub (docs/contracts.md §9).
 
 Rules, in the order ``sync`` applies them:
 
@@ -31,13 +31,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
+from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
 
 TOKEN_ENV = "HF_TOKEN"
@@ -136,15 +137,13 @@ class SyncReport:
 
 
 def _checkpoint_unit(path: Path, path_in_repo: str) -> Unit | str:
-    from ds_trhash.training.checkpoint import MANIFEST, verify
-
     ok, reason = verify(path, deep=True)
     if not ok:
         return reason
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     files = {rel: {"sha256": e["sha256"], "size": e["size"]} for rel, e in manifest["files"].items()}
     manifest_path = path / MANIFEST
-    files[MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    files[MANIFEST] = {"sha256": sha256_file(manifest_path), "size": manifest_path.stat().st_size}
     return Unit("checkpoint", path, path_in_repo, files, step=int(manifest.get("step", -1)))
 
 
@@ -154,19 +153,11 @@ def _export_unit(path: Path, path_in_repo: str) -> Unit | str:
         return reason
     files = dict(export_files(read_export_manifest(path)))
     manifest_path = path / EXPORT_MANIFEST
-    files[EXPORT_MANIFEST] = {"sha256": _sha256(manifest_path), "size": manifest_path.stat().st_size}
+    files[EXPORT_MANIFEST] = {"sha256": sha256_file(manifest_path), "size": manifest_path.stat().st_size}
     return Unit("export", path, path_in_repo, files)
 
 
-def _sha256(path: Path) -> str:
-    from ds_trhash.release.export import sha256_file
-
-    return sha256_file(path)
-
-
 def _is_checkpoint(path: Path) -> bool:
-    from ds_trhash.training.checkpoint import ENGINE_TAG, MANIFEST, TRAINER_STATE
-
     return any((path / n).exists() for n in (MANIFEST, TRAINER_STATE, ENGINE_TAG))
 
 
@@ -184,7 +175,6 @@ class _Plan:
 
 def discover(local_dir: str | os.PathLike) -> _Plan:
     """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS, list_checkpoints
 
     root = Path(local_dir)
     if not root.is_dir():
@@ -318,17 +308,8 @@ def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str
           commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
 
 
-def _remove_checkpoint(path: Path) -> None:
-    """Out of the listing first (list_checkpoints ignores *.tmp*), then delete."""
-    doomed = path.with_name(path.name + ".tmp-deleting")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed)
-
-
 def _mark_verified(lock_dir: Path, unit: Unit, repo_id: str) -> None:
     """Tell the trainer's rotation (``checkpoint.keep_unsynced``) this checkpoint is on the Hub."""
-    from ds_trhash.training.checkpoint import MANIFEST
-
     if unit.kind == "checkpoint":
         update_verified(lock_dir, add={unit.name: {"manifest_sha256": unit.files[MANIFEST]["sha256"],
                                                    "repo_id": repo_id}})
@@ -428,7 +409,7 @@ def sync(
                     report.would_prune.append(unit.name)
                     say(f"would prune local {unit.name} once verified on the Hub")
                     continue
-                _remove_checkpoint(unit.path)
+                remove_dir(unit.path)
                 update_verified(lock_dir, remove=(unit.name,))
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
@@ -438,7 +419,6 @@ def sync(
 def discover_lock_dir(root: Path) -> Path:
     """The output directory whose lock guards ``root`` (the same for a run, its checkpoints and
     its exports)."""
-    from ds_trhash.training.checkpoint import CHECKPOINTS
 
     if root.is_dir() and _is_checkpoint(root):
         return root.parent.parent if root.parent.name == CHECKPOINTS else root.parent

@@ -1,4 +1,4 @@
-"""The publishable run record (SPEC §10): ``run_record.json`` plus a short ``run_record.md``.
+"""The publishable run record (docs/contracts.md §10): ``run_record.json`` plus a short ``run_record.md``.
 
 Every field either comes from the run's own files (trainer_state.json of its checkpoints,
 metrics.csv, the export manifest, the tokenizer, the plan / SFT manifest) or is passed in
@@ -16,8 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.io import sha256_file, write_json_atomic
+from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
 from ds_trhash.training.engine import describe_hardware
 from ds_trhash.training.selection import RULES as SELECTION_RULES
+from ds_trhash.training.selection import Candidate, choose
 
 RECORD_FORMAT = "ds-trhash-run-record-v1"
 RECORD_FIELDS = (
@@ -108,8 +112,6 @@ def _source_hash(path: str | None) -> tuple[str | None, str | None]:
     """A checkpoint is identified by the SHA-256 of its MANIFEST.json, an export by its weights."""
     if not path:
         return None, None
-    from ds_trhash.release.export import EXPORT_MANIFEST, sha256_file
-    from ds_trhash.training.checkpoint import MANIFEST
 
     src = Path(path)
     if (src / MANIFEST).is_file():
@@ -141,8 +143,6 @@ def _data_fingerprint(state: Mapping[str, Any]) -> tuple[Any, str | None]:
         return {"plan_unique_core": state["plan_fingerprint"]}, "plan_fingerprint in trainer_state.json"
     sft_dir = state.get("sft_dir") or (state.get("training_critical") or {}).get("data.sft_dir")
     if sft_dir and (Path(sft_dir) / "manifest.json").is_file():
-        from ds_trhash.release.export import sha256_file
-
         return {"sft_manifest_sha256": sha256_file(Path(sft_dir) / "manifest.json")}, f"{sft_dir}/manifest.json"
     return None, None
 
@@ -152,8 +152,6 @@ def _tokenizer_hash(state: Mapping[str, Any], export: Mapping[str, Any] | None) 
         return export["tokenizer"], "export_manifest.json"
     tok = state.get("tokenizer_dir")
     if tok:
-        from ds_trhash.release.export import TOKENIZER, sha256_file
-
         file = Path(tok) / TOKENIZER if Path(tok).is_dir() else Path(tok)
         if file.is_file():
             return sha256_file(file), f"SHA-256 of {file}"
@@ -162,7 +160,6 @@ def _tokenizer_hash(state: Mapping[str, Any], export: Mapping[str, Any] | None) 
 
 def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
     """The trainer's own selection rule (training.selection) over the recorded checkpoints."""
-    from ds_trhash.training.selection import Candidate, choose
 
     candidates = [Candidate(epoch=c.get("epoch"), step=c["step"], checkpoint=c["name"],
                             eval_loss=c["metrics"].get("eval_loss"), eval_ppl=None, eval_tokens=None,
@@ -179,8 +176,6 @@ def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
 def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathLike | None = None,
                        selection_rule: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """(fields, provenance) read from a run output directory; absent facts are left out."""
-    from ds_trhash.release.export import EXPORT_MANIFEST
-    from ds_trhash.training.checkpoint import list_checkpoints, verify
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -358,8 +353,6 @@ def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | No
     doc = build_run_record(run_dir=run_dir, export_dir=export_dir, **fields)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
+    write_json_atomic(out, doc)
     (out.parent / "run_record.md").write_text(render_markdown(doc), encoding="utf-8")
     return doc

@@ -23,6 +23,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import yaml
 
+from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from ds_trhash.model.config import TRHashConfig
+
 __all__ = [
     "ConfigError",
     "TrainConfig",
@@ -52,9 +56,8 @@ __all__ = [
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
 SFT = "supervised-finetuning"
-# Linear layers a LoRA adapter can wrap; stacked expert weights are switched by `lora.experts`.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
-SPEC_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
+# LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
+# weights are switched by `lora.experts`.
 
 
 class ConfigError(ValueError):
@@ -183,7 +186,7 @@ class ZeroSection:
 
 @dataclass(frozen=True)
 class KernelsSection:
-    policy: Literal["auto", "triton", "pytorch"] = "auto"
+    policy: Literal[KERNEL_POLICIES] = "auto"
     require_liger: bool = False
     loss_chunk_tokens: int = _f(1024, check=_positive)
 
@@ -199,7 +202,7 @@ class LoraSection:
     rank: int = _f(16, check=_positive)
     alpha: float = _f(16.0, check=_positive)
     dropout: float = _f(0.05, check=_half_open_unit)
-    targets: tuple[str, ...] = _f(SPEC_LORA_TARGETS, check=_lora_targets)
+    targets: tuple[str, ...] = _f(DEFAULT_LORA_TARGETS, check=_lora_targets)
     experts: bool = False
 
 
@@ -397,12 +400,10 @@ class _Builder:
 def _model_facts(preset: str) -> tuple[int, int | None]:
     """(num_experts, max_seq_len) of a preset, from the model package when it is importable."""
     try:
-        from ds_trhash.model.config import TRHashConfig
-
         mc = TRHashConfig.from_preset(preset)
         return int(mc.num_experts), int(getattr(mc, "max_seq_len", 0)) or None
     except (ImportError, AttributeError, ValueError):
-        return 4, None  # SPEC §1: four routed experts in every TR-HASH preset
+        return 4, None  # docs/contracts.md §1: four routed experts in every TR-HASH preset
 
 
 def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
@@ -548,7 +549,7 @@ def dump_config(cfg: TrainConfig) -> dict:
 
 
 def require_source_stage(cfg: TrainConfig) -> str | None:
-    """The declared source stage of an SFT launch (SPEC §3); None for other stages.
+    """The declared source stage of an SFT launch (docs/contracts.md §3); None for other stages.
 
     Called by the launcher after the CLI had its chance (``--source-stage`` arrives as
     ``--set source_stage=...``), before any model is built.
@@ -581,7 +582,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """The DeepSpeed config for ``deepspeed.initialize(config=...)``.
 
     No "optimizer" or "scheduler" entry: the engine passes its own AdamW (torch or FusedAdam per
-    ``optimizer.torch_adam``, with the SPEC's no-decay parameter groups) and the LambdaLR from
+    ``optimizer.torch_adam``, with the contract's no-decay parameter groups) and the LambdaLR from
     ``schedule.build_scheduler``, which DeepSpeed steps once per optimizer step. Both are on
     DeepSpeed's ZeRO-supported list, so no "zero_allow_untested_optimizer" is needed.
     """
@@ -605,7 +606,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
 
 
 def training_critical(cfg: TrainConfig) -> dict:
-    """Settings an exact resume must match (SPEC §4), as a flat ``{dotted key: value}`` dict.
+    """Settings an exact resume must match (docs/contracts.md §4), as a flat ``{dotted key: value}`` dict.
 
     Left out on purpose: where things are written or cached (output_dir, cache, checkpoint
     cadence, logging, evaluation) -- they do not change the trained trajectory. LoRA details

@@ -28,7 +28,7 @@ NO_DECAY_MARKERS = ("norm",)
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Split trainable parameters into decayed and non-decayed groups.
 
-    SPEC §6: no weight decay on parameters with ndim < 2 or on norms. Frozen parameters (LoRA
+    docs/contracts.md §6: no weight decay on parameters with ndim < 2 or on norms. Frozen parameters (LoRA
     mode) are left out so the optimizer holds no state for them.
     """
     decay, no_decay = [], []
@@ -105,6 +105,7 @@ def expert_parallel_group(ep_size: int):
     """Create DeepSpeed's expert-parallel and expert-data-parallel groups for ep_size (every
     rank, after init_distributed) and return this rank's expert-parallel group. DeepSpeed's
     engine finds them by name (ep_size_<P>) and reduces expert gradients over the latter."""
+    # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
     from ds_trhash.model.expert_parallel import deepspeed_expert_group
 
     return deepspeed_expert_group(ep_size)

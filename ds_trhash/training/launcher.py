@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ds_trhash.training import checkpoint as ckpt
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.engine import EngineError, init_distributed
-from ds_trhash.training.stages import StageError
+from ds_trhash.training.trainer import USER_ERRORS, run_stage
 
 log = logging.getLogger("ds_trhash")
 
@@ -60,7 +63,11 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     return tcfg.load_config(args.config, overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
+         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
+    them with evaluation); ``user_errors``: further exception types that describe a wrong launch
+    (printed as one line, exit 2) from the packages that supplied parts."""
     args = build_arg_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -76,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        from ds_trhash.training.trainer import run_stage
-
-        run_stage(cfg, args, rank, world)
+        run_stage(cfg, args, rank, world, parts)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
     except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError) as e:
@@ -86,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # data-layer errors carry their own types; all are user-facing here
-        from ds_trhash.training.trainer import USER_ERRORS
-
-        if isinstance(e, USER_ERRORS):
+        if isinstance(e, USER_ERRORS + tuple(user_errors)):
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2

@@ -21,7 +21,9 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-IGNORE = -100
+from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.training.callbacks.base import Callback
+
 
 
 class StepBatches(Protocol):
@@ -46,18 +48,6 @@ class TrainState:
     last: dict = field(default_factory=dict)  # metrics of the last step
 
 
-class Callback:
-    """Hooks; each returns nothing and may set ``state.stop_requested``."""
-
-    def on_start(self, state: TrainState) -> None: ...
-
-    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
-
-    def on_epoch_end(self, state: TrainState) -> None: ...
-
-    def on_end(self, state: TrainState) -> None: ...
-
-
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -74,7 +64,7 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
     valid = ignored = bad = 0
     for mb in micro_batches:
         labels = mb["labels"]
-        is_ignored = labels == IGNORE
+        is_ignored = labels == IGNORE_INDEX
         in_range = (labels >= 0) & (labels < vocab_size) if vocab_size else labels >= 0
         ignored += int(is_ignored.sum())
         valid += int(in_range.sum())
@@ -116,7 +106,6 @@ def run(
     device: torch.device,
     world_size: int,
     lr_of: Callable[[], float],
-    stop_flag: Callable[[], bool] = lambda: False,
     vocab_size: int | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
@@ -147,8 +136,6 @@ def run(
             "label_out_of_range": stats["label_out_of_range"],
         }
         state.last = metrics
-        if stop_flag():
-            state.stop_requested = True
         for cb in callbacks:
             cb.on_step_end(state, metrics)
         if next_epoch != epoch:

@@ -1,4 +1,4 @@
-"""``metrics.csv``: one row per logged event, written by rank 0 only (SPEC §8).
+"""``metrics.csv``: one row per logged event, written by rank 0 only (docs/contracts.md §8).
 
 The column set is fixed so that every run of every stage can be read by the same tools, and
 so that a resumed run can keep appending to its file. A file with another header is refused

@@ -1,4 +1,4 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to a floor (SPEC §6).
+"""The learning-rate schedule: linear warmup, then cosine decay to a floor (docs/contracts.md §6).
 
 One formula for every stage, so a pretraining, refinement or SFT run differs only in its
 numbers. The schedule is a pure function of the optimizer step, which is what makes an exact
@@ -35,7 +35,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1
 
     With s = step + 1 and W = warmup_steps: s / W while s <= W, else
     floor + (1 - floor) / 2 * (1 + cos(pi * (s - W) / (H - W))). With floor 0.1 this is the
-    SPEC's 0.1 + 0.45 * (1 + cos(...)); the last step (s = H) lands exactly on the floor.
+    docs/contracts.md §6: 0.1 + 0.45 * (1 + cos(...)); the last step (s = H) lands exactly on the floor.
     Steps past the end stay at the floor rather than climbing back up the cosine.
     """
     if total_steps < 1:

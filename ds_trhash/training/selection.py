@@ -1,17 +1,18 @@
 """Checkpoint selection: which epoch checkpoint becomes ``best/``, and why.
 
-Held-out loss and downstream quality measure different things (SPEC §8), so the rule is part
+Held-out loss and downstream quality measure different things (docs/contracts.md §8), so the rule is part
 of the record: ``selection.json`` names it and lists every candidate's metrics, and ``best/``
 is replaced atomically after each epoch so a crash never leaves a half-copied best.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ds_trhash.io import publish_dir, write_json_atomic
 
 RULES = ("min_eval_loss", "last")
 
@@ -61,19 +62,12 @@ def publish(output_dir: Path, candidates: list[Candidate], rule: str) -> Candida
     best, tmp = output_dir / "best", output_dir / "best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     _link_or_copy_tree(Path(winner.checkpoint), tmp)
-    old = output_dir / "best.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if best.exists():
-        os.replace(best, old)
-    os.replace(tmp, best)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, best, fsync=False)
     doc = {
         "rule": rule,
         "selected": asdict(winner),
         "candidates": [asdict(c) for c in sorted(candidates, key=lambda c: c.step)],
         "note": "held-out loss and downstream benchmarks measure different properties; report both",
     }
-    tmp_json = output_dir / "selection.json.tmp"
-    tmp_json.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp_json, output_dir / "selection.json")
+    write_json_atomic(output_dir / "selection.json", doc, fsync=False)
     return winner

@@ -11,47 +11,54 @@ import dataclasses
 import json
 import logging
 import os
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.plan import PlanError
-from ds_trhash.data.sft_dataset import SFTDataError
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
+from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
+from ds_trhash.data.budget import BudgetError, check_target_tokens, pack_boundaries, plan_steps
+from ds_trhash.data.cache import CacheError, ShardCache, cache_bytes_from
+from ds_trhash.data.embedded import EmbeddedError, build_embedded
+from ds_trhash.data.plan import PlanError, load_plan, unique_core_fingerprint, validate_refinement
+from ds_trhash.data.reader import ReaderError, ReplayReader, source_manifests
+from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
+from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.shards import ShardError
+from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend
 from ds_trhash.model.backend import BackendError
+from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
-from ds_trhash.training import checkpoint as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
-from ds_trhash.training.engine import build_engine, check_runnable
-from ds_trhash.training.stages import SourceRecord, StageError, check_launch
+from ds_trhash.training.callbacks import (
+    Callback,
+    FaultInjection,
+    GracefulStop,
+    RunContext,
+    build_callbacks,
+    make_callbacks,
+    training_parts,
+)
+from ds_trhash.training.engine import build_engine, check_runnable, describe_hardware, expert_parallel_group
+from ds_trhash.training.metrics import MetricsError, MetricsWriter
+from ds_trhash.training.progress import Progress
 
 log = logging.getLogger("ds_trhash.trainer")
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints
-    them as one line and exits 2 instead of a traceback."""
-    from ds_trhash.data.budget import BudgetError
-    from ds_trhash.data.cache import CacheError
-    from ds_trhash.data.embedded import EmbeddedError
-    from ds_trhash.data.reader import ReaderError
-    from ds_trhash.data.shards import ShardError
-    from ds_trhash.data.sft_build import SFTBuildError
-    from ds_trhash.data.tokenizer import TokenizerError
-    from ds_trhash.eval.piqa import PiqaDataError
-    from ds_trhash.model.lora import LoRAError
-    from ds_trhash.training.metrics import MetricsError
-    from ds_trhash.training.rng import RNGStateError
 
-    return (PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError,
-            BudgetError, CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError,
-            LoRAError, MetricsError, RNGStateError, PiqaDataError)
-
-
-USER_ERRORS = _user_errors()
+# Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints them
+# as one line and exits 2 instead of a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
+    CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
+    RNGStateError)
 
 
 def _barrier() -> None:
@@ -92,7 +99,6 @@ def _embedded(cfg: tcfg.TrainConfig, rank: int):
     if cfg.model.preset != "tiny":
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
                                "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
-    from ds_trhash.data.embedded import build_embedded
 
     return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
 
@@ -102,11 +108,6 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
 
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
-    from ds_trhash.data.budget import check_target_tokens, plan_steps
-    from ds_trhash.data.cache import ShardCache, cache_bytes_from
-    from ds_trhash.data.plan import load_plan
-    from ds_trhash.data.reader import ReplayReader
-
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
@@ -122,7 +123,6 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
     env_target = os.environ.get("TARGET_TOKENS")
     check_target_tokens(plan.doc, env_target if env_target not in (None, "") else cfg.data.target_tokens)
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
-    from ds_trhash.data.reader import source_manifests
 
     # Every shard is read through the bounded cache, which verifies its SHA-256 against the
     # manifest before a single row is trained on (one cache folder per rank).
@@ -138,15 +138,11 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
 
 
 def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
-    from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
-
     sft_dir = cfg.data.sft_dir
     if sft_dir is None:
         paths = _embedded(cfg, rank)
 
         def build():
-            from ds_trhash.data.sft_build import build_sft_dataset
-
             out = Path(paths.root) / "sft"
             if not (out / "manifest.json").exists():
                 build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
@@ -156,8 +152,6 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
         sft_dir = _rank0_first(rank, build)
     tokenizer_hash = None
     if cfg.data.tokenizer:
-        from ds_trhash.data.tokenizer import tokenizer_sha256
-
         tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
     data = open_sft(sft_dir, expect_vocab=model_cfg.vocab_size, seq_len=cfg.data.seq_len, tokenizer_hash=tokenizer_hash)
     policy = cfg.data.packing.policy
@@ -211,8 +205,7 @@ def check_fresh_output_dir(output_dir: Path) -> None:
 
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
-    """SPEC §3, before the model exists. A resume re-checks the record of the first launch."""
-    from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
+    """docs/contracts.md §3, before the model exists. A resume re-checks the record of the first launch."""
 
     record, source_meta = _source_record(init_dir)
     if record is None and resuming:
@@ -236,9 +229,6 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 
 
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
-    from ds_trhash.model import TRHashForCausalLM
-    from ds_trhash.model import backend
-
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
     if init_dir is not None:
@@ -247,13 +237,11 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
-        from ds_trhash.model.lora import apply_lora
-
         apply_lora(model, cfg.lora)
     if cfg.parallel.ep_size > 1:
         # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
+        # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
         from ds_trhash.model.expert_parallel import enable_expert_parallel
-        from ds_trhash.training.engine import expert_parallel_group
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
@@ -263,246 +251,66 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     return model.to(device)
 
 
-# ----------------------------------------------------------------------------- callbacks
+# ----------------------------------------------------------------------------- what checkpoints record
 
 
-class FaultInjection:
-    """Crash on purpose, for the crash-safety tests: ``DS_TRHASH_FAULT=kill_after_step:N``
-    SIGKILLs every rank right after optimizer step N (before its checkpoint), and
-    ``kill_during_save:N`` SIGKILLs them inside the save of step N, after DeepSpeed wrote its
-    files and before the checkpoint is complete. Unset in normal runs."""
-
-    def __init__(self, spec: str | None):
-        self.kind, self.step = None, -1
-        if spec:
-            kind, _, step = spec.partition(":")
-            if kind not in ("kill_after_step", "kill_during_save") or not step.isdigit():
-                raise ValueError(f"DS_TRHASH_FAULT={spec!r}: expected kill_after_step:N or kill_during_save:N")
-            self.kind, self.step = kind, int(step)
-
-    def maybe_kill(self, kind: str, step: int) -> None:
-        if self.kind == kind and self.step == step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
+def protected_steps(cfg: tcfg.TrainConfig, data: StageData) -> tuple[dict[int, int], set[int]]:
+    """(token-pack boundary step -> pack number (1-based), steps rotation never removes: the
+    pack boundaries and, for SFT, every epoch end)."""
+    pack_of: dict[int, int] = {}
+    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
+        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
+    protect = set(pack_of)
+    if cfg.data.kind == "sft":
+        spe = data.batches.steps_per_epoch
+        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
+    return pack_of, protect
 
 
-class FaultCallback(loop.Callback):
-    def __init__(self, faults: FaultInjection):
-        self.faults = faults
+def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical: dict, init_dir: str | None,
+                   model, model_cfg, pack_of: dict[int, int]):
+    """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
+    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
-    def on_step_end(self, state, metrics):
-        self.faults.maybe_kill("kill_after_step", state.step)
+    def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
+        return {
+            "stage": cfg.stage,
+            "family": cfg.model.family,
+            "step": st.step,
+            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
+            "total_steps": st.total_steps,
+            "data_cursor": data.batches.cursor(st.step),
+            "tokens_seen": st.tokens_seen,
+            "supervised_seen": st.supervised_seen,
+            "world_size": world,
+            "training_critical": critical,
+            "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
+            "plan_sha256": data.plan.sha256 if data.plan is not None else None,
+            "plan_doc": data.plan.doc if data.plan is not None else None,
+            "init_checkpoint": str(init_dir) if init_dir else None,
+            "lora": cfg.lora.enabled,
+            "backends_used": model.backends_used(),
+            "model_config": model_cfg.to_dict(),
+            "tokenizer_dir": data.tokenizer_dir,
+            "tokenizer_sha256": data.tokenizer_sha256,
+            "sft_dir": data.sft_dir,
+            "hardware": hardware,
+            "pack_index": pack_of.get(st.step),
+            "packs": len(pack_of) or None,
+            "reason": reason,
+            **extra,
+        }
 
-
-class ProgressCallback(loop.Callback):
-    def __init__(self, progress, model, every: int, batches=None):
-        self.progress, self.model, self.every, self.batches = progress, model, every, batches
-
-    def on_step_end(self, state, metrics):
-        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
-                             backends=self.model.backends_used(), extra=self.extra())
-
-    def extra(self) -> dict | None:
-        """The shard cache's state, when the stage streams shards through one."""
-        cache = getattr(getattr(self.batches, "reader", None), "cache", None)
-        if cache is None:
-            return None
-        st = cache.stats()
-        return {"cache": f"{st['bytes'] / 2**20:.1f}/{st['max_bytes'] / 2**20:.0f} MiB {st['files']} shards "
-                         f"hit {st.get('hits', 0)} miss {st.get('misses', 0)} evict {st.get('evictions', 0)}"}
-
-    def on_end(self, state):
-        self.progress.close()
-
-
-class MetricsCallback(loop.Callback):
-    def __init__(self, writer, model, every: int):
-        self.writer, self.model, self.every = writer, model, every
-
-    def on_step_end(self, state, metrics):
-        if state.step % self.every == 0 or state.step in (1, state.total_steps) or state.stop_requested:
-            b = self.model.backends_used()
-            self.writer.write(
-                step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
-                tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
-                supervised_tokens=metrics["supervised_tokens"], label_valid=metrics["label_valid"],
-                label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
-                experts_backend=b.get("experts"),
-                loss_backend=b.get("loss"), norm_backend=b.get("norm"),
-            )
-
-
-class EvalCallback(loop.Callback):
-    """Held-out loss at the start (the source checkpoint) and at every epoch boundary."""
-
-    def __init__(self, model, eval_batches, device, writer, progress):
-        self.model, self.eval_batches, self.device = model, eval_batches, device
-        self.writer, self.progress = writer, progress
-        self.results: dict[int, dict] = {}
-
-    def evaluate(self, state) -> dict:
-        from ds_trhash.eval.heldout import heldout_loss
-
-        result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
-        result.update(step=state.step, epoch=state.epoch)
-        self.results[state.step] = result
-        self.writer.write(step=state.step, epoch=state.epoch, eval_loss=result["eval_loss"],
-                          eval_tokens=result["eval_tokens"])
-        self.progress.message(
-            f"held-out at step {state.step}: loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f} "
-            f"over {result['eval_tokens']:,} supervised tokens")
-        return result
-
-    def on_start(self, state):
-        if state.step == 0:
-            self.evaluate(state)
-
-    def on_epoch_end(self, state):
-        self.evaluate(state)
-
-
-class PiqaCallback(loop.Callback):
-    """Zero-shot PIQA (SPEC §8) on rank 0: the SFT source at step 0 and every epoch end, or the
-    end of a pretraining/refinement stage. Results go to ``piqa.jsonl`` beside metrics.csv."""
-
-    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
-                 sft: bool):
-        self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
-        self.output_dir, self.rank, self.progress, self.sft = output_dir, rank, progress, sft
-        self.results: dict[int, dict] = {}
-
-    def evaluate(self, state) -> None:
-        import warnings
-
-        from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa
-
-        if self.rank == 0:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
-                result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
-            row = {"step": state.step, "epoch": state.epoch, **{k: result[k] for k in ("acc", "acc_norm", "n")},
-                   "warning": result.get("warning")}
-            self.results[state.step] = row
-            with open(self.output_dir / "piqa.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-            self.progress.message(f"PIQA at step {state.step}: acc {result['acc']:.4f} "
-                                  f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
-        _barrier()
-
-    def on_start(self, state):
-        if self.sft and state.step == 0:
-            self.evaluate(state)
-
-    def on_epoch_end(self, state):
-        if self.sft:
-            self.evaluate(state)
-
-    def on_end(self, state):
-        if not self.sft and state.step == state.total_steps:
-            self.evaluate(state)
-
-
-class CheckpointCallback(loop.Callback):
-    """Writes crash-safe checkpoints at the configured cadence, token-pack boundaries, epoch
-    ends, on a stop signal and at the end; rotates old ones."""
-
-    def __init__(self, engine, cfg, output_dir: Path, trainer_state_fn, rank: int, world: int,
-                 protect_steps: set[int], progress, faults: FaultInjection, eval_results: dict | None = None,
-                 is_epoch_end=lambda step: False, piqa_results: dict | None = None):
-        self.engine, self.cfg, self.output_dir, self.faults = engine, cfg, output_dir, faults
-        self.eval_results = eval_results if eval_results is not None else {}
-        self.last_path: Path | None = None
-        self.is_epoch_end = is_epoch_end  # those steps are saved by on_epoch_end, with their eval
-        self.piqa_results = piqa_results if piqa_results is not None else {}
-        self.trainer_state_fn, self.rank, self.world = trainer_state_fn, rank, world
-        self.protect = set(protect_steps)
-        self.progress = progress
-        self.last_saved = -1
-
-    def save(self, state, reason: str, extra: dict | None = None):
-        if state.step == self.last_saved:
-            return
-        t0 = time.perf_counter()
-
-        def write_engine_state(tmp):
-            self.engine.save_checkpoint(str(tmp), tag="state")
-            self.faults.maybe_kill("kill_during_save", state.step)
-
-        path = ckpt.save_checkpoint(
-            self.output_dir, state.step,
-            write_engine_state=write_engine_state,
-            trainer_state=self.trainer_state_fn(state, reason, extra or {}),
-            rank=self.rank, world_size=self.world, barrier=_barrier,
-        )
-        self.last_saved, self.last_path = state.step, path
-        if self.rank == 0 and self.cfg.checkpoint.keep_last:
-            ckpt.rotate(self.output_dir, self.cfg.checkpoint.keep_last, protect=self.protect)
-        self.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
-
-    def on_step_end(self, state, metrics):
-        every = self.cfg.checkpoint.every_steps
-        if self.is_epoch_end(state.step):
-            return
-        if state.stop_requested:
-            self.save(state, "stop signal")
-        elif state.step in self.protect:
-            self.save(state, "token pack boundary")
-        elif every and state.step % every == 0:
-            self.save(state, "every_steps")
-
-    def on_epoch_end(self, state):
-        self.protect.add(state.step)
-        self.save(state, f"end of epoch {state.epoch}",
-                  {"eval": self.eval_results.get(state.step), "piqa": self.piqa_results.get(state.step)})
-
-    def on_end(self, state):
-        if state.step == state.total_steps:
-            self.save(state, "final")
-
-
-class SelectionCallback(loop.Callback):
-    """After each epoch checkpoint: ``best/`` and ``selection.json`` under the configured rule."""
-
-    def __init__(self, output_dir: Path, rule: str, ckpt_cb: CheckpointCallback, eval_results: dict,
-                 rank: int, progress, piqa_results: dict | None = None):
-        self.output_dir, self.rule, self.ckpt_cb = output_dir, rule, ckpt_cb
-        self.eval_results, self.rank, self.progress = eval_results, rank, progress
-        self.piqa_results = piqa_results if piqa_results is not None else {}
-        self.candidates: list = []
-
-    def on_start(self, state):
-        """A resumed run keeps the candidates of the epochs it already finished."""
-        from ds_trhash.training.selection import Candidate
-
-        path = self.output_dir / "selection.json"
-        if state.step > 0 and path.is_file():
-            done = json.loads(path.read_text())["candidates"]
-            self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
-
-    def on_epoch_end(self, state):
-        from ds_trhash.training.selection import Candidate, publish
-
-        if self.rank != 0 or self.ckpt_cb.last_path is None:
-            return
-        ev = self.eval_results.get(state.step) or {}
-        piqa = self.piqa_results.get(state.step) or {}
-        self.candidates.append(Candidate(
-            epoch=state.epoch + 1, step=state.step, checkpoint=str(self.ckpt_cb.last_path),
-            eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
-            train_loss=state.last.get("loss"), piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
-        winner = publish(self.output_dir, self.candidates, self.rule)
-        self.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")
+    return trainer_state
 
 
 # ----------------------------------------------------------------------------- the stage
 
 
-def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainState:
-    from ds_trhash.model import TRHashConfig
-    from ds_trhash.training.metrics import MetricsWriter
-    from ds_trhash.training.progress import Progress
-    from ds_trhash.training.rng import load_rng_state, restore_rng_state
+def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
+              parts: Sequence[type[Callback]] | None = None) -> loop.TrainState:
+    """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
+    point composes them, evaluation included); default ``training_parts()``, without evaluation."""
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
@@ -522,11 +330,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
     if saved is None and not args.resume and not os.environ.get("RESUME"):
         check_fresh_output_dir(output_dir)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
-    piqa_examples = None
-    if cfg.eval.piqa:
-        from ds_trhash.eval.piqa import read_piqa
-
-        piqa_examples = read_piqa(cfg.eval.piqa)  # a malformed file fails here, before the model
+    # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
+    builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
     critical = tcfg.training_critical(cfg)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
@@ -567,78 +372,18 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int) -> loop.TrainS
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
     writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
-    from ds_trhash.data.budget import pack_boundaries
 
-    pack_of: dict[int, int] = {}  # token-pack boundary step -> pack number (1-based)
-    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
-        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
-    protect = set(pack_of)  # never rotated away: token-pack boundaries and epoch checkpoints
-    if cfg.data.kind == "sft":
-        spe = data.batches.steps_per_epoch
-        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
+    pack_of, protect = protected_steps(cfg, data)
+    trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, pack_of)
 
-    from ds_trhash.training.engine import describe_hardware
-
-    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
-
-    def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
-        return {
-            "stage": cfg.stage,
-            "family": cfg.model.family,
-            "step": st.step,
-            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
-            "total_steps": st.total_steps,
-            "data_cursor": data.batches.cursor(st.step),
-            "tokens_seen": st.tokens_seen,
-            "supervised_seen": st.supervised_seen,
-            "world_size": world,
-            "training_critical": critical,
-            "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
-            "plan_sha256": data.plan.sha256 if data.plan is not None else None,
-            "plan_doc": data.plan.doc if data.plan is not None else None,
-            "init_checkpoint": str(init_dir) if init_dir else None,
-            "lora": cfg.lora.enabled,
-            "backends_used": model.backends_used(),
-            "model_config": model_cfg.to_dict(),
-            "tokenizer_dir": data.tokenizer_dir,
-            "tokenizer_sha256": data.tokenizer_sha256,
-            "sft_dir": data.sft_dir,
-            "hardware": hardware,
-            "pack_index": pack_of.get(st.step),
-            "packs": len(pack_of) or None,
-            "reason": reason,
-            **extra,
-        }
-
-    faults = FaultInjection(os.environ.get("DS_TRHASH_FAULT"))
-    callbacks: list[loop.Callback] = [FaultCallback(faults)]
-    eval_results: dict = {}
-    if data.eval_batches is not None:
-        eval_cb = EvalCallback(engine.engine, data.eval_batches, device, writer, progress)
-        eval_results = eval_cb.results
-        callbacks.append(eval_cb)
-    piqa_results: dict = {}
-    if piqa_examples is not None:
-        from ds_trhash.data.tokenizer import load_tokenizer
-
-        piqa_cb = PiqaCallback(model, piqa_examples, load_tokenizer(data.tokenizer_dir), model_cfg.max_seq_len,
-                               output_dir, rank, progress, sft=cfg.data.kind == "sft")
-        piqa_results = piqa_cb.results
-        callbacks.append(piqa_cb)
-    ckpt_cb = CheckpointCallback(engine.engine, cfg, output_dir, trainer_state, rank, world, protect, progress,
-                                 faults, eval_results,
-                                 is_epoch_end=lambda step: data.batches.epoch_of(step) != data.batches.epoch_of(step - 1),
-                                 piqa_results=piqa_results)
-    callbacks += [MetricsCallback(writer, model, cfg.training.log_every),
-                  ProgressCallback(progress, model, cfg.training.log_every, data.batches), ckpt_cb]
-    if cfg.data.kind == "sft":
-        callbacks.append(SelectionCallback(output_dir, cfg.eval.select, ckpt_cb, eval_results, rank, progress,
-                                           piqa_results))
-
-    with ckpt.GracefulStop() as stop:
-        state = loop.run(engine.engine, data.batches, state, callbacks, device, world,
-                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], stop_flag=lambda: stop.should_stop,
-                         vocab_size=model_cfg.vocab_size)
+    with GracefulStop() as stop:
+        run = RunContext(
+            cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
+            model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
+            trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
+            protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
+        state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
+                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)
     if cache is not None:
         cache.close()

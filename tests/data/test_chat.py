@@ -1,4 +1,4 @@
-"""The complexity-chat-v2 template and final-assistant-only labels (SPEC §5)."""
+"""The complexity-chat-v2 template and final-assistant-only labels (docs/contracts.md §5)."""
 import pytest
 
 from ds_trhash.data.chat import (

@@ -37,7 +37,7 @@ def synthetic_plan(rows_by_source, passes=None, shard_rows=None):
 
 
 def greedy_wfq(rows_by_source):
-    """SPEC §2 read literally: next row from the source with the smallest served/weight, ties by name."""
+    """docs/contracts.md §2 read literally: next row from the source with the smallest served/weight, ties by name."""
     served = dict.fromkeys(rows_by_source, 0)
     order = []
     for _ in range(sum(rows_by_source.values())):

@@ -6,7 +6,7 @@ import pytest
 from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, tokenize_example
-from ds_trhash.data.shards import sha256_file
+from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import (
     MAX_LISTED_ERRORS,
     PARTITION_FILES,

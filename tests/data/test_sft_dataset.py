@@ -8,7 +8,7 @@ import torch
 from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
 from ds_trhash.data.chat import EOS_ID, IGNORE_INDEX, PAD_ID, tokenize_example
-from ds_trhash.data.shards import sha256_file
+from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, epoch_order, open_sft, pack
 

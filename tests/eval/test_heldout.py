@@ -1,11 +1,12 @@
-"""Held-out loss (SPEC §8): the exact per-token mean over the set, weighted by supervised tokens."""
+"""Held-out loss (docs/contracts.md §8): the exact per-token mean over the set, weighted by supervised tokens."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_trhash.eval.heldout import IGNORE, heldout_loss
+from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.model.loss import IGNORE_INDEX as IGNORE
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
 VOCAB, T = 64, 12

@@ -1,4 +1,4 @@
-"""PIQA scoring (SPEC §8) against a token-by-token reference on a tiny random model."""
+"""PIQA scoring (docs/contracts.md §8) against a token-by-token reference on a tiny random model."""
 import json
 import math
 

@@ -1,4 +1,4 @@
-"""Triton routed experts vs a dense reference: forward and gradients (SPEC §1, §7).
+"""Triton routed experts vs a dense reference: forward and gradients (docs/contracts.md §1, §7).
 
 On CPU these run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 triton is imported) in fp32 at small shapes; the bf16 variants need CUDA (marked gpu).

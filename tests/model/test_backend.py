@@ -1,4 +1,4 @@
-"""Kernel policy decisions (SPEC §7) and the recorded backends of a tiny model."""
+"""Kernel policy decisions (docs/contracts.md §7) and the recorded backends of a tiny model."""
 import logging
 import os
 

@@ -1,5 +1,5 @@
 """Expert parallelism (ep_size 2) against the single-rank model: two gloo CPU processes hold
-two experts each; forward, gradients, the SPEC state dict and slicing a full checkpoint on
+two experts each; forward, gradients, the released-layout state dict and slicing a full checkpoint on
 load must match the ep_size 1 model on the same inputs (fp32)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _check(rank: int) -> None:
     assert is_expert_parallel(model)
     batches = [_batch(r, cfg) for r in range(WORLD)]
 
-    # the SPEC state dict of the EP model is the reference's, names, order and values
+    # the released-layout state dict of the EP model is the reference's, names, order and values
     ref_sd, full = ref.state_dict(), full_state_dict(model)
     assert list(full) == list(ref_sd)
     assert all(torch.equal(full[k], ref_sd[k]) for k in ref_sd)
@@ -84,7 +84,7 @@ def _check(rank: int) -> None:
             _close(got, want, f"layer {i} {stacked} grad")
     assert model.backends_used()["experts"] == "pytorch"
 
-    # a full (SPEC) checkpoint loads into the EP model by slicing
+    # a full (released-layout) checkpoint loads into the EP model by slicing
     other = TRHashForCausalLM(cfg)
     model.load_state_dict(other.state_dict())
     back = full_state_dict(model)

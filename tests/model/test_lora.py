@@ -21,7 +21,8 @@ from ds_trhash.model.lora import (
     merge_lora_state_dict,
     trainable_parameter_count,
 )
-from ds_trhash.training.config import SPEC_LORA_TARGETS, LoraSection
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS
+from ds_trhash.training.config import LoraSection
 
 CFG = TRHashConfig.from_preset("tiny", num_layers=2, vocab_size=512)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")
@@ -66,7 +67,7 @@ def test_spec_defaults_wrap_and_freeze():
     assert names == [f"layers.{i}.{p}" for i in range(CFG.num_layers) for p in
                      ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj",
                       "mlp.engine.shared_gate", "mlp.engine.shared_up", "mlp.engine.shared_down")]
-    assert tuple(LoraSection().targets) == SPEC_LORA_TARGETS and LoraSection().rank == 16
+    assert tuple(LoraSection().targets) == DEFAULT_LORA_TARGETS and LoraSection().rank == 16
     for name in names:
         mod = m.get_submodule(name)
         assert isinstance(mod, LoRALinear) and mod.scaling == 1.0
@@ -74,7 +75,7 @@ def test_spec_defaults_wrap_and_freeze():
     assert isinstance(m.layers[0].self_attn.k_proj, torch.nn.Linear)  # not a default target
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]
     assert trainable and all(is_lora_key(n) for n in trainable)
-    assert trainable_parameter_count(m) == expected_adapter_params(16, SPEC_LORA_TARGETS, False)
+    assert trainable_parameter_count(m) == expected_adapter_params(16, DEFAULT_LORA_TARGETS, False)
     assert not any(isinstance(e, LoRAMoEEngine) for e in m.engines())
     for k, v in m.named_buffers():
         assert torch.equal(v, buffers[k]), k  # route buffers untouched
@@ -212,7 +213,7 @@ def test_lora_state_dict_round_trip():
 def test_training_step_changes_only_adapters(experts):
     m = model()
     apply_lora(m, lora(rank=4, experts=experts))
-    assert trainable_parameter_count(m) == expected_adapter_params(4, SPEC_LORA_TARGETS, experts)
+    assert trainable_parameter_count(m) == expected_adapter_params(4, DEFAULT_LORA_TARGETS, experts)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     # every parameter handed to the optimizer: frozen ones must stay put on their own
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)

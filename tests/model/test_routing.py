@@ -12,7 +12,7 @@ M = 0xFFFFFFFF
 
 
 def scalar_mix32(v):
-    """Straight transcription of the SPEC formula in Python ints."""
+    """Straight transcription of the routing formula (docs/contracts.md §1.1) in Python ints."""
     v &= M
     v ^= v >> 16
     v = (v * 0x7FEB352D) & M

@@ -8,8 +8,9 @@ from safetensors.torch import load_file
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.release import export as export_mod
 from ds_trhash.release.commands import main as cli
-from ds_trhash.release.export import ExportError, export_checkpoint, export_safetensors, sha256_file, verify_export
-from ds_trhash.training.checkpoint import load_weights_only, save_checkpoint
+from ds_trhash.io import sha256_file
+from ds_trhash.release.export import ExportError, export_checkpoint, export_safetensors, verify_export
+from ds_trhash.checkpoints import load_weights_only, save_checkpoint
 
 ROUTE_DTYPES = {"route_table": torch.int64, "fused_route_codes": torch.uint8, "fused_expert_pairs": torch.int32}
 

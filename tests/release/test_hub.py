@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from huggingface_hub import CommitOperationAdd, constants
 
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
+from ds_trhash.io import sha256_file
 from ds_trhash.release import commands, hub
-from ds_trhash.release.export import sha256_file
 from ds_trhash.release.hub import SyncError, sync, sync_lock
-from ds_trhash.training.checkpoint import MANIFEST, list_checkpoints, save_checkpoint
 from tests.release.hub_server import HubServer
 
 TOKEN = "hf_FAKEtokenVALUE0123456789abcd"

@@ -1,14 +1,14 @@
-"""Run record: every SPEC §10 field, read from the run's files; missing facts listed as unknown."""
+"""Run record: every docs/contracts.md §10 field, read from the run's files; missing facts listed as unknown."""
 import json
 
 import pytest
 
 from ds_trhash.release.commands import main as cli
-from ds_trhash.release.export import sha256_file
+from ds_trhash.io import sha256_file
 from ds_trhash.release.record import RECORD_FIELDS, RecordError, build_run_record, write_run_record
-from ds_trhash.training.checkpoint import save_checkpoint
+from ds_trhash.checkpoints import save_checkpoint
 from ds_trhash.training.metrics import MetricsWriter
-from ds_trhash.training.rng import save_rng_state
+from ds_trhash.checkpoints.rng import save_rng_state
 
 CRITICAL = {"optimizer.lr": 2e-5, "optimizer.betas": [0.9, 0.95], "optimizer.weight_decay": 0.1,
             "schedule.kind": "cosine", "schedule.warmup_fraction": 0.03, "schedule.floor": 0.1,

@@ -2,7 +2,7 @@
 
 One run with ep_size 1 is the reference; the ep_size 2 run is killed after step 4 (last
 checkpoint: step 2) and resumed to the end. Its per-expert DeepSpeed files consolidate to the
-SPEC state dict, and it trains like the ep_size 1 run."""
+released-layout state dict, and it trains like the ep_size 1 run."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _state(out, step):
 
 
 def _consolidated_matches(out, ref, step):
-    """The ep_size 2 checkpoint's per-expert files consolidate to SPEC names and to the
+    """The ep_size 2 checkpoint's per-expert files consolidate to the released names and to the
     ep_size 1 run's weights (fp32; only the reduction order differs)."""
     from ds_trhash.model.expert_parallel import consolidate_checkpoint, expert_files
 
@@ -84,8 +84,8 @@ def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _consolidated_matches(out, ref, STEPS)
 
-    # weights-only init from the expert-parallel checkpoint sees SPEC names, full experts
-    from ds_trhash.training.checkpoint import load_weights_only
+    # weights-only init from the expert-parallel checkpoint sees the released names, full experts
+    from ds_trhash.checkpoints import load_weights_only
 
     weights, record = load_weights_only(out / "checkpoints" / f"step_{STEPS:08d}")
     assert record.stage.value == "pretraining"

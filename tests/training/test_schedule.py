@@ -1,4 +1,4 @@
-"""Warmup + cosine + floor schedule (SPEC §6) at its edges, and its resumability."""
+"""Warmup + cosine + floor schedule (docs/contracts.md §6) at its edges, and its resumability."""
 import io
 import math
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from ds_trhash.training.schedule import build_scheduler, lr_factor, warmup_steps
 
 
 def spec_factor(step, H, W):
-    """SPEC §6 written out literally, with its 0.1 floor."""
+    """docs/contracts.md §6 written out literally, with its 0.1 floor."""
     s = step + 1
     return s / W if s <= W else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - W) / (H - W)))
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from ds_trhash.training.stages import StageError
-from ds_trhash.training.trainer import FaultInjection, StageData, check_tokenizer_identity
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.training.callbacks.faults import FaultInjection
+from ds_trhash.training.trainer import StageData, check_tokenizer_identity
 
 
 def _data(tok):
@@ -30,7 +31,7 @@ def test_fault_injection_is_inert_unless_asked():
 
 
 def test_fresh_output_dir_check(tmp_path):
-    from ds_trhash.training.checkpoint import CheckpointError
+    from ds_trhash.checkpoints import CheckpointError
     from ds_trhash.training.trainer import check_fresh_output_dir
 
     check_fresh_output_dir(tmp_path / "new")  # nothing there

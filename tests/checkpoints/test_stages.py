@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ds_trhash.training.stages import (
+from ds_trhash.checkpoints.stages import (
     ALLOWED_TRANSITIONS,
     FAMILIES,
     SourceRecord,

@@ -1,4 +1,4 @@
-"""Every random generator a rank uses, captured and restored as one unit (SPEC §4).
+"""Every random generator a rank uses, captured and restored as one unit (docs/contracts.md §4).
 
 The public pretraining checkpoints keep no RNG state, so a resumed run draws different dropout
 masks and shuffles than the uninterrupted one. Here each rank saves python, numpy, torch CPU

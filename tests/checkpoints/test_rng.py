@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_trhash.training.rng import (
+from ds_trhash.checkpoints.rng import (
     RNGStateError,
     capture_rng_state,
     load_rng_state,

@@ -1,4 +1,4 @@
-"""Stage guard: which checkpoint may start which stage (SPEC §3).
+"""Stage guard: which checkpoint may start which stage (docs/contracts.md §3).
 
 Every rule here is checked from plain data (the source checkpoint's record, the two plan
 documents, the launch flags) so that a wrong launch fails in seconds, before a model or an
@@ -45,7 +45,7 @@ class Transition:
     fresh_optimizer: bool = False
 
 
-# SPEC §3. Pretraining never appears as a target: a pretraining run starts from scratch and
+# docs/contracts.md §3. Pretraining never appears as a target: a pretraining run starts from scratch and
 # continues only through --resume.
 ALLOWED_TRANSITIONS: Mapping[tuple[Stage, Stage], Transition] = {
     (Stage.PRETRAINING, Stage.REFINEMENT): Transition(same_corpus=True, fresh_optimizer=True),

@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from ds_trhash.training import checkpoint as ck
-from ds_trhash.training.checkpoint import CheckpointError, ResumeError
+from ds_trhash import checkpoints as ck
+from ds_trhash.checkpoints import CheckpointError, ResumeError
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,243 @@
+"""Resuming: which checkpoint to continue from, what must match, and restoring the engine.
+
+A resume is an exact continuation of the saved run or it is refused, with every difference
+named at once (docs/contracts.md, "Checkpoints and resume"). Everything here except
+``load_engine_state`` runs before a model exists, so a wrong resume costs seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ds_trhash.checkpoints.rng import rng_path
+from ds_trhash.checkpoints.state import (
+    ENGINE_TAG,
+    TRAINER_STATE,
+    Log,
+    ResumeError,
+    TrainerState,
+    read_trainer_state,
+)
+from ds_trhash.checkpoints.store import CheckpointInfo, checkpoints_root, list_checkpoints, verify
+
+def find_resumable(output_dir: str | os.PathLike, log: Log = print) -> CheckpointInfo | None:
+    """The newest checkpoint that fully verifies; newer broken ones are reported and skipped."""
+    skipped: list[tuple[CheckpointInfo, str]] = []
+    for info in reversed(list_checkpoints(output_dir)):
+        ok, reason = verify(info.path)
+        if ok:
+            for bad, why in skipped:
+                log(f"{bad.name} is {why} — falling back to {info.name}")
+            return info
+        skipped.append((info, reason))
+    for bad, why in skipped:
+        log(f"{bad.name} is {why} — no complete checkpoint left to fall back to")
+    return None
+
+
+def resolve_resume(
+    arg: str | None,
+    env_value: str | None,
+    output_dir: str | os.PathLike,
+    log: Log = print,
+) -> CheckpointInfo | None:
+    """Turn ``--resume`` / ``RESUME`` into the checkpoint to continue from, or None for a fresh start.
+
+    "auto" takes the newest complete checkpoint under ``output_dir`` (none: fresh start, said
+    in a message). An explicit directory must verify; a broken one is an error, never a
+    silent fresh start.
+    """
+    arg = arg or None
+    env_value = env_value or None
+    if arg and env_value and arg != env_value:
+        raise ResumeError(f"--resume {arg!r} and RESUME={env_value!r} disagree; unset one of them")
+    choice = arg or env_value
+    if choice is None:
+        return None
+    if choice == "auto":
+        info = find_resumable(output_dir, log)
+        if info is None:
+            log(f"resume auto: no complete checkpoint under {checkpoints_root(output_dir)} — starting fresh")
+        else:
+            log(f"resume auto: continuing from {info.path}")
+        return info
+    path = Path(choice)
+    ok, reason = verify(path)
+    if not ok:
+        raise ResumeError(f"cannot resume from {path}: it is {reason}; pass another checkpoint or --resume auto")
+    return CheckpointInfo(int(read_trainer_state(path)["step"]), path, True)
+
+# --------------------------------------------------------------------------- resume compatibility
+
+
+def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+_ABSENT = "<absent>"
+REQUIRED_STATE_PARTS = ("model", "optimizer", "scheduler", "rng")
+# The per-rank batch layout: free under --reshard as long as the global batch is unchanged.
+RESHARD_LAYOUT_KEYS = ("batch.micro_batch", "batch.grad_accum")
+
+
+def global_batch(flat_critical: Mapping[str, Any], world_size: int) -> tuple[int, int, int, int] | None:
+    """(rows per optimizer step, micro_batch, grad_accum, world_size), or None when the settings
+    do not say (a checkpoint of another trainer version)."""
+    mb, ga = flat_critical.get("batch.micro_batch"), flat_critical.get("batch.grad_accum")
+    if not isinstance(mb, int) or not isinstance(ga, int):
+        return None
+    return mb * ga * world_size, mb, ga, world_size
+
+
+def _describe_global_batch(g: tuple[int, int, int, int] | None, world_size: int) -> str:
+    if g is None:
+        return f"unknown (no batch.micro_batch / batch.grad_accum recorded, {world_size} ranks)"
+    return f"{g[0]} rows per step (micro_batch {g[1]} × grad_accum {g[2]} × {g[3]} rank{'s' if g[3] != 1 else ''})"
+
+
+def check_resume_compatible(
+    saved_state: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    world_size: int,
+    lora_enabled: bool,
+    total_steps: int,
+    stage: str | None = None,
+    plan_sha256: str | None = None,
+    reshard: bool = False,
+    found: Mapping[str, bool] | None = None,
+) -> None:
+    """Refuse any resume that is not exact continuation, naming every difference at once.
+
+    ``current`` is this launch's training-critical settings (``config.training_critical``).
+    ``plan_sha256``: this launch's plan file hash (a plan edited in place under the same path).
+    ``reshard``: the operator asked for a world-size change (``--reshard``); the RNG of new ranks
+    cannot be exact, so only then is a different world size accepted, and then
+    ``batch.micro_batch`` / ``batch.grad_accum`` may change too, provided the global batch
+    (micro_batch · grad_accum · world_size rows per step) is the checkpoint's: the data order
+    and the step count depend on it, so the same rows continue. Everything else must match.
+    ``found``: which of optimizer / scheduler / rng state the checkpoint holds
+    (``inspect_saved_parts``), checked when given.
+    """
+    problems: list[str] = []
+    state = TrainerState.from_dict(saved_state)
+    if stage is not None and state.stage != stage:
+        problems.append(f"stage: checkpoint {state.stage!r}, this run {stage!r} — a run never loads another "
+                        "stage into the same output directory; use a new output_dir with --init-checkpoint")
+    if state.world_size != world_size and not reshard:
+        problems.append(f"world_size: checkpoint {state.world_size}, this run {world_size} — relaunch with "
+                        f"{state.world_size} ranks, or convert the checkpoint with --reshard first")
+    if bool(state.lora) != bool(lora_enabled):
+        kinds = {True: "LoRA", False: "full-parameter"}
+        problems.append(f"lora: checkpoint is {kinds[bool(state.lora)]}, this run is {kinds[bool(lora_enabled)]} "
+                        "— a full-parameter run never resumes LoRA state (or the reverse); start a new stage "
+                        "with --init-checkpoint")
+    old, new = _flatten(state.training_critical), _flatten(current)
+    layout_keys: tuple[str, ...] = ()
+    if reshard:
+        layout_keys = RESHARD_LAYOUT_KEYS
+        before_g, after_g = global_batch(old, state.world_size), global_batch(new, world_size)
+        # Settings without any batch layout (neither side records one) leave nothing to compare;
+        # one side without it cannot prove the global batch unchanged and is refused.
+        if (before_g, after_g) != (None, None) and (before_g is None or after_g is None or before_g[0] != after_g[0]):
+            problems.append(
+                f"global batch: checkpoint {_describe_global_batch(before_g, state.world_size)}, this run "
+                f"{_describe_global_batch(after_g, world_size)} — --reshard keeps the global batch (the data "
+                "order, the step count and the schedule depend on it); choose batch.micro_batch and "
+                f"batch.grad_accum with micro_batch·grad_accum·{world_size} = "
+                f"{before_g[0] if before_g else '?'}")
+        ep = old.get("parallel.ep_size", 1)
+        if state.world_size != world_size and isinstance(ep, int) and ep > 1:
+            problems.append(
+                f"parallel.ep_size: the checkpoint is expert-parallel (ep_size {ep}); --reshard does not move "
+                "expert-parallel state (DeepSpeed's universal conversion skips its per-expert files) — relaunch "
+                f"with {state.world_size} ranks, or start a new stage from it with --init-checkpoint")
+    for key in sorted(set(old) | set(new)):
+        if key in layout_keys:
+            continue
+        before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if before != after:
+            problems.append(f"{key}: checkpoint {before!r}, this run {after!r}")
+    if plan_sha256 is not None and state.plan_sha256 != plan_sha256:
+        problems.append(f"plan_sha256: checkpoint {state.plan_sha256!r}, this run {plan_sha256!r} — the replay "
+                        "plan file changed; a changed plan is a new stage")
+    if state.step >= total_steps:
+        problems.append(f"step: checkpoint is at step {state.step}, at or past the end of this run "
+                        f"({total_steps} steps) — nothing is left to train")
+    for part in REQUIRED_STATE_PARTS:
+        if found is not None and not found.get(part, False):
+            problems.append(f"{part}: no {part} state was found in the checkpoint — a resume never restarts it")
+    if problems:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        raise ResumeError(
+            f"cannot resume: {len(problems)} difference(s) from the checkpoint at step {state.step}:\n{listing}\n"
+            "A resume is exact continuation. Changed settings make a new stage: use a new output_dir and "
+            "--init-checkpoint (weights only)."
+        )
+
+
+def check_output_dir_stage(output_dir: str | os.PathLike, stage: str) -> None:
+    """Refuse to write one stage's checkpoints beside another's (docs/contracts.md §4): a later RESUME=auto
+    would otherwise pick up the wrong stage."""
+    for info in list_checkpoints(output_dir):
+        path = info.path / TRAINER_STATE
+        if not path.is_file():
+            continue
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8")).get("stage")
+        except json.JSONDecodeError:
+            continue
+        if recorded != stage:
+            raise ResumeError(
+                f"{output_dir} already holds {recorded!r} checkpoints ({info.name}) and this launch is {stage!r}; "
+                "a run never loads another stage into the same output directory: choose a new output_dir "
+                f"and start from {info.path} with --init-checkpoint"
+            )
+
+# --------------------------------------------------------------------------- what the checkpoint holds
+
+
+def inspect_saved_parts(ckpt_dir: str | os.PathLike, world_size: int | None = None) -> dict[str, bool]:
+    """Which of model / optimizer / scheduler / rng state a checkpoint really holds.
+
+    Needed because DeepSpeed itself does not fail closed: with ZeRO optimizer files missing,
+    ``load_checkpoint`` only warns and rebuilds the optimizer from the 16-bit weights. Runs
+    without a model, so an incomplete checkpoint is refused before anything is allocated.
+    """
+    import torch
+
+    ckpt = Path(ckpt_dir)
+    ranks = world_size if world_size is not None else int(read_trainer_state(ckpt)["world_size"])
+    tag_dir = ckpt / ENGINE_TAG
+    # expert-parallel runs add per-expert layer_*_expert_* files beside the engine's own
+    model_files = sorted(p for p in tag_dir.glob("*model_states.pt") if not p.name.startswith("layer_"))
+    found = {"model": bool(model_files), "optimizer": False, "scheduler": False,
+             "rng": all(rng_path(ckpt, r).is_file() for r in range(ranks))}
+    if not model_files:
+        return found
+    # mmap: the weights in this file are not read, only the small optimizer/scheduler entries.
+    states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+    found["scheduler"] = states.get("lr_scheduler") is not None
+    optim_files = {p.name for p in tag_dir.glob("*_optim_states.pt")}
+    if optim_files:  # ZeRO / bf16 optimizer: one partition file per data-parallel rank
+        found["optimizer"] = all(any(name.startswith((f"zero_pp_rank_{r}_", f"bf16_zero_pp_rank_{r}_"))
+                                     for name in optim_files) for r in range(ranks))
+    else:
+        found["optimizer"] = states.get("optimizer") is not None
+    return found
+
+
+def is_reshard(saved_state: Mapping[str, Any], world_size: int, requested: bool) -> bool:
+    """True when ``--reshard`` was given and the checkpoint was saved with another world size;
+    with the same world size a ``--reshard`` resume is an ordinary exact resume."""
+    return bool(requested) and int(saved_state["world_size"]) != int(world_size)

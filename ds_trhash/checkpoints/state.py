@@ -1,0 +1,104 @@
+"""What a checkpoint is made of: its file names, its errors and the trainer state it records.
+
+A checkpoint is ``<output_dir>/checkpoints/step_<N>/`` holding the DeepSpeed engine files under
+``state/``, one RNG file per rank under ``rng/``, ``trainer_state.json`` (the typed
+``TrainerState`` plus whatever the trainer adds) and ``MANIFEST.json`` (size and SHA-256 of
+every other file, written last). See docs/contracts.md, "Checkpoints and resume".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "MANIFEST.json"
+TRAINER_STATE = "trainer_state.json"
+ENGINE_TAG = "state"
+MANIFEST_FORMAT = "ds-trhash-checkpoint-manifest-v1"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+Log = Callable[[str], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, read or trusted; the message says which and why."""
+
+
+class ResumeError(CheckpointError):
+    """A resume that would not be an exact continuation of the saved run."""
+
+
+# --------------------------------------------------------------------------- trainer state
+
+
+def _framework_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ds-trhash")
+    except Exception:
+        return "unknown"
+
+
+def _framework_commit() -> str | None:
+    """The commit the trainer ran from, for the run record; None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that an exact resume (or the stage guard) needs to know."""
+
+    stage: str
+    step: int
+    epoch: int
+    data_cursor: int
+    world_size: int
+    training_critical: dict[str, Any]
+    plan_fingerprint: str | None
+    plan_sha256: str | None
+    backends_used: dict[str, Any]
+    lora: bool
+    family: str
+    pack_index: int | None = None
+    framework_version: str = field(default_factory=_framework_version)
+    framework_commit: str | None = field(default_factory=_framework_commit)
+    complete: bool = False
+    created: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, where: str = TRAINER_STATE) -> "TrainerState":
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in doc]
+        if missing:
+            raise CheckpointError(f"{where} lacks {', '.join(missing)}; it was not written by this trainer "
+                                  "version and cannot be resumed exactly")
+        return cls(**{k: doc[k] for k in names if k in doc})
+
+
+def read_trainer_state(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(ckpt_dir) / TRAINER_STATE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; {ckpt_dir} is not a complete checkpoint") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
+

@@ -1,0 +1,247 @@
+"""The crash-safe checkpoint store: atomic publish, manifest, verification, listing, rotation.
+
+A checkpoint directory either exists complete, with a manifest that proves every byte, or
+does not exist at all: everything is written into ``step_<N>.tmp`` and renamed by rank 0 only
+after every rank has finished and the manifest (written last) has been fsynced. A crash at
+any point leaves at most a ``*.tmp*`` directory, which listings ignore and rotation removes.
+
+The DeepSpeed engine is never imported here: its ``save_checkpoint`` is passed in as a
+callable, so the crash-safety rules are tested with a fake writer, and the trainer calls::
+
+    save_checkpoint(output_dir, step,
+                    write_engine_state=lambda tmpdir: engine.save_checkpoint(tmpdir, tag=ENGINE_TAG),
+                    trainer_state=state, rank=rank, world_size=world_size, barrier=dist.barrier)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_trhash.checkpoints.rng import rng_path, save_rng_state
+from ds_trhash.checkpoints.state import (
+    _STEP_DIR,
+    CHECKPOINTS,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    TRAINER_STATE,
+    CheckpointError,
+    Log,
+    TrainerState,
+    read_trainer_state,
+)
+from ds_trhash.io import fsync_path, fsync_tree, publish_dir, remove_dir, sha256_file, write_json
+
+def _files_under(root: Path) -> dict[str, Path]:
+    """Every regular file below root keyed by its POSIX relative path, the manifest excluded."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and rel != MANIFEST:
+            found[rel] = path
+    return found
+
+
+def _synced_entries(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file below root (the manifest excluded), each fsynced first."""
+    entries = {}
+    for rel, path in _files_under(root).items():
+        fsync_path(path)
+        entries[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    return entries
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _state_doc(trainer_state: TrainerState | Mapping[str, Any]) -> dict[str, Any]:
+    """The trainer_state.json document: the typed fields, validated, plus any extra keys the
+    trainer records (tokens seen, the plan document, the model config, ...)."""
+    if isinstance(trainer_state, TrainerState):
+        return trainer_state.to_dict()
+    return {**dict(trainer_state), **TrainerState.from_dict(trainer_state).to_dict()}
+
+
+def _finalize(tmp: Path, final: Path, doc: dict[str, Any], world_size: int) -> None:
+    """Rank 0, after every rank wrote its files: state, fsync, manifest last, atomic rename."""
+    absent = [r for r in range(world_size) if not rng_path(tmp, r).is_file()]
+    if absent:
+        raise CheckpointError(f"ranks {absent} wrote no RNG state into {tmp}; the checkpoint is incomplete "
+                              "and was not published")
+    doc = {**doc, "complete": True, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json(tmp / TRAINER_STATE, doc)
+    write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "step": doc["step"], "files": _synced_entries(tmp)})
+    fsync_tree(tmp)
+    publish_dir(tmp, final)  # a re-save of the same step swaps the old copy out atomically
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike,
+    step: int,
+    *,
+    write_engine_state: Callable[[Path], Any],
+    trainer_state: TrainerState | Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    barrier: Callable[[], Any] = lambda: None,
+    rng_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write checkpoint ``step`` on every rank; it becomes visible only when complete.
+
+    All ranks must call this collectively (DeepSpeed's save is itself collective). The
+    temporary directory name is the same on every rank so that all of them write into it.
+    ``trainer_state`` may be a plain dict: it must hold every ``TrainerState`` field without a
+    default, and extra keys are kept.
+    """
+    doc = _state_doc(trainer_state)
+    if doc["step"] != step or doc["world_size"] != world_size:
+        raise CheckpointError(
+            f"trainer_state says step {doc['step']}, world size {doc['world_size']} but the save is "
+            f"for step {step}, world size {world_size}; build the state from the same counters"
+        )
+    root = checkpoints_root(output_dir)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        tmp.mkdir()
+    barrier()
+    write_engine_state(tmp)
+    save_rng_state(tmp, rank, rng_state)
+    barrier()
+    if rank == 0:
+        _finalize(tmp, final, doc, world_size)
+    barrier()
+    return final
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    has_manifest: bool
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __fspath__(self) -> str:
+        """Usable wherever a path is: ``read_trainer_state(info)``, ``Path(info)``."""
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[CheckpointInfo]:
+    """Published step directories, oldest first; ``*.tmp*`` directories are never listed."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append(CheckpointInfo(int(match.group(1)), child, (child / MANIFEST).is_file()))
+    return sorted(found, key=lambda c: c.step)
+
+
+def verify(ckpt_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str]:
+    """(ok, reason). ``deep=False`` checks presence and sizes only (cheap, for rotation).
+
+    Reasons read after "<name> is ...": they start with "incomplete" or "corrupt".
+    """
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        return False, f"incomplete ({ckpt} is not a directory)"
+    if not (ckpt / MANIFEST).is_file():
+        return False, f"incomplete ({MANIFEST} missing)"
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
+        listed = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return False, f"corrupt ({MANIFEST} unreadable: {exc})"
+    present = _files_under(ckpt)
+    missing = sorted(set(listed) - set(present))
+    extra = sorted(set(present) - set(listed))
+    if missing:
+        return False, f"corrupt ({', '.join(missing)} listed in {MANIFEST} but missing)"
+    if extra:
+        return False, f"corrupt ({', '.join(extra)} not listed in {MANIFEST})"
+    if TRAINER_STATE not in listed:
+        return False, f"incomplete ({TRAINER_STATE} missing)"
+    for rel, entry in listed.items():
+        size = present[rel].stat().st_size
+        if size != entry.get("size"):
+            return False, f"corrupt ({rel} has {size} bytes, {MANIFEST} says {entry.get('size')})"
+    if deep:
+        for rel, entry in listed.items():
+            if sha256_file(present[rel]) != entry.get("sha256"):
+                return False, f"corrupt ({rel} SHA-256 differs from {MANIFEST})"
+    try:
+        complete = read_trainer_state(ckpt).get("complete") is True
+    except CheckpointError as exc:
+        return False, f"corrupt ({exc})"
+    if not complete:
+        return False, f"incomplete ({TRAINER_STATE} is not marked complete)"
+    return True, "ok"
+
+# --------------------------------------------------------------------------- rotation
+
+
+def rotate(
+    output_dir: str | os.PathLike,
+    keep_last: int,
+    protect: Iterable[int] = (),
+    log: Log = print,
+) -> list[Path]:
+    """Delete old checkpoints beyond the newest ``keep_last`` and stale ``*.tmp*`` directories.
+
+    Never deleted: the newest checkpoint that verifies (size check), any protected step (pack
+    boundaries, epoch ends, anything not yet synced), any directory without a manifest (left
+    for a person to inspect), and anything when no checkpoint verifies. Rank 0 only, after a
+    save has returned.
+    """
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    removed: list[Path] = []
+    for child in sorted(root.iterdir()):
+        if ".tmp" in child.name and child.is_dir():
+            shutil.rmtree(child)
+            log(f"removed stale temporary directory {child.name}")
+            removed.append(child)
+    listed = list_checkpoints(output_dir)
+    newest_ok = next((c for c in reversed(listed) if c.has_manifest and verify(c.path, deep=False)[0]), None)
+    if newest_ok is None:
+        return removed
+    complete = [c for c in listed if c.has_manifest]
+    keep = {c.step for c in complete[-keep_last:]} | set(protect) | {newest_ok.step}
+    for info in listed:
+        if not info.has_manifest:
+            log(f"left {info.name} in place: it has no {MANIFEST} (incomplete); inspect or delete it by hand")
+        elif info.step not in keep and info.step < newest_ok.step:
+            remove_dir(info.path)
+            log(f"rotated out {info.name}")
+            removed.append(info.path)
+    return removed
+
+

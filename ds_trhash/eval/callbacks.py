@@ -1,0 +1,111 @@
+"""Evaluation during training, as training callbacks: held-out loss and zero-shot PIQA.
+
+The training package defines the callback interface and never imports this module; the entry
+point that composes a launch (``ds_trhash.run``) puts these callbacks into its list. Both leave
+their numbers in ``run.results`` (by step) for the epoch checkpoint's record and the selection
+of ``best/``.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from ds_trhash.data.tokenizer import load_tokenizer
+from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.eval.piqa import PiqaCountWarning, PiqaDataError, evaluate_piqa, read_piqa
+from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
+
+PIQA_RESULTS = "piqa.jsonl"
+
+
+class HeldoutCallback(Callback):
+    """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
+    on every rank (each scores its share; the loss is reduced over ranks)."""
+
+    def __init__(self, model, eval_batches, device, writer, progress, results: dict[int, dict] | None = None):
+        self.model, self.eval_batches, self.device = model, eval_batches, device
+        self.writer, self.progress = writer, progress
+        self.results: dict[int, dict] = results if results is not None else {}
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "HeldoutCallback | None":
+        if run.eval_batches is None:  # eval.heldout off, or a stage without a held-out partition
+            return None
+        return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.results["eval"])
+
+    def evaluate(self, state) -> dict:
+        result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
+        result.update(step=state.step, epoch=state.epoch)
+        self.results[state.step] = result
+        self.writer.write(step=state.step, epoch=state.epoch, eval_loss=result["eval_loss"],
+                          eval_tokens=result["eval_tokens"])
+        self.progress.message(
+            f"held-out at step {state.step}: loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f} "
+            f"over {result['eval_tokens']:,} supervised tokens")
+        return result
+
+    def on_start(self, state):
+        if state.step == 0:
+            self.evaluate(state)
+
+    def on_epoch_end(self, state):
+        self.evaluate(state)
+
+
+class PiqaCallback(Callback):
+    """Zero-shot PIQA (docs/contracts.md, "Evaluation") on rank 0: the SFT source at step 0 and
+    every epoch end, or the end of a pretraining/refinement stage. Rows go to ``piqa.jsonl``
+    beside metrics.csv; the other ranks wait at a barrier."""
+
+    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
+                 sft: bool, results: dict[int, dict] | None = None, barrier=lambda: None):
+        self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
+        self.output_dir, self.rank, self.progress, self.sft = Path(output_dir), rank, progress, sft
+        self.results: dict[int, dict] = results if results is not None else {}
+        self.barrier = barrier
+
+    @classmethod
+    def prepare(cls, cfg) -> Builder | None:
+        """Reads ``eval.piqa`` before the model exists: a malformed file refuses the launch."""
+        if not cfg.eval.piqa:
+            return None
+        examples = read_piqa(cfg.eval.piqa)
+
+        def build(run: RunContext) -> "PiqaCallback":
+            return cls(run.model, examples, load_tokenizer(run.tokenizer_dir), run.model_config.max_seq_len,
+                       run.output_dir, run.rank, run.progress, sft=run.cfg.data.kind == "sft",
+                       results=run.results["piqa"], barrier=run.barrier)
+
+        return build
+
+    def evaluate(self, state) -> None:
+        if self.rank == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
+                result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
+            row = {"step": state.step, "epoch": state.epoch, **{k: result[k] for k in ("acc", "acc_norm", "n")},
+                   "warning": result.get("warning")}
+            self.results[state.step] = row
+            with open(self.output_dir / PIQA_RESULTS, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            self.progress.message(f"PIQA at step {state.step}: acc {result['acc']:.4f} "
+                                  f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
+        self.barrier()
+
+    def on_start(self, state):
+        if self.sft and state.step == 0:
+            self.evaluate(state)
+
+    def on_epoch_end(self, state):
+        if self.sft:
+            self.evaluate(state)
+
+    def on_end(self, state):
+        if not self.sft and state.step == state.total_steps:
+            self.evaluate(state)
+
+
+EVAL_CALLBACKS = (HeldoutCallback, PiqaCallback)
+# Errors of the evaluation inputs that describe a wrong launch (exit 2, one line).
+EVAL_USER_ERRORS = (PiqaDataError,)

@@ -1,0 +1,114 @@
+"""Files that are either whole or absent: hashing, fsync, atomic JSON and directory publishing.
+
+Every part of the project that writes something a later run trusts (checkpoints, exports, data
+sets, shard manifests, selection records, metrics) uses these helpers, so the rules live in one
+place:
+
+* a file is hashed in chunks (a multi-GB weight file never sits in memory);
+* a new file or directory survives power loss only once its bytes *and* the directory holding
+  its entry are fsynced;
+* a JSON document or a directory appears under its final name by one ``os.replace`` /
+  ``os.rename`` of a finished temporary, so a reader sees the old version or the new one, never
+  a torn one.
+
+Nothing here knows about checkpoints or models; it imports only the standard library.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PathLike = str | os.PathLike
+HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
+
+
+def sha256_file(path: PathLike, chunk_bytes: int = HASH_CHUNK) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_path(path: PathLike) -> None:
+    """Flush a file's bytes, or a directory's entries, to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: PathLike) -> None:
+    """Every directory below root, deepest first, then root itself: their entries survive power loss."""
+    root = Path(root)
+    for sub in sorted({p.parent for p in root.rglob("*")} | {root}, key=lambda p: len(p.parts), reverse=True):
+        fsync_path(sub)
+
+
+def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
+    """The project's JSON file layout: indented, one trailing newline."""
+    return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
+
+
+def write_json(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = True, fsync: bool = True,
+               indent: int | None = 2) -> None:
+    """Write ``doc`` to ``path`` in place (for files inside a temporary directory that is published
+    as a whole); fsynced unless ``fsync=False``."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(json_text(doc, indent=indent, sort_keys=sort_keys))
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+def write_json_atomic(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = False,
+                      fsync: bool = True, indent: int | None = 2) -> None:
+    """Replace ``path`` with ``doc`` in one step: written beside it under a per-process temporary
+    name, fsynced, then renamed over it. A crash leaves the old file (or none), never half a file."""
+    out = Path(path)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        write_json(tmp, doc, sort_keys=sort_keys, fsync=fsync, indent=indent)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_path(out.parent)
+
+
+def publish_dir(tmp: PathLike, final: PathLike, *, replace: bool = True, fsync: bool = True) -> None:
+    """Make the finished directory ``tmp`` appear as ``final`` in one rename.
+
+    ``replace=True``: an existing ``final`` is first renamed aside (``<final>.tmp-replaced``),
+    then the new one renamed in, then the old copy deleted, so ``final`` names a complete
+    directory at every moment except between the two renames. ``replace=False``: a non-empty
+    ``final`` makes the rename fail (``OSError``) and nothing is replaced.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if replace and final.exists():
+        aside = final.with_name(final.name + ".tmp-replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    if fsync:
+        fsync_path(final.parent)
+
+
+def remove_dir(path: PathLike) -> None:
+    """Delete a published directory: renamed to ``<name>.tmp-deleting`` first, so that a crash
+    half-way through never leaves a partial directory under a name a listing trusts."""
+    path = Path(path)
+    doomed = path.with_name(path.name + ".tmp-deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)

@@ -1,0 +1,32 @@
+"""The training loop's parts, one small class per job (see ``base`` for the interface).
+
+``training_parts(evaluation)`` is the order a launch calls them in: stop handling first (a
+signal turns into ``stop_requested`` before anything else looks at the step), fault
+injection, the evaluation callbacks the entry point supplies (before checkpointing, so an epoch
+checkpoint records their results), metrics, progress, checkpointing, selection (after the
+epoch's checkpoint exists).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ds_trhash.training.callbacks.base import Callback, RunContext, build_callbacks, make_callbacks
+from ds_trhash.training.callbacks.checkpointing import CheckpointCallback
+from ds_trhash.training.callbacks.faults import FaultCallback, FaultInjection
+from ds_trhash.training.callbacks.metrics import MetricsCallback
+from ds_trhash.training.callbacks.progress import ProgressCallback
+from ds_trhash.training.callbacks.selection import SelectionCallback
+from ds_trhash.training.callbacks.stop import GracefulStop, StopCallback
+
+
+def training_parts(evaluation: Sequence[type[Callback]] = ()) -> list[type[Callback]]:
+    """The callback classes of a launch, in call order, with ``evaluation`` slotted in."""
+    return [StopCallback, FaultCallback, *evaluation, MetricsCallback, ProgressCallback, CheckpointCallback,
+            SelectionCallback]
+
+
+__all__ = [
+    "Callback", "CheckpointCallback", "FaultCallback", "FaultInjection", "GracefulStop", "MetricsCallback",
+    "ProgressCallback", "RunContext", "SelectionCallback", "StopCallback", "build_callbacks", "make_callbacks",
+    "training_parts",
+]

@@ -1,0 +1,73 @@
+"""Crash-safe checkpoints at the configured cadence, token-pack boundaries, epoch ends, on a
+stop signal and at the end of the stage; old ones rotated away."""
+from __future__ import annotations
+
+import time
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.training.callbacks.base import Callback, RunContext
+
+
+class CheckpointCallback(Callback):
+    """Saves through ``ds_trhash.checkpoints.save_checkpoint`` (collective: every rank calls it).
+
+    An epoch-end step is saved by ``on_epoch_end`` (after the evaluation callbacks ran, so its
+    record holds their results), never twice; the newest path is left in ``run.last_checkpoint``.
+    """
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        self.every = run.cfg.checkpoint.every_steps
+        self.keep_last = run.cfg.checkpoint.keep_last
+        self.protect = set(run.protect_steps)
+        self.last_saved = -1
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "CheckpointCallback":
+        return cls(run)
+
+    def is_epoch_end(self, step: int) -> bool:
+        batches = self.run.batches
+        return batches.epoch_of(step) != batches.epoch_of(step - 1)
+
+    def save(self, state, reason: str, extra: dict | None = None):
+        if state.step == self.last_saved:
+            return
+        run = self.run
+        t0 = time.perf_counter()
+
+        def write_engine_state(tmp):
+            run.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
+            if run.faults is not None:
+                run.faults.maybe_kill("kill_during_save", state.step)
+
+        path = ckpt.save_checkpoint(
+            run.output_dir, state.step,
+            write_engine_state=write_engine_state,
+            trainer_state=run.trainer_state(state, reason, extra or {}),
+            rank=run.rank, world_size=run.world, barrier=run.barrier,
+        )
+        self.last_saved, run.last_checkpoint = state.step, path
+        if run.rank == 0 and self.keep_last:
+            ckpt.rotate(run.output_dir, self.keep_last, protect=self.protect)
+        run.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
+
+    def on_step_end(self, state, metrics):
+        if self.is_epoch_end(state.step):
+            return
+        if state.stop_requested:
+            self.save(state, "stop signal")
+        elif state.step in self.protect:
+            self.save(state, "token pack boundary")
+        elif self.every and state.step % self.every == 0:
+            self.save(state, "every_steps")
+
+    def on_epoch_end(self, state):
+        self.protect.add(state.step)
+        results = self.run.results
+        self.save(state, f"end of epoch {state.epoch}",
+                  {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step)})
+
+    def on_end(self, state):
+        if state.step == state.total_steps:
+            self.save(state, "final")

@@ -1,0 +1,29 @@
+"""The live progress line (or panel) of rank 0, with the shard cache's state when there is one."""
+from __future__ import annotations
+
+from ds_trhash.training.callbacks.base import Callback, RunContext
+
+
+class ProgressCallback(Callback):
+    def __init__(self, progress, model, every: int, batches=None):
+        self.progress, self.model, self.every, self.batches = progress, model, every, batches
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "ProgressCallback":
+        return cls(run.progress, run.model, run.cfg.training.log_every, run.batches)
+
+    def on_step_end(self, state, metrics):
+        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
+                             backends=self.model.backends_used(), extra=self.extra())
+
+    def extra(self) -> dict | None:
+        """The shard cache's state, when the stage streams shards through one."""
+        cache = getattr(getattr(self.batches, "reader", None), "cache", None)
+        if cache is None:
+            return None
+        st = cache.stats()
+        return {"cache": f"{st['bytes'] / 2**20:.1f}/{st['max_bytes'] / 2**20:.0f} MiB {st['files']} shards "
+                         f"hit {st.get('hits', 0)} miss {st.get('misses', 0)} evict {st.get('evictions', 0)}"}
+
+    def on_end(self, state):
+        self.progress.close()

@@ -1,0 +1,83 @@
+"""The evaluation callbacks training gets from the entry point: held-out loss and PIQA, each alone."""
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_trhash.eval import callbacks as evcb
+from ds_trhash.eval.piqa import PiqaDataError
+from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.training.loop import TrainState
+from ds_trhash.training.metrics import MetricsWriter
+from tests.training.callbacks import fakes
+
+
+class Bigram(torch.nn.Module):
+    """Summed next-token loss of a fixed table: the held-out number is computable by hand."""
+
+    def __init__(self, vocab=4):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(vocab, vocab))
+
+    def forward(self, input_ids, labels, reduction="sum"):
+        return F.cross_entropy(self.table[input_ids].flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
+
+
+class EvalSet:
+    def epoch(self, n):
+        return [{"input_ids": torch.tensor([[0, 1, 2]]), "labels": torch.tensor([[1, IGNORE_INDEX, 3]])}]
+
+
+def test_heldout_at_step_0_and_every_epoch_end_into_results_and_metrics(tmp_path):
+    writer = MetricsWriter(tmp_path / "metrics.csv", rank=0)
+    run = fakes.run(tmp_path, engine=Bigram(), eval_batches=EvalSet(), writer=writer)
+    cb = evcb.HeldoutCallback.from_run(run)
+    cb.on_start(TrainState(step=0, total_steps=4))
+    cb.on_start(TrainState(step=2, total_steps=4))  # a resume: the source was evaluated by the first launch
+    cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0))
+    assert sorted(run.results["eval"]) == [0, 2]
+    # uniform logits over 4 tokens: ln 4 per supervised token, 2 supervised tokens
+    assert run.results["eval"][0]["eval_loss"] == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    assert run.results["eval"][0]["eval_tokens"] == 2
+    with open(tmp_path / "metrics.csv", newline="") as fh:
+        assert [r["step"] for r in csv.DictReader(fh)] == ["0", "2"]
+    assert "held-out at step 0" in run.progress.messages[0]
+
+
+def test_heldout_stays_off_without_an_eval_partition(tmp_path):
+    assert evcb.HeldoutCallback.from_run(fakes.run(tmp_path)) is None
+
+
+def test_piqa_prepare_refuses_a_malformed_file_before_any_model(tmp_path):
+    assert evcb.PiqaCallback.prepare(fakes.config(piqa=None)) is None
+    bad = tmp_path / "piqa.jsonl"
+    bad.write_text('{"goal": "g", "sol1": "a"}\n')
+    with pytest.raises(PiqaDataError, match="missing field 'sol2'"):
+        evcb.PiqaCallback.prepare(fakes.config(piqa=str(bad)))
+
+
+@pytest.mark.parametrize("sft", [True, False])
+def test_piqa_schedule_rows_and_barrier(tmp_path, monkeypatch, sft):
+    monkeypatch.setattr(evcb, "evaluate_piqa", lambda model, tok, examples, max_len: {
+        "acc": 0.5, "acc_norm": 0.75, "n": len(examples), "warning": None})
+    barriers = []
+    cb = evcb.PiqaCallback(fakes.Model(), ["e1", "e2"], None, 64, tmp_path, 0, fakes.Progress(), sft=sft,
+                           barrier=lambda: barriers.append(1))
+    cb.on_start(TrainState(step=0, total_steps=4))
+    cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0))
+    cb.on_end(TrainState(step=4, total_steps=4, epoch=1))
+    rows = [json.loads(line) for line in (tmp_path / "piqa.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ([0, 2] if sft else [4])
+    assert rows[0]["acc_norm"] == 0.75 and rows[0]["n"] == 2 and len(barriers) == len(rows)
+    assert sorted(cb.results) == [r["step"] for r in rows]
+
+
+def test_piqa_on_other_ranks_only_waits(tmp_path):
+    barriers = []
+    cb = evcb.PiqaCallback(fakes.Model(), [], None, 64, tmp_path, 1, fakes.Progress(), sft=True,
+                           barrier=lambda: barriers.append(1))
+    cb.on_start(TrainState(step=0, total_steps=4))
+    assert barriers == [1] and not (tmp_path / "piqa.jsonl").exists()

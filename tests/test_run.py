@@ -1,0 +1,67 @@
+"""The composition of a launch, and the import rule that keeps it the only place that composes.
+
+Training never imports eval or release (not even inside a function); eval and release reach
+checkpoints through ds_trhash.checkpoints; model, data and the checkpoint package never import
+training, eval or release; kernels import nothing of ours. See docs/architecture.md.
+"""
+import ast
+from pathlib import Path
+
+from ds_trhash.eval.callbacks import HeldoutCallback, PiqaCallback
+from ds_trhash.run import launch_parts
+from ds_trhash.training.callbacks import (
+    CheckpointCallback,
+    FaultCallback,
+    MetricsCallback,
+    ProgressCallback,
+    SelectionCallback,
+    StopCallback,
+)
+
+PKG = Path(__file__).resolve().parents[1] / "ds_trhash"
+FORBIDDEN = {
+    "training": ("ds_trhash.eval", "ds_trhash.release", "ds_trhash.run", "ds_trhash.demo", "ds_trhash.cli"),
+    "eval": ("ds_trhash.release", "ds_trhash.run"),
+    "checkpoints": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.data"),
+    "model": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.checkpoints", "ds_trhash.data"),
+    "data": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.checkpoints"),
+    "kernels": ("ds_trhash.",),
+    "io.py": ("ds_trhash.",),
+}
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def test_launch_calls_the_parts_in_order():
+    assert launch_parts() == [StopCallback, FaultCallback, HeldoutCallback, PiqaCallback, MetricsCallback,
+                              ProgressCallback, CheckpointCallback, SelectionCallback]
+
+
+def test_no_package_imports_above_itself():
+    broken = []
+    for part, banned in FORBIDDEN.items():
+        files = [PKG / part] if part.endswith(".py") else sorted((PKG / part).rglob("*.py"))
+        for path in files:
+            for name in _imports(path):
+                if name.startswith(banned) or (name == "ds_trhash" and part in ("kernels", "io.py")):
+                    broken.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_eval_and_release_read_checkpoints_only_through_the_package():
+    """No torch.load, no DeepSpeed checkpoint reader outside ds_trhash.checkpoints; eval takes from
+    training only the callback interface."""
+    for part in ("eval", "release"):
+        for path in sorted((PKG / part).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            assert "torch.load(" not in text and "zero_to_fp32" not in text and "deepspeed.checkpoint" not in text, path
+            if part == "eval":
+                training = [n for n in _imports(path) if n.startswith("ds_trhash.training")]
+                assert all(n.startswith("ds_trhash.training.callbacks.base") for n in training), (path, training)

@@ -1,0 +1,52 @@
+"""CheckpointCallback: what it saves when, epoch ends with their evaluation results, rotation."""
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.training.callbacks import CheckpointCallback
+from ds_trhash.training.loop import TrainState
+from tests.training.callbacks import fakes
+
+
+def _steps(tmp_path):
+    return [c.step for c in ckpt.list_checkpoints(tmp_path)]
+
+
+def test_cadence_pack_boundary_stop_and_final(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=3), protect_steps={5})
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=0, total_steps=8)
+    for step in range(1, 8):
+        state.step = step
+        state.stop_requested = step == 7
+        cb.on_step_end(state, fakes.metrics(step))
+    assert _steps(tmp_path) == [3, 5, 6, 7]
+    reasons = [ckpt.read_trainer_state(c)["reason"] for c in ckpt.list_checkpoints(tmp_path)]
+    assert reasons == ["every_steps", "token pack boundary", "every_steps", "stop signal"]
+    assert run.last_checkpoint.name == "step_00000007" and all(ckpt.verify(c)[0] for c in ckpt.list_checkpoints(tmp_path))
+    cb.on_end(state)  # stopped before the end: no "final" checkpoint
+    assert _steps(tmp_path) == [3, 5, 6, 7]
+    state.step = 8
+    cb.on_end(state)
+    assert ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_00000008")["reason"] == "final"
+
+
+def test_epoch_end_is_saved_once_with_the_evaluation_results(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1), batches=fakes.Batches(per_epoch=2))
+    run.results["eval"][2] = {"eval_loss": 1.25}
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=2, total_steps=4)
+    cb.on_step_end(state, fakes.metrics(2))  # the epoch boundary: left to on_epoch_end
+    assert _steps(tmp_path) == []
+    cb.on_epoch_end(state)
+    cb.on_end(TrainState(step=2, total_steps=2))  # same step again: not written twice
+    saved = ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_00000002")
+    assert saved["reason"] == "end of epoch 0" and saved["eval"] == {"eval_loss": 1.25} and saved["piqa"] is None
+    assert 2 in cb.protect and len(run.engine.saves) == 1
+
+
+def test_rotation_keeps_the_newest_and_protected(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1, keep_last=2), protect_steps={1})
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=0, total_steps=10)
+    for step in range(1, 6):
+        state.step = step
+        cb.on_step_end(state, fakes.metrics(step))
+    assert _steps(tmp_path) == [1, 4, 5]

@@ -1,0 +1,36 @@
+"""Fault injection: the spec is parsed strictly, and the kill lands exactly after the named step.
+(The real SIGKILL through the launcher is exercised by the crash-and-resume launch tests.)"""
+import os
+import signal
+
+import pytest
+
+from ds_trhash.training.callbacks import faults
+from ds_trhash.training.loop import TrainState
+
+
+@pytest.mark.parametrize("spec", ["kill_after_step", "kill_after_step:x", "explode:3"])
+def test_bad_specs_are_refused(spec):
+    with pytest.raises(ValueError, match="expected kill_after_step:N or kill_during_save:N"):
+        faults.FaultInjection(spec)
+
+
+def test_kill_after_step_kills_this_process_at_that_step_only(monkeypatch):
+    kills = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    cb = faults.FaultCallback(faults.FaultInjection("kill_after_step:3"))
+    for step in (1, 2, 4):
+        cb.on_step_end(TrainState(step=step, total_steps=5), {})
+    assert kills == []
+    cb.on_step_end(TrainState(step=3, total_steps=5), {})
+    assert kills == [(os.getpid(), signal.SIGKILL)]
+    cb.faults.maybe_kill("kill_during_save", 3)  # another kind: no kill
+    assert len(kills) == 1
+
+
+def test_from_env(monkeypatch):
+    monkeypatch.setenv(faults.FAULT_ENV, "kill_during_save:7")
+    f = faults.FaultInjection.from_env()
+    assert (f.kind, f.step) == ("kill_during_save", 7)
+    monkeypatch.delenv(faults.FAULT_ENV)
+    assert faults.FaultInjection.from_env().kind is None

@@ -1,0 +1,38 @@
+"""SelectionCallback: best/ and selection.json after each epoch checkpoint; kept across a resume."""
+import json
+
+from ds_trhash.training.callbacks import SelectionCallback
+from ds_trhash.training.loop import TrainState
+from tests.training.callbacks import fakes
+
+
+def _epoch_checkpoint(run, tmp_path, step, eval_loss):
+    path = tmp_path / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "weights").write_text(f"step {step}")
+    run.last_checkpoint = path
+    run.results["eval"][step] = {"eval_loss": eval_loss, "eval_ppl": 1.0, "eval_tokens": 10}
+
+
+def test_best_follows_the_rule_and_survives_a_resume(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"))
+    cb = SelectionCallback.from_run(run)
+    for epoch, (step, loss) in enumerate([(2, 3.0), (4, 2.0), (6, 2.5)]):
+        _epoch_checkpoint(run, tmp_path, step, loss)
+        cb.on_epoch_end(TrainState(step=step, total_steps=6, epoch=epoch, last={"loss": 1.0}))
+    doc = json.loads((tmp_path / "selection.json").read_text())
+    assert doc["rule"] == "min_eval_loss" and doc["selected"]["step"] == 4
+    assert (tmp_path / "best" / "weights").read_text() == "step 4"
+    assert run.progress.messages[-1].startswith("best/ = epoch 2 (step 4)")
+
+    resumed = SelectionCallback.from_run(fakes.run(tmp_path, cfg=fakes.config(kind="sft")))
+    resumed.on_start(TrainState(step=4, total_steps=6))
+    assert [c.step for c in resumed.candidates] == [2, 4]
+
+
+def test_only_sft_and_only_rank_0(tmp_path):
+    assert SelectionCallback.from_run(fakes.run(tmp_path, cfg=fakes.config(kind="pretrain"))) is None
+    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), rank=1)
+    _epoch_checkpoint(run, tmp_path, 2, 1.0)
+    SelectionCallback.from_run(run).on_epoch_end(TrainState(step=2, total_steps=4))
+    assert not (tmp_path / "selection.json").exists() and not (tmp_path / "best").exists()
