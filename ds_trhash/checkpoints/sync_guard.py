@@ -13,8 +13,8 @@ it uploads. Two things make that safe:
   current manifest, so a checkpoint is never lost before it reached the Hub. A missing or
   unreadable record means "nothing verified" (keep everything), never the opposite.
 
-This module imports nothing of ours: the trainer (rotation) and the release package (sync) both
-use it.
+It imports only ``ds_trhash.io``: the trainer (rotation, through ``checkpoints.store``) and the
+release package (sync) both use it.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from ds_trhash.io import write_json_atomic
 
 LOCK_FILE = ".sync.lock"
 VERIFIED_FILE = "sync_verified.json"
@@ -92,10 +94,4 @@ def update_verified(output_dir: str | os.PathLike, *, add: Mapping[str, Mapping[
     units.update({name: dict(entry) for name, entry in add.items()})
     for name in remove:
         units.pop(name, None)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"format": VERIFIED_FORMAT, "units": dict(sorted(units.items()))}, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, {"format": VERIFIED_FORMAT, "units": dict(sorted(units.items()))})
