@@ -1,6 +1,6 @@
 """Hub sync through the real ``huggingface_hub`` client against a stand-in Hub on loopback
 (tests/release/hub_server.py): uploads, remote hash verification, a dropped upload, retry, and
-the ``--prune-local`` rules."""
+the ``--prune-local`` rules, and the trainer's rotation beside a sync (lock, ``keep_unsynced``)."""
 import hashlib
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import CommitOperationAdd, constants
 
-from ds_trhash.checkpoints import MANIFEST, list_checkpoints, save_checkpoint
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, rotate_unless_syncing, save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
 from ds_trhash.io import sha256_file
 from ds_trhash.release import commands, hub
@@ -128,6 +128,9 @@ def test_a_remote_hash_mismatch_stops_the_sync_and_prunes_nothing(tmp_path, serv
     assert bad in str(info.value)
     assert info.value.report.pruned == [] and info.value.report.verified == [UNITS[0]]
     assert _tree_digest(out) == before and list(read_verified(out)) == [UNITS[0]]
+    # the trainer's rotation with checkpoint.keep_unsynced deletes what this sync verified, nothing else
+    removed = rotate_unless_syncing(out, keep_last=1, keep_unsynced=True, log=_quiet)
+    assert [p.name for p in removed] == ["step_00000010"] and _steps(out) == [20, 30]
 
 
 def test_a_dropped_upload_prunes_nothing_and_the_next_pass_completes(tmp_path, server):
@@ -227,18 +230,28 @@ def test_make_api_takes_the_token_from_the_environment_only(monkeypatch):
     assert hub.make_api().token == TOKEN
 
 
-def _cli(args, env):
-    return subprocess.run([sys.executable, "-m", "ds_trhash.cli", *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cli_sync_over_http(tmp_path, server):
+def test_cli_sync_over_http_while_the_trainers_rotation_waits_for_it(tmp_path, server):
+    """A real `ds-trhash sync` process, held by the server in its first commit, has the output
+    directory's lock: the trainer's rotation deletes nothing meanwhile, and catches up after."""
     out = _run(tmp_path)
-    env = {"HF_ENDPOINT": server.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
-    done = _cli(["sync", "--local", str(out), "--repo-id", REPO, "--prune-local", "--keep-last", "2"], env)
-    assert done.returncode == 0, done.stderr
-    assert "pruned 1" in done.stdout and _steps(out) == [20, 30]
-
+    server.arrived["commit"] = threading.Event()
+    gate = server.hold["commit"] = threading.Event()
+    env = {**os.environ, "HF_ENDPOINT": server.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trhash.cli", "sync", "--local", str(out), "--repo-id", REPO,
+                             "--prune-local", "--keep-last", "2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.arrived["commit"].wait(120), "the sync never reached its first commit"
+        lines = []
+        assert rotate_unless_syncing(out, keep_last=1, log=lines.append) is None
+        assert _steps(out) == [10, 20, 30] and "rotation deferred" in lines[0]
+    finally:
+        gate.set()
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "pruned 1" in stdout and _steps(out) == [20, 30]
+    removed = rotate_unless_syncing(out, keep_last=1, keep_unsynced=True, log=_quiet)
+    assert [p.name for p in removed] == ["step_00000020"] and _steps(out) == [30]  # verified, so it may go
 
 
 def test_a_rejected_token_is_never_shown_and_a_token_argument_is_refused(tmp_path, server, monkeypatch, capsys):
