@@ -85,7 +85,8 @@ def _checkpoint_metrics(step: int, rows: list[dict[str, str]]) -> dict[str, Any]
     train = [r for r in rows if r.get("train_loss") and (_number(r.get("step")) or 0) <= step]
     if train:
         last = train[-1]
-        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "epoch"):
+        # no "epoch": that row may precede the checkpoint's step; the checkpoint records its own
+        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen"):
             if last.get(key):
                 out[key] = _number(last[key])
         out["train_row_step"] = _number(last.get("step"))
