@@ -9,7 +9,8 @@ Modules, by job:
 * ``weights`` - weights-only load, LoRA merge, expert-parallel consolidation: the loader that
   ``--init-checkpoint``, eval and export all use;
 * ``rng``     - every generator of a rank, saved and restored as one unit;
-* ``stages``  - the stage guard: which checkpoint may start which stage.
+* ``stages``  - the stage guard: which checkpoint may start which stage;
+* ``sync_guard`` - the lock rotation and Hub sync share, and the record of what a sync verified.
 
 The names below are the package's public surface; ``from ds_trhash import checkpoints as ckpt``
 then ``ckpt.save_checkpoint(...)``. This package imports ``ds_trhash.io`` and (lazily, for
@@ -54,6 +55,7 @@ from ds_trhash.checkpoints.store import (
     checkpoints_root,
     list_checkpoints,
     rotate,
+    rotate_unless_syncing,
     save_checkpoint,
     step_dir_name,
     verify,

@@ -407,6 +407,8 @@ def export_checkpoint(
         "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
         "framework_commit": trainer_state.get("framework_commit"),
         "backends_used": trainer_state.get("backends_used"),
+        # what `ds-trhash eval heldout` packs the eval partition with by default
+        "packing_policy": (trainer_state.get("training_critical") or {}).get("data.packing.policy"),
     }
     if forced is not None:
         extra["tokenizer_forced"] = forced

@@ -231,6 +231,8 @@ class CheckpointSection:
     every_steps: int | None = _f(None, check=_optional(_positive))
     keep_last: int | None = _f(3, check=_optional(_positive))
     packs: int | None = _f(40, check=_optional(_positive))
+    # a Hub sync runs beside training: rotation deletes only checkpoints it verified on the Hub
+    keep_unsynced: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,10 @@ class StepBatches(Protocol):
 class TrainState:
     step: int  # optimizer steps completed
     total_steps: int
-    epoch: int = 0
+    epoch: int = 0  # the epoch being trained, from 0; in on_epoch_end the one just finished
+    # epochs completed after ``step`` (0 = the source checkpoint). Every record of an epoch
+    # (console, metrics.csv, piqa.jsonl, checkpoints, selection.json) uses this number.
+    epochs_done: int = 0
     tokens_seen: int = 0  # input tokens over all ranks
     supervised_seen: int = 0
     stop_requested: bool = False
@@ -189,9 +192,9 @@ def run(
     vocab_size: int | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
+    state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)
-    state.epoch = batches.epoch_of(state.step)
     while state.step < state.total_steps and not state.stop_requested:
         epoch = batches.epoch_of(state.step)
         t0 = time.perf_counter()
@@ -201,9 +204,10 @@ def run(
         state.step += 1
         state.tokens_seen += stats["tokens"]
         state.supervised_seen += stats["supervised_tokens"]
+        next_epoch = state.epochs_done = batches.epoch_of(state.step)
         metrics = StepMetrics({
             "step": state.step,
-            "epoch": epoch,
+            "epoch": state.epochs_done,
             "lr": lr,
             "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
             "step_time": dt,
@@ -216,7 +220,6 @@ def run(
         state.last = metrics
         for cb in callbacks:
             cb.on_step_end(state, metrics)
-        next_epoch = batches.epoch_of(state.step)
         if next_epoch != epoch:
             state.epoch = epoch
             for cb in callbacks:

@@ -303,7 +303,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "stage": cfg.stage,
             "family": cfg.model.family,
             "step": st.step,
-            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
+            "epoch": st.epochs_done,  # epochs completed at this step, as in every other record
             "total_steps": st.total_steps,
             "data_cursor": data.batches.cursor(st.step),
             "tokens_seen": st.tokens_seen,
@@ -315,7 +315,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "plan_doc": data.plan.doc if data.plan is not None else None,
             "init_checkpoint": str(init_dir) if init_dir else None,
             "lora": cfg.lora.enabled,
-            "backends_used": model.backends_used(),
+            "backends_used": model.backends_used(),  # the checkpointing callback passes the training step's
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,

@@ -93,6 +93,8 @@ def test_wrong_type_names_expected_type(tmp_path):
     assert "expected an integer" in err.problem
     _, err = error(tmp_path, {**TINY, "lora": {"enabled": 1}})
     assert "true or false" in err.problem
+    _, err = error(tmp_path, {**TINY, "checkpoint": {"keep_unsynced": "yes"}})
+    assert err.key == "checkpoint.keep_unsynced" and "true or false" in err.problem
     _, err = error(tmp_path, {**TINY, "data": {"seq_len": 128.0}})
     assert err.key == "data.seq_len"
     _, err = error(tmp_path, {**TINY, "optimizer": {"betas": [0.9]}})
