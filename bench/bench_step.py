@@ -11,7 +11,7 @@ CPU smoke run (checks that every code path runs; the figures mean nothing):
         --steps 2 --precision fp32 --json /tmp/bench_step.json
 
 Cases (``--cases``, comma separated, run in the order given, all in this one process; the
-default order is engine, manual, compile, eager, engine_compile):
+default order is engine, manual, compile, eager, engine_compile, engine_compile_model):
 
 eager           what a user writes with plain PyTorch: the model with its default backends
                 (PyTorch experts, chunked CE, PyTorch norm/RoPE), weights in the run dtype
@@ -31,12 +31,12 @@ engine          the project's path: ``engine.build_engine`` on a TrainConfig fro
                 the command line, grad_accum 1, ZeRO ``--zero`` (1), kernels policy from the
                 config (auto: Triton experts + Liger loss/norm/RoPE on CUDA when they import);
                 steps run through ``ds_trhash.training.loop.train_step``, as the trainer does.
-engine_compile  the engine path with the dense parts compiled: every decoder layer is
-                ``Module.compile()``d in place, with the routed-experts call excluded from the
-                graph (``torch.compiler.disable``: it stays the Triton kernel) and norm/RoPE
-                switched to PyTorch so that inductor fuses them; the loss stays Liger.
-                Exploratory; it patches ``ds_trhash.model.transformer.routed_experts`` in this
-                process only, for this case only.
+engine_compile  the engine path with ``kernels.compile: layers``, as the trainer builds it: every
+                decoder layer compiled in place with inductor (``ds_trhash.model.compile``),
+                the routed experts inside the graph as their custom op (Triton on CUDA), Liger
+                loss/norm/RoPE kept where the policy chose them.
+engine_compile_model  the same with ``kernels.compile: model``: the whole model, loss included,
+                one graph.
 
 Per case: ``--warmup`` untimed steps (compilation, Triton autotuning), then ``--steps`` timed
 steps, each between two ``torch.cuda.synchronize()``; median step time, tokens/s, model
@@ -80,16 +80,18 @@ DEFAULT_CONFIG = REPO / "ds_configs" / "200m" / "pretrain.yaml"
 
 #: Default order: the project's path first, on a clean allocator and before anything can run
 #: out of time; the slow-to-compile cases after the baselines they are compared with.
-CASES = ("engine", "manual", "compile", "eager", "engine_compile")
+CASES = ("engine", "manual", "compile", "eager", "engine_compile", "engine_compile_model")
 LABELS = {
     "eager": "plain PyTorch, eager",
     "compile": "plain PyTorch, torch.compile",
     "manual": "plain loop, engine kernels + fp32 master",
     "engine": "DeepSpeed engine (project path)",
-    "engine_compile": "engine + compiled dense parts",
+    "engine_compile": "engine, kernels.compile=layers",
+    "engine_compile_model": "engine, kernels.compile=model",
 }
-COMPILE_CASES = ("compile", "engine_compile")
-ENGINE_CASES = ("engine", "engine_compile")
+#: kernels.compile of each engine case
+ENGINE_CASES = {"engine": "none", "engine_compile": "layers", "engine_compile_model": "model"}
+COMPILE_CASES = ("compile", "engine_compile", "engine_compile_model")
 
 #: Training FLOPs per token of the 200m preset at sequence 2,048 (the speed issue's constant).
 FLOPS_PER_TOKEN_200M_2048 = 1.35e9
@@ -346,21 +348,21 @@ def build_manual(ctx: Ctx, holder: dict):
     return step, {"kernel_choice": choice.to_dict()}
 
 
-def build_engine_case(ctx: Ctx, compile_dense: bool, holder: dict):
-    """Cases engine / engine_compile: build_engine as the trainer does, steps via loop.train_step."""
-    from ds_trhash.model import backend
+def build_engine_case(ctx: Ctx, compile_mode: str, holder: dict):
+    """Cases engine*: the trainer's build order (resolve, self-check, apply, compile_model,
+    build_engine), steps via loop.train_step."""
+    from ds_trhash.model import backend, selfcheck
+    from ds_trhash.model.compile import compile_model
     from ds_trhash.training import loop
     from ds_trhash.training.engine import build_engine, check_runnable
 
     cfg = ctx.train_cfg
     check_runnable(cfg, 1)
     model = ctx.new_model()
-    choice = ctx.kernel_choice()
+    choice = selfcheck.verify(ctx.kernel_choice(), cfg.kernels.policy, ctx.device, ctx.model_cfg,
+                              dtype=ctx.dtype, require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
-    notes = []
-    if compile_dense:
-        _compile_dense_parts(model, holder)
-        notes.append("decoder layers compiled (experts call excluded); norm/rope set to pytorch")
+    compile_model(model, compile_mode)
     model = model.to(ctx.device)
     holder["model"] = model
     total = ctx.args.warmup + ctx.args.steps
@@ -372,24 +374,7 @@ def build_engine_case(ctx: Ctx, compile_dense: bool, holder: dict):
     def step():
         return loop.train_step(eng.engine, batches, device, 1)["loss"]
 
-    return step, {"kernel_choice": choice.to_dict(), "notes": notes}
-
-
-def _compile_dense_parts(model, holder: dict) -> None:
-    """Compile each decoder layer in place, leaving the routed-experts call to its kernel."""
-    import torch._dynamo
-
-    from ds_trhash.model import transformer
-
-    for key in ("recompile_limit", "cache_size_limit"):  # 16 layers of one class; keep room
-        if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, max(64, getattr(torch._dynamo.config, key)))
-    original = transformer.routed_experts
-    holder["restore"] = lambda: setattr(transformer, "routed_experts", original)
-    transformer.routed_experts = torch.compiler.disable(original)
-    model.set_backends(norm="pytorch", rope="pytorch")
-    for layer in model.layers:
-        layer.compile()
+    return step, {"kernel_choice": choice.to_dict(), "compile": compile_mode}
 
 
 def run_case(name: str, ctx: Ctx, tokens_per_step: int) -> dict:
@@ -414,7 +399,7 @@ def run_case(name: str, ctx: Ctx, tokens_per_step: int) -> dict:
         elif name == "manual":
             step, info = build_manual(ctx, holder)
         else:
-            step, info = build_engine_case(ctx, name == "engine_compile", holder)
+            step, info = build_engine_case(ctx, ENGINE_CASES[name], holder)
         res.update(info)
         res["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -448,9 +433,6 @@ def run_case(name: str, ctx: Ctx, tokens_per_step: int) -> dict:
         if device.type == "cuda":
             res["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     finally:
-        restore = holder.pop("restore", None)
-        if restore is not None:
-            restore()
         holder.clear()
         step = info = None  # noqa: F841 - drop the closures holding model and optimizer
         free_memory(device)
@@ -529,18 +511,18 @@ def print_report(report: dict) -> None:
     print(f"FLOPs/token: {m['flops_per_token']:.4g} ({m['flops_source']})")
     print(f"peak: measured {peak['tflops']:.4g} TFLOP/s ({peak['size']}^3 {peak['dtype']} matmul), nominal "
           f"{_fmt(m['nominal_tflops'], '.1f', 'unknown')}{' TFLOP/s' if m['nominal_tflops'] else ''}")
-    head = (f"{'case':<16}{'status':<8}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU meas':>9}"
+    head = (f"{'case':<22}{'status':<8}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU meas':>9}"
             f"{'MFU nom':>8}{'peak GiB':>9}{'before':>7}  backends")
     print("\n" + head)
     print("-" * len(head))
     for r in report["cases"].values():
         if r["status"] != "ok":
             why = r.get("reason") or r.get("error", "")
-            print(f"{r['case']:<16}{r['status']:<8}  {why[:110]}")
+            print(f"{r['case']:<22}{r['status']:<8}  {why[:110]}")
             continue
         b = r.get("backends") or {}
         backends = " ".join(f"{k}={v}" for k, v in b.items())
-        print(f"{r['case']:<16}{'ok':<8}{r['step_s_median'] * 1e3:>10.2f}{r['tokens_per_s']:>12,.0f}"
+        print(f"{r['case']:<22}{'ok':<8}{r['step_s_median'] * 1e3:>10.2f}{r['tokens_per_s']:>12,.0f}"
               f"{r['model_tflops']:>9.3g}{_fmt(r['mfu_measured'], '.1%'):>9}{_fmt(r['mfu_nominal'], '.1%'):>8}"
               f"{_fmt(r.get('peak_gib'), '.2f'):>9}{_fmt(r.get('mem_before_gib'), '.2f'):>7}  {backends}")
     for name, c in report["comparisons"].items():
@@ -560,7 +542,7 @@ def print_report(report: dict) -> None:
         for t in report["targets"]:
             v = t["value"]
             shown = "-" if v is None else (f"{v:+.1%}" if "overhead" in t["target"] else f"{v:,.3g}")
-            print(f"  {t['case']:<16}{t['target']:<42}{shown:>12}  {t['verdict']}")
+            print(f"  {t['case']:<22}{t['target']:<42}{shown:>12}  {t['verdict']}")
     for r in report["cases"].values():
         if r["status"] in ("error", "oom"):
             print(f"\n--- {r['case']} {r['status']}: {r['error']}\n{r.get('traceback', '')}")

@@ -14,7 +14,9 @@ from ds_trhash import demo
 from ds_trhash.data import commands as data_commands
 from ds_trhash.data import sft_commands
 from ds_trhash.eval import commands as eval_commands
+from ds_trhash.ops import commands as ops_commands
 from ds_trhash.release import commands as release_commands
+from ds_trhash.report import commands as report_commands
 
 
 def _register_all(sub) -> None:
@@ -22,6 +24,8 @@ def _register_all(sub) -> None:
     sft_commands.register(sub)
     eval_commands.register(sub)
     release_commands.register(sub)
+    report_commands.register(sub)
+    ops_commands.register(sub)
     demo.register(sub)
 
 

@@ -86,7 +86,10 @@ def run_demo(root: Path, nproc: int, configs: Path) -> int:
         if evals:
             print(f"{'held-out':>22}: " + " → ".join(f"{e:.4f}" for e in evals)
                   + "  (source checkpoint, then each epoch)")
-    print(f"outputs under {root}; export with: ds-trhash export --checkpoint {root}/tiny-sft/best --out <dir>")
+    print(f"outputs under {root}; the SFT result is {root}/tiny-sft/best")
+    print(f"export with:   ds-trhash export --checkpoint {root}/tiny-sft/best --out <dir>")
+    print(f"generate with: ds-trhash generate --model {root}/tiny-sft/best --chat \"What does the Python "
+          f"reference say about the for statement?\"")
     return 0
 
 

@@ -57,6 +57,18 @@ def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> s
     return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
 
 
+def read_json_object(path: PathLike, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object in ``path``; ``error(message naming the file)`` when the text is not JSON or
+    not an object (a missing file raises FileNotFoundError as usual)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path} does not hold a JSON object")
+    return doc
+
+
 def write_json(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = True, fsync: bool = True,
                indent: int | None = 2) -> None:
     """Write ``doc`` to ``path`` in place (for files inside a temporary directory that is published
@@ -68,20 +80,36 @@ def write_json(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool 
             os.fsync(fh.fileno())
 
 
-def write_json_atomic(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = False,
-                      fsync: bool = True, indent: int | None = 2) -> None:
-    """Replace ``path`` with ``doc`` in one step: written beside it under a per-process temporary
-    name, fsynced, then renamed over it. A crash leaves the old file (or none), never half a file."""
+def write_text_atomic(path: PathLike, text: str, *, mode: int | None = None, fsync: bool = True) -> None:
+    """Replace ``path`` with ``text`` in one step: written beside it under a per-process temporary
+    name, fsynced, then renamed over it. A crash leaves the old file (or none), never half a file.
+
+    ``mode`` (e.g. 0o600 for a file only its owner may read) is given to the temporary when it is
+    created, so the content is never readable by others, not even before the rename; None keeps
+    the usual permissions (0o666 less the umask)."""
     out = Path(path)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
-        write_json(tmp, doc, sort_keys=sort_keys, fsync=fsync, indent=indent)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)  # the mode given to os.open is filtered by the umask
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if fsync:
         fsync_path(out.parent)
+
+
+def write_json_atomic(path: PathLike, doc: Mapping[str, Any] | Any, *, sort_keys: bool = False,
+                      fsync: bool = True, indent: int | None = 2) -> None:
+    """``doc`` in the project's JSON layout, replacing ``path`` in one step (write_text_atomic)."""
+    write_text_atomic(path, json_text(doc, indent=indent, sort_keys=sort_keys), fsync=fsync)
 
 
 def publish_dir(tmp: PathLike, final: PathLike, *, replace: bool = True, fsync: bool = True) -> None:

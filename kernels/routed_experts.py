@@ -19,7 +19,7 @@ Design (see docs/kernels.md):
   writes h, g, u in sorted order), ``_grouped_mm_kernel`` (h @ down_e, sorted rows), and
   ``_pair_reduce_kernel`` (y[n] = w0 * out[inv[2n]] + w1 * out[inv[2n+1]]; deterministic, no
   atomics).
-* Backward (torch.autograd.Function): dh = w_slot * dy[tok] @ down_e^T with the SwiGLU
+* Backward (a custom op registered as the forward's autograd formula): dh = w_slot * dy[tok] @ down_e^T with the SwiGLU
   backward fused in the epilogue (``_grouped_mm_kernel`` with A read through the index),
   dgate/dup/ddown as split-K grouped weight-gradient GEMMs (``_grouped_dw_kernel``, fp32
   partials summed in a fixed order: deterministic), dx = [dg | du] @ [gate_e | up_e]^T per
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["routed_experts_triton", "TOP_K", "MAX_EXPERT_WIDTH", "SUPPORTED_DTYPES"]
+__all__ = ["routed_experts_triton", "reset_autotuning", "TOP_K", "MAX_EXPERT_WIDTH", "SUPPORTED_DTYPES"]
 
 TOP_K = 2
 #: Widest expert for which the policy picks this kernel (one block holds the whole W).
@@ -432,48 +432,102 @@ def _launch_pair_reduce(src, inv, T, weights, out_dtype):
 # --------------------------------------------------------------------------------------------
 
 
-class _RoutedExpertsFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, routes, gate, up, down, w0, w1):
-        N, H = x.shape
-        E, _, W = gate.shape
-        order, inv, offsets = _sort_assignments(routes, E)
-        h, g, u = _launch_gate_up(x, order, offsets, gate, up)
-        out_sorted = _launch_grouped_mm(h, order, offsets, down, H)
-        y = _launch_pair_reduce(out_sorted, inv, N, (w0, w1), x.dtype)
-        ctx.save_for_backward(x, gate, up, down, order, inv, offsets, h, g, u)
-        ctx.weights = (w0, w1)
-        return y
+# The forward and backward are ``torch.library`` custom ops (fake implementations give their
+# output shapes, which never depend on the routes), so ``torch.compile(fullgraph=True)`` of a layer
+# or a model keeps each call as one node. The forward also returns the SwiGLU tensors h, g, u
+# [2N, W] that the backward needs; the assignment sort is recomputed there (integer work on 2N
+# ids, cheaper than keeping three more tensors for the whole step).
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, gate, up, down, order, inv, offsets, h, g, u = ctx.saved_tensors
-        w = ctx.weights
-        N, H = x.shape
-        E, _, W = gate.shape
-        dy = dy.contiguous().to(x.dtype)
-        need_x, _, need_gate, need_up, need_down = ctx.needs_input_grad[:5]
 
-        d_x = d_gate = d_up = d_down = None
-        if need_down:
-            # d_down[e] = sum_r h[r]^T (w_slot(r) * dy[tok(r)])
-            d_down = _launch_grouped_dw(h, dy, order, offsets, E, a_indirect=False,
-                                        b_indirect=True, weights=w).to(down.dtype)
-        if need_x or need_gate or need_up:
-            # dgu[r] = [dg | du] with dh = w_slot * dy[tok] @ down_e^T, SwiGLU backward fused.
-            down_t = down.transpose(1, 2)  # [E, H, W] view: B_e = down_e^T
-            dgu = _launch_grouped_mm(dy, order, offsets, down_t, W, a_indirect=True,
-                                     weights=w, swiglu=(g, u))
-            if need_gate or need_up:
-                d_gu = _launch_grouped_dw(x, dgu, order, offsets, E, a_indirect=True,
-                                          b_indirect=False)  # [E, H, 2W]
-                d_gate = d_gu[:, :, :W].to(gate.dtype) if need_gate else None
-                d_up = d_gu[:, :, W:].to(up.dtype) if need_up else None
-            if need_x:
-                gu_t = torch.cat([gate, up], dim=2).transpose(1, 2)  # [E, 2W, H] view
-                dx_sorted = _launch_grouped_mm(dgu, order, offsets, gu_t, H)
-                d_x = _launch_pair_reduce(dx_sorted, inv, N, (1.0, 1.0), x.dtype)
-        return d_x, None, d_gate, d_up, d_down, None, None
+@torch.library.custom_op("ds_trhash::routed_experts_triton", mutates_args=())
+def _forward_op(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor, w0: float,
+                w1: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_route_values(routes, gate.shape[0])
+    N, H = x.shape
+    order, inv, offsets = _sort_assignments(routes, gate.shape[0])
+    h, g, u = _launch_gate_up(x, order, offsets, gate, up)
+    out_sorted = _launch_grouped_mm(h, order, offsets, down, H)
+    y = _launch_pair_reduce(out_sorted, inv, N, (w0, w1), x.dtype)
+    return y, h, g, u
+
+
+@_forward_op.register_fake
+def _(x, routes, gate, up, down, w0, w1):
+    m, w = routes.numel(), gate.shape[2]
+    return (torch.empty_like(x), x.new_empty((m, w)), x.new_empty((m, w)), x.new_empty((m, w)))
+
+
+@torch.library.custom_op("ds_trhash::routed_experts_triton_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
+                 up: torch.Tensor, down: torch.Tensor, h: torch.Tensor, g: torch.Tensor,
+                 u: torch.Tensor, w0: float, w1: float, need_x: bool,
+                 need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dgate, dup, ddown); a gradient not asked for comes back as an empty tensor."""
+    N, H = x.shape
+    E, _, W = gate.shape
+    w = (w0, w1)
+    order, inv, offsets = _sort_assignments(routes, E)
+    dy = dy.contiguous().to(x.dtype)
+    d_x = d_gate = d_up = d_down = x.new_empty(0)
+    if need_weights:
+        # d_down[e] = sum_r h[r]^T (w_slot(r) * dy[tok(r)])
+        d_down = _launch_grouped_dw(h, dy, order, offsets, E, a_indirect=False,
+                                    b_indirect=True, weights=w).to(down.dtype)
+    # dgu[r] = [dg | du] with dh = w_slot * dy[tok] @ down_e^T, SwiGLU backward fused.
+    down_t = down.transpose(1, 2)  # [E, H, W] view: B_e = down_e^T
+    dgu = _launch_grouped_mm(dy, order, offsets, down_t, W, a_indirect=True, weights=w, swiglu=(g, u))
+    if need_weights:
+        d_gu = _launch_grouped_dw(x, dgu, order, offsets, E, a_indirect=True, b_indirect=False)  # [E, H, 2W]
+        d_gate = d_gu[:, :, :W].to(gate.dtype).contiguous()
+        d_up = d_gu[:, :, W:].to(up.dtype).contiguous()
+    if need_x:
+        gu_t = torch.cat([gate, up], dim=2).transpose(1, 2)  # [E, 2W, H] view
+        dx_sorted = _launch_grouped_mm(dgu, order, offsets, gu_t, H)
+        d_x = _launch_pair_reduce(dx_sorted, inv, N, (1.0, 1.0), x.dtype)
+    return d_x, d_gate, d_up, d_down
+
+
+@_backward_op.register_fake
+def _(dy, x, routes, gate, up, down, h, g, u, w0, w1, need_x, need_weights):
+    def grad_like(t, needed):
+        return torch.empty_like(t) if needed else t.new_empty(0)
+
+    return (grad_like(x, need_x), grad_like(gate, need_weights), grad_like(up, need_weights),
+            grad_like(down, need_weights))
+
+
+def _setup_context(ctx, inputs, output):
+    x, routes, gate, up, down, w0, w1 = inputs
+    _, h, g, u = output
+    ctx.mark_non_differentiable(h, g, u)
+    ctx.save_for_backward(x, routes, gate, up, down, h, g, u)
+    ctx.weights = (w0, w1)
+
+
+def _backward(ctx, dy, _dh, _dg, _du):
+    x, routes, gate, up, down, h, g, u = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_x, need_weights = need[0], need[2] or need[3] or need[4]
+    d_x, d_gate, d_up, d_down = _backward_op(dy, x, routes, gate, up, down, h, g, u, *ctx.weights,
+                                             need_x, need_weights)
+    return (d_x if need_x else None, None, d_gate if need[2] else None,
+            d_up if need[3] else None, d_down if need[4] else None, None, None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_route_values(routes: torch.Tensor, E: int) -> None:
+    """Routes must name experts in [0, E); checked inside the op, where values exist."""
+    if not routes.numel():
+        return
+    if routes.device.type == "cuda":
+        # Device-side check: no host synchronisation on the training path.
+        torch._assert_async(((routes >= 0) & (routes < E)).all(),
+                            "routed_experts_triton: a route is outside [0, E)")
+    elif bool(((routes < 0) | (routes >= E)).any()):
+        raise ValueError(f"routed_experts_triton: routes must lie in [0, {E}), got values outside")
 
 
 def _check(x, routes, gate, up, down, weights):
@@ -504,13 +558,6 @@ def _check(x, routes, gate, up, down, weights):
         raise RuntimeError(
             "routed_experts_triton needs a CUDA device, or TRITON_INTERPRET=1 set before triton "
             "is first imported (CPU interpreter, fp32/fp16 only)")
-    if routes.numel():
-        if routes.device.type == "cuda":
-            # Device-side check: no host synchronisation on the training path.
-            torch._assert_async(((routes >= 0) & (routes < E)).all(),
-                                "routed_experts_triton: a route is outside [0, E)")
-        elif bool(((routes < 0) | (routes >= E)).any()):
-            raise ValueError(f"routed_experts_triton: routes must lie in [0, {E}), got values outside")
 
 
 def routed_experts_triton(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
@@ -527,6 +574,13 @@ def routed_experts_triton(x: torch.Tensor, routes: torch.Tensor, gate: torch.Ten
     if N == 0:
         # Nothing routed: keep the graph connected so the weights still get (zero) grads.
         return x.new_zeros((0, H)) + 0.0 * (x.sum() + gate.sum() + up.sum() + down.sum())
-    return _RoutedExpertsFn.apply(
-        x.contiguous(), routes.contiguous(), gate.contiguous(), up.contiguous(),
-        down.contiguous(), weights[0], weights[1])
+    y, _, _, _ = _forward_op(x.contiguous(), routes.contiguous(), gate.contiguous(), up.contiguous(),
+                             down.contiguous(), weights[0], weights[1])
+    return y
+
+
+def reset_autotuning() -> None:
+    """Forget the tuned configs, e.g. after a start-up check on a batch far smaller than training's
+    (the autotune keys hold the widths, not the row count)."""
+    for kernel in (_gate_up_kernel, _grouped_mm_kernel, _grouped_dw_kernel, _pair_reduce_kernel):
+        kernel.cache.clear()

@@ -7,7 +7,7 @@ from ds_trhash.cli import build_parser, main
 
 def test_every_subcommand_group_is_registered():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert {"data", "sft", "eval", "export", "sync", "report", "demo"} <= set(sub.choices)
+    assert {"data", "sft", "eval", "export", "sync", "report", "generate", "demo"} <= set(sub.choices)
 
 
 def test_a_command_runs_and_returns_its_exit_code(tmp_path, capsys):

@@ -25,6 +25,10 @@ FORBIDDEN = {
     "checkpoints": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.data"),
     "model": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.checkpoints", "ds_trhash.data"),
     "data": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.checkpoints"),
+    "ops": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.checkpoints",
+            "ds_trhash.data", "ds_trhash.model", "ds_trhash.run"),
+    "report": ("ds_trhash.eval", "ds_trhash.run", "ds_trhash.ops"),
+    "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run"),
     "kernels": ("ds_trhash.",),
     "io.py": ("ds_trhash.",),
 }

@@ -50,6 +50,30 @@ TEMPLATE_DESCRIPTION: dict[str, Any] = {
     "supervision": SUPERVISION_MODES[0],
 }
 
+# The same template as Jinja, for Hugging Face tokenizers (an export's tokenizer_config.json):
+# `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` renders exactly
+# what render_text does (tests hold the two byte-identical). Jinja's `trim` is Python's
+# str.strip, as in normalize(); every tag strips its surrounding whitespace, so the template's
+# own layout never reaches the output. `eos_token` is the tokenizer's ("</s>").
+CHAT_TEMPLATE_JINJA = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unknown role ' ~ message['role'] ~ '; allowed roles: system, user, assistant') -}}"
+    "{%- endif -%}"
+    "{%- if message['content'] is not string -%}"
+    "{{- raise_exception('message content must be a string') -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] | trim -%}"
+    "{%- if content -%}"
+    "{%- if message['role'] == 'system' -%}{{- 'System:\\n' + content + '\\n\\n' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- 'User:\\n' + content + '\\n\\n' -}}"
+    "{%- else -%}{{- 'Assistant:\\n' + content + eos_token -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'Assistant:\\n' -}}{%- endif -%}"
+)
+
 
 class ChatError(ValueError):
     """A conversation the template cannot render or supervise.

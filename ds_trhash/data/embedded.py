@@ -135,6 +135,11 @@ def _conversations(topics: dict[str, str]) -> Iterator[list[dict]]:
             yield [system(), {"role": "user", "content": prompt}, {"role": "assistant", "content": _answer(sentences[1:])}]
 
 
+def demo_conversations() -> list[list[dict]]:
+    """Every conversation the demo chat sets are drawn from (before the length filter and split)."""
+    return list(_conversations(_topics()))
+
+
 def _chat_tokens(tokenizer, messages: list[dict]) -> int:
     """Token count under the complexity-chat-v2 layout (role headers, EOS per assistant turn)."""
     text = "".join(f"{m['role'].capitalize()}:\n{m['content'].strip()}\n\n" for m in messages)

@@ -23,7 +23,7 @@ from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
-from ds_trhash.io import sha256_file, write_json_atomic
+from ds_trhash.io import read_json_object, sha256_file, write_json_atomic
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
 EXIT_ERROR = 2
@@ -38,13 +38,7 @@ class EvalCommandError(ValueError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise EvalCommandError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise EvalCommandError(f"{path} does not hold a JSON object")
-    return doc
+    return read_json_object(path, EvalCommandError)
 
 
 def recorded_model_config(checkpoint: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
@@ -68,7 +62,7 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
     if recorded is not None:
         if preset is not None:
             print(f"note: --preset {preset} ignored; the model config recorded in {source} is used", file=sys.stderr)
-        return TRHashConfig.from_dict(recorded), source
+        return TRHashConfig.from_saved(recorded), source
     if preset is None:
         raise EvalCommandError(f"{checkpoint} records no model config (no trainer_state.json model_config, no "
                                "config.json); pass --preset tiny|200m")

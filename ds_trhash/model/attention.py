@@ -6,21 +6,29 @@ q_proj/v_proj as modules); the released fused layout is exposed through fused_qk
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
+from .autocast import autocast_dtype
 from .config import TRHashConfig
 from .norms import RMSNorm
 
 ROPE_BACKENDS = ("pytorch", "liger")
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """fp32 [D/2] rotary frequencies; exports persist them as ``self_attn.rotary_emb.inv_freq``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, T, D] built in fp32: bf16 angles at position ~2k lose whole radians."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                              dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)  # rotate-half pairs i with i + D/2
     return angles.cos()[:, None], angles.sin()[:, None]
@@ -35,11 +43,123 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T], True = may attend: causal and same document (packed SFT rows)."""
+    """bool [B, 1, T, T], True = may attend: causal and same document (packed SFT rows).
+
+    The dense reference for document_block_mask; the model itself never builds it."""
     t = document_ids.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
     same_doc = document_ids[:, :, None] == document_ids[:, None, :]
     return (same_doc & causal)[:, None]
+
+
+#: Query/key block of the document block mask (flex attention's default tile).
+DOC_BLOCK = 128
+
+
+def document_block_mask(document_ids: torch.Tensor, block: int = DOC_BLOCK) -> BlockMask:
+    """Flex-attention BlockMask of document_mask, built from per-block document ranges.
+
+    Nothing of size [T, T] is made: each (query block i, key block j) is classified from the
+    smallest and largest document id in the two blocks ([B, T/block, T/block] work), and the
+    exact rule (same document, causal) is the mask_mod applied inside the partial blocks only.
+    Empty: j > i, or the two blocks' id ranges are disjoint (no shared document possible).
+    Full: j < i and both blocks lie entirely inside one and the same document.
+    Everything else is partial, which is always correct (the mask_mod decides there).
+    """
+    b, t = document_ids.shape
+    nb = -(-t // block)
+    pad = nb * block - t
+    docs = document_ids.long()
+    # a cut-short last block repeats its last id: its range is then that of its real positions
+    blocks = torch.cat((docs, docs[:, -1:].expand(b, pad)), dim=1).view(b, nb, block)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)  # [B, nb]
+    q_lo, q_hi, k_lo, k_hi = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
+    idx = torch.arange(nb, device=docs.device)
+    below = idx[None, :, None] > idx[None, None, :]  # j < i: [1, nb, nb]
+    causal = idx[None, :, None] >= idx[None, None, :]
+    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
+    whole = torch.ones(nb, dtype=torch.bool, device=docs.device)
+    if pad:
+        whole[-1] = False  # the last block is cut short: never a full block
+    single = (lo == hi) & whole[None]
+    full = below & single[:, :, None] & single[:, None, :] & (q_lo == k_lo)
+    partial = causal & overlap & ~full
+    padded = F.pad(docs, (0, pad), value=-1)  # the kernels may index up to the block end
+
+    def same_document_causal(b_idx, h_idx, q_idx, kv_idx):
+        return (padded[b_idx, q_idx] == padded[b_idx, kv_idx]) & (q_idx >= kv_idx)
+
+    def ordered(dense):  # [B, nb, nb] bool -> counts [B, 1, nb], indices [B, 1, nb, nb]
+        counts = dense.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+        return counts[:, None], indices.to(torch.int32)[:, None]
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=same_document_causal, seq_lengths=(t, t))
+
+
+@dataclass
+class DocumentMask:
+    """Packed rows' attention mask in the forms the attention paths use; never [T, T].
+
+    document_ids [B, T] drives the query-blockwise path (CPU: flex attention cannot train
+    there in torch 2.13, its backward is CUDA-only); block_mask is flex attention's
+    block-sparse form (built on CUDA, or on request for inference).
+    """
+
+    document_ids: torch.Tensor
+    block_mask: BlockMask | None = None
+
+
+def build_document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> DocumentMask:
+    """One mask per forward, shared by every layer; flex defaults to "on CUDA"."""
+    if flex is None:
+        flex = document_ids.device.type == "cuda"
+    return DocumentMask(document_ids, document_block_mask(document_ids) if flex else None)
+
+
+def _blockwise_document_attention(q, k, v, document_ids, scale, enable_gqa, block=DOC_BLOCK):
+    """Same result as SDPA with document_mask, one query block at a time.
+
+    Query block [s, e) sees keys [0, e) (causal prefix) through a [B, 1, e - s, e] mask made
+    from the document ids; the block runs under activation checkpointing so that its mask is
+    rebuilt in backward instead of being kept: the masks alive at once stay [B, 1, block, T].
+    """
+    t = q.shape[2]
+    positions = torch.arange(t, device=q.device)
+
+    def one_block(qb, kb, vb, docs, start):
+        stop = start + qb.shape[2]
+        mask = (docs[:, start:stop, None] == docs[:, None, :stop]) \
+            & (positions[start:stop, None] >= positions[None, :stop])
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], scale=scale,
+                                              enable_gqa=enable_gqa)
+
+    # each block is copied into one output as it is made: no list of blocks plus their concatenation
+    out = q.new_empty(q.shape[:3] + v.shape[3:])  # [B, heads, T, D]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    for start in range(0, t, block):
+        stop = min(start + block, t)
+        args = (q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], document_ids, start)
+        out[:, :, start:stop] = checkpoint(one_block, *args, use_reentrant=False) if grad else one_block(*args)
+    return out
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask, scale, enable_gqa):
+    """flex_attention, compiled into a fused kernel on CUDA (eager flex is an unfused reference
+    that materialises the scores). Inside an outer torch.compile the plain call is traced and
+    fused by that compile, on CPU too; eager CPU runs the unfused reference."""
+    global _compiled_flex
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class TRHashAttention(nn.Module):
@@ -98,14 +218,23 @@ class TRHashAttention(nn.Module):
         return q, k
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
+                attn_mask: torch.Tensor | DocumentMask | None) -> torch.Tensor:
+        """attn_mask: None (causal), a dense bool [B, 1, T, T] (reference) or a DocumentMask."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
         q, k = self._rope(q, k, cos, sin)  # [B, heads, T, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        if isinstance(attn_mask, DocumentMask) and attn_mask.block_mask is not None:
+            dtype = autocast_dtype(v) or v.dtype  # flex needs one dtype; autocast gives none
+            out = _flex(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask.block_mask,
+                        self.head_dim ** -0.5, gqa)
+        elif isinstance(attn_mask, DocumentMask):
+            out = _blockwise_document_attention(q, k, v, attn_mask.document_ids, self.head_dim ** -0.5, gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                scale=self.head_dim ** -0.5, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))

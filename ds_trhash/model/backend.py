@@ -35,7 +35,7 @@ import importlib
 import inspect
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -65,6 +65,8 @@ class KernelChoice:
     norm: str  # "liger" | "pytorch"
     reason: str
     rope: str = "pytorch"  # "liger" | "pytorch"; passed on only if the model accepts it
+    # component -> "passed" | "failed, using <fallback>: <why>" (ds_trhash.model.selfcheck)
+    self_check: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for field, allowed in (("experts", EXPERT_BACKENDS), ("loss", LOSS_BACKENDS),
@@ -233,6 +235,8 @@ def apply(model: Any, choice: KernelChoice) -> None:
     if "rope" in params:
         kwargs["rope"] = choice.rope
     target.set_backends(**kwargs)
+    if choice.self_check:
+        target.kernel_self_check = dict(choice.self_check)  # reported with the backends that ran
 
 
 def recorded_backends(model: Any) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ROUTE_METHODS = ("token_id_multi_hash",)
+HF_MODEL_TYPE = "tr_hash_moe"  # an export's config.json (transformers' model_type)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,59 @@ class TRHashConfig:
         if unknown:
             raise ValueError(f"unknown TRHashConfig keys {unknown}; allowed: {sorted(known)}")
         return cls(**data)
+
+    @classmethod
+    def from_saved(cls, data: dict[str, Any]) -> "TRHashConfig":
+        """A recorded config in either form: to_dict's, or an export's Hugging Face config.json."""
+        return cls.from_hf_fields(data) if data.get("model_type") == HF_MODEL_TYPE else cls.from_dict(data)
+
+    # The published Hugging Face field names (an export's config.json, model_type "tr_hash_moe").
+    def to_hf_fields(self) -> dict[str, Any]:
+        """This config under the released Hugging Face names, plus the fields the release leaves
+        implicit (head_dim, route_weights, route_seed, loss_chunk_tokens) so it converts back exactly."""
+        return {
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.num_experts * self.expert_width,
+            "shared_intermediate_size": self.shared_width, "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k, "top_k_primary_weight": self.route_weights[0],
+            "route_weights": list(self.route_weights), "routing_strategy": self.route_method,
+            "route_hash_count": self.hash_channels, "route_seed": self.route_seed,
+            "shared_expert": True, "shared_output_scale": self.shared_scale,
+            "routed_output_scale": self.routed_scale, "use_qk_norm": True, "norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_seq_len,
+            "initializer_range": self.init_std, "loss_chunk_tokens": self.loss_chunk_tokens,
+            "tie_word_embeddings": True,
+        }
+
+    @classmethod
+    def from_hf_fields(cls, data: dict[str, Any]) -> "TRHashConfig":
+        """Inverse of to_hf_fields; other keys of a Hugging Face config.json are ignored."""
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "intermediate_size", "shared_intermediate_size", "num_experts")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks {missing}; it is not a tr_hash_moe config")
+        experts = data["num_experts"]
+        if data["intermediate_size"] % experts:
+            raise ValueError(f"intermediate_size {data['intermediate_size']} is not a multiple of num_experts {experts}")
+        primary = float(data.get("top_k_primary_weight", 0.5))
+        fields: dict[str, Any] = {
+            "vocab_size": data["vocab_size"], "hidden_size": data["hidden_size"],
+            "num_layers": data["num_hidden_layers"], "num_heads": data["num_attention_heads"],
+            "num_kv_heads": data["num_key_value_heads"],
+            "head_dim": data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
+            "shared_width": data["shared_intermediate_size"], "num_experts": experts,
+            "expert_width": data["intermediate_size"] // experts, "top_k": data.get("num_experts_per_tok", 2),
+            "route_weights": tuple(data.get("route_weights") or (primary, 1.0 - primary)),
+        }
+        optional = {"shared_output_scale": "shared_scale", "routed_output_scale": "routed_scale",
+                    "max_position_embeddings": "max_seq_len", "rope_theta": "rope_theta", "norm_eps": "norm_eps",
+                    "initializer_range": "init_std", "route_seed": "route_seed", "routing_strategy": "route_method",
+                    "route_hash_count": "hash_channels", "loss_chunk_tokens": "loss_chunk_tokens"}
+        fields.update({ours: data[theirs] for theirs, ours in optional.items() if theirs in data})
+        return cls(**fields)
 
 
 PRESETS: dict[str, TRHashConfig] = {

@@ -21,9 +21,10 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"unknown loss reduction {reduction!r}; allowed: {list(REDUCTIONS)}")
 
 
-def _divisor(labels: torch.Tensor, reduction: str) -> torch.Tensor | float:
+def _divisor(labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    """fp32 scalar on labels' device: kept a tensor so the loss never waits on the host."""
     if reduction == "sum":
-        return 1.0
+        return torch.ones((), dtype=torch.float32, device=labels.device)
     return (labels != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
 
 
@@ -44,7 +45,7 @@ class _ChunkedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens: int, divisor: float):
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, divisor: torch.Tensor):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -56,15 +57,14 @@ class _ChunkedCE(torch.autograd.Function):
             target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
             total += ((chunk_lse - target) * valid).sum()
             lse[start:stop] = chunk_lse
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.save_for_backward(hidden, weight, labels, lse, divisor)
         ctx.chunk_tokens = chunk_tokens
-        ctx.divisor = divisor
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        scale = grad_out.float() / ctx.divisor
+        hidden, weight, labels, lse, divisor = ctx.saved_tensors
+        scale = grad_out.float() / divisor
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         # fp32 accumulator across chunks; skipped when the head is frozen (LoRA).
         grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -76,8 +76,8 @@ class _ChunkedCE(torch.autograd.Function):
             valid = lab != IGNORE_INDEX
             # d loss / d logits = softmax - onehot, reusing the logits buffer in place.
             grad_logits = (h @ weight.t()).float().sub_(lse[start:stop, None]).exp_()
-            rows = valid.nonzero().squeeze(1)
-            grad_logits[rows, lab[rows]] -= 1.0
+            # minus one at each valid target (ignored rows are zeroed below): no data-dependent shape
+            grad_logits.scatter_add_(1, lab.clamp(min=0)[:, None], -valid.to(torch.float32)[:, None])
             grad_logits.mul_((valid.to(torch.float32) * scale)[:, None])
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits.to(weight.dtype) @ weight
@@ -93,7 +93,7 @@ def chunked_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     _check_reduction(reduction)
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    divisor = float(_divisor(labels, reduction))
+    divisor = _divisor(labels, reduction)
     return _ChunkedCE.apply(hidden, weight, labels, chunk_tokens, divisor)
 
 

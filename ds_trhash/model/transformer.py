@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import ROPE_BACKENDS, TRHashAttention, document_mask
+from .attention import ROPE_BACKENDS, DocumentMask, TRHashAttention, build_document_mask
 from .config import TRHashConfig
 from .experts import EXPERT_BACKENDS, routed_experts
 from .loss import LOSS_BACKENDS, tied_ce
@@ -192,7 +192,7 @@ class TRHashDecoderLayer(nn.Module):
         self.mlp = TRHashMoE(config, layer)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
+                attn_mask: torch.Tensor | DocumentMask | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position_ids, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x), input_ids)
 
@@ -206,6 +206,8 @@ class TRHashForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
+        self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
+        self.compile_mode = "none"  # set by ds_trhash.model.compile
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, config.init_std)  # submodules init themselves
 
@@ -251,17 +253,23 @@ class TRHashForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.self_attn.rope_backend = rope
 
-    def backends_used(self) -> dict[str, str | None]:
-        """What ran in the last forward (None: not exercised, e.g. loss when no labels)."""
+    def backends_used(self) -> dict:
+        """What ran in the last forward (None: not exercised, e.g. loss when no labels), plus
+        the kernel self-check's findings and the compile mode when there are any."""
 
         def merged(values: list[str | None]) -> str | None:
             seen = sorted({v for v in values if v is not None})
             return "+".join(seen) if seen else None
 
         norms = [m.last_backend for m in self.modules() if isinstance(m, RMSNorm)]
-        return {"experts": merged([e.last_backend for e in self.engines()]),
+        used = {"experts": merged([e.last_backend for e in self.engines()]),
                 "loss": self.last_loss_backend, "norm": merged(norms),
                 "rope": merged([layer.self_attn.last_rope_backend for layer in self.layers])}
+        if self.kernel_self_check:  # what the startup self-check found (fallbacks say why)
+            used["self_check"] = dict(self.kernel_self_check)
+        if self.compile_mode != "none":
+            used["compile"] = self.compile_mode
+        return used
 
     def _reset_backend_records(self) -> None:
         self.last_loss_backend = None
@@ -279,7 +287,8 @@ class TRHashForCausalLM(nn.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        attn_mask = document_mask(document_ids) if document_ids is not None else None
+        # packed rows: one block-sparse document mask shared by every layer (no [T, T] tensor)
+        attn_mask = build_document_mask(document_ids) if document_ids is not None else None
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, input_ids, position_ids, attn_mask)

@@ -1,4 +1,5 @@
-"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash report`.
+"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash generate` (`ds-trhash report` lives in
+ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors print one line on stderr and return 2.
@@ -11,7 +12,6 @@ import sys
 from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
 from ds_trhash.release import hub
 from ds_trhash.release.hub import SyncError, redact, summary
-from ds_trhash.release.record import RecordError, write_run_record
 
 EXIT_USER_ERROR = 2
 
@@ -60,17 +60,6 @@ def run_sync(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_report(args: argparse.Namespace) -> int:
-    fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
-              "known_limitations": args.limitation or None}
-    try:
-        doc = write_run_record(args.out, run_dir=args.run, export_dir=args.export, **fields)
-    except (RecordError, OSError) as err:
-        return _fail(err)
-    print(f"wrote {args.out} (and run_record.md beside it); unknown: {', '.join(doc['unknown']) or 'none'}")
-    return 0
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     exp = subparsers.add_parser("export", help="export a checkpoint as verified SafeTensors")
     exp.add_argument("--checkpoint", required=True, help="checkpoints/step_<N> directory")
@@ -93,15 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
 
-    rep = subparsers.add_parser("report", help="write the publishable run record (JSON + Markdown)")
-    rep.add_argument("--run", required=True, help="run output directory")
-    rep.add_argument("--out", required=True, help="run_record.json path")
-    rep.add_argument("--export", default=None, help="export directory (for the SafeTensors hash)")
-    rep.add_argument("--selection-rule", default=None,
-                     help="'last' or 'min_eval_loss' (computed), or your own rule text with --selected-checkpoint")
-    rep.add_argument("--selected-checkpoint", default=None)
-    rep.add_argument("--limitation", action="append", default=[], help="a known limitation (repeatable)")
-    rep.set_defaults(func=run_report)
+    from ds_trhash.release import generate
+
+    generate.register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

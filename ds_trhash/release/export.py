@@ -1,13 +1,19 @@
-"""SafeTensors export of a trained model (docs/contracts.md §9).
+"""SafeTensors export of a trained model, loadable by transformers (docs/contracts.md §9).
 
 An export directory holds::
 
-    model.safetensors       every tensor; float tensors in one dtype, route buffers in their
-                            integer dtypes (int64 / uint8 / int32), all vocabulary rows
-    config.json             the model config (TRHashConfig.to_dict, loadable with from_dict)
+    model.safetensors       every tensor; float weights in one dtype, route buffers in their
+                            integer dtypes (int64 / uint8 / int32), each layer's
+                            self_attn.rotary_emb.inv_freq in fp32, all vocabulary rows
+    config.json             Hugging Face config (model_type tr_hash_moe, auto_map); converts
+                            back with TRHashConfig.from_saved
+    configuration_tr_hash_moe.py, modeling_tr_hash_moe.py
+                            the transformers code (trust_remote_code), see release/hf/
+    generation_config.json  eos / pad / bos ids
     run.json                {"stage": ..., "lora": false, ...}: what --init-checkpoint reads
-    tokenizer.json          copied from the run's tokenizer directory (when known)
-    chat_template.*         the chat template (when given)
+    tokenizer.json          copied from the run's tokenizer directory (when known), with
+    tokenizer_config.json,  special_tokens_map.json  (bos/eos/pad/unk, chat_template)
+    chat_template.jinja     the chat template (complexity-chat-v2 unless another is given)
     export_manifest.json    written last: weights SHA-256 / size / dtype / tensor count and
                             the SHA-256 and size of every other file
 
@@ -30,15 +36,16 @@ import torch
 
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
-from ds_trhash.data.chat import TEMPLATE_DESCRIPTION
+from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+from ds_trhash.model.attention import rope_inv_freq
+from ds_trhash.release.hf import bundle as hf_bundle
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 RUN = "run.json"
 TOKENIZER = "tokenizer.json"
-CHAT_TEMPLATE_TEXT = "chat_template.jinja"
 EXPORT_MANIFEST = "export_manifest.json"
 EXPORT_FORMAT = "ds-trhash-export-v1"
 
@@ -53,7 +60,9 @@ ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
     "fused_route_codes": torch.uint8,
     "fused_expert_pairs": torch.int32,
 }
-_TOLERATED_EXTRA_SUFFIX = ".self_attn.rotary_emb.inv_freq"
+# Persisted for transformers (which leaves a buffer absent from the checkpoint uninitialised),
+# always fp32: bf16 frequencies would shift RoPE angles by radians at long positions.
+ROTARY_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 
 
 class ExportError(RuntimeError):
@@ -111,7 +120,7 @@ def _prepare(state_dict: Mapping[str, Any], model_config: Mapping[str, Any],
         raise ExportError(f"embed_tokens.weight has {embed.shape[0]} rows but the model config says vocab_size "
                           f"{vocab!r}; an export keeps every embedding row (a truncated vocabulary is refused)")
     expected = _expected_layout(model_config)
-    present = {k for k in state_dict if not k.endswith(_TOLERATED_EXTRA_SUFFIX)}
+    present = {k for k in state_dict if not k.endswith(ROTARY_SUFFIX)}
     missing = sorted(set(expected) - present)
     extra = sorted(present - set(expected))
     if missing or extra:
@@ -143,6 +152,25 @@ def _prepare(state_dict: Mapping[str, Any], model_config: Mapping[str, Any],
         # A private contiguous copy: safetensors refuses shared storage, and the comparison
         # after reload must not see later in-place edits of the caller's tensors.
         out[key] = tensor.contiguous().clone()
+    out.update(_rotary_buffers(state_dict, model_config))
+    return out
+
+
+def _rotary_buffers(state_dict: Mapping[str, Any], model_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Each layer's fp32 inv_freq, as the trainer computes it; a supplied one must agree."""
+    inv_freq = rope_inv_freq(model_config["head_dim"], model_config["rope_theta"])
+    out = {}
+    for i in range(model_config["num_layers"]):
+        key = f"layers.{i}{ROTARY_SUFFIX}"
+        given = state_dict.get(key)
+        if given is not None and (tuple(given.shape) != tuple(inv_freq.shape)
+                                  or not torch.allclose(given.detach().float().cpu(), inv_freq, rtol=1e-3)):
+            raise ExportError(f"{key} does not match head_dim {model_config['head_dim']} and rope_theta "
+                              f"{model_config['rope_theta']} of the model config")
+        out[key] = inv_freq.clone()
+    extra = sorted(k for k in state_dict if k.endswith(ROTARY_SUFFIX) and k not in out)
+    if extra:
+        raise ExportError(f"unexpected {extra[:5]}: the model config has {model_config['num_layers']} layers")
     return out
 
 
@@ -171,24 +199,19 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dest: Path) -> None:
     shutil.copyfile(file, dest / TOKENIZER)
 
 
-def _write_chat_template(chat_template: Any, dest: Path) -> str:
-    """A path is copied under its own file name; a string is template text; a dict is JSON."""
+def _chat_template_text(chat_template: str | os.PathLike | None) -> str:
+    """Jinja text: the project's complexity-chat-v2 by default, a string as given, a file's text."""
+    if chat_template is None:
+        return CHAT_TEMPLATE_JINJA
     if isinstance(chat_template, os.PathLike):
         src = Path(chat_template)
         if not src.is_file():
             raise ExportError(f"chat template file {src} does not exist")
-        name = src.name
-        if name in (WEIGHTS, CONFIG, RUN, TOKENIZER, EXPORT_MANIFEST):
-            raise ExportError(f"chat template file name {name} collides with an export file; rename it")
-        shutil.copyfile(src, dest / name)
-        return name
-    if isinstance(chat_template, Mapping):
-        write_json(dest / "chat_template.json", chat_template, fsync=False)
-        return "chat_template.json"
+        return src.read_text(encoding="utf-8")
     if isinstance(chat_template, str):
-        (dest / CHAT_TEMPLATE_TEXT).write_text(chat_template, encoding="utf-8")
-        return CHAT_TEMPLATE_TEXT
-    raise ExportError(f"chat_template must be a path, template text or a dict, got {type(chat_template).__name__}")
+        return chat_template
+    raise ExportError(f"chat_template must be Jinja text or the path of a Jinja file, "
+                      f"got {type(chat_template).__name__}")
 
 
 def _refuse_existing(out: Path) -> None:
@@ -203,11 +226,14 @@ def export_safetensors(
     dtype: str | torch.dtype = "float32",
     model_config: Mapping[str, Any],
     tokenizer_dir: str | os.PathLike | None = None,
-    chat_template: str | os.PathLike | Mapping[str, Any] | None = None,
+    chat_template: str | os.PathLike | None = None,
     stage: str | None = None,
     extra_meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write a verified export of ``state_dict`` to ``out_dir`` and return its manifest."""
+    """Write a verified export of ``state_dict`` to ``out_dir`` and return its manifest.
+
+    ``chat_template`` (Jinja text or a file of it) defaults to the complexity-chat-v2 template.
+    """
     out = Path(out_dir)
     _refuse_existing(out)
     dtype_name, float_dtype = parse_dtype(dtype)
@@ -219,6 +245,7 @@ def export_safetensors(
     if extra_meta and ("stage" in extra_meta or "lora" in extra_meta):
         raise ExportError("extra_meta may not set 'stage' or 'lora'; pass stage= (LoRA exports are always merged)")
     tensors = _prepare(state_dict, model_config, float_dtype)
+    template = _chat_template_text(chat_template)
     run_doc = {**dict(extra_meta or {}), "stage": stage, "lora": False, "export_dtype": dtype_name}
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -231,11 +258,12 @@ def export_safetensors(
                                                    "dtype": dtype_name, "stage": str(stage)})
         fsync_path(weights)
         _compare(tensors, _read_back(weights))
-        write_json(tmp / CONFIG, dict(model_config), fsync=False)
+        hf_bundle.write_model_files(tmp, model_config, dtype_name)
         write_json(tmp / RUN, run_doc, fsync=False)
+        hf_bundle.write_chat_template(tmp, template)
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, tmp)
-        template_file = _write_chat_template(chat_template, tmp) if chat_template is not None else None
+            hf_bundle.write_tokenizer_files(tmp, template, model_config["max_seq_len"])
         others = {}
         for path in sorted(tmp.iterdir()):
             if path.name != WEIGHTS:
@@ -250,7 +278,7 @@ def export_safetensors(
             "vocab_size": model_config["vocab_size"],
             "stage": stage,
             "tokenizer": others.get(TOKENIZER, {}).get("sha256"),
-            "chat_template": template_file,
+            "chat_template": hf_bundle.CHAT_TEMPLATE_FILE,
             "files": others,
         }
         write_json(tmp / EXPORT_MANIFEST, manifest, fsync=False)
@@ -316,13 +344,12 @@ def export_checkpoint(
     dtype: str | torch.dtype = "float32",
     *,
     tokenizer_dir: str | os.PathLike | None = None,
-    chat_template: str | os.PathLike | Mapping[str, Any] | None = None,
+    chat_template: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Export a verified training checkpoint (``checkpoints/step_<N>``).
 
     The stage, model config, tokenizer directory and LoRA flag come from its trainer_state.json;
-    ``tokenizer_dir`` overrides the recorded one. For SFT stages the complexity-chat-v2 template
-    description is written beside the weights unless ``chat_template`` is given.
+    ``tokenizer_dir`` overrides the recorded one.
     """
 
     ckpt = Path(ckpt_dir)
@@ -340,8 +367,6 @@ def export_checkpoint(
     if tok is not None and not Path(tok).exists():
         raise ExportError(f"the tokenizer recorded for {ckpt} ({tok}) no longer exists; pass tokenizer_dir")
     stage = trainer_state.get("stage")
-    if chat_template is None and stage == "supervised-finetuning":
-        chat_template = TEMPLATE_DESCRIPTION
     manifest_path = ckpt / MANIFEST
     extra = {
         "source_checkpoint": str(ckpt),

@@ -189,6 +189,8 @@ class KernelsSection:
     policy: Literal[KERNEL_POLICIES] = "auto"
     require_liger: bool = False
     loss_chunk_tokens: int = _f(1024, check=_positive)
+    # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
+    compile: Literal["none", "layers", "model"] = "none"
 
 
 @dataclass(frozen=True)
@@ -435,6 +437,10 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if cfg.kernels.require_liger and cfg.kernels.policy == "pytorch":
         raise b.fail("kernels.require_liger", "kernels.policy pytorch never selects Liger; use policy auto "
                                               "or triton, or require_liger false", "kernels.policy")
+    if cfg.kernels.compile != "none" and cfg.parallel.ep_size > 1:
+        raise b.fail("kernels.compile", "compiling the expert-parallel layers (their all-to-all token exchange) "
+                                        "is not supported; use kernels.compile none with parallel.ep_size > 1",
+                     "parallel.ep_size")
     if cfg.model.preset != "tiny":
         # null paths mean "the embedded demo corpus", which is sized for the tiny preset only.
         need = ("data.plan", cfg.data.plan) if cfg.data.kind == "pretrain" else ("data.sft_dir", cfg.data.sft_dir)

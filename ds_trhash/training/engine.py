@@ -18,6 +18,14 @@ import torch
 from ds_trhash.training.schedule import build_scheduler
 
 
+#: the dtype each config precision computes in (DeepSpeed keeps fp32 masters for bf16/fp16)
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return COMPUTE_DTYPES[precision]
+
+
 class EngineError(RuntimeError):
     """A configuration DeepSpeed cannot run, found before any training step."""
 

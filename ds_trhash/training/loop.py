@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -45,11 +46,32 @@ class TrainState:
     last: dict = field(default_factory=dict)  # metrics of the last step
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
+_HOST_GROUP = None
+
+
+def _host_group():
+    """A gloo group for the integer counts, which come from host-side batches: reducing them on
+    the CPU keeps the accelerator stream free of host synchronisation (NCCL would need a device
+    tensor and a copy back). On a gloo default group (CPU runs) it is that group."""
+    global _HOST_GROUP
+    if dist.get_backend() == "gloo":
+        return None
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_reduce_counts(values: list[int]) -> list[int]:
+    """Sum host integers over ranks (gloo, CPU tensors): no device involved."""
+    if not _distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, group=_host_group())
+    return [int(v) for v in t]
 
 
 class LabelError(ValueError):
@@ -71,16 +93,23 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
 
 def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
                vocab_size: int | None = None) -> dict:
-    """Run one optimizer step over this rank's micro-batches; return step-global statistics."""
+    """Run one optimizer step over this rank's micro-batches; return step-global statistics.
+
+    No host synchronisation: label counts are host integers (summed over ranks on the CPU), the
+    loss is accumulated on the device over micro-batches and all-reduced there; ``"loss"`` is a
+    0-dim device tensor that reaches the host only when someone reads it (``float(...)``),
+    which the loop leaves to the callbacks that log it.
+    """
     valid, ignored, bad = label_counts(micro_batches, vocab_size)
     t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
-    n_step, t_step, ignored_step, bad_step = _all_reduce_sum([valid, t_local, ignored, bad], device)
+    n_step, t_step, ignored_step, bad_step = _all_reduce_counts([valid, t_local, ignored, bad])
     if bad_step:
         raise LabelError(
             f"{int(bad_step)} label(s) in this step are neither -100 nor a token id below the vocabulary "
             f"size {vocab_size}; the data does not belong to this model (check the tokenizer and vocabulary)")
-    scale = world_size / max(n_step, 1.0)
-    loss_sum_local = 0.0
+    scale = world_size / max(n_step, 1)
+    # float64, as the host sum of float(loss) per micro-batch was: metrics.csv values unchanged
+    loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         inputs = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         loss_sum = engine(
@@ -88,11 +117,42 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
         )
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
         engine.step()
-        loss_sum_local += float(loss_sum.detach())
-    (loss_total,) = _all_reduce_sum([loss_sum_local], device)
-    loss = loss_total / max(n_step, 1.0)
-    return {"loss": loss, "supervised_tokens": int(n_step), "tokens": int(t_step),
-            "label_valid": int(n_step), "label_ignored": int(ignored_step), "label_out_of_range": int(bad_step)}
+        loss_sum_local += loss_sum.detach().double()
+    if _distributed():
+        dist.all_reduce(loss_sum_local)  # on the device stream: nothing waits for it here
+    loss = loss_sum_local / max(n_step, 1)
+    return {"loss": loss, "supervised_tokens": n_step, "tokens": t_step,
+            "label_valid": n_step, "label_ignored": ignored_step, "label_out_of_range": bad_step}
+
+
+class StepMetrics(Mapping):
+    """One step's metrics for the callbacks; ``loss`` and ``ppl`` come from a device tensor and
+    are copied to the host on first access only (the metrics and progress callbacks read them at
+    logging steps), so steps that log nothing never wait for the device."""
+
+    _LAZY = ("loss", "ppl")
+
+    def __init__(self, values: dict, loss: torch.Tensor | float):
+        self._values = dict(values)
+        self._loss = loss
+
+    def _resolve(self) -> None:
+        if "loss" not in self._values:
+            loss = float(self._loss)
+            self._values["loss"] = loss
+            self._values["ppl"] = math.exp(min(loss, 50.0))
+            self._loss = None
+
+    def __getitem__(self, key):
+        if key in self._LAZY:
+            self._resolve()
+        return self._values[key]
+
+    def __iter__(self):
+        return iter((*self._values.keys(), *(k for k in self._LAZY if k not in self._values)))
+
+    def __len__(self) -> int:
+        return len(set(self._values) | set(self._LAZY))
 
 
 def run(
@@ -118,11 +178,9 @@ def run(
         state.step += 1
         state.tokens_seen += stats["tokens"]
         state.supervised_seen += stats["supervised_tokens"]
-        metrics = {
+        metrics = StepMetrics({
             "step": state.step,
             "epoch": epoch,
-            "loss": stats["loss"],
-            "ppl": math.exp(min(stats["loss"], 50.0)),
             "lr": lr,
             "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
             "tokens_seen": state.tokens_seen,
@@ -130,7 +188,7 @@ def run(
             "label_valid": stats["label_valid"],
             "label_ignored": stats["label_ignored"],
             "label_out_of_range": stats["label_out_of_range"],
-        }
+        }, loss=stats["loss"])
         state.last = metrics
         for cb in callbacks:
             cb.on_step_end(state, metrics)

@@ -39,6 +39,10 @@ def _fmt_loss(loss: float | None) -> str:
     return "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
 
 
+def _value(loss):
+    return loss() if callable(loss) else loss
+
+
 def _pairs(items: Mapping[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (items or {}).items())
 
@@ -78,6 +82,7 @@ class Progress:
         self._clock = clock
         self._t0 = clock()
         self._live = None
+        self._pending = None
         self._console = None
         self._last_refresh = -math.inf
         self._closed = False
@@ -97,26 +102,37 @@ class Progress:
     def update(
         self,
         step: int,
-        loss: float | None,
+        loss: float | None | Callable[[], float | None],
         lr: float,
         tokens_per_s: float,
         backends: Mapping[str, str] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
+        """``loss`` may be a callable: it is called only for a step that is shown (every N steps
+        in plain mode, at most 4 redraws a second live), so the training loop's loss, kept on
+        the device, reaches the host only then."""
         if self.rank != 0 or self._closed:
             return
         elapsed = self._clock() - self._t0
         eta = eta_seconds(elapsed, step - self.start_step, self.total_steps - step)
         if self._live is not None:
-            self._live.update(self._render(step, loss, lr, tokens_per_s, elapsed, eta, backends, extra))
+            self._pending = (step, loss, lr, tokens_per_s, elapsed, eta, backends, extra)
             now = self._clock()
             # Redraw at most 4 times a second, but always show the last step.
             if now - self._last_refresh >= 0.25 or step >= self.total_steps:
-                self._live.refresh()
+                self._draw_pending()
                 self._last_refresh = now
             return
         if step % self.every == 0 or step == self.total_steps:
-            self._write(self.format_line(step, loss, lr, tokens_per_s, elapsed, eta, backends, extra))
+            self._write(self.format_line(step, _value(loss), lr, tokens_per_s, elapsed, eta, backends, extra))
+
+    def _draw_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, loss, *rest = self._pending
+        self._pending = None
+        self._live.update(self._render(step, _value(loss), *rest))
+        self._live.refresh()
 
     def message(self, text: str) -> None:
         """A one-off rank-0 notice (evaluation result, checkpoint written, cache state)."""
@@ -132,6 +148,7 @@ class Progress:
             return
         self._closed = True
         if self._live is not None:
+            self._draw_pending()  # the panel left on screen shows the last step, as before
             self._live.stop()
             self._live = None
 

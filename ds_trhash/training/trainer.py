@@ -30,8 +30,9 @@ from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.shards import ShardError
 from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
-from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend
+from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend, selfcheck
 from ds_trhash.model.backend import BackendError
+from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
@@ -46,7 +47,8 @@ from ds_trhash.training.callbacks import (
     make_callbacks,
     training_parts,
 )
-from ds_trhash.training.engine import build_engine, check_runnable, describe_hardware, expert_parallel_group
+from ds_trhash.training.engine import (build_engine, check_runnable, compute_dtype, describe_hardware,
+                                      expert_parallel_group)
 from ds_trhash.training.metrics import MetricsError, MetricsWriter
 from ds_trhash.training.progress import Progress
 
@@ -245,9 +247,13 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    # every selected fused kernel runs once against PyTorch on this device before training
+    choice = selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                              require_liger=cfg.kernels.require_liger)
     backend.apply(model, choice)
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
+    compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
     return model.to(device)
 
 

@@ -50,7 +50,7 @@ def test_smoke_mode_runs_every_case(smoke):
     assert proc.returncode == 0, _explain(proc)
     report = json.loads(out.read_text())
     cases = report["cases"]
-    assert list(cases) == ["engine", "manual", "compile", "eager", "engine_compile"]
+    assert list(cases) == ["engine", "manual", "compile", "eager", "engine_compile", "engine_compile_model"]
     for name in ("eager", "manual", "engine"):
         case = cases[name]
         assert case["status"] == "ok", case
@@ -61,7 +61,7 @@ def test_smoke_mode_runs_every_case(smoke):
         assert case["backends"]["loss"] == "chunked", case["backends"]
         assert all(case["losses"]) and all(x == x for x in case["losses"])  # finite, no NaN
     # torch.compile takes minutes on CPU: skipped with the reason, not silently dropped
-    for name in ("compile", "engine_compile"):
+    for name in ("compile", "engine_compile", "engine_compile_model"):
         assert cases[name]["status"] == "skipped" and "--cpu-compile" in cases[name]["reason"]
     assert cases["engine"]["kernel_choice"]["experts"] == "pytorch"  # policy auto on CPU
     assert report["meta"]["matmul_peak"]["tflops"] > 0

@@ -75,3 +75,23 @@ def test_invalid_configs_are_rejected_with_the_field_named(field, value, message
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         TRHashConfig().hidden_size = 1
+
+
+@pytest.mark.parametrize("config", [TRHashConfig(), TRHashConfig.from_preset("tiny", route_weights=(0.7, 0.6))])
+def test_hugging_face_fields_convert_back_exactly(config):
+    hf = config.to_hf_fields()
+    assert hf["intermediate_size"] == config.num_experts * config.expert_width
+    assert TRHashConfig.from_hf_fields(hf) == config
+    assert TRHashConfig.from_saved({"model_type": "tr_hash_moe", **hf}) == config
+    assert TRHashConfig.from_saved(config.to_dict()) == config
+
+
+def test_the_published_config_form_derives_head_dim_and_route_weights():
+    """The released Hugging Face config states neither head_dim nor the secondary route weight."""
+    published = {"vocab_size": 32000, "hidden_size": 896, "num_hidden_layers": 16, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "intermediate_size": 256, "shared_intermediate_size": 3072,
+                 "num_experts": 4, "num_experts_per_tok": 2, "top_k_primary_weight": 0.5, "route_hash_count": 2,
+                 "shared_output_scale": 1.0, "routed_output_scale": 2.0, "max_position_embeddings": 2048}
+    assert TRHashConfig.from_hf_fields(published) == TRHashConfig()
+    with pytest.raises(ValueError, match="lacks"):
+        TRHashConfig.from_hf_fields({"hidden_size": 896})

@@ -5,14 +5,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release import export as export_mod
 from ds_trhash.release.commands import main as cli
+from ds_trhash.checkpoints import load_weights_only
 from ds_trhash.io import sha256_file
 from ds_trhash.release.export import ExportError, export_checkpoint, export_safetensors, verify_export
-from ds_trhash.checkpoints import load_weights_only, save_checkpoint
+from tests.release.checkpoint_utils import write_checkpoint
 
 ROUTE_DTYPES = {"route_table": torch.int64, "fused_route_codes": torch.uint8, "fused_expert_pairs": torch.int32}
+HF_FILES = {"config.json", "generation_config.json", "configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py"}
+
+
+def rotary_keys(cfg):
+    """The per-layer rotary frequencies every export adds (fp32; transformers needs them stored)."""
+    return {f"layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_layers)}
 
 
 @pytest.fixture(scope="module")
@@ -23,24 +32,15 @@ def tiny():
     return cfg, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _checkpoint(out, cfg, state, *, lora=False, tokenizer_dir=None, stage="supervised-finetuning", critical=None):
-    def engine(tmp):
-        (tmp / "state").mkdir()
-        torch.save({"module": state}, tmp / "state" / "mp_rank_00_model_states.pt")
-
-    doc = dict(stage=stage, step=7, epoch=1, data_cursor=0, world_size=1, training_critical=critical or {},
-               plan_fingerprint=None, plan_sha256=None, backends_used={"experts": "pytorch"}, lora=lora,
-               family="language", model_config=cfg.to_dict(), tokenizer_dir=tokenizer_dir)
-    return save_checkpoint(out, 7, write_engine_state=engine, trainer_state=doc, rank=0, world_size=1)
-
-
 def test_round_trip_is_exact_and_keeps_route_dtypes(tmp_path, tiny):
     cfg, state = tiny
     out = tmp_path / "export"
     manifest = export_safetensors(state, out, model_config=cfg.to_dict(), stage="refinement",
                                   chat_template="{{ messages }}")
     loaded = load_file(str(out / "model.safetensors"))
-    assert set(loaded) == set(state)
+    assert set(loaded) == set(state) | rotary_keys(cfg)
+    for key in rotary_keys(cfg):
+        assert loaded[key].dtype == torch.float32 and torch.equal(loaded[key], rope_inv_freq(cfg.head_dim, cfg.rope_theta))
     for key, value in state.items():
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
     for key, value in loaded.items():
@@ -51,9 +51,10 @@ def test_round_trip_is_exact_and_keeps_route_dtypes(tmp_path, tiny):
     w = manifest["weights"]
     assert w["sha256"] == sha256_file(out / "model.safetensors")
     assert w["size"] == (out / "model.safetensors").stat().st_size
-    assert (w["dtype"], w["tensors"]) == ("float32", len(state))
-    assert set(manifest["files"]) == {"config.json", "run.json", "chat_template.jinja"}
-    assert json.loads((out / "config.json").read_text()) == cfg.to_dict()
+    assert (w["dtype"], w["tensors"]) == ("float32", len(state) + cfg.num_layers)
+    assert set(manifest["files"]) == HF_FILES | {"run.json", "chat_template.jinja"}
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert TRHashConfig.from_saved(json.loads((out / "config.json").read_text())) == cfg
     assert json.loads((out / "run.json").read_text())["stage"] == "refinement"
     assert json.loads((out / "export_manifest.json").read_text()) == manifest
     assert verify_export(out) == (True, "ok")
@@ -66,7 +67,7 @@ def test_bfloat16_export(tmp_path, tiny):
     cfg, state = tiny
     export_safetensors(state, tmp_path / "bf16", dtype="bfloat16", model_config=cfg.to_dict())
     loaded = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    floats = {v.dtype for k, v in loaded.items() if v.is_floating_point()}
+    floats = {v.dtype for k, v in loaded.items() if v.is_floating_point() and k not in rotary_keys(cfg)}
     assert floats == {torch.bfloat16}
     for key, value in state.items():
         expect = value.to(torch.bfloat16) if value.is_floating_point() else value
@@ -103,6 +104,11 @@ def test_truncated_vocabulary_and_bad_state_are_refused(tmp_path, tiny):
         export_safetensors(state, tmp_path / "d", model_config=cfg.to_dict(), dtype="float64")
     with pytest.raises(ExportError, match="unknown export stage"):
         export_safetensors(state, tmp_path / "e", model_config=cfg.to_dict(), stage="sft")
+    stale = dict(state, **{"layers.0.self_attn.rotary_emb.inv_freq": torch.ones(cfg.head_dim // 2)})
+    with pytest.raises(ExportError, match="does not match head_dim"):
+        export_safetensors(stale, tmp_path / "f", model_config=cfg.to_dict())
+    with pytest.raises(ExportError, match="chat_template must be Jinja text"):
+        export_safetensors(state, tmp_path / "g", model_config=cfg.to_dict(), chat_template={"id": "x"})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -126,7 +132,7 @@ def test_weights_only_init_from_export_equals_source(tmp_path, tiny):
     export_safetensors(state, out, model_config=cfg.to_dict(), stage="refinement")
     weights, record = load_weights_only(out)
     assert record.stage.value == "refinement" and record.lora is False
-    model = TRHashForCausalLM(TRHashConfig.from_dict(json.loads((out / "config.json").read_text())))
+    model = TRHashForCausalLM(TRHashConfig.from_saved(json.loads((out / "config.json").read_text())))
     assert model.load_checkpoint_state(weights) == []
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
@@ -137,12 +143,16 @@ def test_export_checkpoint_with_tokenizer_and_stage(tmp_path, tiny):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"model": "test"}')
-    ckpt = _checkpoint(tmp_path / "run", cfg, state, tokenizer_dir=str(tok))
+    ckpt = write_checkpoint(tmp_path / "run", cfg, state, tokenizer_dir=str(tok))
     manifest = export_checkpoint(ckpt, tmp_path / "export", "float32")
     out = tmp_path / "export"
     assert manifest["stage"] == "supervised-finetuning"
     assert manifest["tokenizer"] == sha256_file(tok / "tokenizer.json")
-    assert json.loads((out / "chat_template.json").read_text())["id"] == "complexity-chat-v2"
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE_JINJA
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == CHAT_TEMPLATE_JINJA and tokenizer_config["eos_token"] == "</s>"
+    assert tokenizer_config["model_max_length"] == cfg.max_seq_len
+    assert {"special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
     run = json.loads((out / "run.json").read_text())
     assert run["source_step"] == 7 and run["lora"] is False and run["source_manifest_sha256"]
     loaded = load_file(str(out / "model.safetensors"))
@@ -154,10 +164,10 @@ def test_lora_checkpoint_is_exported_merged(tmp_path, tiny):
     torch.manual_seed(1)
     a, b = torch.randn(4, cfg.hidden_size), torch.randn(cfg.num_heads * cfg.head_dim, 4)
     adapters = {"layers.0.self_attn.q_proj.lora_A": a, "layers.0.self_attn.q_proj.lora_B": b}
-    ckpt = _checkpoint(tmp_path / "run", cfg, {**state, **adapters}, lora=True, critical={"lora.alpha": 8})
+    ckpt = write_checkpoint(tmp_path / "run", cfg, {**state, **adapters}, lora=True, critical={"lora.alpha": 8})
     export_checkpoint(ckpt, tmp_path / "merged")
     loaded = load_file(str(tmp_path / "merged" / "model.safetensors"))
-    assert set(loaded) == set(state)
+    assert set(loaded) == set(state) | rotary_keys(cfg)
     key = "layers.0.self_attn.q_proj.weight"
     assert torch.allclose(loaded[key], state[key] + (8 / 4) * (b @ a), atol=1e-5)
     assert not torch.equal(loaded[key], state[key])
@@ -168,7 +178,7 @@ def test_lora_checkpoint_refused_when_it_cannot_be_merged(tmp_path, tiny):
     cfg, state = tiny
     adapters = {"layers.0.self_attn.q_proj.lora_A": torch.zeros(2, cfg.hidden_size),
                 "layers.0.self_attn.q_proj.lora_B": torch.zeros(cfg.num_heads * cfg.head_dim, 2)}
-    no_alpha = _checkpoint(tmp_path / "a", cfg, {**state, **adapters}, lora=True)
+    no_alpha = write_checkpoint(tmp_path / "a", cfg, {**state, **adapters}, lora=True)
     with pytest.raises(ExportError, match="no lora.alpha"):
         export_checkpoint(no_alpha, tmp_path / "x")
     assert not (tmp_path / "x").exists()
@@ -178,7 +188,7 @@ def test_lora_checkpoint_refused_when_it_cannot_be_merged(tmp_path, tiny):
 
 def test_cli_export(tmp_path, tiny, capsys):
     cfg, state = tiny
-    ckpt = _checkpoint(tmp_path / "run", cfg, state, stage="refinement")
+    ckpt = write_checkpoint(tmp_path / "run", cfg, state, stage="refinement")
     assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--dtype", "float16"]) == 0
     assert json.loads((tmp_path / "e" / "export_manifest.json").read_text())["weights"]["dtype"] == "float16"
     capsys.readouterr()

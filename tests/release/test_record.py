@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_trhash.release.commands import main as cli
+from ds_trhash.cli import main as cli
 from ds_trhash.io import sha256_file
 from ds_trhash.release.record import RECORD_FIELDS, RecordError, build_run_record, write_run_record
 from ds_trhash.checkpoints import save_checkpoint

@@ -60,11 +60,11 @@ def test_step_loss_is_mean_over_all_supervised_tokens_not_mean_of_means():
 
     assert stats["supervised_tokens"] == 4
     assert stats["tokens"] == 8
-    assert stats["loss"] == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert stats["loss"].item() == pytest.approx(ref_loss.item(), rel=1e-6)
     torch.testing.assert_close(grad_loop, ref.w.grad, rtol=0, atol=1e-6)
 
     mean_of_means = sum(TokenModel()(m["input_ids"], labels=m["labels"]).item() for m in mbs) / 2
-    assert abs(mean_of_means - stats["loss"]) > 1e-3  # the two rules really differ here
+    assert abs(mean_of_means - stats["loss"].item()) > 1e-3  # the two rules really differ here
     assert engine.backward_calls == 2
 
 
@@ -144,7 +144,7 @@ def _rank_worker(rank, world, port, mbs_by_rank, out):
                     p.grad /= world
 
         stats = loop.train_step(AveragingEngine(model), mbs_by_rank[rank], torch.device("cpu"), world)
-        out[rank] = (stats["loss"], model.w.grad.clone())
+        out[rank] = (stats["loss"].item(), model.w.grad.clone())
         dist.barrier()  # both ranks done before gloo is torn down
     finally:
         dist.destroy_process_group()
@@ -169,3 +169,59 @@ def test_two_ranks_normalise_by_the_supervised_tokens_of_the_whole_step():
         loss, grad = out[rank]
         assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
         torch.testing.assert_close(grad, ref.w.grad, rtol=0, atol=1e-6)
+
+
+class SyncCounter:
+    """Counts the Tensor methods that copy a value to the host (a device sync on CUDA)."""
+
+    NAMES = ("item", "tolist", "__float__")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _name=name, _original=original, **k):
+                self.calls.append(_name)
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton experts on CPU need the interpreter")
+def test_a_step_reads_nothing_back_from_the_device_until_a_callback_logs(monkeypatch):
+    """The tiny model with the Triton experts (the GPU path; interpreter on CPU) and packed
+    documents: the steps copy no value to the host; the loss is read once per logged step."""
+    from ds_trhash.model import TRHashConfig, TRHashForCausalLM
+
+    torch.manual_seed(0)
+    # narrow, so the Triton interpreter keeps this to seconds
+    model = TRHashForCausalLM(TRHashConfig.from_preset("tiny", num_layers=1, hidden_size=32, num_heads=2,
+                                                       num_kv_heads=1, head_dim=16, shared_width=32, vocab_size=512))
+    model.set_backends(experts="triton")
+    ids = torch.randint(0, 512, (1, 16))
+    mb = {"input_ids": ids, "labels": ids.roll(-1, 1), "document_ids": torch.tensor([[0] * 6 + [1] * 10])}
+
+    class Batches:
+        def micro_batches(self, step):
+            return [mb, mb]  # two micro-batches per step
+
+        def epoch_of(self, step):
+            return 0
+
+    class LogEvery2(loop.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_step_end(self, state, metrics):
+            if state.step % 2 == 0:
+                self.rows.append((state.step, metrics["loss"], metrics["ppl"]))
+
+    log = LogEvery2()
+    counter = SyncCounter(monkeypatch)
+    state = loop.run(FakeEngine(model), Batches(), loop.TrainState(step=0, total_steps=2), [log],
+                     torch.device("cpu"), 1, lr_of=lambda: 0.1)
+    monkeypatch.undo()
+    assert state.step == 2 and [r[0] for r in log.rows] == [2]
+    assert counter.calls == ["__float__"]  # one read for the one logged step, none per layer
+    assert all(isinstance(r[1], float) and r[2] > 1 for r in log.rows)

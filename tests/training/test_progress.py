@@ -99,3 +99,18 @@ def test_force_plain_overrides_a_terminal():
     p = Progress("pretraining", 1, rank=0, stream=out, force_plain=True, console=console, clock=clock)
     run(p, clock, [1])
     assert not p.live and out.getvalue().startswith("[pretraining] step 1/1 ")
+
+
+def test_a_lazy_loss_is_read_only_for_the_steps_shown():
+    """The loop keeps the loss on the device; the display asks for it only when it prints."""
+    stream, asked = io.StringIO(), []
+
+    def loss_of(step):
+        return lambda: asked.append(step) or 2.5
+
+    p = Progress("pretrain", total_steps=7, rank=0, stream=stream, force_plain=True, every=3)
+    for step in range(1, 8):
+        p.update(step, loss_of(step), 1e-3, 100.0)
+    p.close()
+    assert asked == [3, 6, 7]
+    assert stream.getvalue().count("loss 2.5000") == 3

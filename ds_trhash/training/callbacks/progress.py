@@ -13,7 +13,8 @@ class ProgressCallback(Callback):
         return cls(run.progress, run.model, run.cfg.training.log_every, run.batches)
 
     def on_step_end(self, state, metrics):
-        self.progress.update(state.step, metrics["loss"], metrics["lr"], metrics["tok_s"],
+        # the loss lazily: read from the device only for a step the progress display shows
+        self.progress.update(state.step, lambda: metrics["loss"], metrics["lr"], metrics["tok_s"],
                              backends=self.model.backends_used(), extra=self.extra())
 
     def extra(self) -> dict | None:

@@ -1,0 +1,1 @@
+"""Operations around training runs: supervised long-running jobs (``ds-trhash jobs``)."""
