@@ -95,6 +95,28 @@ def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.Comple
                           capture_output=True, text=True, timeout=timeout)
 
 
+class SharedLaunches:
+    """Uninterrupted launches that several test modules compare against with the same arguments,
+    run once per session (the session fixture `shared_launches` in tests/conftest.py).
+
+    A run is keyed by its process count and its arguments (with the output folder left out), and
+    the tests only read it: they copy a checkpoint before changing anything."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._runs: dict[tuple, Path] = {}
+
+    def get(self, nproc: int, args_for) -> Path:
+        """The output folder of ``args_for(out)`` launched on ``nproc`` processes (1: one plain one)."""
+        key = (nproc, tuple(args_for(Path("<out>"))))
+        if key not in self._runs:
+            out = self.root / f"run{len(self._runs)}-{nproc}p"
+            proc = single(args_for(out)) if nproc == 1 else deepspeed(nproc, args_for(out))
+            assert proc.returncode == 0, explain(proc)
+            self._runs[key] = out
+        return self._runs[key]
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
