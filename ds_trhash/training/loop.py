@@ -162,10 +162,13 @@ class StepMetrics(Mapping):
 
     def _resolve(self) -> None:
         if "loss" not in self._values:
-            loss = float(self._loss)
+            loss, g = self._loss, self._grad_norm
+            if isinstance(loss, torch.Tensor) and isinstance(g, torch.Tensor):
+                # both on the device: one copy to the host, not two
+                loss, g = torch.stack([loss.detach().double().reshape(()), g.detach().double().reshape(())]).tolist()
+            loss = float(loss)
             self._values["loss"] = loss
             self._values["ppl"] = math.exp(min(loss, 50.0))
-            g = self._grad_norm
             self._values["grad_norm"] = None if g is None else float(g)
             self._loss = self._grad_norm = None
 
