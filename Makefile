@@ -23,8 +23,10 @@ $(STAMP): setup.py requirements-cpu.txt
 demo: $(STAMP)
 	$(PY) -m ds_trhash.cli demo
 
+# Two workers, whole files each (module fixtures share their launches): the suite has many
+# single-threaded launches, and CI's two cores are otherwise half idle.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

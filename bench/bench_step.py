@@ -73,6 +73,7 @@ from pathlib import Path
 
 import torch
 
+from ds_trhash.model.flops import nominal_bf16_tflops, train_flops_per_token  # noqa: F401 -- used below and by tests
 from ds_trhash.model.loss import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,30 +101,10 @@ ANCHOR = {"compile": {"tokens_per_s": 248_155, "mfu": 0.424, "peak_gib": 26.4},
           "eager": {"tokens_per_s": 112_516, "peak_gib": 51.4}}
 #: Targets of the project's path (engine cases), judged only at the reference shape on CUDA.
 TARGETS = {"tokens_per_s": 300_000, "speedup_vs_compile": 1.2, "peak_gib": 20.0, "engine_overhead": 0.05}
-#: Nominal dense bf16 tensor-core peaks (vendor datasheets), TFLOP/s; printed beside the measured one.
-NOMINAL_BF16_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0,
-                       "A100": 312.0}
-
 GIB = 2**30
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def train_flops_per_token(cfg, seq_len: int) -> float:
-    """6 x (matmul parameters a token passes through, tied head included) + causal attention.
-
-    Attention: per layer and token, QK^T and AV over on average seq_len / 2 keys cost
-    2 x 2 x (seq_len / 2) x heads x head_dim forward, x3 for training = 6 x seq_len x d_attn.
-    For the 200m preset at 2,048 this gives 1.3502e9, the 1.35e9 of the speed issue.
-    """
-    h, d_attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    d_kv = cfg.num_kv_heads * cfg.head_dim
-    attn = h * d_attn + 2 * h * d_kv + d_attn * h
-    shared = 3 * h * cfg.shared_width
-    routed = cfg.top_k * 3 * h * cfg.expert_width
-    params = cfg.num_layers * (attn + shared + routed) + cfg.vocab_size * h
-    return 6.0 * params + 6.0 * cfg.num_layers * seq_len * d_attn
 
 
 def flops_per_token(preset: str, cfg, seq_len: int, override: float | None) -> tuple[float, str]:
@@ -181,13 +162,7 @@ def nominal_peak(device: torch.device, override: float | None) -> float | None:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    if "NVL" in name:  # the NVL parts run lower clocks than the SXM figures below
-        return None
-    for key, value in NOMINAL_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    return None
+    return nominal_bf16_tflops(torch.cuda.get_device_name(device))
 
 
 def measure_matmul_peak(device: torch.device, size: int, dtype: torch.dtype, iters: int = 10) -> dict:
@@ -233,7 +208,7 @@ class Ctx:
         self.device = device
         self.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
         overrides = [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
-                     f"batch.micro_batch={args.micro_batch}", "batch.grad_accum=1",
+                     f"batch.micro_batch={args.micro_batch}", "batch.grad_accum=1", "batch.global_tokens=null",
                      f"zero.stage={args.zero}", f"precision={args.precision}"]
         if args.kernels_policy:
             overrides.append(f"kernels.policy={args.kernels_policy}")

@@ -20,6 +20,25 @@ import pytest  # noqa: E402
 from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: E402,F401
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that runs ``launcher.main`` in-process installs the launch's stop handlers; the
+    next test (and Ctrl-C of pytest itself) gets the previous ones back."""
+    yield
+    from ds_trhash.training.callbacks.stop import uninstall
+
+    uninstall()
+
+
+@pytest.fixture(scope="session")
+def shared_launches(tmp_path_factory):
+    """Reference launches shared across modules (the 2-process ZeRO-1 run that exact resume and
+    --reshard both compare against is launched once, not once per module)."""
+    from tests.training.launch_utils import SharedLaunches
+
+    return SharedLaunches(tmp_path_factory.mktemp("shared-launches"))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU")
     config.addinivalue_line("markers", "slow: launches processes (deepspeed launcher); still in the default suite")

@@ -9,7 +9,8 @@ Modules, by job:
 * ``weights`` - weights-only load, LoRA merge, expert-parallel consolidation: the loader that
   ``--init-checkpoint``, eval and export all use;
 * ``rng``     - every generator of a rank, saved and restored as one unit;
-* ``stages``  - the stage guard: which checkpoint may start which stage.
+* ``stages``  - the stage guard: which checkpoint may start which stage;
+* ``sync_guard`` - the lock rotation and Hub sync share, and the record of what a sync verified.
 
 The names below are the package's public surface; ``from ds_trhash import checkpoints as ckpt``
 then ``ckpt.save_checkpoint(...)``. This package imports ``ds_trhash.io`` and (lazily, for
@@ -54,6 +55,7 @@ from ds_trhash.checkpoints.store import (
     checkpoints_root,
     list_checkpoints,
     rotate,
+    rotate_unless_syncing,
     rotation_survivors,
     save_checkpoint,
     step_dir_name,
@@ -73,6 +75,6 @@ __all__ = [
     "checkpoints_root", "convert_to_universal", "find_resumable", "global_batch", "inspect_saved_parts",
     "is_reshard", "list_checkpoints", "load_engine_state", "load_merged_weights", "load_weights_only",
     "needs_universal", "read_source_metadata", "read_source_record", "read_trainer_state", "reseed_rng_for_reshard",
-    "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotation_survivors", "save_checkpoint", "step_dir_name",
-    "universal_dir_for", "verify",
+    "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",
+    "save_checkpoint", "step_dir_name", "universal_dir_for", "verify",
 ]

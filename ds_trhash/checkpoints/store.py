@@ -35,6 +35,7 @@ from ds_trhash.checkpoints.state import (
     TrainerState,
     read_trainer_state,
 )
+from ds_trhash.checkpoints.sync_guard import LockHeld, is_verified, output_lock, read_verified
 from ds_trhash.io import fsync_path, fsync_tree, publish_dir, remove_dir, sha256_file, write_json
 
 def _files_under(root: Path) -> dict[str, Path]:
@@ -207,7 +208,8 @@ def verify(ckpt_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str
 
 def rotation_survivors(complete: Iterable[int], keep_last: int, protect: Iterable[int], newest_ok: int) -> set[int]:
     """Steps a rotation keeps among the complete checkpoints ``complete``: the newest
-    ``keep_last``, every protected step, and the newest checkpoint that verifies."""
+    ``keep_last``, every protected step, and the newest checkpoint that verifies (under
+    ``keep_unsynced`` the ones a Hub sync has not verified stay too)."""
     return set(sorted(complete)[-keep_last:]) | set(protect) | {newest_ok}
 
 
@@ -216,13 +218,16 @@ def rotate(
     keep_last: int,
     protect: Iterable[int] = (),
     log: Log = print,
+    *,
+    keep_unsynced: bool = False,
 ) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep_last`` and stale ``*.tmp*`` directories.
 
     Never deleted: the newest checkpoint that verifies (size check), any protected step (pack
-    boundaries, epoch ends, anything not yet synced), any directory without a manifest (left
-    for a person to inspect), and anything when no checkpoint verifies. Rank 0 only, after a
-    save has returned.
+    boundaries, epoch ends), any directory without a manifest (left for a person to inspect),
+    anything when no checkpoint verifies, and with ``keep_unsynced`` any checkpoint a Hub sync
+    has not verified with its current manifest (``sync_guard``). Rank 0 only, after a save has
+    returned; the caller holds the output directory's lock (``rotate_unless_syncing``).
     """
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
@@ -240,13 +245,35 @@ def rotate(
     if newest_ok is None:
         return removed
     keep = rotation_survivors([c.step for c in listed if c.has_manifest], keep_last, protect, newest_ok.step)
+    verified = read_verified(output_dir) if keep_unsynced else {}
+    unsynced = []
     for info in listed:
         if not info.has_manifest:
             log(f"left {info.name} in place: it has no {MANIFEST} (incomplete); inspect or delete it by hand")
         elif info.step not in keep and info.step < newest_ok.step:
+            if keep_unsynced and not is_verified(verified, f"{CHECKPOINTS}/{info.name}",
+                                                 sha256_file(info.path / MANIFEST)):
+                unsynced.append(info.name)
+                continue
             remove_dir(info.path)
             log(f"rotated out {info.name}")
             removed.append(info.path)
+    if unsynced:
+        log(f"kept {', '.join(unsynced)}: not yet verified on the Hub by a sync (checkpoint.keep_unsynced)")
     return removed
+
+
+def rotate_unless_syncing(output_dir: str | os.PathLike, keep_last: int, protect: Iterable[int] = (),
+                          log: Log = print, *, keep_unsynced: bool = False) -> list[Path] | None:
+    """Rotation as the trainer runs it: under the output directory's sync lock, taken without
+    waiting so training never stalls behind an upload. None when a sync holds the lock (nothing
+    is deleted; the next checkpoint's rotation catches up)."""
+    try:
+        with output_lock(output_dir):
+            return rotate(output_dir, keep_last, protect, log, keep_unsynced=keep_unsynced)
+    except LockHeld:
+        log("rotation deferred: a Hub sync holds the output directory's lock (it may be uploading these "
+            "checkpoints); the next checkpoint rotates")
+        return None
 
 

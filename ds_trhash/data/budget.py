@@ -47,19 +47,22 @@ def plan_steps(plan: PlanLike, tokens_per_step: int, requested_steps: Optional[i
     return requested_steps
 
 
-def check_target_tokens(plan: PlanLike, value: Union[str, int, None]) -> Optional[int]:
-    """Verify TARGET_TOKENS against the plan; ``None`` or an empty string means not given."""
+def check_target_tokens(plan: PlanLike, value: Union[str, int, None], name: str = "TARGET_TOKENS") -> Optional[int]:
+    """Verify a token target against the plan; ``None`` or an empty string means not given.
+
+    ``name`` is where the value came from (the ``TARGET_TOKENS`` variable or the config key
+    ``data.target_tokens``), so the message names what the user has to change."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
         target = int(value.strip().replace(",", "")) if isinstance(value, str) else int(value)
     except ValueError:
-        raise BudgetError(f"TARGET_TOKENS={value!r} is not an integer token count") from None
+        raise BudgetError(f"{name}={value!r} is not an integer token count") from None
     trained = int(plan_doc(plan)["trained_tokens"])
     if target != trained:
         raise BudgetError(
-            f"TARGET_TOKENS {target} != the plan's trained_tokens {trained}; "
-            "fix the plan or unset TARGET_TOKENS"
+            f"{name} {target} != the plan's trained_tokens {trained}; "
+            f"fix the plan or unset {name}"
         )
     return target
 

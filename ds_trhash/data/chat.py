@@ -35,6 +35,7 @@ _TURN_FORMAT = {
     "assistant": (GENERATION_PROMPT, ""),
 }
 ROLES = tuple(_TURN_FORMAT)
+MESSAGE_KEYS = ("role", "content")
 
 # A JSON description of the template, copied beside built sets and exports so that inference
 # code can reproduce the exact prompt format without importing this module.
@@ -133,6 +134,12 @@ def normalize(messages: Any) -> list[Turn]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatError("bad_message", f"message {i} must be an object with 'role' and 'content', got {type(message).__name__}")
+        extra = sorted(str(key) for key in message if key not in MESSAGE_KEYS)
+        if extra:
+            # Refused, not ignored: a key such as "name" or "tool_calls" carries meaning the
+            # template would silently drop.
+            raise ChatError("unknown_message_key", f"message {i} has key(s) {', '.join(map(repr, extra))}; a message "
+                                                   f"holds only {' and '.join(MESSAGE_KEYS)}")
         role, content = message.get("role"), message.get("content")
         if role not in _TURN_FORMAT:
             raise ChatError("unknown_role", f"message {i} has unknown role {role!r}; allowed roles: {', '.join(ROLES)}")

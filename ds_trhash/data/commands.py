@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .embedded import build_embedded
-from .plan import build_plan, derive_refinement, load_plan, write_plan
+from .plan import build_plan, check_refinement, derive_refinement, load_plan, write_plan
 from .shards import load_manifests, read_jsonl_texts, read_text_documents, tokenize_to_shards
 from .tokenizer import train_tokenizer
 
@@ -52,7 +52,7 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
-    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out)
+    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
     print(path)
     return 0
 
@@ -105,6 +105,18 @@ def _fingerprint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_refinement(args: argparse.Namespace) -> int:
+    """The same rules the refinement launch applies, each one's result printed."""
+    ref, pre = load_plan(args.plan), load_plan(args.pretraining)
+    results = check_refinement(ref, pre)
+    valid = all(r.ok for r in results)
+    verdict = "valid" if valid else "refused"
+    print(f"{verdict}: {ref.path} {'is' if valid else 'is not'} a refinement of {pre.path}")
+    for r in results:
+        print(f"  {'ok  ' if r.ok else 'FAIL'} {r.rule}: {r.detail if not r.ok or r.rule == 'fingerprint' else 'holds'}")
+    return 0 if valid else EXIT_ERROR
+
+
 def _embedded(args: argparse.Namespace) -> int:
     paths = build_embedded(args.out, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed)
     print(json.dumps({name: str(value) for name, value in vars(paths).items()}, indent=2))
@@ -120,6 +132,8 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing tokenizer.json (data made with the old one no longer matches)")
     p.set_defaults(func=_guarded(_train_tokenizer))
 
     p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest")
@@ -153,6 +167,11 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p = sub.add_parser("fingerprint", help="print a plan's unique-core fingerprint")
     p.add_argument("plan", metavar="PLAN")
     p.set_defaults(func=_guarded(_fingerprint))
+
+    p = sub.add_parser("check-refinement", help="is PLAN a valid refinement of --pretraining? (the launch's check)")
+    p.add_argument("plan", metavar="REF", help="the refinement plan")
+    p.add_argument("--pretraining", required=True, metavar="PRE", help="the pretraining plan it refines")
+    p.set_defaults(func=_guarded(_check_refinement))
 
     p = sub.add_parser("embedded", help="build the offline demo corpus from pydoc_data.topics")
     p.add_argument("--out", required=True, metavar="DIR")

@@ -5,6 +5,10 @@ so the demo and the tests need no download. From it this module makes a tokenize
 for two sources, a pretraining plan with a replay phase, its refinement plan, and small
 chat sets. Every conversation fits ``seq_len`` tokens under the complexity-chat-v2 layout
 (docs/contracts.md §5), so an SFT build at the demo length never hits the no-truncation gate.
+
+Each build lives in its own directory named by the hash of everything that determines its
+content (format, seq_len, vocabulary, seed, Python's topics): a run reading one corpus never
+sees it rebuilt under it, and a different request gets a different directory.
 """
 from __future__ import annotations
 
@@ -214,25 +218,37 @@ def _build(root: Path, seq_len: int, vocab_size: int, seed: int, topics: dict[st
     (root / STAMP_FILE).write_text(json.dumps({**stamp, "files": files}, indent=2) + "\n", encoding="utf-8")
 
 
-def build_embedded(out_dir: PathLike, seq_len: int = 128, vocab_size: int = 4096, seed: int = 0) -> EmbeddedPaths:
-    """Build (or reuse, when its stamp matches) the embedded demo corpus under ``out_dir``.
+def corpus_key(stamp: dict) -> str:
+    """The directory name of one corpus: a hash of what determines its bytes."""
+    return "corpus-" + hashlib.sha256(json.dumps(stamp, sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
-    Built in a sibling temporary directory and swapped in at the end, so concurrent callers
-    and crashes never see a half-built corpus.
+
+def build_embedded(out_dir: PathLike, seq_len: int = 128, vocab_size: int = 4096, seed: int = 0) -> EmbeddedPaths:
+    """Build (or reuse) the embedded demo corpus in ``out_dir/corpus-<hash>/``.
+
+    Built in a sibling temporary directory and renamed into place, so concurrent callers and
+    crashes never see a half-built corpus. An existing corpus is never replaced: if its files
+    no longer match its stamp it is refused (another run may be reading it) and left as it is.
     """
-    root = Path(out_dir)
-    paths = EmbeddedPaths.under(root)
     topics = _topics()
     stamp = _stamp(seq_len, vocab_size, seed, _topics_sha256(topics))
+    root = Path(out_dir) / corpus_key(stamp)
+    paths = EmbeddedPaths.under(root)
     if _is_complete(paths, stamp):
         return paths
+    if root.exists():
+        raise EmbeddedError(
+            f"the embedded demo corpus {root} is damaged (its files do not match {STAMP_FILE}); it is left "
+            "untouched in case a run reads it: remove that directory once no run uses it, then launch again")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build(tmp, seq_len, vocab_size, seed, topics, stamp)
-        if root.exists() and _is_complete(paths, stamp):  # another process finished first
-            return paths
-        publish_dir(tmp, root, fsync=False)  # an incomplete or stale copy is swapped out whole
+        try:
+            os.rename(tmp, root)  # fails when another process finished first: keep theirs
+        except OSError:
+            if not _is_complete(paths, stamp):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return paths

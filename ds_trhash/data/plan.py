@@ -48,8 +48,9 @@ FINGERPRINT_KEYS = (
     "unique_tokens",
     "source_unique_tokens",
 )
-# Key under which the unique_core phase's sources enter the fingerprinted document.
-FINGERPRINT_SOURCES_KEY = "unique_core_sources"
+# Key under which the unique_core phase's sources enter the fingerprinted document. It is
+# `sources`, as in the released plans: any other name gives fingerprints that match none of them.
+FINGERPRINT_SOURCES_KEY = "sources"
 
 
 class PlanError(ValueError):
@@ -89,6 +90,21 @@ def canonical_json(value: object) -> bytes:
 def source_rows(sources: Mapping[str, list]) -> dict[str, int]:
     """Rows per source of one phase's ``sources`` mapping."""
     return {source: sum(int(entry["rows"]) for entry in entries) for source, entries in sources.items()}
+
+
+def distinct_rows(phases: list) -> int:
+    """Rows a plan holds at least once over all its phases.
+
+    Rows are taken from the front of each shard, so two phases naming the same shard share the
+    shorter prefix; a replay phase that uses shards the unique core never touched (a corrected
+    plan) adds them. This is what ``unique_tokens`` counts (times ``seq_len``)."""
+    longest: dict[tuple[str, str], int] = {}
+    for phase in phases:
+        for source, entries in phase["sources"].items():
+            for entry in entries:
+                key = (source, entry["file"])
+                longest[key] = max(longest.get(key, 0), int(entry["rows"]))
+    return sum(longest.values())
 
 
 def _unique_core(doc: Mapping) -> dict:
@@ -160,8 +176,12 @@ def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
     expected_sources = {source: rows * seq_len for source, rows in core_rows.items()}
     if dict(doc["source_unique_tokens"]) != expected_sources:
         raise PlanError(f"{where}: source_unique_tokens {doc['source_unique_tokens']} disagree with the unique core rows ({expected_sources})")
-    if doc["unique_tokens"] != sum(expected_sources.values()):
-        raise PlanError(f"{where}: unique_tokens {doc['unique_tokens']} != {sum(expected_sources.values())} held by the unique core")
+    distinct = distinct_rows(doc["phases"]) * seq_len
+    if doc["unique_tokens"] != distinct:
+        raise PlanError(f"{where}: unique_tokens {doc['unique_tokens']} != {distinct} distinct tokens over all phases "
+                        f"(the unique core holds {sum(expected_sources.values())})")
+    if "correction" in doc and not isinstance(doc["correction"], Mapping):
+        raise PlanError(f"{where}: correction must be an object describing the correction, got {doc['correction']!r}")
     trained = sum(sum(source_rows(p["sources"]).values()) * seq_len * p["passes"] for p in doc["phases"])
     if doc["trained_tokens"] != trained:
         raise PlanError(f"{where}: trained_tokens {doc['trained_tokens']} != {trained} summed over phases (rows·seq_len·passes)")
@@ -301,43 +321,72 @@ def build_plan(
 
 
 def derive_refinement(doc: PlanLike) -> dict:
-    """The refinement plan of a pretraining plan: its unique core once, nothing replayed."""
+    """The refinement plan of a pretraining plan: its unique core once, nothing replayed.
+
+    A plan whose replay phases hold rows outside the unique core (a corrected plan) counts
+    them in ``unique_tokens``, which its fingerprint covers; a one-pass plan over the core alone
+    cannot carry that fingerprint, so no refinement can be derived and we say so."""
     doc = plan_doc(doc)
     validate_plan_doc(doc)
-    refined = copy.deepcopy(dict(doc))
     core = copy.deepcopy(_unique_core(doc))
+    core_tokens = distinct_rows([core]) * int(doc["seq_len"])
+    if core_tokens != doc["unique_tokens"]:
+        raise PlanError(
+            f"this plan's replay phases hold rows outside its unique core (unique_tokens {doc['unique_tokens']} > "
+            f"{core_tokens} in the core), and its fingerprint covers them; a refinement trains the core once, "
+            "so none can carry that fingerprint. Refine from a plan whose replays repeat the core")
+    refined = copy.deepcopy(dict(doc))
     refined["phases"] = [core]
     refined["trained_tokens"] = refined["unique_tokens"]
     refined["source_passes"] = {source: 1 for source in core["sources"]}
     return refined
 
 
-def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
-    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre`` (docs/contracts.md §3)."""
-    ref_doc, pre_doc = plan_doc(ref), plan_doc(pre)
-    phases = ref_doc.get("phases") or []
-    if len(phases) != 1:
-        raise PlanError(f"refinement plan must have exactly one phase, it has {len(phases)}", rule="one_phase")
-    phase = phases[0]
-    if phase.get("name") != UNIQUE_CORE:
-        raise PlanError(f"refinement phase is named {phase.get('name')!r}, must be {UNIQUE_CORE!r}", rule="phase_name")
-    if phase.get("passes") != 1:
-        raise PlanError(f"refinement phase has passes {phase.get('passes')!r}, must be 1", rule="phase_passes")
-    if ref_doc.get("trained_tokens") != ref_doc.get("unique_tokens"):
-        raise PlanError(
-            f"refinement trained_tokens {ref_doc.get('trained_tokens')} != unique_tokens {ref_doc.get('unique_tokens')}",
-            rule="trained_equals_unique",
-        )
+@dataclass(frozen=True)
+class RuleResult:
+    rule: str
+    ok: bool
+    detail: str
+
+
+def _refinement_rules(ref_doc: Mapping, pre_doc: Mapping) -> list[RuleResult]:
+    phases = ref_doc.get("phases") if isinstance(ref_doc.get("phases"), list) else []
+    phase = phases[0] if phases and isinstance(phases[0], Mapping) else {}
+    trained, unique = ref_doc.get("trained_tokens"), ref_doc.get("unique_tokens")
     replayed = {s: p for s, p in (ref_doc.get("source_passes") or {}).items() if p != 1}
-    if replayed:
-        raise PlanError(f"refinement source_passes must all be 1, got {replayed}", rule="source_passes")
-    ref_fp, pre_fp = unique_core_fingerprint(ref_doc), unique_core_fingerprint(pre_doc)
-    if ref_fp != pre_fp:
-        raise PlanError(
-            f"refinement unique core fingerprint {ref_fp} != pretraining plan's {pre_fp}: the corpus differs "
-            "(a changed shard or row counts even when totals match); derive it with `ds-trhash data plan --refinement-of`",
-            rule="fingerprint",
-        )
+    try:
+        ref_fp, pre_fp = unique_core_fingerprint(ref_doc), unique_core_fingerprint(pre_doc)
+        same = ref_fp == pre_fp
+        fp_detail = (f"unique core fingerprint {ref_fp} == the pretraining plan's" if same else
+                     f"refinement unique core fingerprint {ref_fp} != pretraining plan's {pre_fp}: the corpus differs "
+                     "(a changed shard or row counts even when totals match); derive it with "
+                     "`ds-trhash data plan --refinement-of`")
+    except PlanError as exc:
+        same, fp_detail = False, str(exc)
+    return [
+        RuleResult("one_phase", len(phases) == 1, f"refinement plan has {len(phases)} phase(s), must have exactly one"),
+        RuleResult("phase_name", phase.get("name") == UNIQUE_CORE,
+                   f"refinement phase is named {phase.get('name')!r}, must be {UNIQUE_CORE!r}"),
+        RuleResult("phase_passes", phase.get("passes") == 1,
+                   f"refinement phase has passes {phase.get('passes')!r}, must be 1"),
+        RuleResult("trained_equals_unique", trained == unique,
+                   f"refinement trained_tokens {trained} {'==' if trained == unique else '!='} unique_tokens {unique}"),
+        RuleResult("source_passes", not replayed,
+                   "every source passes once" if not replayed else f"refinement source_passes must all be 1, got {replayed}"),
+        RuleResult("fingerprint", same, fp_detail),
+    ]
+
+
+def check_refinement(ref: PlanLike, pre: PlanLike) -> list[RuleResult]:
+    """Every refinement rule's result, in order; the launch refuses on the first that fails."""
+    return _refinement_rules(plan_doc(ref), plan_doc(pre))
+
+
+def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
+    """Raise PlanError (with ``rule``) unless ``ref`` is a valid refinement of ``pre``."""
+    for result in check_refinement(ref, pre):
+        if not result.ok:
+            raise PlanError(result.detail, rule=result.rule)
 
 
 def load_plan(path: PathLike) -> ReplayPlan:

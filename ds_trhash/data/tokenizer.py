@@ -49,12 +49,19 @@ def _texts_from(source: Iterable[object]) -> Iterator[str]:
             )
 
 
-def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike) -> Path:
+def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike, *, overwrite: bool = False) -> Path:
     """Train a byte-level BPE on files (``Path`` items) or texts (``str`` items).
 
     Returns the path of the written ``tokenizer.json``. Byte-level means every byte has a
-    token, so ``<unk>`` exists only to keep the released id layout (docs/contracts.md §5).
+    token, so ``<unk>`` exists only to keep the fixed special-id layout. An existing
+    tokenizer is never replaced unless ``overwrite``: shards, plans and checkpoints record its
+    hash, and a new one under the same path would silently change what their token ids mean.
     """
+    existing = Path(out_dir) / TOKENIZER_FILE
+    if existing.exists() and not overwrite:
+        raise TokenizerError(
+            f"{existing} already exists (sha256 {tokenizer_sha256(existing)[:12]}…); data made with it records "
+            "that hash. Write the new tokenizer to another --out, or pass --overwrite to replace it")
     minimum = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE
     if vocab_size < minimum:
         raise TokenizerError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least {minimum}")

@@ -36,13 +36,13 @@ class HeldoutCallback(Callback):
 
     def evaluate(self, state) -> dict:
         result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
-        result.update(step=state.step, epoch=state.epoch)
+        result.update(step=state.step, epoch=state.epochs_done)
         self.results[state.step] = result
-        self.writer.write(step=state.step, epoch=state.epoch, eval_loss=result["eval_loss"],
+        self.writer.write(step=state.step, epoch=state.epochs_done, eval_loss=result["eval_loss"],
                           eval_tokens=result["eval_tokens"])
         self.progress.message(
-            f"held-out at step {state.step}: loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f} "
-            f"over {result['eval_tokens']:,} supervised tokens")
+            f"held-out at step {state.step} (epoch {state.epochs_done}): loss {result['eval_loss']:.4f} "
+            f"ppl {result['eval_ppl']:.2f} over {result['eval_tokens']:,} supervised tokens")
         return result
 
     def on_start(self, state):
@@ -84,12 +84,12 @@ class PiqaCallback(Callback):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
                 result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
-            row = {"step": state.step, "epoch": state.epoch, **{k: result[k] for k in ("acc", "acc_norm", "n")},
+            row = {"step": state.step, "epoch": state.epochs_done, **{k: result[k] for k in ("acc", "acc_norm", "n")},
                    "warning": result.get("warning")}
             self.results[state.step] = row
             with open(self.output_dir / PIQA_RESULTS, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
-            self.progress.message(f"PIQA at step {state.step}: acc {result['acc']:.4f} "
+            self.progress.message(f"PIQA at step {state.step} (epoch {state.epochs_done}): acc {result['acc']:.4f} "
                                   f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
         self.barrier()
 

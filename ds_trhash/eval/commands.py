@@ -94,6 +94,36 @@ def recorded_tokenizer_sha256(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
+def recorded_packing_policy(checkpoint: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(policy, where) the checkpoint was trained with: a training checkpoint's
+    ``training_critical["data.packing.policy"]``, an export's ``run.json`` ``packing_policy``."""
+    root = Path(checkpoint)
+    state = root / "trainer_state.json"
+    if state.is_file():
+        policy = (_read_json(state).get("training_critical") or {}).get("data.packing.policy")
+        return (policy, f"{state} training_critical") if policy else (None, None)
+    run = root / "run.json"
+    if run.is_file():
+        policy = _read_json(run).get("packing_policy")
+        return (policy, str(run)) if policy else (None, None)
+    return None, None
+
+
+def _packing_policy(checkpoint: str | os.PathLike, explicit: str | None) -> tuple[str, str]:
+    """The checkpoint's own policy unless one is given; a given one that differs is warned about
+    (its loss is not comparable with the run's own held-out numbers)."""
+    recorded, where = recorded_packing_policy(checkpoint)
+    if explicit is None:
+        if recorded is None:
+            print(f"note: {checkpoint} records no packing policy; using cross_document", file=sys.stderr)
+            return "cross_document", "default (the checkpoint records none)"
+        return recorded, where or ""
+    if recorded is not None and recorded != explicit:
+        print(f"warning: --policy {explicit} differs from the {recorded} packing {checkpoint} was trained and "
+              f"evaluated with ({where}); this loss is not comparable with the run's held-out loss", file=sys.stderr)
+    return explicit, "--policy"
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -155,24 +185,31 @@ def _piqa(args: argparse.Namespace) -> int:
 
 
 def _heldout(args: argparse.Namespace) -> int:
-    model, config, source, _record = load_model(args.checkpoint, args.preset)
+    config, source = resolve_config(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)
     seq_len = args.seq_len
     if seq_len is None and (sft_dir / "manifest.json").is_file():
         seq_len = _read_json(sft_dir / "manifest.json").get("seq_len")
     seq_len = int(seq_len or config.max_seq_len)
+    if seq_len > config.max_seq_len:  # checked before the model is allocated
+        raise EvalCommandError(
+            f"--seq-len {seq_len} exceeds the {config.max_seq_len} positions of the model ({source}); "
+            f"pass --seq-len {config.max_seq_len} or less")
+    model, config, source, _record = load_model(args.checkpoint, args.preset)
     tokenizer_hash = recorded_tokenizer_sha256(args.checkpoint)
     data = open_sft(sft_dir, expect_vocab=config.vocab_size, seq_len=seq_len, tokenizer_hash=tokenizer_hash)
     partition = data.partition("eval")
-    packs = pack(partition, seq_len, args.policy)
+    policy, policy_source = _packing_policy(args.checkpoint, args.policy)
+    packs = pack(partition, seq_len, policy)
     batches = SFTBatches(packs, args.micro_batch, world_size=1, rank=0, seed=0, drop_last=False)
     model, device, dtype = _place(model, args, cuda_default="float32")
     result = heldout_loss(model, batches.epoch(0), device)
     print(f"held-out loss {result['eval_loss']:.6f} (PPL {result['eval_ppl']:.2f}) over "
-          f"{result['eval_tokens']} supervised tokens, {len(partition)} examples in {len(packs)} windows")
+          f"{result['eval_tokens']} supervised tokens, {len(partition)} examples in {len(packs)} windows "
+          f"({policy} packing)")
     _write_out(args.out, {
         "task": "heldout", "checkpoint": str(args.checkpoint), "model_config_source": source,
-        "sft_dir": str(sft_dir), "seq_len": seq_len, "policy": args.policy, "micro_batch": args.micro_batch,
+        "sft_dir": str(sft_dir), "seq_len": seq_len, "policy": policy, "policy_source": policy_source, "micro_batch": args.micro_batch,
         "examples": len(partition), "windows": len(packs), "tokenizer_checked": tokenizer_hash is not None,
         "device": str(device), "dtype": dtype, **result})
     return 0
@@ -227,6 +264,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
     p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")
     p.add_argument("--micro-batch", type=_positive, default=16)
-    p.add_argument("--policy", choices=("cross_document", "per_document"), default="cross_document")
+    p.add_argument("--policy", choices=("cross_document", "per_document"), default=None,
+                   help="packing policy (default: the one the checkpoint was trained with; a different one warns)")
     p.set_defaults(func=_guarded(_heldout))
     return group

@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .attention import ROPE_BACKENDS, DocumentMask, TRHashAttention, build_document_mask
@@ -20,6 +21,7 @@ from .loss import LOSS_BACKENDS, tied_ce
 from .norms import NORM_BACKENDS, RMSNorm
 from .routing import RouteTableError, build_route_table, expert_pairs, pair_codes, validate_route_table
 
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_n")
 _DROPPED_KEY_SUFFIX = ".self_attn.rotary_emb.inv_freq"  # recomputed, never a parameter
 
 
@@ -190,6 +192,7 @@ class TRHashDecoderLayer(nn.Module):
         self.self_attn = TRHashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = TRHashMoE(config, layer)
+        self.checkpointed = False  # recompute this layer in backward (set_activation_checkpointing)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attn_mask: torch.Tensor | DocumentMask | None) -> torch.Tensor:
@@ -208,6 +211,9 @@ class TRHashForCausalLM(nn.Module):
         self.last_loss_backend: str | None = None
         self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
         self.compile_mode = "none"  # set by ds_trhash.model.compile
+        # Per-layer routed-token counts [L, E] of training forwards, for monitors; off by default.
+        self.track_expert_load = False
+        self._expert_load: torch.Tensor | None = None
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, config.init_std)  # submodules init themselves
 
@@ -230,6 +236,38 @@ class TRHashForCausalLM(nn.Module):
 
     def engines(self) -> list[TRHashMoEEngine]:
         return [layer.mlp.engine for layer in self.layers]
+
+    # ----------------------------------------------------------------- activation checkpointing
+    def set_activation_checkpointing(self, mode: str, every: int = 2) -> list[int]:
+        """Recompute decoder layers in backward instead of storing their activations.
+
+        ``none``; ``full`` (every layer); ``every_n`` (layers 0, n, 2n, ... for n = ``every``).
+        Non-reentrant ``torch.utils.checkpoint`` with the RNG state preserved, so the gradients
+        are those of the plain forward; only peak memory and time change. Returns the layers.
+        """
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"unknown activation checkpointing {mode!r}; allowed: {list(ACTIVATION_CHECKPOINTING)}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"activation checkpointing every_n needs n >= 1, got {every!r}")
+        step = {"none": 0, "full": 1, "every_n": every}[mode]
+        chosen = [i for i in range(len(self.layers)) if step and i % step == 0]
+        for i, layer in enumerate(self.layers):
+            layer.checkpointed = i in chosen
+        return chosen
+
+    # ----------------------------------------------------------------- expert load
+    def _count_expert_load(self, input_ids: torch.Tensor) -> None:
+        """Add this forward's routes to the [L, E] counts (on the device, no host sync). Counted
+        here, outside the decoder layers, so a checkpointed layer's recompute is not counted twice."""
+        ids = input_ids.reshape(-1).clamp(0, self.config.vocab_size - 1)
+        counts = torch.stack([torch.bincount(e.route_table[:, ids].reshape(-1), minlength=self.config.num_experts)
+                              for e in self.engines()])
+        self._expert_load = counts if self._expert_load is None else self._expert_load + counts
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """The counts since the last call ([L, E] int64), and start again; None when none."""
+        counts, self._expert_load = self._expert_load, None
+        return counts
 
     # ----------------------------------------------------------------- backends
     def set_backends(self, experts: str | None = None, loss: str | None = None,
@@ -290,8 +328,13 @@ class TRHashForCausalLM(nn.Module):
         # packed rows: one block-sparse document mask shared by every layer (no [T, T] tensor)
         attn_mask = build_document_mask(document_ids) if document_ids is not None else None
         x = self.embed_tokens(input_ids)
+        if self.track_expert_load and torch.is_grad_enabled():
+            self._count_expert_load(input_ids)
         for layer in self.layers:
-            x = layer(x, input_ids, position_ids, attn_mask)
+            if layer.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, input_ids, position_ids, attn_mask, use_reentrant=False)
+            else:
+                x = layer(x, input_ids, position_ids, attn_mask)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

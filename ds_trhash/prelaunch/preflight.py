@@ -14,7 +14,6 @@ trainer also runs at launch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,19 +23,19 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.prelaunch.stage_data import resolve_stage_data
+from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
+from ds_trhash.training import launch_checks
 from ds_trhash.training import resources as res
 from ds_trhash.training.engine import EngineError, check_runnable
 from ds_trhash.training.footprint import estimate
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 from ds_trhash.training.resources import FAIL, PASS, WARN, Check
-from ds_trhash.training.stage_inputs import model_config
-from ds_trhash.training.trainer import USER_ERRORS, check_fresh_output_dir, guard_stage, kernel_choice
+from ds_trhash.training.trainer import USER_ERRORS, check_output_side, check_resume, guard_stage, kernel_choice
 
 EXIT_FAILED = 2
 # what the launcher prints as one line besides the trainer's USER_ERRORS
-LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError)
+LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError, launch_checks.LaunchCheckError)
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 
@@ -81,45 +80,33 @@ class Report:
 # ----------------------------------------------------------------------------- launch state
 
 
-def _output_and_resume(report: Report, cfg, args, world: int, data, lora: bool):
-    """The trainer's output-directory and resume checks; returns (saved trainer state or None,
-    steps of complete checkpoints already there)."""
+def _output(report: Report, cfg, args, world: int, data):
+    """The trainer's output-side checks and, when resuming, its resume checks."""
     output_dir = Path(cfg.output_dir)
-    notes: list[str] = []
-    existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
 
     def output():
-        ckpt.check_output_dir_stage(output_dir, cfg.stage)
-        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=notes.append)
-        if resume_dir is None:
-            if not args.resume and not os.environ.get("RESUME"):
-                check_fresh_output_dir(output_dir)
+        pre = check_output_side(cfg, args, 0)
+        set_aside = f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside" if pre.damaged else ""
+        if pre.saved is None:
             state = "does not exist yet" if not output_dir.exists() else "holds no run"
-            return None, f"{output_dir} {state}: a fresh start" + (f" ({notes[-1]})" if notes else "")
-        saved = ckpt.read_trainer_state(resume_dir)
-        if data is not None:
-            ckpt.check_resume_compatible(
-                saved, tcfg.training_critical(cfg), world_size=world, lora_enabled=lora,
-                total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
-                plan_sha256=data.plan.sha256 if data.plan is not None else None,
-                found=ckpt.inspect_saved_parts(resume_dir))
-        how = "and is compatible with this launch" if data is not None else "(compatibility not checked: data failed)"
-        return saved, f"{output_dir} holds a run; --resume continues it from {Path(resume_dir).name} {how}"
+            return pre, f"{output_dir} {state}: a fresh start{set_aside}"
+        if data is None:
+            return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
+        check_resume(cfg, args, world, data, pre.saved, pre.resume_dir)
+        return pre, f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
 
-    saved = report.run("output", output)
-    return saved, existing
+    return report.run("output", output)
 
 
-def _source(report: Report, cfg, init_dir: str | None, data, resuming: bool) -> None:
+def _source(report: Report, cfg, args, pre, data) -> None:
     def stage():
-        if init_dir is not None:
-            path = Path(init_dir)
-            if not path.is_dir():
-                raise ckpt.CheckpointError(f"--init-checkpoint {path} does not exist")
-            if (path / ckpt.TRAINER_STATE).is_file():
-                ok, reason = ckpt.verify(path, deep=False)
-                if not ok:
-                    raise ckpt.CheckpointError(f"--init-checkpoint {path} is {reason}")
+        init_dir = pre.init_dir if pre is not None else launch_checks.resolve_init_checkpoint(
+            args.init_checkpoint, log=lambda *_: None)
+        resuming = pre is not None and pre.saved is not None
+        if init_dir is not None and (Path(init_dir) / ckpt.TRAINER_STATE).is_file():
+            ok, reason = ckpt.verify(init_dir, deep=False)
+            if not ok:
+                raise ckpt.CheckpointError(f"--init-checkpoint {init_dir} is {reason}")
         record = guard_stage(cfg, init_dir, data, resuming=resuming)
         if record is None:
             return None, f"{cfg.stage} from scratch" if not resuming else "resumed run (checked at its first launch)"
@@ -128,12 +115,7 @@ def _source(report: Report, cfg, init_dir: str | None, data, resuming: bool) -> 
     report.run("stage", stage)
 
 
-# ----------------------------------------------------------------------------- resources
-
-
-def _data(cfg, model_cfg, world: int, deep: bool, scratch: Path):
-    resolved = resolve_stage_data(cfg, model_cfg, world, deep, scratch)
-    return resolved, resolved.detail
+# ----------------------------------------------------------------------------- the command
 
 
 def run_preflight(args: argparse.Namespace) -> int:
@@ -149,13 +131,13 @@ def run_preflight(args: argparse.Namespace) -> int:
     def config():
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
-        return None, (f"{cfg.origin}: {cfg.stage}, preset {cfg.model.preset}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
+        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, preset {cfg.model.preset}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
                       f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
 
-    report.run("config", config)
+    cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
-    model_cfg = model_config(cfg)
+    model_cfg = tcfg.model_config(cfg)
     deepspeed = report.add(res.check_deepspeed())
     device = torch.device("cuda", 0) if devices.kind == "cuda" else torch.device("cpu")
 
@@ -170,21 +152,22 @@ def run_preflight(args: argparse.Namespace) -> int:
     if not deepspeed.failed:
         report.add(res.check_comm_op(devices))
     with tempfile.TemporaryDirectory(prefix="ds-trhash-preflight-") as scratch:
-        resolved = report.run("data", lambda: _data(cfg, model_cfg, world, args.deep, Path(scratch)))
-    data, spe = (resolved.data, resolved.steps_per_epoch) if resolved is not None else (None, None)
-    saved, existing = _output_and_resume(report, cfg, args, world, data, cfg.lora.enabled)
-    init_dir = args.init_checkpoint or (saved or {}).get("init_checkpoint")
+        data = report.run("data", lambda: resolve_stage_data(cfg, model_cfg, world, args.deep, Path(scratch)))
+    pre = _output(report, cfg, args, world, data)
+    saved = pre.saved if pre is not None else None
     if data is None:
         report.skip("stage", "the data check failed")
     else:
-        _source(report, cfg, init_dir, data, resuming=saved is not None)
+        _source(report, cfg, args, pre, data)
     footprint = estimate(cfg, model_cfg, world, devices.kind)
     report.add(res.check_memory(footprint, devices, world))
     if data is None:
         report.skip("disk", "the step count comes from the data, whose check failed")
     else:
         # a fresh start holds no complete checkpoint (else the output check failed): size it as one
-        after, existing = (int(saved["step"]), existing) if saved else (0, [])
+        existing = [c.step for c in ckpt.list_checkpoints(cfg.output_dir) if c.has_manifest] if saved else []
+        spe = getattr(data.batches, "steps_per_epoch", None)
+        after = int(saved["step"]) if saved else 0
         for check in res.check_disk(res.disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
             report.add(check)
     return report.finish()

@@ -41,7 +41,7 @@ from ds_trhash.eval import commands as eval_commands
 from ds_trhash.eval.commands import load_model
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.prelaunch import smoke_figures as fig
-from ds_trhash.prelaunch.stage_data import resolve_stage_data
+from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.release import commands as release_commands
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
@@ -49,7 +49,6 @@ from ds_trhash.training.footprint import estimate, gib
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 from ds_trhash.training.progress import format_duration
 from ds_trhash.training.resources import default_nproc, probe_devices
-from ds_trhash.training.stage_inputs import model_config
 from ds_trhash.training.trainer import USER_ERRORS
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
@@ -140,8 +139,8 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
 
 def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
-    resolved = resolve_stage_data(cfg, model_config(cfg), world, deep=False, scratch=workdir)
-    reader = ReplayReader(resolved.data.plan, resolved.shards_dir, cfg.seed)
+    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
     mb = cfg.batch.micro_batch
     first = int(state["data_cursor"]) // mb  # step index of the next unseen rows in a 1-process layout
     last = reader.num_rows // mb
@@ -185,7 +184,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     except (OSError, fig.FiguresError) as exc:
         raise StepFailed("save", str(exc)) from None
     devices = probe_devices()
-    model_cfg = model_config(cfg)
+    model_cfg = tcfg.model_config(cfg)
     predicted = estimate(cfg, model_cfg, world, devices.kind)
     report["save"] = {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
     _say("save", f"{final.name}: {gib(size)} in {save_s:.2f} s (estimated {gib(predicted.checkpoint)})")
@@ -211,9 +210,9 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
     _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
 
-    resolved = resolve_stage_data(cfg, model_cfg, world, deep=False, scratch=workdir)
-    plan = CheckpointPlan.for_stage(cfg, resolved.data.total_steps, resolved.steps_per_epoch)
-    projection = fig.Projection(resolved.data.total_steps, step_s, len(plan.save_steps()), save_s,
+    data, _ = resolve_stage_data(cfg, model_cfg, world, deep=False, scratch=workdir)
+    plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
+    projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
                                 plan.peak_kept(), size)
     report["projection"] = projection.to_dict()
     _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "
@@ -231,12 +230,12 @@ def run_smoke(args: argparse.Namespace) -> int:
     if args.steps < 2:
         print(f"error: --steps must be at least 2 (save, then resume from the middle), got {args.steps}", file=sys.stderr)
         return EXIT_USAGE
+    world = args.nproc or default_nproc(probe_devices())
     try:
-        cfg = config_from_args(args)
+        cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
     except tcfg.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    world = args.nproc or default_nproc(probe_devices())
     if args.workdir:
         workdir = Path(args.workdir).resolve()
         if workdir.exists() and any(workdir.iterdir()):

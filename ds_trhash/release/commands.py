@@ -32,7 +32,8 @@ class _RefuseToken(argparse.Action):
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer)
+        manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
+                                     force_tokenizer=args.force_tokenizer)
     except (ExportError, OSError, ValueError) as err:
         return _fail(err)
     w = manifest["weights"]
@@ -66,6 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument("--out", required=True, help="new (or empty) export directory")
     exp.add_argument("--dtype", default="float32", choices=sorted(FLOAT_DTYPES))
     exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run recorded)")
+    exp.add_argument("--force-tokenizer", action="store_true",
+                     help="copy --tokenizer even though its hash differs from the run's (recorded in run.json)")
     exp.set_defaults(func=run_export)
 
     syn = subparsers.add_parser("sync", help="upload complete checkpoints/exports to the Hub, verify, prune")

@@ -338,6 +338,25 @@ def verify_export(export_dir: str | os.PathLike, *, deep: bool = True) -> tuple[
 # --------------------------------------------------------------------------- from a checkpoint
 
 
+def _check_tokenizer(tok: str | os.PathLike | None, recorded: str | None, *, explicit: bool, force: bool,
+                     ckpt: Path) -> dict[str, str] | None:
+    """Refuse to copy a tokenizer other than the run's; returns the forced record, if any."""
+    if tok is None or not recorded:
+        return None
+    src = Path(tok)
+    file = src / TOKENIZER if src.is_dir() else src
+    if not file.is_file():
+        raise ExportError(f"no {TOKENIZER} at {src}; pass the directory the tokenizer was trained into")
+    actual = sha256_file(file)
+    if actual == recorded:
+        return None
+    if explicit and force:
+        return {"copied_sha256": actual, "recorded_sha256": recorded, "tokenizer": str(file)}
+    how = ("pass --force-tokenizer to export with it anyway (recorded in run.json)" if explicit
+           else "the file changed since training; pass --tokenizer DIR with the run's tokenizer")
+    raise ExportError(f"{file} has sha256 {actual[:12]}…, but {ckpt} was trained with tokenizer {recorded[:12]}…; {how}")
+
+
 def export_checkpoint(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -345,18 +364,20 @@ def export_checkpoint(
     *,
     tokenizer_dir: str | os.PathLike | None = None,
     chat_template: str | os.PathLike | None = None,
+    force_tokenizer: bool = False,
 ) -> dict[str, Any]:
     """Export a verified training checkpoint (``checkpoints/step_<N>``).
 
     The stage, model config, tokenizer directory and LoRA flag come from its trainer_state.json;
-    ``tokenizer_dir`` overrides the recorded one.
+    ``tokenizer_dir`` overrides the recorded one. The tokenizer copied must be the one the run
+    recorded (its SHA-256): token ids mean nothing under another. An explicit ``tokenizer_dir``
+    that differs needs ``force_tokenizer`` and is recorded as forced in run.json.
     """
 
     ckpt = Path(ckpt_dir)
     _refuse_existing(Path(out_dir))
     parse_dtype(dtype)
     try:
-        state, _record = load_merged_weights(ckpt)  # LoRA runs export merged: plain released names
         trainer_state = read_trainer_state(ckpt)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
@@ -366,6 +387,12 @@ def export_checkpoint(
     tok = tokenizer_dir if tokenizer_dir is not None else trainer_state.get("tokenizer_dir")
     if tok is not None and not Path(tok).exists():
         raise ExportError(f"the tokenizer recorded for {ckpt} ({tok}) no longer exists; pass tokenizer_dir")
+    forced = _check_tokenizer(tok, trainer_state.get("tokenizer_sha256"), explicit=tokenizer_dir is not None,
+                              force=force_tokenizer, ckpt=ckpt)
+    try:
+        state, _record = load_merged_weights(ckpt)  # LoRA runs export merged: plain released names
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
     stage = trainer_state.get("stage")
     manifest_path = ckpt / MANIFEST
     extra = {
@@ -380,6 +407,10 @@ def export_checkpoint(
         "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
         "framework_commit": trainer_state.get("framework_commit"),
         "backends_used": trainer_state.get("backends_used"),
+        # what `ds-trhash eval heldout` packs the eval partition with by default
+        "packing_policy": (trainer_state.get("training_critical") or {}).get("data.packing.policy"),
     }
+    if forced is not None:
+        extra["tokenizer_forced"] = forced
     return export_safetensors(state, out_dir, dtype=dtype, model_config=model_config, tokenizer_dir=tok,
                               chat_template=chat_template, stage=stage, extra_meta=extra)

@@ -4,43 +4,44 @@ Rules, in the order ``sync`` applies them:
 
 1. One lock per output directory (``<output_dir>/.sync.lock``, ``fcntl.flock``) is held for
    discovery, upload, remote verification and pruning, so deletion and upload never race.
-   A second sync (or a trainer rotation wrapped in ``sync_lock``) fails fast instead of
-   waiting, unless ``lock_timeout`` seconds are granted.
+   A second sync fails fast instead of waiting, unless ``lock_timeout`` seconds are granted;
+   the trainer's rotation takes the same lock (``checkpoints.sync_guard``) and, while a sync
+   holds it, leaves rotation for its next checkpoint.
 2. Only complete units are uploaded: a checkpoint must pass ``checkpoint.verify`` (every file
    against its MANIFEST.json), an export must pass ``verify_export``. Only the files those
    manifests vouch for are uploaded, with the manifest itself.
 3. After upload every remote file is checked against the local hash: LFS files by their
    SHA-256 (``RepoFile.lfs.sha256``), regular git files by their git blob id (SHA-1 of
-   ``"blob <size>\\0" + bytes``), both from ``HfApi.get_paths_info``.
+   ``"blob <size>\\0" + bytes``), both from ``HfApi.list_repo_tree`` of the unit's folder. Files
+   in that folder that the manifest does not list are deleted in the unit's upload commit.
 4. Any failure (upload or verification) stops the sync and prunes nothing. Pruning removes
    only checkpoints whose every file verified remotely, never the newest ``keep_last``
    checkpoints, never an export, never anything incomplete.
-5. The access token comes only from ``HF_TOKEN`` in the environment (``make_api``); it is
+5. Every checkpoint verified on the Hub is recorded, with its manifest's SHA-256, in
+   ``<output_dir>/sync_verified.json``; rotation with ``checkpoint.keep_unsynced`` deletes only
+   checkpoints recorded there.
+6. The access token comes only from ``HF_TOKEN`` in the environment (``make_api``); it is
    passed to ``HfApi`` explicitly so the library never falls back to a token file, and it is
    scrubbed from every log line and error message this module produces.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
 from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
 
 TOKEN_ENV = "HF_TOKEN"
-LOCK_FILE = ".sync.lock"
-_PATHS_PER_REQUEST = 50
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
 
 Log = Callable[[str], None]
@@ -85,29 +86,13 @@ def make_api(*, require_token: bool = True) -> Any:
 
 @contextlib.contextmanager
 def sync_lock(directory: str | os.PathLike, timeout: float = 0.0) -> Iterator[Path]:
-    """Hold ``<directory>/.sync.lock``; anything that deletes checkpoints in ``directory``
-    (sync's prune, a rotation) should hold it. ``timeout`` 0 fails at once when held."""
-    path = Path(directory) / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """The output directory's lock (``checkpoints.sync_guard.output_lock``), which the trainer's
+    rotation takes too; ``timeout`` 0 fails at once when held."""
     try:
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                if time.monotonic() >= deadline:
-                    raise SyncError(f"{path} is held by another sync or prune; deletion and upload never run at "
-                                    "the same time: wait for it to finish (or pass a lock timeout)") from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        yield path
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
+        with output_lock(directory, timeout) as path:
+            yield path
+    except LockHeld as exc:
+        raise SyncError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- local units
@@ -254,23 +239,44 @@ def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise SyncError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
 
+def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
+                 revision: str | None = None) -> dict[str, Any]:
+    """Every file the Hub holds under the unit's folder (the whole repository for a root unit),
+    by repository path, with its size and hashes; empty when the folder does not exist."""
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def listing() -> list[Any]:
+        try:
+            return list(api.list_repo_tree(repo_id, path_in_repo=unit.path_in_repo or None, recursive=True,
+                                           repo_type=repo_type, revision=revision))
+        except EntryNotFoundError:  # the folder is not on the Hub yet
+            return []
+
+    entries = _call(f"listing {unit.path_in_repo or 'the root'} of {repo_id}", listing)
+    return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
+
+
+def stale_remote_files(unit: Unit, remote: Mapping[str, Any]) -> list[str]:
+    """Files on the Hub inside a unit's own folder that its manifest does not list (left there by
+    an earlier run with another layout). A root unit (an export synced alone) owns no folder, so
+    nothing beside it counts as stale."""
+    if not unit.path_in_repo:
+        return []
+    wanted = {unit.remote(rel) for rel in unit.files}
+    return sorted(path for path in remote if path not in wanted)
+
+
 def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
-                       revision: str | None = None) -> list[str]:
-    """One line per file of ``unit`` that is missing on the Hub or differs from the local file."""
-    wanted = {unit.remote(rel): rel for rel in unit.files}
-    remote: dict[str, Any] = {}
-    names = sorted(wanted)
-    for i in range(0, len(names), _PATHS_PER_REQUEST):
-        batch = names[i:i + _PATHS_PER_REQUEST]
-        infos = _call(f"reading file info from {repo_id}", api.get_paths_info, repo_id, batch,
-                      expand=False, repo_type=repo_type, revision=revision)
-        for info in infos:
-            remote[info.path] = info
+                       revision: str | None = None, remote: Mapping[str, Any] | None = None) -> list[str]:
+    """One line per file of ``unit`` that is missing on the Hub or differs from the local file,
+    and per stale file in the unit's folder."""
+    if remote is None:
+        remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
     problems = []
-    for remote_path, rel in sorted(wanted.items()):
-        local = unit.files[rel]
+    for rel in sorted(unit.files):
+        local, remote_path = unit.files[rel], unit.remote(rel)
         info = remote.get(remote_path)
-        if info is None or not hasattr(info, "blob_id"):
+        if info is None:
             problems.append(f"{remote_path}: missing on the Hub")
             continue
         if info.size != local["size"]:
@@ -282,19 +288,31 @@ def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | N
                 problems.append(f"{remote_path}: Hub SHA-256 {lfs.sha256} differs from local {local['sha256']}")
         elif info.blob_id != git_blob_sha1(unit.path / rel):
             problems.append(f"{remote_path}: Hub git blob id {info.blob_id} differs from the local file's")
+    problems += [f"{path}: on the Hub but not in the local manifest" for path in stale_remote_files(unit, remote)]
     return problems
 
 
 # --------------------------------------------------------------------------- sync
 
 
-def _upload(api: Any, repo_id: str, unit: Unit, repo_type: str | None, revision: str | None) -> None:
-    from huggingface_hub import CommitOperationAdd
+def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str | None,
+            revision: str | None) -> None:
+    """One commit per unit: its files (the client skips those already identical on the Hub) and
+    the deletion of stale files in its folder, so the remote folder equals the manifest."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    operations = [CommitOperationAdd(path_in_repo=unit.remote(rel), path_or_fileobj=str(unit.path / rel))
-                  for rel in sorted(unit.files)]
+    operations: list[Any] = [CommitOperationAdd(path_in_repo=unit.remote(rel), path_or_fileobj=str(unit.path / rel))
+                             for rel in sorted(unit.files)]
+    operations += [CommitOperationDelete(path_in_repo=path) for path in stale]
     _call(f"uploading {unit.name} to {repo_id}", api.create_commit, repo_id, operations,
           commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
+
+
+def _mark_verified(lock_dir: Path, unit: Unit, repo_id: str) -> None:
+    """Tell the trainer's rotation (``checkpoint.keep_unsynced``) this checkpoint is on the Hub."""
+    if unit.kind == "checkpoint":
+        update_verified(lock_dir, add={unit.name: {"manifest_sha256": unit.files[MANIFEST]["sha256"],
+                                                   "repo_id": repo_id}})
 
 
 def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
@@ -345,16 +363,22 @@ def sync(
             say(f"skip {name}: it is {why}; only complete checkpoints are uploaded")
         verified: set[str] = set()
         try:
+            if not dry_run and plan.units:
+                _call(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True,
+                      exist_ok=True)
             for unit in plan.units:
                 try:
-                    before = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                    remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                    before = remote_differences(api, repo_id, unit, remote=remote)
                 except SyncError as exc:
                     if not dry_run:
                         raise
-                    before = [f"remote state unknown ({exc})"]
+                    remote, before = {}, [f"remote state unknown ({exc})"]
                 if not before:
                     report.already_remote.append(unit.name)
                     verified.add(unit.name)
+                    if not dry_run:
+                        _mark_verified(lock_dir, unit, repo_id)
                     say(f"{unit.name}: already on {repo_id}, every file verified")
                     continue
                 if dry_run:
@@ -362,13 +386,14 @@ def sync(
                     say(f"would upload {unit.name} ({len(unit.files)} files)")
                     continue
                 say(f"uploading {unit.name} ({len(unit.files)} files) to {repo_id}")
-                _upload(api, repo_id, unit, repo_type, revision)
+                _upload(api, repo_id, unit, stale_remote_files(unit, remote), repo_type, revision)
                 report.uploaded.append(unit.name)
                 after = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
                 if after:
                     raise SyncError(f"{unit.name} does not verify on {repo_id} after upload; nothing was pruned:\n"
                                     + "\n".join(f"  - {p}" for p in after))
                 verified.add(unit.name)
+                _mark_verified(lock_dir, unit, repo_id)
                 report.verified.append(unit.name)
                 say(f"{unit.name}: every file verified on {repo_id}")
         except SyncError as exc:
@@ -385,6 +410,7 @@ def sync(
                     say(f"would prune local {unit.name} once verified on the Hub")
                     continue
                 remove_dir(unit.path)
+                update_verified(lock_dir, remove=(unit.name,))
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
     return report

@@ -27,7 +27,7 @@ RECORD_FORMAT = "ds-trhash-run-record-v1"
 RECORD_FIELDS = (
     "framework_commit", "stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision", "data_fingerprint",
     "tokenizer_hash", "model_mode", "optimizer_schedule", "world_size", "hardware", "precision",
-    "effective_batch", "kernel_path", "checkpoints", "selection_rule", "selected_checkpoint",
+    "effective_batch", "kernel_path", "checkpoints", "piqa", "selection_rule", "selected_checkpoint",
     "export_safetensors_sha256", "known_limitations",
 )
 
@@ -85,11 +85,28 @@ def _checkpoint_metrics(step: int, rows: list[dict[str, str]]) -> dict[str, Any]
     train = [r for r in rows if r.get("train_loss") and (_number(r.get("step")) or 0) <= step]
     if train:
         last = train[-1]
-        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "epoch"):
+        # no "epoch": that row may precede the checkpoint's step; the checkpoint records its own
+        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen"):
             if last.get(key):
                 out[key] = _number(last[key])
         out["train_row_step"] = _number(last.get("step"))
     return out
+
+
+def read_piqa_rows(path: Path) -> dict[int, dict[str, Any]]:
+    """The run's ``piqa.jsonl`` by step (a step evaluated twice, e.g. around a resume, keeps its
+    last row)."""
+    rows: dict[int, dict[str, Any]] = {}
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash mid-write
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows[row["step"]] = {k: row.get(k) for k in ("step", "epoch", "acc", "acc_norm", "n", "warning")}
+    return rows
 
 
 def _source_hash(path: str | None) -> tuple[str | None, str | None]:
@@ -163,7 +180,11 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 
     run = Path(run_dir)
     if not run.is_dir():
-        raise RecordError(f"{run} is not a run output directory")
+        raise RecordError(f"{run} is not a run output directory (it does not exist or is no directory); "
+                          "pass the --output-dir of a training launch")
+    if not any((run / name).exists() for name in ("config.json", "metrics.csv", "checkpoints")):
+        raise RecordError(f"{run} is not a run output directory (it holds no config.json, metrics.csv or "
+                          "checkpoints/); pass the --output-dir of a training launch")
     fields: dict[str, Any] = {}
     prov: dict[str, str] = {}
 
@@ -172,17 +193,25 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
             fields[name], prov[name] = value, source or "run files"
 
     rows = read_metrics(run / "metrics.csv")
+    piqa = read_piqa_rows(run / "piqa.jsonl")
     checkpoints, states = [], []
     for info in list_checkpoints(run):
         state = _read_json(info.path / "trainer_state.json") or {}
         complete = verify(info.path, deep=False)[0]
+        metrics = _checkpoint_metrics(info.step, rows)
+        if info.step in piqa:
+            metrics.update(piqa_acc=piqa[info.step]["acc"], piqa_acc_norm=piqa[info.step]["acc_norm"])
         checkpoints.append({"name": info.name, "step": info.step, "complete": complete,
                             "epoch": state.get("epoch"), "backends_used": state.get("backends_used"),
-                            "metrics": _checkpoint_metrics(info.step, rows)})
+                            "metrics": metrics})
         if complete:
             states.append(state)
     if checkpoints:
-        put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json and metrics.csv")
+        put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json, metrics.csv and piqa.jsonl")
+    names = {c["step"]: c["name"] for c in checkpoints}
+    if piqa:
+        put("piqa", [{**row, "checkpoint": names.get(step, "source" if step == 0 else None)}
+                     for step, row in sorted(piqa.items())], f"{run}/piqa.jsonl (written by the trainer)")
     state = states[-1] if states else {}
     where = "trainer_state.json of the newest complete checkpoint"
     crit = state.get("training_critical") or {}
@@ -294,17 +323,33 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
     if not ckpts:
         lines.append("**unknown** (no checkpoints found)")
     else:
-        lines += ["| checkpoint | step | complete | train loss | eval loss | eval ppl |", "|---|---|---|---|---|---|"]
+        lines += ["| checkpoint | step | epoch | complete | train loss | eval loss | eval ppl | PIQA acc | "
+                  "PIQA acc_norm |", "|---|---|---|---|---|---|---|---|---|"]
         for c in ckpts:
             m = c.get("metrics", {})
-            cell = [str(m.get(k, "")) for k in ("train_loss", "eval_loss", "eval_ppl")]
-            mark = " (selected)" if c["name"] == doc.get("selected_checkpoint") else ""
-            lines.append(f"| {c['name']}{mark} | {c['step']} | {c['complete']} | " + " | ".join(cell) + " |")
+            cell = [str(m.get(k, "")) for k in ("train_loss", "eval_loss", "eval_ppl", "piqa_acc", "piqa_acc_norm")]
+            mark = " (selected)" if c["name"] == _selected_name(doc.get("selected_checkpoint")) else ""
+            lines.append(f"| {c['name']}{mark} | {c['step']} | {c.get('epoch', '')} | {c['complete']} | "
+                         + " | ".join(cell) + " |")
+    lines += ["", "## PIQA", ""]
+    if not doc.get("piqa"):
+        lines.append("**unknown** (the run wrote no piqa.jsonl)")
+    else:
+        lines += ["| step | epoch | checkpoint | acc | acc_norm | examples |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['epoch']} | {r['checkpoint'] or ''} | {r['acc']} | {r['acc_norm']} | {r['n']} |"
+                  for r in doc["piqa"]]
     lines += ["", "## Known limitations", ""]
     lines += [f"- {item}" for item in doc.get("known_limitations") or []] or ["- none recorded"]
     lines += ["", "## Unknown", ""]
     lines += [f"- {name}" for name in doc.get("unknown") or []] or ["- nothing: every field is known"]
     return "\n".join(lines) + "\n"
+
+
+def _selected_name(selected: Any) -> str | None:
+    """``selected_checkpoint`` is a name (computed or given) or the run's selection.json entry."""
+    if isinstance(selected, Mapping):
+        return Path(str(selected.get("checkpoint", ""))).name or None
+    return selected
 
 
 def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,

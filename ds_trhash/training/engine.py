@@ -64,11 +64,30 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
-    """torch AdamW: fused on CUDA, foreach on CPU (DeepSpeed's own FusedAdam is a slow JIT build)."""
+    """AdamW with the no-decay groups, chosen by ``optimizer.torch_adam``.
+
+    true: torch AdamW (its fused kernel on CUDA, foreach on CPU). false: DeepSpeed's FusedAdam in
+    AdamW mode on CUDA (a JIT-built CUDA op). FusedAdam has no CPU kernel, so on CPU false runs
+    torch AdamW too; ``optimizer_name`` says which one a launch got.
+    """
+    groups = param_groups(model, opt_cfg.weight_decay)
     kwargs = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    if device.type == "cuda" and not opt_cfg.torch_adam:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
     if device.type == "cuda":
         kwargs["fused"] = True
-    return torch.optim.AdamW(param_groups(model, opt_cfg.weight_decay), **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer, opt_cfg) -> str:
+    """What ran, for the startup summary (e.g. torch_adam false on CPU)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps it under ZeRO / fp16
+    name = f"{type(inner).__module__.split('.')[0]}.{type(inner).__name__}"
+    if not opt_cfg.torch_adam and type(inner).__name__ != "FusedAdam":
+        name += " (optimizer.torch_adam false: FusedAdam is CUDA-only, so CPU runs torch AdamW)"
+    return name
 
 
 def check_runnable(cfg, world_size: int) -> None:

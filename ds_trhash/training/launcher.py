@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -13,8 +16,10 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
 from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.training.callbacks import Callback
+from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import EngineError, init_distributed
-from ds_trhash.training.trainer import USER_ERRORS, run_stage
+from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.training.trainer import USER_ERRORS, check_output_side, run_stage
 
 log = logging.getLogger("ds_trhash")
 
@@ -30,10 +35,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set batch.micro_batch=8 (repeatable)")
     p.add_argument("--max-steps", type=int, help="a bounded run: at most this many optimizer steps")
     p.add_argument("--init-checkpoint", "--checkpoint", dest="init_checkpoint", metavar="DIR",
-                   help="weights-only initialisation: fresh optimizer, scheduler and step")
+                   help="weights-only initialisation: fresh optimizer, scheduler and step; DIR is a "
+                        "checkpoint, an export, or a run's --output-dir (its final complete checkpoint)")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="exact continuation from DIR, or 'auto' for the newest complete checkpoint "
                         "in the output directory (also RESUME=auto)")
+    p.add_argument("--allow-fresh-over-damaged", action="store_true",
+                   help="with --resume auto: when checkpoints exist but none verifies, set them aside "
+                        "(renamed, never deleted) and start fresh instead of refusing")
+    p.add_argument("--fork", action="store_true",
+                   help="--resume DIR of another run into this --output-dir: continue it here as a new run")
     p.add_argument("--reshard", action="store_true",
                    help="allow --resume onto a different world size (universal checkpoint conversion)")
     p.add_argument("--source-stage", choices=["refinement", "supervised-finetuning"],
@@ -60,7 +71,76 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
         overrides.append("lora.enabled=false")
     if args.lora_rank is not None:
         overrides += ["lora.enabled=true", f"lora.rank={args.lora_rank}"]
-    return tcfg.load_config(args.config, overrides)
+    cfg = tcfg.load_config(args.config, overrides)
+    import torch
+
+    tcfg.check_device(cfg, torch.cuda.is_available())
+    return cfg
+
+
+_OS_CAUSES = {
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "the file grew beyond the size limit",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line naming the cause and the path, for the errors a full or read-only disk raises."""
+    cause = _OS_CAUSES.get(e.errno or -1, e.strerror or str(e))
+    where = f" writing {e.filename}" if e.filename else ""
+    return f"{cause}{where}"
+
+
+# How torch.save's C++ writer reports a failed write (it raises RuntimeError, not OSError).
+_TORCH_WRITE_FAILURES = ("file write failed", "PytorchStreamWriter", "unexpected pos", "iostream error")
+
+
+def disk_failure(e: BaseException, output_dir: str) -> str | None:
+    """The cause, when ``e`` is a failed write to disk: an OSError, or torch.save's own
+    RuntimeError ("file write failed"), whose cause is then read from the file system."""
+    if isinstance(e, OSError):
+        return describe_os_error(e)
+    chain, seen = [], e
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    texts = " ".join(str(x) for x in chain)
+    if not isinstance(e, RuntimeError) or not any(s in texts for s in _TORCH_WRITE_FAILURES):
+        return None
+    target = Path(output_dir)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        stats = os.statvfs(target)
+    except OSError:
+        return f"a checkpoint file could not be written under {output_dir}"
+    if stats.f_flag & os.ST_RDONLY:
+        return f"the file system of {output_dir} is read-only"
+    if stats.f_bavail * stats.f_frsize < 64 * 2**20:
+        return f"no space left on the device of {output_dir} ({stats.f_bavail * stats.f_frsize // 2**20} MiB free)"
+    return f"a checkpoint file could not be written under {output_dir}"
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank exited (it reports its own cause)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
+
+
+def launch_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size as the launcher announced them (before
+    torch.distributed starts): every rank reads the same config, so one of them reports."""
+    def env_int(name: str) -> int:
+        try:
+            return int(os.environ.get(name, ""))
+        except ValueError:
+            return 0 if name == "RANK" else 1
+    return env_int("RANK"), max(1, env_int("WORLD_SIZE"))
 
 
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
@@ -68,25 +148,37 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
     them with evaluation); ``user_errors``: further exception types that describe a wrong launch
     (printed as one line, exit 2) from the packages that supplied parts."""
+    # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
+    install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-    except tcfg.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rank, world = init_distributed()
+    env_rank, env_world = launch_rank_and_world()
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO if env_rank == 0 else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:
+        cfg = config_from_args(args)
+        tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
+        # Output directory, --resume, --init-checkpoint: refused before the process group exists.
+        checked = check_output_side(cfg, args, env_rank)
+    except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
+        if env_rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed()
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        run_stage(cfg, args, rank, world, parts)
+        state = run_stage(cfg, args, rank, world, parts, checked)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
-    except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError) as e:
+        if state.stop_requested:
+            # One line per rank, so the operator (and the tests) see every rank stop at the same step.
+            print(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
+                  f"checkpoint ({state.stop_reason}); exiting 0", file=sys.stderr, flush=True)
+    except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError,
+            LaunchCheckError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -95,6 +187,15 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
+        cause = disk_failure(e, cfg.output_dir)
+        if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
+            print(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept",
+                  file=sys.stderr, flush=True)
+            return 1
+        if peer_lost(e):
+            print(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
+                  "why); exiting", file=sys.stderr, flush=True)
+            return 1
         raise
     finally:
         if dist.is_initialized():

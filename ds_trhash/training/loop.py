@@ -39,10 +39,14 @@ class StepBatches(Protocol):
 class TrainState:
     step: int  # optimizer steps completed
     total_steps: int
-    epoch: int = 0
+    epoch: int = 0  # the epoch being trained, from 0; in on_epoch_end the one just finished
+    # epochs completed after ``step`` (0 = the source checkpoint). Every record of an epoch
+    # (console, metrics.csv, piqa.jsonl, checkpoints, selection.json) uses this number.
+    epochs_done: int = 0
     tokens_seen: int = 0  # input tokens over all ranks
     supervised_seen: int = 0
     stop_requested: bool = False
+    stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     last: dict = field(default_factory=dict)  # metrics of the last step
 
 
@@ -91,6 +95,20 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
     return valid, ignored, bad
 
 
+def _reduced_grad_norm(engine) -> torch.Tensor | None:
+    """The global gradient norm before clipping, where DeepSpeed does not keep one.
+
+    ZeRO 1/2 and the bf16/fp16 optimizers record it (``get_global_grad_norm``); plain ZeRO 0
+    fp32 clips through ``clip_grad_norm_`` and drops the value. There, after the last backward
+    of the step the gradients are already averaged over the data-parallel ranks, so their norm
+    here is the global one.
+    """
+    if hasattr(getattr(engine, "optimizer", None), "_global_grad_norm") or not hasattr(engine, "module"):
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
 def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
                vocab_size: int | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
@@ -110,38 +128,49 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
     scale = world_size / max(n_step, 1)
     # float64, as the host sum of float(loss) per micro-batch was: metrics.csv values unchanged
     loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in micro_batches:
+    own_norm = None
+    for i, mb in enumerate(micro_batches):
         inputs = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         loss_sum = engine(
             inputs.pop("input_ids"), labels=inputs.pop("labels"), reduction="sum", **inputs
         )
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
+        if i == len(micro_batches) - 1:
+            own_norm = _reduced_grad_norm(engine)
         engine.step()
         loss_sum_local += loss_sum.detach().double()
     if _distributed():
         dist.all_reduce(loss_sum_local)  # on the device stream: nothing waits for it here
     loss = loss_sum_local / max(n_step, 1)
-    return {"loss": loss, "supervised_tokens": n_step, "tokens": t_step,
+    # a device tensor (or DeepSpeed's float): read on the host only when a callback logs it
+    norm = own_norm if own_norm is not None else getattr(engine, "get_global_grad_norm", lambda: None)()
+    return {"loss": loss, "grad_norm": norm, "supervised_tokens": n_step, "tokens": t_step,
             "label_valid": n_step, "label_ignored": ignored_step, "label_out_of_range": bad_step}
 
 
 class StepMetrics(Mapping):
-    """One step's metrics for the callbacks; ``loss`` and ``ppl`` come from a device tensor and
-    are copied to the host on first access only (the metrics and progress callbacks read them at
-    logging steps), so steps that log nothing never wait for the device."""
+    """One step's metrics for the callbacks; ``loss``, ``ppl`` and ``grad_norm`` come from device
+    tensors and are copied to the host on first access only (the metrics, progress and monitor
+    callbacks read them at logging steps), so steps that log nothing never wait for the device."""
 
-    _LAZY = ("loss", "ppl")
+    _LAZY = ("loss", "ppl", "grad_norm")
 
-    def __init__(self, values: dict, loss: torch.Tensor | float):
+    def __init__(self, values: dict, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None):
         self._values = dict(values)
         self._loss = loss
+        self._grad_norm = grad_norm
 
     def _resolve(self) -> None:
         if "loss" not in self._values:
-            loss = float(self._loss)
+            loss, g = self._loss, self._grad_norm
+            if isinstance(loss, torch.Tensor) and isinstance(g, torch.Tensor):
+                # both on the device: one copy to the host, not two
+                loss, g = torch.stack([loss.detach().double().reshape(()), g.detach().double().reshape(())]).tolist()
+            loss = float(loss)
             self._values["loss"] = loss
             self._values["ppl"] = math.exp(min(loss, 50.0))
-            self._loss = None
+            self._values["grad_norm"] = None if g is None else float(g)
+            self._loss = self._grad_norm = None
 
     def __getitem__(self, key):
         if key in self._LAZY:
@@ -166,9 +195,9 @@ def run(
     vocab_size: int | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
+    state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)
-    state.epoch = batches.epoch_of(state.step)
     while state.step < state.total_steps and not state.stop_requested:
         epoch = batches.epoch_of(state.step)
         t0 = time.perf_counter()
@@ -178,21 +207,22 @@ def run(
         state.step += 1
         state.tokens_seen += stats["tokens"]
         state.supervised_seen += stats["supervised_tokens"]
+        next_epoch = state.epochs_done = batches.epoch_of(state.step)
         metrics = StepMetrics({
             "step": state.step,
-            "epoch": epoch,
+            "epoch": state.epochs_done,
             "lr": lr,
             "tok_s": stats["tokens"] / dt if dt > 0 else 0.0,
+            "step_time": dt,
             "tokens_seen": state.tokens_seen,
             "supervised_tokens": stats["supervised_tokens"],
             "label_valid": stats["label_valid"],
             "label_ignored": stats["label_ignored"],
             "label_out_of_range": stats["label_out_of_range"],
-        }, loss=stats["loss"])
+        }, loss=stats["loss"], grad_norm=stats["grad_norm"])
         state.last = metrics
         for cb in callbacks:
             cb.on_step_end(state, metrics)
-        next_epoch = batches.epoch_of(state.step)
         if next_epoch != epoch:
             state.epoch = epoch
             for cb in callbacks:

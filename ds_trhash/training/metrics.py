@@ -11,7 +11,7 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
 
@@ -20,11 +20,14 @@ COLUMNS = (
     "step", "epoch", "train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "supervised_tokens",
     "eval_loss", "eval_ppl", "eval_tokens", "label_valid", "label_ignored", "label_out_of_range",
     "experts_backend", "loss_backend", "norm_backend",
+    # appended later, so older readers keep their column positions
+    "train_loss_avg", "grad_norm", "step_time",
 )
 # exp(100) ~ 2.7e43 is far beyond any meaningful perplexity and still finite in float64; a
 # diverged loss then reads as a huge number instead of breaking the CSV with "inf".
 PPL_LOSS_CAP = 100.0
-_FORMATS = {"train_loss": ".6f", "eval_loss": ".6f", "train_ppl": ".4f", "eval_ppl": ".4f",
+_FORMATS = {"train_loss": ".6f", "eval_loss": ".6f", "train_loss_avg": ".6f", "grad_norm": ".6e",
+            "step_time": ".4f", "train_ppl": ".4f", "eval_ppl": ".4f",
             "lr": ".6e", "tok_s": ".1f", "epoch": ".4f"}
 
 
@@ -58,9 +61,11 @@ class MetricsWriter:
     keeps one history without duplicated steps.
     """
 
-    def __init__(self, path: str | os.PathLike, rank: int, resume_step: int | None = None):
+    def __init__(self, path: str | os.PathLike, rank: int, resume_step: int | None = None,
+                 on_row: Callable[[int, dict], None] | None = None):
         self.path = Path(path)
         self.rank = rank
+        self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.monitor)
         self._fh = None
         if rank != 0:
             return
@@ -99,6 +104,8 @@ class MetricsWriter:
         csv.writer(buf, lineterminator="\n").writerow([_cell(c, row.get(c)) for c in COLUMNS])
         self._fh.write(buf.getvalue())
         self._fh.flush()  # a crash loses at most the row being written
+        if self.on_row is not None:
+            self.on_row(step, row)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -16,43 +16,51 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 from ds_trhash.data.budget import BudgetError
-from ds_trhash.data.cache import CacheError, ShardCache, cache_bytes_from
-from ds_trhash.data.embedded import EmbeddedError, build_embedded
+from ds_trhash.data.cache import CacheError
+from ds_trhash.data.embedded import EmbeddedError
 from ds_trhash.data.plan import PlanError, unique_core_fingerprint, validate_refinement
-from ds_trhash.data.reader import ReaderError, ReplayReader
-from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset
-from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.reader import ReaderError
+from ds_trhash.data.sft_build import SFTBuildError
+from ds_trhash.data.sft_dataset import SFTDataError
 from ds_trhash.data.shards import ShardError
-from ds_trhash.data.tokenizer import TokenizerError, tokenizer_sha256
+from ds_trhash.data.tokenizer import TokenizerError
 from ds_trhash.model import TRHashForCausalLM, backend, selfcheck
 from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import loop, resources
-from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+from ds_trhash.training import launch_checks, loop, resources
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
-    GracefulStop,
+    LauncherWatch,
     RunContext,
+    StopAgreement,
     build_callbacks,
     make_callbacks,
     training_parts,
 )
+from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.engine import (build_engine, check_runnable, compute_dtype, describe_hardware,
-                                      expert_parallel_group)
+from ds_trhash.training.engine import (
+    build_engine,
+    check_runnable,
+    compute_dtype,
+    describe_hardware,
+    expert_parallel_group,
+    optimizer_name,
+)
 from ds_trhash.training.metrics import MetricsError, MetricsWriter
+from ds_trhash.training.monitor import MonitorSink
 from ds_trhash.training.progress import Progress
-from ds_trhash.training.stage_inputs import ShardFilesError, model_config, pretrain_inputs
+from ds_trhash.training.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -62,117 +70,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, ShardFilesError, resources.ResourceError)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _rank0_first(rank: int, fn):
-    """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
-    made once and only read by the other ranks."""
-    result = fn() if rank == 0 else None
-    _barrier()
-    if rank != 0:
-        result = fn()
-    return result
-
-
-# ----------------------------------------------------------------------------- data
-
-
-@dataclass
-class StageData:
-    batches: object  # loop.StepBatches
-    total_steps: int
-    plan: object | None = None  # ReplayPlan (pretraining, refinement)
-    eval_batches: object | None = None  # SFTBatches over the eval partition
-    tokenizer_dir: str | None = None
-    tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
-    sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
-    describe: str = ""
-
-
-def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
-    return Path(cfg.output_dir).resolve().parent / "embedded"
-
-
-def _embedded(cfg: tcfg.TrainConfig, rank: int):
-    if cfg.model.preset != "tiny":
-        raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
-                               "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
-
-    return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
-
-
-def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
-    return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
-
-
-def pretrain_paths(cfg: tcfg.TrainConfig, rank: int) -> tuple[Path, Path, Path | None]:
-    """(plan, shards_dir, tokenizer_dir) of a pretraining or refinement launch; the embedded
-    demo corpus (data.plan null) is built beside the output directory first."""
-    if cfg.data.plan is None:
-        paths = _embedded(cfg, rank)
-        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        return plan_path, paths.shards_dir, paths.tokenizer_dir
-    if cfg.data.shards_dir is None:
-        raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
-    return Path(cfg.data.plan), Path(cfg.data.shards_dir), Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-
-
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
-    plan_path, shards_dir, tokenizer_dir = pretrain_paths(cfg, rank)
-    inputs = pretrain_inputs(cfg, world, plan_path, shards_dir, tokenizer_dir)
-    plan = inputs.plan
-    # Every shard is read through the bounded cache, which verifies its SHA-256 against the
-    # manifest before a single row is trained on (one cache folder per rank).
-    cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-    cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), inputs.manifests)
-    reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
-    batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
-    return StageData(batches=batches, total_steps=inputs.steps, plan=plan,
-                     tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"),
-                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
-
-
-def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
-    sft_dir = cfg.data.sft_dir
-    if sft_dir is None:
-        paths = _embedded(cfg, rank)
-
-        def build():
-            out = Path(paths.root) / "sft"
-            if not (out / "manifest.json").exists():
-                build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
-                                  cfg.data.seq_len, out, source_name="pydoc_data.topics", revision="python-stdlib")
-            return out
-
-        sft_dir = _rank0_first(rank, build)
-    tokenizer_hash = None
-    if cfg.data.tokenizer:
-        tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
-    data = open_sft(sft_dir, expect_vocab=model_cfg.vocab_size, seq_len=cfg.data.seq_len, tokenizer_hash=tokenizer_hash)
-    policy = cfg.data.packing.policy
-    train_packs = pack(data.partition("train"), cfg.data.seq_len, policy)
-    train = SFTBatches(train_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=True)
-    batches = SFTStepBatches(train, cfg.batch.grad_accum, policy)
-    if batches.steps_per_epoch < 1:
-        raise SFTDataError(
-            f"{train.batches_per_epoch} micro-batches per epoch make no optimizer step with grad_accum "
-            f"{cfg.batch.grad_accum}; lower batch.grad_accum or batch.micro_batch")
-    eval_batches = None
-    if cfg.eval.heldout:
-        eval_packs = pack(data.partition("eval"), cfg.data.seq_len, policy)
-        eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
-    total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
-    return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
-                     tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
-                     sft_dir=str(Path(sft_dir).resolve()),
-                     describe=f"SFT set {sft_dir}")
+    RNGStateError, resources.ResourceError)
 
 
 # ----------------------------------------------------------------------------- launch checks
@@ -193,17 +91,6 @@ def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) 
         raise StageError(
             f"the data of this launch was tokenized with tokenizer {ours[:12]}…, but {init_dir} was trained with "
             f"tokenizer {theirs[:12]}…; rebuild the data with the checkpoint's tokenizer")
-
-
-def check_fresh_output_dir(output_dir: Path) -> None:
-    """A fresh start never writes over a run: its checkpoints and metrics would be mixed with
-    the new ones. Continuing that run is an explicit --resume."""
-    done = [c.name for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
-    if done or (output_dir / "metrics.csv").exists():
-        what = f"checkpoints {', '.join(done[-3:])}" if done else "a metrics.csv"
-        raise ckpt.CheckpointError(
-            f"{output_dir} already holds a run ({what}); continue it with --resume auto, or start this "
-            "launch in a new --output-dir")
 
 
 def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, resuming: bool) -> SourceRecord | None:
@@ -248,6 +135,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
+    model.set_activation_checkpointing(cfg.model.activation_checkpointing, cfg.model.activation_checkpointing_every)
     if cfg.parallel.ep_size > 1:
         # Full model first (same init / init-checkpoint as ep_size 1), then keep this rank's experts.
         # lazy: expert_parallel imports deepspeed.moe (seconds), needed only when ep_size > 1
@@ -256,6 +144,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     choice = kernel_choice(cfg, model_cfg, device)
     backend.apply(model, choice)
+    model.kernels_requested = choice.to_dict()  # for the startup summary
     if rank == 0:
         log.info("kernels requested: %s (%s)", choice.to_dict(), choice.reason)
     compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
@@ -278,7 +167,7 @@ def check_resources(cfg: tcfg.TrainConfig, model_cfg, data: StageData, world: in
     the memory estimate does not fit this rank's device (or the host, on CPU)."""
     devices = resources.probe_devices(torch.cuda.current_device() if torch.cuda.is_available() else None)
     local = 1 if devices.kind == "cuda" else resources.local_processes(world)
-    existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
+    existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if saved is not None else []
     for warning in resources.check_at_launch(
             cfg, model_cfg, world, local, devices, data.total_steps, getattr(data.batches, "steps_per_epoch", None),
             after=int(saved["step"]) if saved is not None else 0, existing=existing,
@@ -297,7 +186,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "stage": cfg.stage,
             "family": cfg.model.family,
             "step": st.step,
-            "epoch": data.batches.epoch_of(st.step) if st.step < st.total_steps else st.epoch,
+            "epoch": st.epochs_done,  # epochs completed at this step, as in every other record
             "total_steps": st.total_steps,
             "data_cursor": data.batches.cursor(st.step),
             "tokens_seen": st.tokens_seen,
@@ -309,11 +198,13 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "plan_doc": data.plan.doc if data.plan is not None else None,
             "init_checkpoint": str(init_dir) if init_dir else None,
             "lora": cfg.lora.enabled,
-            "backends_used": model.backends_used(),
+            "backends_used": model.backends_used(),  # the checkpointing callback passes the training step's
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
             "sft_dir": data.sft_dir,
+            "sft_manifest_sha256": data.sft_manifest_sha256,
+            "source_stage": cfg.source_stage,
             "hardware": hardware,
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
@@ -329,46 +220,99 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
 # ----------------------------------------------------------------------------- the stage
 
 
+@dataclass
+class OutputSide:
+    """What the command line and the output directory decided, before anything was written."""
+
+    resume_dir: object | None  # CheckpointInfo
+    saved: dict | None  # its trainer_state.json
+    init_dir: str | None
+    damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
+
+
+def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+    """Refusals that need only the command line and the output directory. The launcher runs
+    them before the process group exists (a refused launch fails in its first seconds), and
+    nothing is written until all of them and the data checks pass."""
+    output_dir = Path(cfg.output_dir)
+    say = log.info if rank == 0 else (lambda *_: None)
+    resume_choice = args.resume or os.environ.get("RESUME") or None
+    damaged: list = []
+    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
+        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    if resume_choice == "auto":
+        resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
+    else:
+        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
+    if resume_dir is not None and resume_choice != "auto":
+        launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
+    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    if saved is not None and init_dir is None:
+        init_dir = saved.get("init_checkpoint")
+    if not damaged:
+        ckpt.check_output_dir_stage(output_dir, cfg.stage)
+    if saved is None and resume_choice is None:
+        launch_checks.check_fresh_output_dir(output_dir)
+    launch_checks.probe_writable(output_dir)
+    return OutputSide(resume_dir, saved, init_dir, damaged)
+
+
+def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
+    """An exact resume continues the saved run: every training-critical setting, the world size
+    (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
+    ckpt.check_resume_compatible(
+        saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
+        total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
+        plan_sha256=data.plan.sha256 if data.plan is not None else None,
+        found=ckpt.inspect_saved_parts(resume_dir),
+    )
+    launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
+    return ckpt.is_reshard(saved, world, args.reshard)
+
+
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
-              parts: Sequence[type[Callback]] | None = None) -> loop.TrainState:
+              parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
-    point composes them, evaluation included); default ``training_parts()``, without evaluation."""
+    point composes them, evaluation included); default ``training_parts()``, without evaluation.
+    ``checked``: what ``check_output_side`` decided before the process group existed."""
 
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
+    loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     output_dir = Path(cfg.output_dir)
-    model_cfg = model_config(cfg)
+    model_cfg = tcfg.model_config(cfg)
 
-    # --- everything that can refuse the launch, before the model exists
+    pre = checked if checked is not None else check_output_side(cfg, args, rank)
+    resume_dir, saved, init_dir, damaged = pre.resume_dir, pre.saved, pre.init_dir, pre.damaged
+    say = log.info if rank == 0 else (lambda *_: None)
+
+    # --- the data: plan, budgets, tokenizer identity, every shard's hash (reads only; the
+    # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world))
-    resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)
-    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
-    init_dir = args.init_checkpoint
-    if saved is not None and init_dir is None:
-        init_dir = saved.get("init_checkpoint")
-    ckpt.check_output_dir_stage(output_dir, cfg.stage)
-    if saved is None and not args.resume and not os.environ.get("RESUME"):
-        check_fresh_output_dir(output_dir)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
-    critical = tcfg.training_critical(cfg)
+    critical = tcfg.training_critical(cfg, world)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
-        ckpt.check_resume_compatible(
-            saved, critical, world_size=world, lora_enabled=cfg.lora.enabled,
-            total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
-            plan_sha256=data.plan.sha256 if data.plan is not None else None,
-            found=ckpt.inspect_saved_parts(resume_dir),
-        )
-        resharding = ckpt.is_reshard(saved, world, args.reshard)
+        resharding = check_resume(cfg, args, world, data, saved, resume_dir)
     check_resources(cfg, model_cfg, data, world, rank, output_dir, saved)
+
+    # --- every check passed: from here on the launch writes
+    if damaged:
+        if rank == 0:
+            launch_checks.set_aside_damaged(output_dir, time.strftime("%Y%m%dT%H%M%S"), log=say)
+        _barrier()
+    if data.start is not None:
+        data.start()
 
     # --- model and engine
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(cfg, model_cfg, init_dir if saved is None else None, device, rank)
-    engine = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, world), data.total_steps,
+    ds_config = tcfg.to_deepspeed_dict(cfg, world)
+    engine = build_engine(model, cfg, ds_config, data.total_steps,
                           load_universal=resharding and ckpt.needs_universal(resume_dir))
     state = loop.TrainState(step=0, total_steps=data.total_steps)
     if saved is not None:
@@ -388,24 +332,34 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(cfg), indent=2))
+        (output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(loaded), indent=2))
         progress.message(
             f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
-    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None)
+        progress.message(startup_summary(
+            cfg, tcfg.batch_layout(loaded, world), model=model, total_steps=data.total_steps, start_step=state.step,
+            ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
+            kernels=getattr(model, "kernels_requested", None), hardware=describe_hardware(),
+            checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
+    monitor = MonitorSink(getattr(engine.engine, "monitor", None))  # DeepSpeed's monitors, when configured
+    model.track_expert_load = monitor.enabled
+    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None,
+                           on_row=monitor.row)
 
     plan = checkpoint_plan(cfg, data)
     trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, dict(plan.pack_of), device)
 
-    with GracefulStop() as stop:
-        run = RunContext(
-            cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
-            model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
-            trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-            protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier)
-        state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
-                         lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
+    # Signals were recorded since the launcher started (callbacks.stop.install); from here on
+    # every rank asks once per step whether any rank wants to stop.
+    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), world)
+    run = RunContext(
+        cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
+        model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
+        trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
+        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor)
+    state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
+                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)
     if cache is not None:
         cache.close()

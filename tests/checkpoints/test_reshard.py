@@ -41,19 +41,10 @@ def _step_dir(out, step):
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(root):
-    """Uninterrupted 2-process runs (micro_batch 4), one per ZeRO stage, computed once."""
-    cache = {}
-
-    def get(zero):
-        if zero not in cache:
-            out = root / f"two-z{zero}"
-            proc = L.deepspeed(2, _args(out, micro=4, zero=zero))
-            assert proc.returncode == 0, L.explain(proc)
-            cache[zero] = out
-        return cache[zero]
-
-    return get
+def two_rank_run(shared_launches):
+    """Uninterrupted 2-process runs (micro_batch 4), one per ZeRO stage, launched once per session
+    (the ZeRO-1 one is also the exact-resume tests' 2-process reference)."""
+    return lambda zero: shared_launches.get(2, lambda o: _args(o, micro=4, zero=zero))
 
 
 def _stopped_at(reference, out):
@@ -99,9 +90,11 @@ def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root,
     from ds_trhash.data.plan import load_plan
     from ds_trhash.data.reader import ReplayReader
 
-    two_rank_run(1)  # builds the embedded demo corpus under root
-    embedded = root / "embedded"
-    reader = ReplayReader(load_plan(embedded / "plans" / "pretrain.json"), embedded / "shards", 1234)
+    from ds_trhash.data.embedded import build_embedded
+
+    # the corpus the launch built beside its output directory: found by its content hash, not rebuilt
+    embedded = build_embedded(two_rank_run(1).parent / "embedded")
+    reader = ReplayReader(load_plan(embedded.pretrain_plan), embedded.shards_dir, 1234)
 
     def step_rows(step, world, micro, accum):
         parts = [reader.batch(step, m, r, world, micro, accum)[0] for m in range(accum) for r in range(world)]
@@ -127,7 +120,8 @@ def test_plain_resume_onto_another_world_size_is_refused_and_points_to_reshard(r
 
 def test_reshard_that_changes_the_global_batch_is_refused_naming_both(root, two_rank_run):
     out = _stopped_at(two_rank_run(1), root / "global-batch")
-    proc = L.single(_args(out, micro=4, extra=["--resume", "auto", "--reshard"]))
+    # a per-rank batch (no global_tokens): micro_batch 4 on one rank is half the checkpoint's batch
+    proc = L.single(_args(out, micro=4, extra=["--resume", "auto", "--reshard", "--set", "batch.global_tokens=null"]))
     assert proc.returncode == 2, L.explain(proc)
     assert "global batch: checkpoint 8 rows per step (micro_batch 4 × grad_accum 1 × 2 ranks), this run 4 rows " \
            "per step (micro_batch 4 × grad_accum 1 × 1 rank)" in proc.stderr, L.explain(proc)

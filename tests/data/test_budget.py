@@ -70,3 +70,10 @@ def test_pack_boundaries_are_ceilings_and_every_pack_has_a_step():
         pack_boundaries(0)
     with pytest.raises(BudgetError):
         pack_boundaries(10, 0)
+
+
+def test_the_message_names_where_the_target_came_from():
+    with pytest.raises(BudgetError, match=r"^data.target_tokens 5 != the plan's trained_tokens .* unset data.target_tokens$"):
+        check_target_tokens(RELEASED, 5, name="data.target_tokens")
+    with pytest.raises(BudgetError, match="^TARGET_TOKENS 5 !="):
+        check_target_tokens(RELEASED, "5")

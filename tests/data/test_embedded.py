@@ -3,11 +3,12 @@ import time
 
 import pytest
 
-from ds_trhash.data.embedded import SYSTEM_PROMPT, build_embedded
+from ds_trhash.data.embedded import SYSTEM_PROMPT, EmbeddedError, build_embedded
 from ds_trhash.data.plan import load_plan, validate_refinement
 from ds_trhash.data.reader import ReplayReader
 from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
+from tests.fail_closed import tree_digest
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +64,28 @@ def test_chat_sets_are_well_formed_disjoint_and_fit_the_context(built):
     assert not as_text & {json.dumps(r, sort_keys=True) for r in evaluation}
 
 
-def test_second_call_reuses_and_a_damaged_corpus_is_rebuilt(built):
+def test_second_call_reuses_and_a_damaged_corpus_is_refused_never_rebuilt_in_place(built):
     paths, _ = built
+    out = paths.root.parent
+    assert paths.root.name.startswith("corpus-")
     mtime = paths.pretrain_plan.stat().st_mtime_ns
     started = time.perf_counter()
-    assert build_embedded(paths.root) == paths
+    assert build_embedded(out) == paths
     assert time.perf_counter() - started < 1
     assert paths.pretrain_plan.stat().st_mtime_ns == mtime
     original = paths.chat_eval_jsonl.read_bytes()
-    paths.chat_eval_jsonl.write_text("damaged\n")
-    build_embedded(paths.root)
-    assert paths.chat_eval_jsonl.read_bytes() == original
+    try:
+        paths.chat_eval_jsonl.write_text("damaged\n")
+        before = tree_digest(out)
+        with pytest.raises(EmbeddedError, match="is damaged .* left untouched"):
+            build_embedded(out)
+        assert tree_digest(out) == before  # nothing rebuilt, replaced or added
+    finally:
+        paths.chat_eval_jsonl.write_bytes(original)
+    # Another request (seq_len) gets its own directory beside the first, which stays as it is.
+    other = build_embedded(out, seq_len=160)
+    assert other.root.parent == out and other.root != paths.root
+    assert build_embedded(out) == paths
 
 
 def test_build_is_deterministic_and_seed_only_reorders_chat(built, tmp_path):

@@ -117,7 +117,7 @@ def test_fingerprint_follows_the_spec_and_ignores_key_order():
     keys = ("format", "dataset", "revision", "seq_len", "selection_mode", "row_alignment", "unique_tokens",
             "source_unique_tokens")
     identity = {key: doc[key] for key in keys}
-    identity["unique_core_sources"] = doc["phases"][0]["sources"]
+    identity["sources"] = doc["phases"][0]["sources"]  # the key the released plans use
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
     assert unique_core_fingerprint(doc) == hashlib.sha256(canonical).hexdigest()
     assert unique_core_fingerprint(reorder(doc)) == unique_core_fingerprint(doc)

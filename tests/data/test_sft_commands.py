@@ -58,3 +58,17 @@ def test_validate_with_another_tokenizer_exits_2(tmp_path, tokenizer_dir, capsys
     assert "different tokenizer" in capsys.readouterr().err
     assert _run(["sft", "validate", out, "--vocab-size", "32000", "--seq-len", "256"]) == 2
     assert "'vocab_size' is 512, expected 32000" in capsys.readouterr().err
+
+
+def test_an_extra_key_in_a_message_is_refused_and_nothing_is_built(tmp_path, tokenizer_dir, capsys):
+    from tests.fail_closed import tree_digest
+
+    extra = {"messages": [{"role": "user", "content": "hi", "name": "ada"}, {"role": "assistant", "content": "hello"}]}
+    train, evaluation = _inputs(tmp_path, bad=[json.dumps(extra)])
+    before = tree_digest(tmp_path)
+    argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "256", "--out", str(tmp_path / "sft")]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl:5: message 0 has key(s) 'name'; a message holds only role and content" in err
+    assert tree_digest(tmp_path) == before

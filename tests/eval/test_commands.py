@@ -152,3 +152,47 @@ def test_wrong_preset_for_the_weights_is_a_user_error(setup, tmp_path, capsys):
     assert _run(argv) == 2
     err = capsys.readouterr().err
     assert "do not fit the model from --preset tiny" in err and len(err.strip().splitlines()) == 1
+
+
+def test_heldout_seq_len_beyond_the_model_positions_is_refused_before_allocating(setup, tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    config = TRHashConfig.from_preset("tiny", vocab_size=VOCAB_SIZE)
+    # A checkpoint that records its config but holds no weights: a check made after loading the
+    # model would fail on the missing weights instead.
+    ckpt = tmp_path / "step_5"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 5, "model_config": config.to_dict()}))
+    before = tree_digest(tmp_path)
+    argv = ["eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", str(setup["sft"]),
+            "--seq-len", str(config.max_seq_len + 1), "--device", "cpu", "--out", str(tmp_path / "h.json")]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--seq-len {config.max_seq_len + 1} exceeds the {config.max_seq_len} positions" in err[0]
+    assert tree_digest(tmp_path) == before
+
+
+def test_eval_heldout_uses_the_checkpoints_packing_policy_and_warns_when_told_otherwise(setup, tmp_path, capsys):
+    export = tmp_path / "export"
+    config = TRHashConfig.from_preset("tiny", vocab_size=VOCAB_SIZE)
+    export_safetensors(setup["model"].state_dict(), export, model_config=config.to_dict(), tokenizer_dir=setup["tok"],
+                       stage="supervised-finetuning", extra_meta={"packing_policy": "per_document"})
+    base = ["eval", "heldout", "--checkpoint", str(export), "--sft-dir", str(setup["sft"]), "--device", "cpu"]
+    assert _run([*base, "--out", str(tmp_path / "default.json")]) == 0
+    doc, err = json.loads((tmp_path / "default.json").read_text()), capsys.readouterr().err
+    assert doc["policy"] == "per_document" and doc["policy_source"].endswith("run.json") and "warning" not in err
+    assert _run([*base, "--policy", "cross_document", "--out", str(tmp_path / "other.json")]) == 0
+    doc, err = json.loads((tmp_path / "other.json").read_text()), capsys.readouterr().err
+    assert doc["policy"] == "cross_document" and doc["policy_source"] == "--policy"
+    assert "warning: --policy cross_document differs from the per_document packing" in err
+
+
+def test_packing_policy_comes_from_the_training_checkpoint_or_defaults_with_a_note(tmp_path, capsys):
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"training_critical": {"data.packing.policy": "per_document"}}))
+    assert commands._packing_policy(ckpt, None)[0] == "per_document"
+    assert commands._packing_policy(ckpt, "per_document") == ("per_document", "--policy")
+    assert capsys.readouterr().err == ""
+    assert commands._packing_policy(tmp_path, None)[0] == "cross_document"  # records nothing
+    assert "records no packing policy; using cross_document" in capsys.readouterr().err

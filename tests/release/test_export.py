@@ -195,3 +195,29 @@ def test_cli_export(tmp_path, tiny, capsys):
     assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "already exists" in err and err.count("\n") == 1
+
+
+def test_export_refuses_a_tokenizer_other_than_the_runs_unless_forced(tmp_path, tiny, capsys):
+    from tests.fail_closed import tree_digest
+
+    cfg, state = tiny
+    tok, other = tmp_path / "tok", tmp_path / "other"
+    for d, text in ((tok, '{"model": "trained"}'), (other, '{"model": "another"}')):
+        d.mkdir()
+        (d / "tokenizer.json").write_text(text)
+    recorded = sha256_file(tok / "tokenizer.json")
+    ckpt = write_checkpoint(tmp_path / "run", cfg, state, tokenizer_dir=str(tok), tokenizer_sha256=recorded)
+    before = tree_digest(tmp_path)
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"was trained with tokenizer {recorded[:12]}" in err and "--force-tokenizer" in err
+    (tok / "tokenizer.json").write_text('{"model": "edited in place"}')  # the recorded one changed
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e")]) == 2
+    assert "the file changed since training" in capsys.readouterr().err
+    (tok / "tokenizer.json").write_text('{"model": "trained"}')
+    assert tree_digest(tmp_path) == before
+    assert cli(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--tokenizer", str(other),
+                "--force-tokenizer"]) == 0
+    run = json.loads((tmp_path / "e" / "run.json").read_text())
+    assert run["tokenizer_forced"]["recorded_sha256"] == recorded
+    assert run["tokenizer_forced"]["copied_sha256"] == sha256_file(other / "tokenizer.json")

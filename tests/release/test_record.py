@@ -45,6 +45,9 @@ def _full_run(tmp_path):
             writer.write(step=step, train_loss=train, eval_loss=ev)
     for step in (10, 20, 30):
         _save(run, step, **critical_extra)
+    piqa = [{"step": s, "epoch": s // 10, "acc": a, "acc_norm": a + 0.01, "n": 6, "warning": None}
+            for s, a in ((0, 0.5), (10, 0.6), (20, 0.7), (20, 0.65))]  # step 20 evaluated again after a resume
+    (run / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in piqa) + '{"step": 30, "ac')
     export = tmp_path / "export"
     export.mkdir()
     (export / "export_manifest.json").write_text(json.dumps({"weights": {"sha256": "e" * 64}, "tokenizer": None}))
@@ -72,6 +75,11 @@ def test_full_record_has_every_field(tmp_path):
     assert [c["name"] for c in doc["checkpoints"]] == ["step_00000010", "step_00000020", "step_00000030"]
     assert doc["checkpoints"][1]["metrics"]["eval_loss"] == pytest.approx(0.96)
     assert doc["checkpoints"][2]["metrics"]["train_loss"] == pytest.approx(0.85)
+    # PIQA beside the loss: the source (step 0) and each checkpoint that was scored; a line cut short is skipped
+    assert [(r["step"], r["epoch"], r["checkpoint"], r["acc"]) for r in doc["piqa"]] == [
+        (0, 0, "source", 0.5), (10, 1, "step_00000010", 0.6), (20, 2, "step_00000020", 0.65)]
+    assert doc["checkpoints"][1]["metrics"]["piqa_acc_norm"] == pytest.approx(0.66)
+    assert "piqa_acc" not in doc["checkpoints"][2]["metrics"]
     assert (doc["selection_rule"], doc["selected_checkpoint"]) == ("min_eval_loss", "step_00000020")
     assert doc["export_safetensors_sha256"] == "e" * 64
     assert doc["hardware"]  # the run recorded none: detected, and said so
@@ -80,6 +88,7 @@ def test_full_record_has_every_field(tmp_path):
     assert set(RECORD_FIELDS) <= set(doc)
     md = (out.parent / "run_record.md").read_text()
     assert "step_00000020 (selected)" in md and "PIQA not run" in md
+    assert "| 10 | 1 | step_00000010 | 0.6 | 0.61 | 6 |" in md
 
 
 def test_missing_inputs_are_listed_as_unknown_never_invented(tmp_path):
@@ -88,7 +97,7 @@ def test_missing_inputs_are_listed_as_unknown_never_invented(tmp_path):
     doc = write_run_record(tmp_path / "run_record.json", run_dir=run)
     for name in ("stage", "source_checkpoint", "source_checkpoint_hash", "dataset_revision", "tokenizer_hash",
                  "model_mode", "optimizer_schedule", "world_size", "precision", "effective_batch", "kernel_path",
-                 "checkpoints", "selection_rule", "selected_checkpoint", "export_safetensors_sha256"):
+                 "checkpoints", "piqa", "selection_rule", "selected_checkpoint", "export_safetensors_sha256"):
         assert doc[name] is None and name in doc["unknown"], name
     md = (tmp_path / "run_record.md").read_text()
     assert "**dataset revision**: **unknown**" in md and "- export_safetensors_sha256" in md
@@ -110,3 +119,15 @@ def test_cli_report(tmp_path, capsys):
     assert (tmp_path / "run_record.md").is_file()
     assert cli(["report", "--run", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "not a run output directory" in capsys.readouterr().err
+
+
+def test_cli_report_on_a_directory_that_is_not_a_run_exits_2_and_writes_nothing(tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a run")
+    before = tree_digest(tmp_path)
+    assert cli(["report", "--run", str(tmp_path / "notes"), "--out", str(tmp_path / "record.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a run output directory (it holds no config.json, metrics.csv or checkpoints/)" in err
+    assert "Traceback" not in err and tree_digest(tmp_path) == before

@@ -57,12 +57,64 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
         assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
 
 
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, **env: str) -> list[subprocess.CompletedProcess]:
+    """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
+    the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
+    address and port on loopback; one CPU process per node. Returns both launchers' results."""
+    port = free_port()
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    procs = []
+    for node in (0, 1):
+        cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), str(REPO / "launch" / "train.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=base_env(**env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        leftover = shm_segments(port)
+        for seg in leftover:
+            seg.unlink(missing_ok=True)
+    assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
+    return results
+
+
 def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     """One plain process (no launcher): RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* set by hand."""
     e = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(free_port()), **env)
     return subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=timeout)
+
+
+class SharedLaunches:
+    """Uninterrupted launches that several test modules compare against with the same arguments,
+    run once per session (the session fixture `shared_launches` in tests/conftest.py).
+
+    A run is keyed by its process count and its arguments (with the output folder left out), and
+    the tests only read it: they copy a checkpoint before changing anything."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._runs: dict[tuple, Path] = {}
+
+    def get(self, nproc: int, args_for) -> Path:
+        """The output folder of ``args_for(out)`` launched on ``nproc`` processes (1: one plain one)."""
+        key = (nproc, tuple(args_for(Path("<out>"))))
+        if key not in self._runs:
+            out = self.root / f"run{len(self._runs)}-{nproc}p"
+            proc = single(args_for(out)) if nproc == 1 else deepspeed(nproc, args_for(out))
+            assert proc.returncode == 0, explain(proc)
+            self._runs[key] = out
+        return self._runs[key]
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

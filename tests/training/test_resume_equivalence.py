@@ -32,15 +32,14 @@ def _launch(nproc, args, **env):
 
 
 @pytest.fixture(scope="module")
-def reference(root):
-    """Uninterrupted runs, one per world size, computed once."""
+def reference(shared_launches):
+    """Uninterrupted runs, one per world size, computed once (the 2-process one is also
+    tests/checkpoints/test_reshard.py's ZeRO-1 reference: the same arguments, one launch)."""
     cache = {}
 
     def get(nproc):
         if nproc not in cache:
-            out = root / f"ref{nproc}"
-            proc = _launch(nproc, _args(out, micro=8 // nproc))
-            assert proc.returncode == 0, L.explain(proc)
+            out = shared_launches.get(nproc, lambda o: _args(o, micro=8 // nproc))
             cache[nproc] = L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}")
         return cache[nproc]
 

@@ -2,6 +2,9 @@
 held-out evaluation, best/ selection, LoRA mode and the stage/mode refusals."""
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,11 +38,18 @@ def _piqa_file(root):
     return path
 
 
-def test_sft_heldout_loss_falls_and_best_is_selected(stages):
+@pytest.fixture(scope="module")
+def sft(stages):
+    """Full-parameter SFT from the refinement checkpoint, with held-out eval and PIQA: (output dir, launch)."""
     out = stages["root"] / "sft"
-    _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
-                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
-                  "--set", f"eval.piqa={_piqa_file(stages['root'])}"]))
+    proc = _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out),
+                         "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+                         "--set", f"eval.piqa={_piqa_file(stages['root'])}"]))
+    return out, proc
+
+
+def test_sft_heldout_loss_falls_and_best_is_selected(sft):
+    out, _ = sft
     rows = [r for r in L.metrics(out) if r["eval_loss"]]
     assert len(rows) == 3  # step 0 (the source checkpoint) and the end of each of the 2 epochs
     evals = [float(r["eval_loss"]) for r in rows]
@@ -60,6 +70,63 @@ def test_sft_heldout_loss_falls_and_best_is_selected(stages):
     assert [p["step"] for p in piqa] == [int(r["step"]) for r in rows]
     assert all(p["n"] == 6 and 0.0 <= p["acc"] <= 1.0 and "1838" in p["warning"] for p in piqa)
     assert all(c["piqa_acc"] is not None for c in selection["candidates"])
+
+
+def _cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "ds_trhash.cli", *map(str, args)], cwd=L.REPO, env=L.base_env(),
+                          capture_output=True, text=True, timeout=300)
+    return _ok(proc)
+
+
+def test_sft_provenance_agrees_with_itself(sft, tmp_path):
+    """Epoch numbers, PIQA results and the kernel path agree across the console, selection.json,
+    piqa.jsonl, the checkpoints and the run record; `eval heldout` reproduces the run's own loss."""
+    out, proc = sft
+    selection = json.loads((out / "selection.json").read_text())
+    piqa = [json.loads(line) for line in (out / "piqa.jsonl").read_text().splitlines()]
+    spe = selection["candidates"][0]["step"]  # steps per epoch
+    evaluated = [(0, 0), (spe, 1), (2 * spe, 2)]  # (step, epochs completed): the source, then each epoch end
+    pairs = lambda pattern: [tuple(map(int, m)) for m in re.findall(pattern, proc.stdout)]  # noqa: E731
+    assert pairs(r"held-out at step (\d+) \(epoch (\d+)\)") == evaluated
+    assert pairs(r"PIQA at step (\d+) \(epoch (\d+)\)") == evaluated
+    assert [(p["step"], p["epoch"]) for p in piqa] == evaluated
+    assert pairs(r"checkpoint step_(\d+) \(end of epoch (\d+)") == evaluated[1:]
+    assert [(c["step"], c["epoch"]) for c in selection["candidates"]] == evaluated[1:]
+    chosen = selection["selected"]
+    assert pairs(r"best/ = epoch (\d+) \(step (\d+)\)")[-1] == (chosen["epoch"], chosen["step"])
+    states = {s: json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
+              for s, _ in evaluated[1:]}
+    assert [(s, st["epoch"]) for s, st in states.items()] == evaluated[1:]
+
+    # the kernel path each checkpoint records is the one its training steps ran (metrics.csv),
+    # not that of the PIQA / held-out forward just before the save
+    rows = [r for r in L.metrics(out) if r["train_loss"]]  # every log_every steps
+    for step, st in states.items():
+        row = [r for r in rows if int(r["step"]) <= step][-1]
+        ran = {k: row[f"{k}_backend"] for k in ("experts", "loss", "norm")}
+        assert {k: st["backends_used"][k] for k in ran} == ran and ran["loss"], (step, st["backends_used"], ran)
+
+    # the run record, written by the real command, carries the same epochs and PIQA results
+    record = tmp_path / "run_record.json"
+    _cli("report", "--run", out, "--out", record)
+    doc = json.loads(record.read_text())
+    assert [(r["step"], r["epoch"], r["acc"], r["acc_norm"]) for r in doc["piqa"]] == [
+        (p["step"], p["epoch"], p["acc"], p["acc_norm"]) for p in piqa]
+    by_step = {c["step"]: c for c in doc["checkpoints"]}
+    for cand in selection["candidates"]:
+        entry = by_step[cand["step"]]
+        assert (entry["epoch"], entry["metrics"]["piqa_acc"]) == (cand["epoch"], cand["piqa_acc"])
+        assert "epoch" not in entry["metrics"]  # one epoch per checkpoint: its own, not a log row's
+    assert doc["selected_checkpoint"]["epoch"] == chosen["epoch"]
+    assert doc["kernel_path"] == states[chosen["step"]]["backends_used"]
+
+    # `eval heldout` packs like the run did (its checkpoint says per_document) and gets its loss
+    result = tmp_path / "heldout.json"
+    _cli("eval", "heldout", "--checkpoint", chosen["checkpoint"], "--sft-dir", states[chosen["step"]]["sft_dir"],
+         "--device", "cpu", "--out", result)
+    heldout = json.loads(result.read_text())
+    assert heldout["policy"] == "per_document" and "training_critical" in heldout["policy_source"]
+    assert heldout["eval_loss"] == pytest.approx(chosen["eval_loss"], rel=1e-5)
 
 
 def test_refinement_from_an_exported_safetensors_directory(stages):
@@ -98,7 +165,8 @@ def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(st
 
     # resume the LoRA run as a full-parameter run: refused, naming both modes
     proc = L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
-                     "--resume", "auto", "--full-parameter", "--set", "checkpoint.every_steps=2"])
+                     "--resume", "auto", "--full-parameter", "--source-stage", "refinement",
+                     "--set", "checkpoint.every_steps=2"])
     assert proc.returncode == 2, L.explain(proc)
     assert "LoRA" in proc.stderr and "full-parameter" in proc.stderr
 

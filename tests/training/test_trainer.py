@@ -31,11 +31,10 @@ def test_fault_injection_is_inert_unless_asked():
 
 
 def test_fresh_output_dir_check(tmp_path):
-    from ds_trhash.checkpoints import CheckpointError
-    from ds_trhash.training.trainer import check_fresh_output_dir
+    from ds_trhash.training.launch_checks import LaunchCheckError, check_fresh_output_dir
 
     check_fresh_output_dir(tmp_path / "new")  # nothing there
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.csv").write_text("step\n")
-    with pytest.raises(CheckpointError, match="already holds a run"):
+    with pytest.raises(LaunchCheckError, match="already holds a run"):
         check_fresh_output_dir(tmp_path / "old")

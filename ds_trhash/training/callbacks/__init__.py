@@ -16,7 +16,7 @@ from ds_trhash.training.callbacks.faults import FaultCallback, FaultInjection
 from ds_trhash.training.callbacks.metrics import MetricsCallback
 from ds_trhash.training.callbacks.progress import ProgressCallback
 from ds_trhash.training.callbacks.selection import SelectionCallback
-from ds_trhash.training.callbacks.stop import GracefulStop, StopCallback
+from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
 
 
 def training_parts(evaluation: Sequence[type[Callback]] = ()) -> list[type[Callback]]:
@@ -26,7 +26,7 @@ def training_parts(evaluation: Sequence[type[Callback]] = ()) -> list[type[Callb
 
 
 __all__ = [
-    "Callback", "CheckpointCallback", "FaultCallback", "FaultInjection", "GracefulStop", "MetricsCallback",
-    "ProgressCallback", "RunContext", "SelectionCallback", "StopCallback", "build_callbacks", "make_callbacks",
-    "training_parts",
+    "Callback", "CheckpointCallback", "FaultCallback", "FaultInjection", "LauncherWatch", "MetricsCallback",
+    "ProgressCallback", "RunContext", "SelectionCallback", "StopAgreement", "StopCallback", "StopRequests",
+    "build_callbacks", "make_callbacks", "training_parts",
 ]

@@ -71,9 +71,10 @@ class RunContext:
     eval_batches: Any = None  # SFTBatches over the held-out partition, when configured
     tokenizer_dir: str | None = None
     protect_steps: set[int] = field(default_factory=set)  # never rotated away
-    stop: Any = None  # callbacks.stop.GracefulStop, entered around the loop
+    stop: Any = None  # callbacks.stop.StopAgreement, asked once per step on every rank
     faults: Any = None  # callbacks.faults.FaultInjection
     barrier: Callable[[], Any] = lambda: None
+    monitor: Any = None  # training.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
     last_checkpoint: Path | None = None
 

@@ -14,6 +14,10 @@ class CheckpointCallback(Callback):
 
     An epoch-end step is saved by ``on_epoch_end`` (after the evaluation callbacks ran, so its
     record holds their results), never twice; the newest path is left in ``run.last_checkpoint``.
+    The kernel path a checkpoint records is the one of the last training step (taken in
+    ``on_step_end``, before any evaluation forward of that step's epoch end can overwrite it).
+    Rotation takes the output directory's sync lock and, while a Hub sync holds it, waits for
+    the next checkpoint; with ``checkpoint.keep_unsynced`` it keeps what no sync verified yet.
     """
 
     def __init__(self, run: RunContext):
@@ -22,6 +26,7 @@ class CheckpointCallback(Callback):
         self.keep_last = run.cfg.checkpoint.keep_last
         self.protect = set(run.protect_steps)
         self.last_saved = -1
+        self.kernel_path: dict | None = None  # backends_used() after the last training step
 
     @classmethod
     def from_run(cls, run: RunContext) -> "CheckpointCallback":
@@ -45,15 +50,20 @@ class CheckpointCallback(Callback):
         path = ckpt.save_checkpoint(
             run.output_dir, state.step,
             write_engine_state=write_engine_state,
-            trainer_state=run.trainer_state(state, reason, extra or {}),
+            trainer_state=run.trainer_state(state, reason, {**self._trained_with(), **(extra or {})}),
             rank=run.rank, world_size=run.world, barrier=run.barrier,
         )
         self.last_saved, run.last_checkpoint = state.step, path
         if run.rank == 0 and self.keep_last:
-            ckpt.rotate(run.output_dir, self.keep_last, protect=self.protect)
+            ckpt.rotate_unless_syncing(run.output_dir, self.keep_last, protect=self.protect, log=run.progress.message,
+                                       keep_unsynced=run.cfg.checkpoint.keep_unsynced)
         run.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
 
+    def _trained_with(self) -> dict:
+        return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
+
     def on_step_end(self, state, metrics):
+        self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if self.is_epoch_end(state.step):
             return
         reason = "stop signal" if state.stop_requested else cadence_reason(state.step, self.every, self.protect)
@@ -63,7 +73,7 @@ class CheckpointCallback(Callback):
     def on_epoch_end(self, state):
         self.protect.add(state.step)
         results = self.run.results
-        self.save(state, f"end of epoch {state.epoch}",
+        self.save(state, f"end of epoch {state.epochs_done}",
                   {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step)})
 
     def on_end(self, state):

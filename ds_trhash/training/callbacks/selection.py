@@ -34,7 +34,7 @@ class SelectionCallback(Callback):
         ev = run.results["eval"].get(state.step) or {}
         piqa = run.results["piqa"].get(state.step) or {}
         self.candidates.append(Candidate(
-            epoch=state.epoch + 1, step=state.step, checkpoint=str(run.last_checkpoint),
+            epoch=state.epochs_done, step=state.step, checkpoint=str(run.last_checkpoint),
             eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
             train_loss=state.last.get("loss"), piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
         winner = publish(run.output_dir, self.candidates, self.rule)

@@ -1,68 +1,231 @@
-"""Stop handling: a signal asks the run to stop after the current step, with a checkpoint.
+"""Stop handling: a stop every rank agrees on, at one step, with one checkpoint, exit 0.
 
-``GracefulStop`` owns the signal handlers (a small self-contained class: the stop decision
-across ranks is built on top of it); ``StopCallback`` turns its flag into
-``state.stop_requested`` after each optimizer step, which the checkpointing callback answers
-with a "stop signal" checkpoint and the loop with a clean exit.
+How the DeepSpeed 0.19 launcher delivers a stop decides the design:
+
+- Ctrl-C in a terminal sends SIGINT to the whole process group: the ``deepspeed`` runner,
+  ``launch.py`` and every rank. ``launch.py`` then also sends SIGTERM to each rank's process
+  tree, so a rank sees the same request twice within milliseconds.
+- ``kill -TERM`` of ``launch.py`` reaches the ranks one at a time: it terminates rank 0's tree,
+  waits up to 30 s for it to exit, and only then terminates rank 1 (then SIGKILLs what is left).
+  Rank 1 therefore learns of the stop only from rank 0.
+- SIGTERM to the ``deepspeed`` runner kills the runner alone (it installs no handler on one
+  node), leaving ``launch.py`` and the ranks running as orphans.
+- A signal to one rank reaches that rank only.
+
+So a signal handler here only records the request (it never raises and does no I/O), and once
+per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
+a CPU (gloo) group. All ranks see the same answer at the same step, write one checkpoint
+together and exit 0. A rank started by ``launch.py`` under the ``deepspeed`` runner also checks,
+once per step, that both are still alive (one /proc read), and treats their disappearance as a
+stop request: nothing is left training as an orphan. The stop lands at the next step boundary,
+well inside the launcher's 30 s grace period for any step that takes seconds.
 """
+
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-from ds_trhash.checkpoints import CheckpointError
 from ds_trhash.training.callbacks.base import Callback, RunContext
 
-Log = Callable[[str], None]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Deliveries of the same signal closer together than this are one request (launcher + terminal).
+DUPLICATE_WINDOW_S = 2.0
+# launch.py waits this long for each rank's process tree before it SIGKILLs it.
+LAUNCHER_GRACE_S = 30.0
 
 
-class GracefulStop:
-    """SIGTERM/SIGINT set ``should_stop`` instead of killing the process mid-step.
+@dataclass
+class StopRequests:
+    """Signal handlers that only record: which signals came, when, and how many distinct requests.
 
-    The loop polls the flag after each optimizer step, writes a checkpoint and exits cleanly.
-    A second signal raises KeyboardInterrupt: the operator insists, so stop now, without a
-    checkpoint (the previous complete one remains). Previous handlers come back on exit.
+    Installed once per process, at the start of the launch, and left installed until the process
+    exits, so a late duplicate (``launch.py`` terminating a rank that is already finishing) never
+    falls back to the default action and kills a rank mid-exit.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), log: Log = print) -> None:
-        self.signals = tuple(signals)
-        self.log = log
-        self.should_stop = False
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
+    signals: tuple[int, ...] = STOP_SIGNALS
+    window_s: float = DUPLICATE_WINDOW_S
+    deliveries: list[tuple[int, float]] = field(default_factory=list)
+    requests: int = 0
+    _last: dict[int, float] = field(default_factory=dict)
+    _previous: dict[int, Any] = field(default_factory=dict)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.should_stop:
-            raise KeyboardInterrupt(f"second {name}: stopping now without a checkpoint")
-        self.should_stop = True
-        self.received = name
-        self.log(f"{name} received: finishing the current step, writing a checkpoint, then exiting "
-                 "(send it again to stop at once)")
+    def handle(self, signum: int, frame: Any = None) -> None:
+        now = time.monotonic()
+        self.deliveries.append((signum, now))
+        last = self._last.get(signum)
+        self._last[signum] = now
+        if last is None or now - last > self.window_s:
+            self.requests += 1
 
-    def __enter__(self) -> "GracefulStop":
-        try:
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        except ValueError as exc:
-            self.__exit__(None, None, None)
-            raise CheckpointError(f"GracefulStop must be entered in the main thread: {exc}") from exc
+    @property
+    def requested(self) -> bool:
+        return bool(self.deliveries)
+
+    @property
+    def first_at(self) -> float | None:
+        return self.deliveries[0][1] if self.deliveries else None
+
+    def describe(self) -> str:
+        """What was received, for the log line written at the step boundary."""
+        if not self.deliveries:
+            return "no signal"
+        names = []
+        for signum in dict.fromkeys(s for s, _ in self.deliveries):
+            count = sum(1 for s, _ in self.deliveries if s == signum)
+            names.append(signal.Signals(signum).name + (f" x{count}" if count > 1 else ""))
+        extra = len(self.deliveries) - self.requests
+        return ", ".join(names) + (f" ({extra} duplicate deliveries counted once)" if extra else "")
+
+    def install(self) -> "StopRequests":
+        for sig in self.signals:
+            self._previous.setdefault(sig, signal.signal(sig, self.handle))
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
 
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of ``pid``, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    if fields[0] == "Z":  # a zombie has exited
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class LauncherWatch:
+    """Notices that the DeepSpeed launcher above this rank is gone.
+
+    Active only when this process was started by ``deepspeed.launcher.launch``; the runner above
+    it is watched only when it is the ``deepspeed`` command. A process started any other way
+    (plain ``python``, a test) watches nothing. Each watched process is identified by pid and
+    start time, so a reused pid is not mistaken for it."""
+
+    watched: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def for_this_process(cls) -> "LauncherWatch":
+        watch = cls()
+        parent = os.getppid()
+        if "deepspeed.launcher.launch" not in _cmdline(parent):
+            return watch
+        stat = _proc_stat(parent)
+        if stat is None:
+            return watch
+        watch.watched.append(("the DeepSpeed launch.py", parent, stat[1]))
+        runner = stat[0]
+        runner_stat = _proc_stat(runner)
+        command = _cmdline(runner)
+        if runner_stat is not None and "deepspeed" in command and "deepspeed.launcher.launch" not in command:
+            watch.watched.append(("the deepspeed runner", runner, runner_stat[1]))
+        return watch
+
+    def gone(self) -> str | None:
+        """The first watched process that no longer runs, or None."""
+        for name, pid, started in self.watched:
+            stat = _proc_stat(pid)
+            if stat is None or stat[1] != started:
+                return f"{name} (pid {pid}) is gone"
+        return None
+
+
+class StopAgreement:
+    """Once per step: does any rank want to stop? The same answer on every rank.
+
+    A one-element MAX all-reduce over a CPU group: the default group when it is gloo, else a
+    gloo group made once here (every rank constructs this object at the same point)."""
+
+    def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1) -> None:
+        self.requests, self.watch, self.world_size = requests, watch or LauncherWatch(), world_size
+        self.local_reason: str | None = None
+        self.agreed = False
+        self._group = None
+        if world_size > 1:
+            import torch.distributed as dist
+
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def _local(self) -> bool:
+        if self.local_reason is None:
+            if self.requests.requested:
+                self.local_reason = self.requests.describe()
+            else:
+                gone = self.watch.gone()
+                if gone:
+                    self.local_reason = gone
+        return self.local_reason is not None
+
+    def __call__(self) -> bool:
+        """Call on every rank after every optimizer step (a collective when world_size > 1)."""
+        if self.agreed:
+            return True
+        local = self._local()
+        if self.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            self.agreed = bool(flag.item())
+        else:
+            self.agreed = local
+        return self.agreed
+
+    def describe(self) -> str:
+        if self.local_reason is not None:
+            return f"stop requested here: {self.local_reason}"
+        return "stop requested by another rank"
+
+
+_PROCESS_REQUESTS: StopRequests | None = None
+
+
+def install(signals: Iterable[int] = STOP_SIGNALS) -> StopRequests:
+    """The process-wide recorder, installed at the start of a launch (idempotent)."""
+    global _PROCESS_REQUESTS
+    if _PROCESS_REQUESTS is None:
+        _PROCESS_REQUESTS = StopRequests(signals=tuple(signals)).install()
+    return _PROCESS_REQUESTS
+
+
+def uninstall() -> None:
+    """Give the previous handlers back: for callers that run a launch inside a longer-lived
+    process (tests calling ``launcher.main``); a real launch keeps them until it exits."""
+    global _PROCESS_REQUESTS
+    if _PROCESS_REQUESTS is not None:
+        _PROCESS_REQUESTS.uninstall()
+        _PROCESS_REQUESTS = None
+
 
 class StopCallback(Callback):
-    """First in the list: after each optimizer step, a received signal becomes
-    ``state.stop_requested``, which the metrics and checkpointing callbacks after it answer (a
-    final metrics row, a "stop signal" checkpoint) and the loop obeys."""
+    """First in the list: after each optimizer step every rank asks the ``StopAgreement`` (a
+    collective), and an agreed stop becomes ``state.stop_requested``, which the metrics and
+    checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
+    and the loop obeys."""
 
-    def __init__(self, stop: GracefulStop):
+    def __init__(self, stop: StopAgreement):
         self.stop = stop
 
     @classmethod
@@ -70,5 +233,6 @@ class StopCallback(Callback):
         return cls(run.stop) if run.stop is not None else None
 
     def on_step_end(self, state, metrics):
-        if self.stop.should_stop:
+        if self.stop():
             state.stop_requested = True
+            state.stop_reason = self.stop.describe()

@@ -8,10 +8,11 @@ from ds_trhash.training.callbacks import RunContext
 from ds_trhash.training.loop import TrainState
 
 
-def config(kind="pretrain", every_steps=0, keep_last=0, log_every=10, select="min_eval_loss", piqa=None):
+def config(kind="pretrain", every_steps=0, keep_last=0, log_every=10, select="min_eval_loss", piqa=None,
+           keep_unsynced=False):
     return SimpleNamespace(
         data=SimpleNamespace(kind=kind), training=SimpleNamespace(log_every=log_every),
-        checkpoint=SimpleNamespace(every_steps=every_steps, keep_last=keep_last),
+        checkpoint=SimpleNamespace(every_steps=every_steps, keep_last=keep_last, keep_unsynced=keep_unsynced),
         eval=SimpleNamespace(select=select, piqa=piqa))
 
 
@@ -30,8 +31,16 @@ class Progress:
 
 
 class Model:
+    """``backends_used()`` says what the last forward ran; ``forward(kind)`` stands for one."""
+
+    def __init__(self):
+        self.last = {"experts": "pytorch", "loss": "chunked", "norm": "pytorch"}
+
+    def forward(self, kind):
+        self.last = {"experts": "pytorch", "loss": "chunked" if kind == "train" else None, "norm": kind}
+
     def backends_used(self):
-        return {"experts": "pytorch", "loss": "chunked", "norm": "pytorch"}
+        return dict(self.last)
 
 
 class Batches:
@@ -50,7 +59,7 @@ def metrics(step, loss=2.0, epoch=0):
 
 
 def trainer_state(st: TrainState, reason: str, extra: dict) -> dict:
-    return {"stage": "pretraining", "step": st.step, "epoch": st.epoch, "data_cursor": st.step, "world_size": 1,
+    return {"stage": "pretraining", "step": st.step, "epoch": st.epochs_done, "data_cursor": st.step, "world_size": 1,
             "training_critical": {}, "plan_fingerprint": None, "plan_sha256": None, "backends_used": {},
             "lora": False, "family": "language", "framework_commit": "test", "reason": reason, **extra}
 

@@ -1,5 +1,7 @@
 """CheckpointCallback: what it saves when, epoch ends with their evaluation results, rotation."""
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.sync_guard import output_lock, update_verified
+from ds_trhash.io import sha256_file
 from ds_trhash.training.callbacks import CheckpointCallback
 from ds_trhash.training.loop import TrainState
 from tests.training.callbacks import fakes
@@ -32,13 +34,17 @@ def test_epoch_end_is_saved_once_with_the_evaluation_results(tmp_path):
     run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1), batches=fakes.Batches(per_epoch=2))
     run.results["eval"][2] = {"eval_loss": 1.25}
     cb = CheckpointCallback.from_run(run)
-    state = TrainState(step=2, total_steps=4)
+    state = TrainState(step=2, total_steps=4, epoch=0, epochs_done=1)
+    run.model.forward("train")
     cb.on_step_end(state, fakes.metrics(2))  # the epoch boundary: left to on_epoch_end
     assert _steps(tmp_path) == []
+    run.model.forward("eval")  # held-out loss / PIQA run between the step and the epoch checkpoint
     cb.on_epoch_end(state)
     cb.on_end(TrainState(step=2, total_steps=2))  # same step again: not written twice
     saved = ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_00000002")
-    assert saved["reason"] == "end of epoch 0" and saved["eval"] == {"eval_loss": 1.25} and saved["piqa"] is None
+    assert saved["reason"] == "end of epoch 1" and saved["eval"] == {"eval_loss": 1.25} and saved["piqa"] is None
+    # the kernel path recorded is the training step's, not the evaluation forward's
+    assert saved["backends_used"] == {"experts": "pytorch", "loss": "chunked", "norm": "train"}
     assert 2 in cb.protect and len(run.engine.saves) == 1
 
 
@@ -50,3 +56,24 @@ def test_rotation_keeps_the_newest_and_protected(tmp_path):
         state.step = step
         cb.on_step_end(state, fakes.metrics(step))
     assert _steps(tmp_path) == [1, 4, 5]
+
+
+def test_rotation_waits_while_a_sync_holds_the_lock_and_keeps_what_no_sync_verified(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1, keep_last=1, keep_unsynced=True))
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=0, total_steps=10)
+
+    def step_to(n):
+        state.step = n
+        cb.on_step_end(state, fakes.metrics(n))
+
+    with output_lock(tmp_path):  # what `ds-trhash sync` holds while it uploads
+        step_to(1), step_to(2)
+    assert _steps(tmp_path) == [1, 2] and "rotation deferred" in " ".join(run.progress.messages)
+    step_to(3)  # lock free, but nothing is verified on the Hub: nothing rotates
+    assert _steps(tmp_path) == [1, 2, 3]
+    manifest = tmp_path / "checkpoints" / "step_00000001" / ckpt.MANIFEST
+    update_verified(tmp_path, add={"checkpoints/step_00000001": {"manifest_sha256": sha256_file(manifest)},
+                                   "checkpoints/step_00000002": {"manifest_sha256": "0" * 64}})  # another manifest
+    step_to(4)
+    assert _steps(tmp_path) == [2, 3, 4]  # only the checkpoint verified with its current manifest went

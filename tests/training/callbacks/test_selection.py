@@ -19,7 +19,7 @@ def test_best_follows_the_rule_and_survives_a_resume(tmp_path):
     cb = SelectionCallback.from_run(run)
     for epoch, (step, loss) in enumerate([(2, 3.0), (4, 2.0), (6, 2.5)]):
         _epoch_checkpoint(run, tmp_path, step, loss)
-        cb.on_epoch_end(TrainState(step=step, total_steps=6, epoch=epoch, last={"loss": 1.0}))
+        cb.on_epoch_end(TrainState(step=step, total_steps=6, epoch=epoch, epochs_done=epoch + 1, last={"loss": 1.0}))
     doc = json.loads((tmp_path / "selection.json").read_text())
     assert doc["rule"] == "min_eval_loss" and doc["selected"]["step"] == 4
     assert (tmp_path / "best" / "weights").read_text() == "step 4"

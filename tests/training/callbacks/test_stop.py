@@ -1,56 +1,58 @@
-"""Stop signals: the flag, the second signal, handlers restored, main thread only."""
+"""Stop handling in one process: handlers only record, duplicates within the window count once, a
+process not started by the deepspeed launcher watches nothing, and StopCallback turns an agreed
+stop into a stop request (the multi-rank behaviour: tests/training/test_stop_signals.py)."""
+
 import os
 import signal
-import threading
+import time
 
-import pytest
-
-from ds_trhash.checkpoints import CheckpointError
-from ds_trhash.training.callbacks.stop import GracefulStop
-from tests.checkpoints.helpers import messages
+from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
 
 
-# --------------------------------------------------------------------------- graceful stop
+def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
+    before = signal.getsignal(signal.SIGINT)
+    requests = StopRequests(window_s=5.0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # terminal
+        os.kill(os.getpid(), signal.SIGINT)  # the same request forwarded again
+        os.kill(os.getpid(), signal.SIGTERM)  # launch.py terminating the rank
+        time.sleep(0.05)
+        assert requests.requested and len(requests.deliveries) == 3 and requests.requests == 2
+        assert requests.describe() == "SIGINT x2, SIGTERM (1 duplicate deliveries counted once)"
+    finally:
+        requests.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_sigterm_sets_the_flag_and_handlers_come_back():
-    before = signal.getsignal(signal.SIGTERM)
-    lines, log = messages()
-    with GracefulStop(log=log) as stop:
-        assert not stop.should_stop
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.should_stop and stop.received == "SIGTERM"
-        assert "writing a checkpoint" in lines[0]
-        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) is before
+def test_a_repeat_after_the_window_is_a_new_request():
+    requests = StopRequests(window_s=0.01)
+    requests.handle(signal.SIGTERM)
+    time.sleep(0.05)
+    requests.handle(signal.SIGTERM)
+    assert requests.requests == 2
 
 
-def test_graceful_stop_outside_the_main_thread_is_refused():
-    errors = []
-
-    def enter():
-        try:
-            with GracefulStop():
-                pass
-        except CheckpointError as exc:
-            errors.append(str(exc))
-
-    t = threading.Thread(target=enter)
-    t.start()
-    t.join()
-    assert errors and "main thread" in errors[0]
+def test_single_process_agreement_follows_the_local_request():
+    requests = StopRequests()
+    stop = StopAgreement(requests, LauncherWatch.for_this_process(), world_size=1)
+    assert not stop() and not stop()
+    requests.handle(signal.SIGTERM)
+    assert stop() and stop.describe() == "stop requested here: SIGTERM"
 
 
-def test_stop_callback_turns_the_signal_into_a_stop_request():
-    from ds_trhash.training.callbacks import StopCallback
+def test_a_process_not_started_by_the_launcher_watches_nothing():
+    assert LauncherWatch.for_this_process().watched == []
+    assert LauncherWatch.for_this_process().gone() is None
+
+
+def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
     from ds_trhash.training.loop import TrainState
 
+    requests = StopRequests()
+    cb = StopCallback(StopAgreement(requests, LauncherWatch(), world_size=1))
     state = TrainState(step=1, total_steps=10)
-    with GracefulStop(log=lambda _: None) as stop:
-        cb = StopCallback(stop)
-        cb.on_step_end(state, {})
-        assert not state.stop_requested
-        os.kill(os.getpid(), signal.SIGTERM)
-        cb.on_step_end(state, {})
-    assert state.stop_requested
+    cb.on_step_end(state, {})
+    assert not state.stop_requested
+    requests.handle(signal.SIGTERM)
+    cb.on_step_end(state, {})
+    assert state.stop_requested and state.stop_reason == "stop requested here: SIGTERM"

@@ -1,0 +1,99 @@
+"""Training configuration: YAML -> typed, validated dataclasses.
+
+A launch on many GPUs should fail in the first second, on every rank alike, with a message
+that names the file (or ``--set`` override), the dotted key and what would have been
+accepted -- not an hour later inside DeepSpeed. So the whole schema is checked when the file
+is loaded: unknown keys, types, enum values, ranges and combinations that cannot run. The
+one exception is ``source_stage``, which the CLI may still supply after loading; see
+:func:`require_source_stage`.
+
+The package is split by job; every name is re-exported here, so ``tcfg.X`` works unchanged:
+- ``schema``: the section dataclasses (field names are the YAML keys), their value checks,
+  ``TrainConfig``, ``ConfigError``, ``dump_config``;
+- ``reading``: YAML loading (duplicate keys refused), ``--set`` overrides and the typed builder
+  (``load_config``, ``config_from_dict``);
+- ``checks``: combinations that cannot run, the device check, the declared source stage;
+- ``layout``: what depends on the world size (``batch_layout``, ``for_world``,
+  ``tokens_per_step``, ``to_deepspeed_dict``, ``training_critical``).
+
+Key reference: ``docs/configs.md``.
+"""
+from __future__ import annotations
+
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+
+from .checks import _check_combinations, _check_deepspeed_section, _model_facts, check_device, require_source_stage
+from .layout import (
+    _check_world,
+    _generated_deepspeed,
+    batch_layout,
+    for_world,
+    model_config,
+    to_deepspeed_dict,
+    tokens_per_step,
+    training_critical,
+)
+from .reading import (
+    REMOVED_KEYS,
+    DuplicateKeyError,
+    _Builder,
+    _deep_copy,
+    _deep_merge,
+    _Loader,
+    _set_path,
+    _yaml_load,
+    config_from_dict,
+    load_config,
+)
+from .schema import (
+    SFT,
+    STAGES,
+    BatchSection,
+    CheckpointSection,
+    ConfigError,
+    DataSection,
+    EvalSection,
+    KernelsSection,
+    LoraSection,
+    ModelSection,
+    OptimizerSection,
+    PackingSection,
+    ParallelSection,
+    ScheduleSection,
+    TrainConfig,
+    TrainingSection,
+    ZeroSection,
+    _plain,
+    dump_config,
+)
+
+__all__ = [
+    "ConfigError",
+    "TrainConfig",
+    "ModelSection",
+    "DataSection",
+    "PackingSection",
+    "OptimizerSection",
+    "ScheduleSection",
+    "BatchSection",
+    "TrainingSection",
+    "ZeroSection",
+    "KernelsSection",
+    "ParallelSection",
+    "LoraSection",
+    "CheckpointSection",
+    "EvalSection",
+    "STAGES",
+    "LORA_TARGETS",
+    "load_config",
+    "config_from_dict",
+    "dump_config",
+    "require_source_stage",
+    "check_device",
+    "to_deepspeed_dict",
+    "training_critical",
+    "tokens_per_step",
+    "batch_layout",
+    "for_world",
+    "model_config",
+]

@@ -1,0 +1,139 @@
+"""What a config lays out: the model it trains, and what depends on the world size (the batch
+layout, the DeepSpeed dict, the resume-critical keys).
+
+A loaded config is world-size free (``batch.grad_accum`` may still be derived from
+``batch.global_tokens``); these functions lay it out on a given number of ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ds_trhash.model.config import TRHashConfig
+from ds_trhash.training import deepspeed_config as dsc
+from ds_trhash.training import global_batch
+
+from .schema import ConfigError, TrainConfig, _plain
+
+def model_config(cfg: TrainConfig) -> TRHashConfig:
+    """The model a launch of ``cfg`` trains: its preset, with the config's loss chunk."""
+    return dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset), loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
+
+
+def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.BatchLayout:
+    """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""
+    _check_world(cfg, world_size)
+    bt = cfg.batch
+    got = global_batch.resolve(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens, world_size)
+    if isinstance(got, tuple):
+        raise ConfigError(cfg.origin, *got)
+    return got
+
+
+def for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg`` with ``batch.grad_accum`` filled in for ``world_size`` ranks (idempotent)."""
+    layout = batch_layout(cfg, world_size)
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, grad_accum=layout.grad_accum))
+
+
+def tokens_per_step(cfg: TrainConfig, world_size: int) -> int:
+    """Token positions per optimizer step (for SFT, the packed capacity, not supervised tokens)."""
+    return batch_layout(cfg, world_size).global_tokens
+
+
+def _check_world(cfg: TrainConfig, world_size: int) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if world_size % cfg.parallel.ep_size:
+        raise ConfigError(cfg.origin, "parallel.ep_size",
+                          f"{cfg.parallel.ep_size} does not divide the world size {world_size}; expert "
+                          "parallel groups must tile the data-parallel ranks")
+
+
+def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
+    """The DeepSpeed config for ``deepspeed.initialize(config=...)``.
+
+    No "optimizer" or "scheduler" entry: the engine passes its own AdamW (torch or FusedAdam per
+    ``optimizer.torch_adam``, with the contract's no-decay parameter groups) and the LambdaLR from
+    ``schedule.build_scheduler``, which DeepSpeed steps once per optimizer step. Both are on
+    DeepSpeed's ZeRO-supported list, so no "zero_allow_untested_optimizer" is needed.
+    """
+    cfg = for_world(cfg, world_size)
+    generated = _generated_deepspeed(cfg)
+    generated["train_batch_size"] *= world_size
+    section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
+    return dsc.merge(generated, section)
+
+
+def _generated_deepspeed(cfg: TrainConfig) -> dict:
+    """Our part of the DeepSpeed config (grad_accum resolved), for one rank: train_batch_size
+    still lacks the world-size factor."""
+    mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum
+    fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
+    if cfg.precision == "fp16":
+        fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
+    return {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": mb * ga,
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": fp16,
+        "zero_optimization": {"stage": cfg.zero.stage},
+        # Our Progress display reports; DeepSpeed's own prints would interleave with it.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
+    """Settings an exact resume must match (docs/contracts.md §4), as a flat ``{dotted key: value}`` dict.
+
+    Left out on purpose: where things are written or cached (output_dir, cache, checkpoint
+    cadence, logging, evaluation, DeepSpeed monitors and profilers) -- they do not change the
+    trained trajectory; nor does activation checkpointing (same gradients). LoRA details are
+    included only when LoRA is on, so editing an unused default does not block a resume. The
+    batch is recorded as laid out on ``world_size`` ranks (grad_accum derived from
+    batch.global_tokens), so a resume compares the global batch, not the YAML spelling of it.
+    """
+    cfg = for_world(cfg, world_size)
+    d, o, s = cfg.data, cfg.optimizer, cfg.schedule
+    crit: dict[str, Any] = {
+        "stage": cfg.stage,
+        "source_stage": cfg.source_stage,
+        "model.preset": cfg.model.preset,
+        "model.family": cfg.model.family,
+        "seed": cfg.seed,
+        "data.kind": d.kind,
+        "data.plan": d.plan,
+        "data.sft_dir": d.sft_dir,
+        "data.tokenizer": d.tokenizer,
+        "data.seq_len": d.seq_len,
+        "data.packing.policy": d.packing.policy,
+        "data.target_tokens": d.target_tokens,
+        "training.epochs": cfg.training.epochs,
+        "training.max_steps": cfg.training.max_steps,
+        "batch.micro_batch": cfg.batch.micro_batch,
+        "batch.grad_accum": cfg.batch.grad_accum,
+        "optimizer.lr": o.lr,
+        "optimizer.betas": list(o.betas),
+        "optimizer.weight_decay": o.weight_decay,
+        "optimizer.grad_clip": o.grad_clip,
+        "optimizer.eps": o.eps,
+        "optimizer.torch_adam": o.torch_adam,
+        "schedule.kind": s.kind,
+        "schedule.warmup_fraction": s.warmup_fraction,
+        "schedule.min_warmup_steps": s.min_warmup_steps,
+        "schedule.floor": s.floor,
+        "precision": cfg.precision,
+        "zero.stage": cfg.zero.stage,
+        "parallel.ep_size": cfg.parallel.ep_size,
+        "kernels.policy": cfg.kernels.policy,
+        "kernels.require_liger": cfg.kernels.require_liger,
+        "kernels.loss_chunk_tokens": cfg.kernels.loss_chunk_tokens,
+        "lora.enabled": cfg.lora.enabled,
+    }
+    if cfg.lora.enabled:
+        crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
+    crit.update(dsc.critical_items(cfg.deepspeed))
+    return crit

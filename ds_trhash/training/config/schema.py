@@ -1,0 +1,237 @@
+"""The config schema: section dataclasses (field names are the YAML keys) and their value checks.
+
+Each field may carry a ``check`` in its metadata; the reader (``reading.py``) runs it on the value
+after the type is right, so a range problem is reported with the file and dotted key like any other.
+Key reference: ``docs/configs.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable, Literal
+
+from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
+from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+
+STAGES = ("pretraining", "refinement", "supervised-finetuning")
+SFT = "supervised-finetuning"
+# LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
+# weights are switched by `lora.experts`.
+
+
+class ConfigError(ValueError):
+    """A configuration that must not be launched; the message is meant for the user as is."""
+
+    def __init__(self, source: str, key: str, problem: str):
+        self.source = source
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+
+
+# --- field checks -------------------------------------------------------------------------
+# Each returns a problem string, or None when the value is acceptable.
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v!r}"
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else f"must be >= 0, got {v!r}"
+
+
+def _half_open_unit(v: float) -> str | None:
+    return None if 0 <= v < 1 else f"must be in [0, 1), got {v!r}"
+
+
+def _closed_unit(v: float) -> str | None:
+    return None if 0 <= v <= 1 else f"must be in [0, 1], got {v!r}"
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda v: None if v is None else check(v)
+
+
+def _betas(v: tuple[float, float]) -> str | None:
+    bad = [b for b in v if not 0 <= b < 1]
+    return f"each beta must be in [0, 1), got {list(v)}" if bad else None
+
+
+def _lora_targets(v: tuple[str, ...]) -> str | None:
+    if not v:
+        return f"must name at least one layer; allowed: {', '.join(LORA_TARGETS)}"
+    unknown = [t for t in v if t not in LORA_TARGETS]
+    if unknown:
+        return f"unknown target(s) {unknown}; allowed: {', '.join(LORA_TARGETS)}"
+    if len(set(v)) != len(v):
+        return f"duplicate targets in {list(v)}"
+    return None
+
+
+def _seed(v: int) -> str | None:
+    # Every RNG seeded from it (torch, numpy PCG64, DeepSpeed) takes an unsigned 64-bit value.
+    return None if 0 <= v < 2**64 else f"must fit an unsigned 64-bit integer (0 <= seed < 2**64), got {v}"
+
+
+def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = None,
+       factory: Callable[[], Any] | None = None) -> Any:
+    meta = {"check": check} if check else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --- schema ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: Literal["200m", "tiny"]
+    # "vision" integrates refinement in its own recipe, so the stage guard lets it go
+    # pretraining -> SFT directly.
+    family: Literal["language", "vision"] = "language"
+    # Recompute decoder layers in backward instead of keeping their activations: none, every
+    # layer (full) or every activation_checkpointing_every-th layer (every_n). Same gradients.
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    activation_checkpointing_every: int = _f(2, check=_positive)
+
+
+@dataclass(frozen=True)
+class PackingSection:
+    policy: Literal["cross_document", "per_document"] = "cross_document"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    kind: Literal["pretrain", "sft"] = "pretrain"
+    plan: str | None = None
+    shards_dir: str | None = None
+    cache_dir: str | None = None
+    cache_gb: float = _f(1.0, check=_positive)
+    sft_dir: str | None = None
+    tokenizer: str | None = None
+    seq_len: int = _f(2048, check=_positive)
+    packing: PackingSection = _f(factory=PackingSection)
+    target_tokens: int | None = _f(None, check=_optional(_positive))
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = _f(2.0e-5, check=_positive)
+    betas: tuple[float, float] = _f((0.9, 0.95), check=_betas)
+    weight_decay: float = _f(0.1, check=_non_negative)
+    grad_clip: float = _f(1.0, check=_non_negative)
+    eps: float = _f(1.0e-8, check=_positive)
+    # True: torch.optim.AdamW (fused kernel on CUDA). False: DeepSpeed's FusedAdam on CUDA; on CPU,
+    # where FusedAdam does not exist, torch AdamW again (the startup summary says which ran).
+    torch_adam: bool = True
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    kind: Literal["cosine"] = "cosine"
+    warmup_fraction: float = _f(0.03, check=_half_open_unit)
+    min_warmup_steps: int = _f(1, check=_non_negative)
+    floor: float = _f(0.1, check=_closed_unit)
+
+
+@dataclass(frozen=True)
+class BatchSection:
+    micro_batch: int = _f(16, check=_positive)
+    # Derived at launch from global_tokens and the world size when global_tokens is set;
+    # without global_tokens the batch is per rank and grad_accum defaults to 1.
+    grad_accum: int | None = _f(None, check=_optional(_positive))
+    # Tokens per optimizer step over all ranks (see ds_trhash.training.global_batch).
+    global_tokens: int | None = _f(None, check=_optional(_positive))
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    epochs: int = _f(1, check=_positive)
+    max_steps: int | None = _f(None, check=_optional(_positive))
+    log_every: int = _f(1, check=_positive)
+
+
+@dataclass(frozen=True)
+class ZeroSection:
+    stage: Literal[0, 1, 2, 3] = 1
+
+
+@dataclass(frozen=True)
+class KernelsSection:
+    policy: Literal[KERNEL_POLICIES] = "auto"
+    require_liger: bool = False
+    loss_chunk_tokens: int = _f(1024, check=_positive)
+    # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
+    compile: Literal["none", "layers", "model"] = "none"
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    ep_size: int = _f(1, check=_positive)
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    enabled: bool = False
+    rank: int = _f(16, check=_positive)
+    alpha: float = _f(16.0, check=_positive)
+    dropout: float = _f(0.05, check=_half_open_unit)
+    targets: tuple[str, ...] = _f(DEFAULT_LORA_TARGETS, check=_lora_targets)
+    experts: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every_steps: int | None = _f(None, check=_optional(_positive))
+    keep_last: int | None = _f(3, check=_optional(_positive))
+    packs: int | None = _f(40, check=_optional(_positive))
+    # a Hub sync runs beside training: rotation deletes only checkpoints it verified on the Hub
+    keep_unsynced: bool = False
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    heldout: bool = True
+    piqa: str | None = None
+    # Which epoch checkpoint becomes best/: lowest held-out loss, or simply the last epoch.
+    select: Literal["min_eval_loss", "last"] = "min_eval_loss"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    stage: Literal["pretraining", "refinement", "supervised-finetuning"]
+    model: ModelSection
+    output_dir: str
+    data: DataSection = _f(factory=DataSection)
+    optimizer: OptimizerSection = _f(factory=OptimizerSection)
+    schedule: ScheduleSection = _f(factory=ScheduleSection)
+    batch: BatchSection = _f(factory=BatchSection)
+    training: TrainingSection = _f(factory=TrainingSection)
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    zero: ZeroSection = _f(factory=ZeroSection)
+    kernels: KernelsSection = _f(factory=KernelsSection)
+    parallel: ParallelSection = _f(factory=ParallelSection)
+    lora: LoraSection = _f(factory=LoraSection)
+    checkpoint: CheckpointSection = _f(factory=CheckpointSection)
+    eval: EvalSection = _f(factory=EvalSection)
+    seed: int = _f(1234, check=_seed)
+    # Passed to DeepSpeed: deep-merged into the generated config (ds_trhash.training.deepspeed_config).
+    deepspeed: dict = _f(factory=dict)
+    # Checked at launch (require_source_stage), not at load: the CLI may supply it.
+    source_stage: Literal["refinement", "supervised-finetuning"] | None = None
+    # Where the values came from, for error messages raised after loading; not a YAML key.
+    origin: str = field(default="<config>", compare=False, repr=False, metadata={"internal": True})
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not f.metadata.get("internal")}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def dump_config(cfg: TrainConfig) -> dict:
+    """The full config (defaults included) as plain YAML/JSON types; loads back to an equal config."""
+    return _plain(cfg)

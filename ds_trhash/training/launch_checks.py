@@ -1,0 +1,229 @@
+"""The checks a launch makes before it writes anything: plain functions, one job each.
+
+The trainer calls them before any data preparation, cache directory, embedded corpus, model
+or engine exists, so a refused launch changes nothing on disk. ``ds-trhash preflight`` calls
+the same functions. Each raises ``LaunchCheckError`` (a user error: exit 2, one message)
+naming what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.io import sha256_file
+
+Log = Callable[[str], None]
+# Next to a run's files, the names a damaged run is set aside under (never deleted).
+DAMAGED_SUFFIX = ".damaged-"
+
+
+class LaunchCheckError(ValueError):
+    """A launch that must not start; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------- output directory
+
+
+def check_fresh_output_dir(output_dir: Path) -> None:
+    """A fresh start never writes over a run: its checkpoints and metrics would be mixed with
+    the new ones. Continuing that run is an explicit --resume."""
+    done = [c.name for c in ckpt.list_checkpoints(output_dir) if c.has_manifest]
+    if done or (Path(output_dir) / "metrics.csv").exists():
+        what = f"checkpoints {', '.join(done[-3:])}" if done else "a metrics.csv"
+        raise LaunchCheckError(
+            f"{output_dir} already holds a run ({what}); continue it with --resume auto, or start this "
+            "launch in a new --output-dir")
+
+
+def resume_auto(output_dir: Path, allow_fresh_over_damaged: bool,
+                log: Log = print) -> tuple[ckpt.CheckpointInfo | None, list[tuple[str, str]]]:
+    """``--resume auto``: (the newest checkpoint that verifies, []) — each checkpoint is hashed
+    once, newest first, and newer broken ones are reported. When checkpoints exist but none
+    verifies the launch is refused, listing each and why: starting fresh would write a new run
+    over the remains of one that may be repairable. ``--allow-fresh-over-damaged`` is the
+    explicit way past; then (None, the damaged ones) comes back, for ``set_aside_damaged``
+    once every other check passed. No checkpoint at all: (None, []), a fresh start."""
+    skipped: list[tuple[str, str]] = []
+    for info in reversed(ckpt.list_checkpoints(output_dir)):
+        ok, reason = ckpt.verify(info.path)
+        if ok:
+            for name, why in skipped:
+                log(f"{name} is {why} — falling back to {info.name}")
+            log(f"resume auto: continuing from {info.path}")
+            return info, []
+        skipped.append((info.name, reason))
+    if not skipped:
+        log(f"resume auto: no checkpoint under {ckpt.checkpoints_root(output_dir)} — starting fresh")
+        return None, []
+    damaged = skipped[::-1]
+    if not allow_fresh_over_damaged:
+        listing = "; ".join(f"{name} is {why}" for name, why in damaged)
+        raise LaunchCheckError(
+            f"--resume auto found checkpoints under {ckpt.checkpoints_root(output_dir)} but none verifies "
+            f"({listing}); restore one, resume from a copy with --resume DIR, or pass "
+            "--allow-fresh-over-damaged to set them aside and start fresh")
+    return None, damaged
+
+
+def check_resume_auto(output_dir: Path, allow_fresh_over_damaged: bool = False) -> list[tuple[str, str]]:
+    """The refusal part of ``resume_auto`` alone (for preflight): the damaged checkpoints when
+    allowed, [] when one verifies or there are none."""
+    return resume_auto(output_dir, allow_fresh_over_damaged, log=lambda _: None)[1]
+
+
+def set_aside_damaged(output_dir: Path, stamp: str, log: Log = print) -> list[Path]:
+    """Rename the damaged run's checkpoints and metrics aside (``<name>.damaged-<stamp>``),
+    so the fresh start writes nothing over them. Called only after every check passed."""
+    moved = []
+    targets = [c.path for c in ckpt.list_checkpoints(output_dir)]
+    targets += [Path(output_dir) / name for name in ("metrics.csv", "selection.json", "piqa.jsonl")]
+    for path in targets:
+        if path.exists():
+            new = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{stamp}")
+            os.rename(path, new)
+            moved.append(new)
+    if moved:
+        log(f"--allow-fresh-over-damaged: set aside {', '.join(p.name for p in moved)}; starting fresh")
+    return moved
+
+
+def check_resume_source(resume_dir: Path, output_dir: Path, fork: bool) -> None:
+    """``--resume DIR`` continues the run that wrote DIR. Into another --output-dir that would
+    be two runs claiming one history; ``--fork`` says that is meant (a new run branching off)."""
+    run_of = Path(resume_dir).resolve().parent.parent  # <run>/checkpoints/step_N
+    if run_of != Path(output_dir).resolve() and not fork:
+        raise LaunchCheckError(
+            f"--resume {resume_dir} is a checkpoint of the run in {run_of}, not of --output-dir {output_dir}; "
+            f"resume it in its own run (--output-dir {run_of}), or pass --fork to continue it as a new run here")
+
+
+def probe_writable(output_dir: Path) -> None:
+    """The output directory (or the nearest existing parent) accepts a new file; the probe is
+    removed again. Catches a read-only target before hours of training."""
+    target = Path(output_dir)
+    while not target.exists():
+        target = target.parent
+    probe = target / f".ds-trhash-write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+    except OSError as exc:
+        raise LaunchCheckError(f"cannot write to {target}: {exc.strerror or exc}; choose a writable --output-dir") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- init checkpoint
+
+
+def resolve_init_checkpoint(path: str | os.PathLike | None, log: Log = print) -> str | None:
+    """``--init-checkpoint`` as given: a checkpoint or export directory, or a run's output
+    directory, meaning that run's final complete checkpoint (whatever the process count named
+    its steps). The choice is said at start."""
+    if path is None:
+        return None
+    src = Path(path)
+    if not src.exists():
+        raise LaunchCheckError(f"--init-checkpoint {src} does not exist; pass a checkpoint directory "
+                               "(<run>/checkpoints/step_N), an export, or a run's --output-dir")
+    if not src.is_dir():
+        raise LaunchCheckError(f"--init-checkpoint {src} is not a directory")
+    if ckpt.checkpoints_root(src).is_dir() and not (src / ckpt.MANIFEST).is_file():
+        found = ckpt.list_checkpoints(src)
+        for info in reversed(found):
+            ok, _ = ckpt.verify(info.path)
+            if ok:
+                log(f"--init-checkpoint {src}: the run's final complete checkpoint is {info.path}")
+                return str(info.path)
+        listing = "; ".join(f"{c.name} is {ckpt.verify(c.path)[1]}" for c in found) or "none at all"
+        raise LaunchCheckError(f"--init-checkpoint {src} is a run directory without a complete checkpoint ({listing})")
+    return str(src)
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mapping[str, str | None]) -> None:
+    """``data.tokenizer`` must be the tokenizer the data was made with: every recorded hash
+    (plan, each source's shard manifest) must equal the file's SHA-256."""
+    if tokenizer is None:
+        return
+    from ds_trhash.data.tokenizer import tokenizer_file, tokenizer_sha256
+
+    try:
+        actual = tokenizer_sha256(tokenizer)
+    except (OSError, ValueError) as exc:
+        raise LaunchCheckError(f"data.tokenizer {tokenizer}: {exc}") from None
+    wrong = {what: h for what, h in recorded.items() if h and h != actual}
+    if wrong:
+        listing = ", ".join(f"{what} records {h[:12]}…" for what, h in wrong.items())
+        raise LaunchCheckError(
+            f"data.tokenizer {tokenizer_file(tokenizer)} has sha256 {actual[:12]}…, but {listing}; "
+            "point data.tokenizer at the tokenizer the data was made with, or rebuild the data")
+
+
+def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
+                   world: int = 1, hashes: bool = True) -> list[str]:
+    """Every shard the plan reads: present with its manifest size (all ranks), and its SHA-256
+    equal to the manifest's (each rank hashes every world-th shard, so the whole set is hashed
+    once; ``hashes`` False: sizes only, as ``ds-trhash preflight`` checks without --deep).
+    Returns the problems found here; ``agree_on_problems`` shares them."""
+    needed: dict[tuple[str, str], None] = {}
+    for phase in plan_doc["phases"]:
+        for source, entries in phase["sources"].items():
+            for entry in entries:
+                needed[(source, entry["file"])] = None
+    problems = []
+    for index, (source, name) in enumerate(needed):
+        shard = next((s for s in manifests[source]["shards"] if s["file"] == name), None)
+        path = Path(shards_dir) / source / name
+        if shard is None:
+            problems.append(f"{source}/{name} is not in its manifest")
+            continue
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{path} is missing (the plan reads it; was it deleted after planning?)")
+            continue
+        if "bytes" in shard and size != int(shard["bytes"]):
+            problems.append(f"{path} holds {size} bytes, its manifest {shard['bytes']}")
+            continue
+        if hashes and index % world == rank and sha256_file(path) != shard["sha256"]:
+            problems.append(f"{path} does not match the sha256 its manifest records ({shard['sha256'][:12]}…)")
+    return problems
+
+
+def agree_on_problems(problems: Iterable[str], world: int) -> list[str]:
+    """Every rank's problems, on every rank, so all refuse together with the same message."""
+    problems = list(problems)
+    if world <= 1:
+        return problems
+    import torch.distributed as dist
+
+    gathered: list[list[str] | None] = [None] * world
+    dist.all_gather_object(gathered, problems)
+    return [p for part in gathered for p in (part or [])]
+
+
+def check_shards(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
+                 world: int = 1, hashes: bool = True) -> None:
+    problems = agree_on_problems(shard_problems(shards_dir, plan_doc, manifests, rank, world, hashes), world)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise LaunchCheckError(f"the shards under {shards_dir} do not match the plan: {shown}; "
+                               "restore them or re-tokenize and re-plan")
+
+
+def check_sft_manifest_unchanged(recorded: str | None, current: str | None, sft_dir: str | None) -> None:
+    """A resumed SFT run reads the same set: a set rebuilt in place (same path, new bytes)
+    would silently change the data order and the examples under the saved cursor."""
+    if recorded and current and recorded != current:
+        raise LaunchCheckError(
+            f"the SFT set {sft_dir} changed since the checkpoint: its manifest.json has sha256 {current[:12]}…, "
+            f"the checkpoint recorded {recorded[:12]}…; restore that set, or start a new run with --init-checkpoint")

@@ -1,0 +1,161 @@
+"""Stage data: what a launch trains on, checked before any model exists.
+
+``prepare_pretrain_data`` (pretraining, refinement) loads the replay plan, checks the token budget,
+the tokenizer identity and every planned shard; ``prepare_sft_data`` opens (or, for the tiny preset,
+builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining reader
+and its shard cache are created only by ``StageData.start``, once every launch check has passed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ds_trhash.data.budget import check_target_tokens, plan_steps
+from ds_trhash.data.cache import ShardCache, cache_bytes_from
+from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.plan import load_plan
+from ds_trhash.data.reader import ReplayReader, source_manifests
+from ds_trhash.data.sft_build import build_sft_dataset
+from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.tokenizer import tokenizer_sha256
+from ds_trhash.io import sha256_file
+from ds_trhash.training import config as tcfg
+from ds_trhash.training import launch_checks
+from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank0_first(rank: int, fn):
+    """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
+    made once and only read by the other ranks."""
+    result = fn() if rank == 0 else None
+    _barrier()
+    if rank != 0:
+        result = fn()
+    return result
+
+
+@dataclass
+class StageData:
+    batches: object  # loop.StepBatches
+    total_steps: int
+    plan: object | None = None  # ReplayPlan (pretraining, refinement)
+    eval_batches: object | None = None  # SFTBatches over the eval partition
+    tokenizer_dir: str | None = None
+    tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
+    sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
+    sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
+    shards_dir: str | None = None  # where the plan's shards are (pretraining, refinement)
+    describe: str = ""
+    # Creates what reading needs on disk (the shard cache); called once every check has passed.
+    start: Callable[[], None] | None = None
+
+
+def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
+    return Path(cfg.output_dir).resolve().parent / "embedded"
+
+
+def _embedded(cfg: tcfg.TrainConfig, rank: int):
+    if cfg.model.preset != "tiny":
+        raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
+                               "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
+
+    return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
+
+
+def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
+    return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
+
+
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "split") -> StageData:
+    """``shard_hashes``: "split" (a launch: each rank hashes its share of the planned shards and
+    the ranks agree), or, in one process without a process group, "all" or "none" (sizes only)."""
+    if cfg.data.plan is None:
+        paths = _embedded(cfg, rank)
+        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
+        shards_dir, tokenizer_dir = paths.shards_dir, paths.tokenizer_dir
+    else:
+        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+        if shards_dir is None:
+            raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
+    plan = load_plan(plan_path)
+    if plan.seq_len != cfg.data.seq_len:
+        raise tcfg.ConfigError(cfg.origin, "data.seq_len",
+                               f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
+    env_target = os.environ.get("TARGET_TOKENS")
+    if env_target not in (None, ""):
+        check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
+    else:
+        check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
+    steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
+
+    manifests = source_manifests(shards_dir, plan)
+    launch_checks.check_tokenizer_matches(tokenizer_dir, {
+        f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
+        **{f"the {source} shard manifest": m.get("tokenizer_sha256") for source, m in manifests.items()}})
+    # Before the model and engine: every planned shard present, sized and hashed as planned.
+    if shard_hashes == "split":
+        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
+    else:
+        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, hashes=shard_hashes == "all")
+    data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
+                     tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"), shards_dir=str(shards_dir),
+                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
+
+    def start() -> None:
+        # Every shard is read through the bounded cache, which verifies its SHA-256 against the
+        # manifest again as it copies it (one cache folder per rank).
+        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
+        cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), manifests)
+        reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
+        data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+
+    data.start = start
+    return data
+
+
+def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
+    sft_dir = cfg.data.sft_dir
+    if sft_dir is None:
+        paths = _embedded(cfg, rank)
+
+        def build():
+            out = Path(paths.root) / "sft"
+            if not (out / "manifest.json").exists():
+                build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
+                                  cfg.data.seq_len, out, source_name="pydoc_data.topics", revision="python-stdlib")
+            return out
+
+        sft_dir = _rank0_first(rank, build)
+    tokenizer_hash = None
+    if cfg.data.tokenizer:
+        tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
+    data = open_sft(sft_dir, expect_vocab=model_cfg.vocab_size, seq_len=cfg.data.seq_len, tokenizer_hash=tokenizer_hash)
+    policy = cfg.data.packing.policy
+    train_packs = pack(data.partition("train"), cfg.data.seq_len, policy)
+    train = SFTBatches(train_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=True)
+    batches = SFTStepBatches(train, cfg.batch.grad_accum, policy)
+    if batches.steps_per_epoch < 1:
+        raise SFTDataError(
+            f"{train.batches_per_epoch} micro-batches per epoch make no optimizer step with grad_accum "
+            f"{cfg.batch.grad_accum}; lower batch.grad_accum or batch.micro_batch")
+    eval_batches = None
+    if cfg.eval.heldout:
+        eval_packs = pack(data.partition("eval"), cfg.data.seq_len, policy)
+        eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
+    total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
+    return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
+                     tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
+                     sft_dir=str(Path(sft_dir).resolve()),
+                     sft_manifest_sha256=sha256_file(Path(sft_dir) / "manifest.json"),
+                     describe=f"SFT set {sft_dir}")

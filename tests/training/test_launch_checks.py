@@ -1,0 +1,33 @@
+"""The launch checks as plain functions (the launches that reach them are in test_launch_refusals)."""
+
+import pytest
+
+from ds_trhash.training.launch_checks import (
+    LaunchCheckError,
+    check_sft_manifest_unchanged,
+    check_tokenizer_matches,
+    resolve_init_checkpoint,
+)
+
+
+def test_an_sft_set_rebuilt_in_place_is_refused_on_resume():
+    check_sft_manifest_unchanged("a" * 64, "a" * 64, "sft")
+    check_sft_manifest_unchanged(None, "b" * 64, "sft")  # a checkpoint from before the hash was recorded
+    with pytest.raises(LaunchCheckError, match="the SFT set sft changed since the checkpoint: .* bbbbbbbbbbbb"):
+        check_sft_manifest_unchanged("a" * 64, "b" * 64, "sft")
+
+
+def test_tokenizer_identity_names_every_disagreeing_record(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    from ds_trhash.data.tokenizer import tokenizer_sha256
+
+    ours = tokenizer_sha256(tmp_path)
+    check_tokenizer_matches(tmp_path, {"the plan": ours, "the web shard manifest": None})
+    with pytest.raises(LaunchCheckError, match="the web shard manifest records 000000000000"):
+        check_tokenizer_matches(tmp_path, {"the plan": ours, "the web shard manifest": "0" * 64})
+
+
+def test_a_run_without_a_complete_checkpoint_is_not_an_init_source(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step_00000003").mkdir(parents=True)
+    with pytest.raises(LaunchCheckError, match="without a complete checkpoint .*step_00000003 is incomplete"):
+        resolve_init_checkpoint(tmp_path / "run")
