@@ -43,7 +43,9 @@ class CheckpointPlan:
         if cfg.data.kind == "sft" and steps_per_epoch:
             epoch_ends = frozenset(steps_per_epoch * e for e in range(1, cfg.training.epochs + 1)
                                    if steps_per_epoch * e <= total_steps)
-        return cls(total_steps, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, pack_of, epoch_ends)
+        # keep_unsynced: rotation spares what a Hub sync has not verified; without a sync, that is all
+        keep_last = None if cfg.checkpoint.keep_unsynced else cfg.checkpoint.keep_last
+        return cls(total_steps, cfg.checkpoint.every_steps, keep_last, pack_of, epoch_ends)
 
     @property
     def protect(self) -> frozenset[int]:
