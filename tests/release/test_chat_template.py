@@ -38,7 +38,6 @@ EDGE_CASES = [  # transformers refuses an empty conversation itself; the SFT bui
     [_user("{{ messages }} {% if true %}x{% endif %} {# note #}"), _assistant("{{ raise_exception('no') }} {%- raw -%}")],
     [_user("a literal </s> in text and 'quotes' \"double\" \\ backslash"), _assistant("<s> <pad> <unk>")],
     [{"role": "system", "content": "s"}, {"role": "system", "content": "t"}, _assistant("starts with assistant")],
-    [{"role": "user", "content": "extra keys pass", "name": "x"}, _assistant("fine")],
 ]
 
 
@@ -80,3 +79,10 @@ def test_tokenizer_files_carry_the_special_tokens(hf_tokenizer, tiny_export):
     assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert tok.model_max_length == tiny_export.config.max_seq_len
     assert tok("User:\nhi", add_special_tokens=True)["input_ids"] == tok("User:\nhi", add_special_tokens=False)["input_ids"]
+
+
+def test_a_message_with_an_extra_key_is_not_a_shape_the_builder_accepts():
+    """Extra message keys are refused by the SFT builder (docs/sft_data.md), so no such conversation
+    reaches training; the template, like transformers' own templates, renders role and content only."""
+    with pytest.raises(ChatError, match="'name'"):
+        render_text([{"role": "user", "content": "extra keys", "name": "x"}, _assistant("fine")])
