@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.data.plan import PlanError
 from ds_trhash.data.reader import ReplayReader
 from ds_trhash.demo import deepspeed_command
 from ds_trhash.eval import commands as eval_commands
@@ -46,6 +45,7 @@ from ds_trhash.release import commands as release_commands
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.footprint import estimate, gib
+from ds_trhash.training.launch_checks import LaunchCheckError
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 from ds_trhash.training.progress import format_duration
 from ds_trhash.training.resources import default_nproc, probe_devices
@@ -92,10 +92,14 @@ def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
-        except BaseException:
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise StepFailed(step, f"the launch did not finish within {timeout:.0f} s (killed); log: {log}") from None
+        except BaseException:  # Ctrl-C: no rank outlives the smoke
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     if code != 0:
         tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:])
         raise StepFailed(step, f"the launch exited {code}; last lines of {log}:\n{tail}",
@@ -144,20 +148,21 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
     mb = cfg.batch.micro_batch
     first = int(state["data_cursor"]) // mb  # step index of the next unseen rows in a 1-process layout
     last = reader.num_rows // mb
-    if last - first < 1:
-        raise PlanError("the smoke trained every row of the plan; no unseen row is left to evaluate on")
+    which = "after the trained ones" if first < last else "trained last (the smoke covered the whole plan)"
+    first = min(first, max(0, last - batches))
     idx = range(first, min(last, first + batches))
     model, _config, _source, _ = load_model(ckpt)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = ({"input_ids": x, "labels": y} for x, y in (reader.batch(s, 0, 0, 1, mb, 1) for s in idx))
     result = heldout_loss(model.to(device), rows, device)
-    return result["eval_loss"], f"loss on the next {len(idx) * mb} unseen plan rows ({result['eval_tokens']:,} tokens)"
+    return result["eval_loss"], f"loss on {len(idx) * mb} plan rows {which} ({result['eval_tokens']:,} tokens)"
 
 
 # ----------------------------------------------------------------------------- the run
 
 
-def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
+def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -> dict:
+    """The five steps and the projection; ``at["step"]`` names the one running (for a failure)."""
     n, half = args.steps, max(1, args.steps // 2)
     run_dir = workdir / "run"
     owned = ["--output-dir", str(run_dir), "--max-steps", str(n),
@@ -176,6 +181,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     _say("train", f"{n} steps: {step_s:.3f} s per step ({which}), {tokens / step_s:,.0f} tokens/s, "
                   f"peak memory {gib(peak)} ({kind})")
 
+    at["step"] = "save"
     try:
         ok, why = ckpt.verify(final)
         if not ok:
@@ -189,6 +195,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     report["save"] = {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
     _say("save", f"{final.name}: {gib(size)} in {save_s:.2f} s (estimated {gib(predicted.checkpoint)})")
 
+    at["step"] = "resume"
     aside = workdir / f"uninterrupted_{final.name}"
     os.replace(final, aside)
     t0 = time.perf_counter()
@@ -199,17 +206,18 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path) -> dict:
     report["resume"] = {"from_step": half, "to_step": n, "seconds": time.perf_counter() - t0, "identical": same}
     _say("resume", f"step {half} -> {n}: {how}")
 
-    t0 = time.perf_counter()
+    at["step"], t0 = "evaluate", time.perf_counter()
     loss, what = _evaluate(cfg, final, workdir, world, args.eval_batches)
     report["evaluate"] = {"loss": loss, "what": what, "seconds": time.perf_counter() - t0}
     _say("evaluate", f"{what}: {loss:.4f} in {report['evaluate']['seconds']:.1f} s")
 
-    t0 = time.perf_counter()
+    at["step"], t0 = "export", time.perf_counter()
     if _command(release_commands.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
         raise StepFailed("export", "ds-trhash export failed (its error is above)")
     report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
     _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
 
+    at["step"] = "project"
     data, _ = resolve_stage_data(cfg, model_cfg, world, deep=False, scratch=workdir)
     plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
     projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
@@ -244,13 +252,15 @@ def run_smoke(args: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="ds-trhash-smoke-"))
+    at = {"step": "train"}
     try:
-        report = _smoke(args, cfg, world, workdir)
+        report = _smoke(args, cfg, world, workdir, at)
     except StepFailed as exc:
         print(f"smoke FAILED at step {exc.step}: {exc}\n(scratch directory kept: {workdir})", file=sys.stderr)
         return exc.code
-    except USER_ERRORS + (tcfg.ConfigError,) as exc:
-        print(f"smoke FAILED: {' '.join(str(exc).split())}\n(scratch directory kept: {workdir})", file=sys.stderr)
+    except USER_ERRORS + (tcfg.ConfigError, ckpt.CheckpointError, LaunchCheckError, OSError) as exc:
+        print(f"smoke FAILED at step {at['step']}: {' '.join(str(exc).split())}\n(scratch directory kept: {workdir})",
+              file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

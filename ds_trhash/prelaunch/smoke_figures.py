@@ -15,17 +15,16 @@ class FiguresError(RuntimeError):
 
 
 def step_seconds(metrics_csv: Path) -> list[tuple[int, float, int]]:
-    """(step, seconds, tokens) per logged step: the loop logs tokens/s of each step, and the
-    step's tokens are the growth of ``tokens_seen``; every step must be logged (log_every 1)."""
+    """(step, seconds, tokens) per logged step: the loop's own ``step_time`` and the growth of
+    ``tokens_seen``; every step must be logged (log_every 1)."""
     with open(metrics_csv, newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("tok_s")]
+        rows = [r for r in csv.DictReader(f) if r.get("step_time")]
     out, seen = [], 0
     for r in rows:
-        step, tokens_seen, tok_s = int(r["step"]), int(r["tokens_seen"]), float(r["tok_s"])
-        tokens = tokens_seen - seen
-        seen = tokens_seen
-        if tok_s > 0 and tokens > 0:
-            out.append((step, tokens / tok_s, tokens))
+        step, tokens_seen, seconds = int(r["step"]), int(r["tokens_seen"]), float(r["step_time"])
+        tokens, seen = tokens_seen - seen, tokens_seen
+        if seconds > 0 and tokens > 0:
+            out.append((step, seconds, tokens))
     if not out:
         raise FiguresError(f"{metrics_csv} holds no timed step")
     return out
