@@ -88,12 +88,19 @@ def _shapes_only():
     return SkipInit()
 
 
-def count_parameters(cfg, model_cfg) -> ParamCount:
-    """Exact parameter counts of the model this config trains, built on the meta device."""
+def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
+    """The model this config trains, on the meta device: LoRA adapters and activation
+    checkpointing as the launch sets them, no storage."""
     with torch.device("meta"), _shapes_only():
         model = TRHashForCausalLM(model_cfg)
         if cfg.lora.enabled:
             apply_lora(model, cfg.lora)
+    model.set_activation_checkpointing(cfg.model.activation_checkpointing, cfg.model.activation_checkpointing_every)
+    return model
+
+
+def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
+    """Exact parameter counts of ``meta_model(cfg, ...)``."""
     ep = cfg.parallel.ep_size
     total = trainable = per_rank = trainable_per_rank = 0
     for name, p in model.named_parameters():
@@ -124,11 +131,14 @@ def activation_elements_per_token(model_cfg) -> int:
     return attn + (3 * h + 4 * s) + c.top_k * (2 * h + 5 * w) + 2 * h
 
 
-def activation_bytes(cfg, model_cfg) -> int:
-    """One micro-batch [micro_batch, seq_len] through every layer, plus one loss chunk's logits."""
+def activation_bytes(cfg, model_cfg, checkpointed: int = 0) -> int:
+    """One micro-batch [micro_batch, seq_len] through every layer, plus one loss chunk's logits.
+    A ``checkpointed`` layer keeps only its input and is recomputed, one at a time, in backward."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
-    layers = tokens * model_cfg.num_layers * activation_elements_per_token(model_cfg) * act
+    per_layer = activation_elements_per_token(model_cfg)
+    kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size
+    layers = tokens * (kept + (per_layer if checkpointed else 0)) * act
     embeddings = 2 * tokens * model_cfg.hidden_size * act  # embedding out, final norm
     chunk = min(cfg.kernels.loss_chunk_tokens, tokens)
     logits = _LOGIT_COPIES * chunk * model_cfg.vocab_size * FP32
@@ -147,7 +157,9 @@ def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
 
 def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
     """The footprint of one rank of ``world`` for ``cfg`` on a ``device_type`` ("cuda" or "cpu")."""
-    params = count_parameters(cfg, model_cfg)
+    model = meta_model(cfg, model_cfg)
+    params = count_parameters(cfg, model)
+    checkpointed = sum(1 for layer in model.layers if layer.checkpointed)
     p = PRECISION_BYTES[cfg.precision]
     zero = cfg.zero.stage
     shards = world if zero >= 1 else 1  # ZeRO 1/2 partition optimizer state over data-parallel ranks
@@ -158,5 +170,5 @@ def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
     optimizer = params.trainable_per_rank * ADAM_MOMENTS // shards + master
     runtime = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return Footprint(params=params, weights=weights, gradients=grads, optimizer=optimizer,
-                     activations=activation_bytes(cfg, model_cfg), runtime=runtime,
+                     activations=activation_bytes(cfg, model_cfg, checkpointed), runtime=runtime,
                      checkpoint=checkpoint_bytes(cfg, params, world))
