@@ -6,7 +6,6 @@ smoke's checkpoint (or point at its run) follow once it exists. Tree digests tak
 after prove that no refused command changed a file."""
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -14,7 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.training.launch_utils import REPO, base_env
+from tests.fail_closed import tree_digest
+from tests.training.launch_utils import REPO, base_env, single
 
 VENV_BIN = Path(sys.executable).parent
 PRETRAIN, REFINE, SFT = "ds_configs/tiny/pretrain.yaml", "ds_configs/tiny/refine.yaml", "ds_configs/tiny/sft.yaml"
@@ -24,12 +24,6 @@ def ds_trhash(*args, timeout: int = 300, **env: str) -> subprocess.CompletedProc
     """`ds-trhash ...` as a user runs it, from the repository root."""
     return subprocess.run([str(VENV_BIN / "ds-trhash"), *map(str, args)], cwd=REPO, env=base_env(**env),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    """Every path under ``root`` with the SHA-256 of its bytes ("dir" for folders)."""
-    return {str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).rglob("*"))}
 
 
 def _plan(plan: Path, shards: Path) -> list[str]:
@@ -84,7 +78,11 @@ def run_all(root: Path, corpus) -> dict:
     inputs.mkdir()
     first = corpus_only_cases(inputs, corpus)
     before = tree_digest(inputs), tree_digest(corpus["root"])
+    paths = corpus["paths"]
+    launch = ["--config", PRETRAIN, "--output-dir", str(inputs / "launch_run"), "--max-steps", "2",
+              *_plan(paths.pretrain_plan, paths.shards_dir)]
     with ThreadPoolExecutor(max_workers=2) as pool:
+        full_disk_launch = pool.submit(single, launch, DS_TRHASH_TEST_DISK_FREE="1000")
         failing = pool.submit(ds_trhash, "smoke", "--config", PRETRAIN, "--steps", "2", "--workdir",
                               smoke_root / "failing", TARGET_TOKENS="123")
         running = {name: pool.submit(_preflight, case) for name, case in first.items()}
@@ -96,7 +94,9 @@ def run_all(root: Path, corpus) -> dict:
                         for name, case in source_cases(inputs, corpus, smoke_root / "work").items()})
         preflight = {name: future.result() for name, future in running.items()}
         failing = failing.result()
+        full_disk_launch = full_disk_launch.result()
     unchanged = (before == (tree_digest(inputs), tree_digest(corpus["root"]))
                  and smoke_before == tree_digest(smoke_root / "work"))
     return {"preflight": preflight, "unchanged": unchanged, "smoke": smoke, "failing_smoke": failing,
+            "full_disk_launch": full_disk_launch, "launch_run": inputs / "launch_run",
             "failing_workdir": smoke_root / "failing", "report": json.loads((smoke_root / "smoke.json").read_text())}

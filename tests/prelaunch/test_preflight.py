@@ -57,3 +57,12 @@ def test_each_failure_is_refused_on_its_own_line(prelaunch_runs, case, check, ne
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stdout.rstrip().endswith("fix the failed checks before launching")
     assert prelaunch_runs["unchanged"], "a refused preflight changed files"
+
+
+def test_the_launch_runs_the_cheap_part_itself(prelaunch_runs):
+    """A launch on a disk that cannot hold one checkpoint is refused before the model, writing nothing."""
+    proc = prelaunch_runs["full_disk_launch"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot hold one checkpoint of 14.3 MiB" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not prelaunch_runs["launch_run"].exists() and prelaunch_runs["unchanged"]
