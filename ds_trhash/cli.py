@@ -15,6 +15,7 @@ from ds_trhash.data import commands as data_commands
 from ds_trhash.data import sft_commands
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.ops import commands as ops_commands
+from ds_trhash.prelaunch import preflight, smoke
 from ds_trhash.release import commands as release_commands
 from ds_trhash.report import commands as report_commands
 
@@ -27,6 +28,8 @@ def _register_all(sub) -> None:
     report_commands.register(sub)
     ops_commands.register(sub)
     demo.register(sub)
+    preflight.register(sub)
+    smoke.register(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ FORBIDDEN = {
     "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run"),
     "kernels": ("ds_trhash.",),
     "io.py": ("ds_trhash.",),
+    "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report"),
 }
 
 

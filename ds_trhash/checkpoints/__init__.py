@@ -56,6 +56,7 @@ from ds_trhash.checkpoints.store import (
     list_checkpoints,
     rotate,
     rotate_unless_syncing,
+    rotation_survivors,
     save_checkpoint,
     step_dir_name,
     verify,
@@ -74,6 +75,6 @@ __all__ = [
     "checkpoints_root", "convert_to_universal", "find_resumable", "global_batch", "inspect_saved_parts",
     "is_reshard", "list_checkpoints", "load_engine_state", "load_merged_weights", "load_weights_only",
     "needs_universal", "read_source_metadata", "read_source_record", "read_trainer_state", "reseed_rng_for_reshard",
-    "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "save_checkpoint", "step_dir_name",
-    "universal_dir_for", "verify",
+    "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",
+    "save_checkpoint", "step_dir_name", "universal_dir_for", "verify",
 ]

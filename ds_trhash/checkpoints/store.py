@@ -206,6 +206,13 @@ def verify(ckpt_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str
 # --------------------------------------------------------------------------- rotation
 
 
+def rotation_survivors(complete: Iterable[int], keep_last: int, protect: Iterable[int], newest_ok: int) -> set[int]:
+    """Steps a rotation keeps among the complete checkpoints ``complete``: the newest
+    ``keep_last``, every protected step, and the newest checkpoint that verifies (under
+    ``keep_unsynced`` the ones a Hub sync has not verified stay too)."""
+    return set(sorted(complete)[-keep_last:]) | set(protect) | {newest_ok}
+
+
 def rotate(
     output_dir: str | os.PathLike,
     keep_last: int,
@@ -237,8 +244,7 @@ def rotate(
     newest_ok = next((c for c in reversed(listed) if c.has_manifest and verify(c.path, deep=False)[0]), None)
     if newest_ok is None:
         return removed
-    complete = [c for c in listed if c.has_manifest]
-    keep = {c.step for c in complete[-keep_last:]} | set(protect) | {newest_ok.step}
+    keep = rotation_survivors([c.step for c in listed if c.has_manifest], keep_last, protect, newest_ok.step)
     verified = read_verified(output_dir) if keep_unsynced else {}
     unsynced = []
     for info in listed:
@@ -269,15 +275,5 @@ def rotate_unless_syncing(output_dir: str | os.PathLike, keep_last: int, protect
         log("rotation deferred: a Hub sync holds the output directory's lock (it may be uploading these "
             "checkpoints); the next checkpoint rotates")
         return None
-    complete = [c for c in listed if c.has_manifest]
-    keep = {c.step for c in complete[-keep_last:]} | set(protect) | {newest_ok.step}
-    for info in listed:
-        if not info.has_manifest:
-            log(f"left {info.name} in place: it has no {MANIFEST} (incomplete); inspect or delete it by hand")
-        elif info.step not in keep and info.step < newest_ok.step:
-            remove_dir(info.path)
-            log(f"rotated out {info.name}")
-            removed.append(info.path)
-    return removed
 
 

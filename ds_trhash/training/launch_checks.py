@@ -169,10 +169,11 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
 
 
 def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
-                   world: int = 1) -> list[str]:
+                   world: int = 1, hashes: bool = True) -> list[str]:
     """Every shard the plan reads: present with its manifest size (all ranks), and its SHA-256
     equal to the manifest's (each rank hashes every world-th shard, so the whole set is hashed
-    once). Returns the problems found here; ``agree_on_problems`` shares them."""
+    once; ``hashes`` False: sizes only, as ``ds-trhash preflight`` checks without --deep).
+    Returns the problems found here; ``agree_on_problems`` shares them."""
     needed: dict[tuple[str, str], None] = {}
     for phase in plan_doc["phases"]:
         for source, entries in phase["sources"].items():
@@ -193,7 +194,7 @@ def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, 
         if "bytes" in shard and size != int(shard["bytes"]):
             problems.append(f"{path} holds {size} bytes, its manifest {shard['bytes']}")
             continue
-        if index % world == rank and sha256_file(path) != shard["sha256"]:
+        if hashes and index % world == rank and sha256_file(path) != shard["sha256"]:
             problems.append(f"{path} does not match the sha256 its manifest records ({shard['sha256'][:12]}…)")
     return problems
 
@@ -211,8 +212,8 @@ def agree_on_problems(problems: Iterable[str], world: int) -> list[str]:
 
 
 def check_shards(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
-                 world: int = 1) -> None:
-    problems = agree_on_problems(shard_problems(shards_dir, plan_doc, manifests, rank, world), world)
+                 world: int = 1, hashes: bool = True) -> None:
+    problems = agree_on_problems(shard_problems(shards_dir, plan_doc, manifests, rank, world, hashes), world)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise LaunchCheckError(f"the shards under {shards_dir} do not match the plan: {shown}; "

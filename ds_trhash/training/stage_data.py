@@ -54,6 +54,7 @@ class StageData:
     tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
     sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
     sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
+    shards_dir: str | None = None  # where the plan's shards are (pretraining, refinement)
     describe: str = ""
     # Creates what reading needs on disk (the shard cache); called once every check has passed.
     start: Callable[[], None] | None = None
@@ -75,7 +76,9 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageData:
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "split") -> StageData:
+    """``shard_hashes``: "split" (a launch: each rank hashes its share of the planned shards and
+    the ranks agree), or, in one process without a process group, "all" or "none" (sizes only)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
@@ -100,10 +103,13 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int) -> Stage
         f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
         **{f"the {source} shard manifest": m.get("tokenizer_sha256") for source, m in manifests.items()}})
     # Before the model and engine: every planned shard present, sized and hashed as planned.
-    launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
+    if shard_hashes == "split":
+        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
+    else:
+        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, hashes=shard_hashes == "all")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"),
+                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"), shards_dir=str(shards_dir),
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
 
     def start() -> None:

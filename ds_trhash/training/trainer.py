@@ -7,7 +7,6 @@ writes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ import torch
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
-from ds_trhash.data.budget import BudgetError, pack_boundaries
+from ds_trhash.data.budget import BudgetError
 from ds_trhash.data.cache import CacheError
 from ds_trhash.data.embedded import EmbeddedError
 from ds_trhash.data.plan import PlanError, unique_core_fingerprint, validate_refinement
@@ -30,13 +29,13 @@ from ds_trhash.data.sft_build import SFTBuildError
 from ds_trhash.data.sft_dataset import SFTDataError
 from ds_trhash.data.shards import ShardError
 from ds_trhash.data.tokenizer import TokenizerError
-from ds_trhash.model import TRHashConfig, TRHashForCausalLM, backend, selfcheck
+from ds_trhash.model import TRHashForCausalLM, backend, selfcheck
 from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks, loop
+from ds_trhash.training import launch_checks, loop, resources
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
@@ -48,6 +47,7 @@ from ds_trhash.training.callbacks import (
     training_parts,
 )
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
+from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.engine import (
     build_engine,
     check_runnable,
@@ -70,7 +70,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError)
+    RNGStateError, resources.ResourceError)
 
 
 # ----------------------------------------------------------------------------- launch checks
@@ -117,6 +117,14 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
 # ----------------------------------------------------------------------------- model
 
 
+def kernel_choice(cfg: tcfg.TrainConfig, model_cfg, device: torch.device) -> backend.KernelChoice:
+    """The kernels this launch runs: the policy resolved for the device, then every selected fused
+    kernel run once against PyTorch on it (``ds-trhash preflight`` makes the same two calls)."""
+    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    return selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                            require_liger=cfg.kernels.require_liger)
+
+
 def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: torch.device, rank: int):
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(model_cfg)
@@ -134,10 +142,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
         from ds_trhash.model.expert_parallel import enable_expert_parallel
 
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
-    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
-    # every selected fused kernel runs once against PyTorch on this device before training
-    choice = selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
-                              require_liger=cfg.kernels.require_liger)
+    choice = kernel_choice(cfg, model_cfg, device)
     backend.apply(model, choice)
     model.kernels_requested = choice.to_dict()  # for the startup summary
     if rank == 0:
@@ -149,21 +154,30 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
 # ----------------------------------------------------------------------------- what checkpoints record
 
 
-def protected_steps(cfg: tcfg.TrainConfig, data: StageData) -> tuple[dict[int, int], set[int]]:
-    """(token-pack boundary step -> pack number (1-based), steps rotation never removes: the
-    pack boundaries and, for SFT, every epoch end)."""
-    pack_of: dict[int, int] = {}
-    if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:
-        pack_of = {b: i + 1 for i, b in enumerate(pack_boundaries(data.total_steps, cfg.checkpoint.packs))}
-    protect = set(pack_of)
-    if cfg.data.kind == "sft":
-        spe = data.batches.steps_per_epoch
-        protect |= {spe * e for e in range(1, cfg.training.epochs + 1) if spe * e <= data.total_steps}
-    return pack_of, protect
+def checkpoint_plan(cfg: tcfg.TrainConfig, data: StageData) -> CheckpointPlan:
+    """Token-pack boundaries (pack number per step) and, for SFT, epoch ends: the steps
+    rotation never removes, with the cadence and rotation of ``cfg.checkpoint``."""
+    return CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
+
+
+def check_resources(cfg: tcfg.TrainConfig, model_cfg, data: StageData, world: int, rank: int, output_dir: Path,
+                    saved: dict | None) -> None:
+    """The cheap part of ``ds-trhash preflight``: refuse an output filesystem that cannot hold one
+    more checkpoint; log a warning when it cannot hold every checkpoint the run keeps, or when
+    the memory estimate does not fit this rank's device (or the host, on CPU)."""
+    devices = resources.probe_devices(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    local = 1 if devices.kind == "cuda" else resources.local_processes(world)
+    existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if saved is not None else []
+    for warning in resources.check_at_launch(
+            cfg, model_cfg, world, local, devices, data.total_steps, getattr(data.batches, "steps_per_epoch", None),
+            after=int(saved["step"]) if saved is not None else 0, existing=existing,
+            output_free=resources.shared_free_bytes(output_dir)):
+        if rank == 0:
+            log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
 
 
 def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical: dict, init_dir: str | None,
-                   model, model_cfg, pack_of: dict[int, int]):
+                   model, model_cfg, pack_of: dict[int, int], device: torch.device):
     """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
     hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
 
@@ -195,6 +209,8 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "pack_index": pack_of.get(st.step),
             "packs": len(pack_of) or None,
             "reason": reason,
+            "save_started_unix": time.time(),  # the save took until MANIFEST.json appeared (ds-trhash smoke)
+            "peak_memory": resources.peak_memory(device),
             **extra,
         }
 
@@ -242,6 +258,19 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     return OutputSide(resume_dir, saved, init_dir, damaged)
 
 
+def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
+    """An exact resume continues the saved run: every training-critical setting, the world size
+    (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
+    ckpt.check_resume_compatible(
+        saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
+        total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
+        plan_sha256=data.plan.sha256 if data.plan is not None else None,
+        found=ckpt.inspect_saved_parts(resume_dir),
+    )
+    launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
+    return ckpt.is_reshard(saved, world, args.reshard)
+
+
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
               parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
@@ -252,8 +281,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     check_runnable(cfg, world)
     loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     output_dir = Path(cfg.output_dir)
-    model_cfg = dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset),
-                                    loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
+    model_cfg = tcfg.model_config(cfg)
 
     pre = checked if checked is not None else check_output_side(cfg, args, rank)
     resume_dir, saved, init_dir, damaged = pre.resume_dir, pre.saved, pre.init_dir, pre.damaged
@@ -269,15 +297,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     critical = tcfg.training_critical(cfg, world)
     resharding = False  # --reshard onto another world size: universal load, re-seeded RNG
     if saved is not None:
-        ckpt.check_resume_compatible(
-            saved, critical, world_size=world, lora_enabled=cfg.lora.enabled,
-            total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
-            plan_sha256=data.plan.sha256 if data.plan is not None else None,
-            found=ckpt.inspect_saved_parts(resume_dir),
-        )
-        launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256,
-                                                   data.sft_dir)
-        resharding = ckpt.is_reshard(saved, world, args.reshard)
+        resharding = check_resume(cfg, args, world, data, saved, resume_dir)
+    check_resources(cfg, model_cfg, data, world, rank, output_dir, saved)
 
     # --- every check passed: from here on the launch writes
     if damaged:
@@ -326,8 +347,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None,
                            on_row=monitor.row)
 
-    pack_of, protect = protected_steps(cfg, data)
-    trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, pack_of)
+    plan = checkpoint_plan(cfg, data)
+    trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, dict(plan.pack_of), device)
 
     # Signals were recorded since the launcher started (callbacks.stop.install); from here on
     # every rank asks once per step whether any rank wants to stop.
@@ -336,7 +357,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
         model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-        protect_steps=protect, stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor)
+        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor)
     state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)

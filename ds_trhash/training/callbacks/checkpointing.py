@@ -6,6 +6,7 @@ import time
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.checkpoint_plan import cadence_reason
 
 
 class CheckpointCallback(Callback):
@@ -65,12 +66,9 @@ class CheckpointCallback(Callback):
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if self.is_epoch_end(state.step):
             return
-        if state.stop_requested:
-            self.save(state, "stop signal")
-        elif state.step in self.protect:
-            self.save(state, "token pack boundary")
-        elif self.every and state.step % self.every == 0:
-            self.save(state, "every_steps")
+        reason = "stop signal" if state.stop_requested else cadence_reason(state.step, self.every, self.protect)
+        if reason:
+            self.save(state, reason)
 
     def on_epoch_end(self, state):
         self.protect.add(state.step)

@@ -28,6 +28,7 @@ from .layout import (
     _generated_deepspeed,
     batch_layout,
     for_world,
+    model_config,
     to_deepspeed_dict,
     tokens_per_step,
     training_critical,
@@ -94,4 +95,5 @@ __all__ = [
     "tokens_per_step",
     "batch_layout",
     "for_world",
+    "model_config",
 ]

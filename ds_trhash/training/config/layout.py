@@ -1,4 +1,5 @@
-"""What depends on the world size: the batch layout, the DeepSpeed dict, the resume-critical keys.
+"""What a config lays out: the model it trains, and what depends on the world size (the batch
+layout, the DeepSpeed dict, the resume-critical keys).
 
 A loaded config is world-size free (``batch.grad_accum`` may still be derived from
 ``batch.global_tokens``); these functions lay it out on a given number of ranks.
@@ -8,10 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
 from .schema import ConfigError, TrainConfig, _plain
+
+def model_config(cfg: TrainConfig) -> TRHashConfig:
+    """The model a launch of ``cfg`` trains: its preset, with the config's loss chunk."""
+    return dataclasses.replace(TRHashConfig.from_preset(cfg.model.preset), loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
+
 
 def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.BatchLayout:
     """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""

@@ -1,0 +1,186 @@
+"""`ds-trhash preflight`: will this launch run to its end on this machine? Answered in seconds.
+
+It takes the launch's own arguments (``--config``, ``--set``, ``--init-checkpoint``,
+``--source-stage``, ``--resume`` ...) plus ``--nproc`` and ``--deep``, builds nothing on a
+device, writes nothing, and prints one line per check: devices and precision, the packages
+and kernels the profile resolves to, the data, the stage transition from the source
+checkpoint, the output directory, memory against an estimate for the micro-batch, and the disk
+the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
+
+The verdicts are the trainer's own: its config validation, data checks, stage guard, output
+directory and resume checks, and the resource checks of ``training.resources``, which the
+trainer also runs at launch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.prelaunch.data_check import resolve_stage_data
+from ds_trhash.training import config as tcfg
+from ds_trhash.training import launch_checks
+from ds_trhash.training import resources as res
+from ds_trhash.training.engine import EngineError, check_runnable
+from ds_trhash.training.footprint import estimate
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.resources import FAIL, PASS, WARN, Check
+from ds_trhash.training.trainer import USER_ERRORS, check_output_side, check_resume, guard_stage, kernel_choice
+
+EXIT_FAILED = 2
+# what the launcher prints as one line besides the trainer's USER_ERRORS
+LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError, launch_checks.LaunchCheckError)
+T = TypeVar("T")
+_MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
+
+
+class Report:
+    """Prints each check as it is made; remembers whether any failed."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.checks: list[Check] = []
+
+    def add(self, check: Check) -> Check:
+        self.checks.append(check)
+        line = f"{_MARK[check.status]}  {check.name}: {check.detail}"
+        if check.fix and check.status != PASS:
+            line += f" -> fix: {check.fix}"
+        print(line, file=self.stream, flush=True)
+        return check
+
+    def run(self, name: str, fn: Callable[[], tuple[T, str]]) -> T | None:
+        """``fn`` returns (value, what passed); a user error it raises becomes a failed line."""
+        try:
+            value, detail = fn()
+        except USER_ERRORS + LAUNCH_ERRORS as exc:
+            self.add(Check(name, FAIL, " ".join(str(exc).split())))
+            return None
+        self.add(Check(name, PASS, detail))
+        return value
+
+    def skip(self, name: str, because: str) -> None:
+        self.add(Check(name, WARN, f"not checked: {because}"))
+
+    def finish(self) -> int:
+        failed = sum(c.status == FAIL for c in self.checks)
+        warned = sum(c.status == WARN for c in self.checks)
+        verdict = "ready to launch" if not failed else "fix the failed checks before launching"
+        print(f"preflight: {len(self.checks) - failed - warned} passed, {warned} warning(s), {failed} failed: "
+              f"{verdict}", file=self.stream, flush=True)
+        return EXIT_FAILED if failed else 0
+
+
+# ----------------------------------------------------------------------------- launch state
+
+
+def _output(report: Report, cfg, args, world: int, data):
+    """The trainer's output-side checks and, when resuming, its resume checks."""
+    output_dir = Path(cfg.output_dir)
+
+    def output():
+        pre = check_output_side(cfg, args, 0)
+        set_aside = f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside" if pre.damaged else ""
+        if pre.saved is None:
+            state = "does not exist yet" if not output_dir.exists() else "holds no run"
+            return pre, f"{output_dir} {state}: a fresh start{set_aside}"
+        if data is None:
+            return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
+        check_resume(cfg, args, world, data, pre.saved, pre.resume_dir)
+        return pre, f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+
+    return report.run("output", output)
+
+
+def _source(report: Report, cfg, args, pre, data) -> None:
+    def stage():
+        init_dir = pre.init_dir if pre is not None else launch_checks.resolve_init_checkpoint(
+            args.init_checkpoint, log=lambda *_: None)
+        resuming = pre is not None and pre.saved is not None
+        if init_dir is not None and (Path(init_dir) / ckpt.TRAINER_STATE).is_file():
+            ok, reason = ckpt.verify(init_dir, deep=False)
+            if not ok:
+                raise ckpt.CheckpointError(f"--init-checkpoint {init_dir} is {reason}")
+        record = guard_stage(cfg, init_dir, data, resuming=resuming)
+        if record is None:
+            return None, f"{cfg.stage} from scratch" if not resuming else "resumed run (checked at its first launch)"
+        return None, f"{record.stage.value} -> {cfg.stage} from {init_dir} is allowed"
+
+    report.run("stage", stage)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run_preflight(args: argparse.Namespace) -> int:
+    report = Report()
+    try:
+        cfg = config_from_args(args)
+    except tcfg.ConfigError as exc:
+        report.add(Check("config", FAIL, str(exc)))
+        return report.finish()
+    devices = res.probe_devices()
+    world = args.nproc or res.default_nproc(devices)
+
+    def config():
+        tcfg.require_source_stage(cfg)
+        check_runnable(cfg, world)
+        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, preset {cfg.model.preset}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
+                      f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
+
+    cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
+    report.add(res.check_devices(devices, world))
+    report.add(res.check_precision(cfg.precision, devices))
+    model_cfg = tcfg.model_config(cfg)
+    deepspeed = report.add(res.check_deepspeed())
+    device = torch.device("cuda", 0) if devices.kind == "cuda" else torch.device("cpu")
+
+    def kernels():
+        choice = kernel_choice(cfg, model_cfg, device)
+        return choice, (f"experts={choice.experts} loss={choice.loss} norm={choice.norm} rope={choice.rope} "
+                        f"({choice.reason})")
+
+    choice = report.run("kernels", kernels)
+    for check in res.kernel_packages(choice) if choice is not None else []:
+        report.add(check)
+    if not deepspeed.failed:
+        report.add(res.check_comm_op(devices))
+    with tempfile.TemporaryDirectory(prefix="ds-trhash-preflight-") as scratch:
+        data = report.run("data", lambda: resolve_stage_data(cfg, model_cfg, world, args.deep, Path(scratch)))
+    pre = _output(report, cfg, args, world, data)
+    saved = pre.saved if pre is not None else None
+    if data is None:
+        report.skip("stage", "the data check failed")
+    else:
+        _source(report, cfg, args, pre, data)
+    footprint = estimate(cfg, model_cfg, world, devices.kind)
+    report.add(res.check_memory(footprint, devices, world))
+    if data is None:
+        report.skip("disk", "the step count comes from the data, whose check failed")
+    else:
+        # a fresh start holds no complete checkpoint (else the output check failed): size it as one
+        existing = [c.step for c in ckpt.list_checkpoints(cfg.output_dir) if c.has_manifest] if saved else []
+        spe = getattr(data.batches, "steps_per_epoch", None)
+        after = int(saved["step"]) if saved else 0
+        for check in res.check_disk(res.disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
+            report.add(check)
+    return report.finish()
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "preflight", parents=[build_arg_parser()], conflict_handler="resolve",
+        help="check a launch against this machine in seconds: devices, memory, disk, packages, data, stage, output",
+        description="Takes the arguments of `deepspeed launch/train.py` and checks, without building the model "
+                    "or writing anything, that the launch can run to its end here. Exit 0: no check failed.")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes the launch starts on this node (default: one per CUDA device, else 1)")
+    p.add_argument("--deep", action="store_true",
+                   help="also hash every shard the plan reads against its manifest (as long as reading it once)")
+    p.set_defaults(func=run_preflight)

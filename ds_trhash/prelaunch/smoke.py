@@ -1,0 +1,289 @@
+"""`ds-trhash smoke`: the stage at its real size for a few steps, end to end, with a projection.
+
+Before a run of days, run its config for ``--steps`` optimizer steps (on the first rows of the
+plan, or the first packs of the SFT set) through the real ``deepspeed`` launcher into a scratch
+directory, and go through everything the long run will do once:
+
+1. train   -- steps 1..N, checkpoints at N/2 and N (every step logged)
+2. save    -- the step-N checkpoint verifies; its size and the time its save took
+3. resume  -- the step-N checkpoint is moved aside and ``--resume auto`` trains N/2..N again;
+              the weights are compared with the uninterrupted ones
+4. evaluate-- held-out loss of the final checkpoint (SFT: ``ds-trhash eval heldout`` on the SFT
+              set; pretraining: the plan rows that follow the trained ones)
+5. export  -- ``ds-trhash export`` of the final checkpoint (verified round trip)
+
+and report step time, tokens/s, peak memory, checkpoint size and save time, and the full
+run's projected wall time (steps x step time + saves x save time) and disk (checkpoints kept at
+once x checkpoint size). Any failure stops the smoke with the step's name and exit 1 (2 when
+the launch refused its arguments). The scratch directory is removed on success unless
+``--keep``; after a failure it is kept for its logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.data.reader import ReplayReader
+from ds_trhash.demo import deepspeed_command
+from ds_trhash.eval import commands as eval_commands
+from ds_trhash.eval.commands import load_model
+from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.prelaunch import smoke_figures as fig
+from ds_trhash.prelaunch.data_check import resolve_stage_data
+from ds_trhash.release import commands as release_commands
+from ds_trhash.training import config as tcfg
+from ds_trhash.training.checkpoint_plan import CheckpointPlan
+from ds_trhash.training.footprint import estimate, gib
+from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.progress import format_duration
+from ds_trhash.training.resources import default_nproc, probe_devices
+from ds_trhash.training.trainer import USER_ERRORS
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+OWNED = (("output_dir", "--output-dir"), ("resume", "--resume"), ("max_steps", "--max-steps"))
+
+
+class StepFailed(RuntimeError):
+    def __init__(self, step: str, message: str, code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.step, self.code = step, code
+
+
+def _say(step: str, text: str) -> None:
+    print(f"smoke {step:<9} {text}", flush=True)
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    """The launch arguments the smoke forwards unchanged."""
+    out: list[str] = []
+    for item in args.set:
+        out += ["--set", item]
+    if args.init_checkpoint:
+        out += ["--init-checkpoint", str(Path(args.init_checkpoint).resolve())]
+    if args.source_stage:
+        out += ["--source-stage", args.source_stage]
+    if args.full_parameter:
+        out.append("--full-parameter")
+    if args.lora_rank is not None:
+        out += ["--lora-rank", str(args.lora_rank)]
+    return out
+
+
+def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
+    """One deepspeed launch, its own process group (killed whole on timeout), output to ``log``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    for name in ("RESUME", "DS_TRHASH_FAULT"):
+        env.pop(name, None)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise StepFailed(step, f"the launch did not finish within {timeout:.0f} s (killed); log: {log}") from None
+        except BaseException:  # Ctrl-C: no rank outlives the smoke
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if code != 0:
+        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:])
+        raise StepFailed(step, f"the launch exited {code}; last lines of {log}:\n{tail}",
+                         EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED)
+
+
+def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
+    wa, wb = ckpt.load_weights_only(a)[0], ckpt.load_weights_only(b)[0]
+    if wa.keys() != wb.keys():
+        return False, f"different tensor names ({sorted(set(wa) ^ set(wb))[:3]})"
+    diff = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    if not diff:
+        return True, f"all {len(wa)} tensors bit-identical to the uninterrupted run"
+    worst = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in diff)
+    return False, f"{len(diff)} of {len(wa)} tensors differ from the uninterrupted run (max |delta| {worst:.3g})"
+
+
+def _command(register, argv: list[str]) -> int:
+    """A ``ds-trhash`` subcommand in this process: its own ``register`` and handler, as the
+    console script runs them."""
+    parser = argparse.ArgumentParser(prog="ds-trhash")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple[float, str]:
+    state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+    out = workdir / "eval.json"
+    if cfg.data.kind == "sft":
+        code = _command(eval_commands.register, [
+            "eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", state["sft_dir"], "--out", str(out),
+            "--seq-len", str(cfg.data.seq_len), "--micro-batch", str(cfg.batch.micro_batch),
+            "--policy", cfg.data.packing.policy])
+        if code:
+            raise StepFailed("evaluate", f"ds-trhash eval heldout exited {code}")
+        result = json.loads(out.read_text(encoding="utf-8"))
+        return result["eval_loss"], f"held-out loss over the SFT eval set ({result['eval_tokens']:,} tokens)"
+    return _plan_rows_loss(cfg, ckpt, workdir, state, world, batches)
+
+
+def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
+    """Loss on the plan rows after the trained ones (not seen yet), one process."""
+    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
+    mb = cfg.batch.micro_batch
+    first = int(state["data_cursor"]) // mb  # step index of the next unseen rows in a 1-process layout
+    last = reader.num_rows // mb
+    which = "after the trained ones" if first < last else "trained last (the smoke covered the whole plan)"
+    first = min(first, max(0, last - batches))
+    idx = range(first, min(last, first + batches))
+    model, _config, _source, _ = load_model(ckpt)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = ({"input_ids": x, "labels": y} for x, y in (reader.batch(s, 0, 0, 1, mb, 1) for s in idx))
+    result = heldout_loss(model.to(device), rows, device)
+    return result["eval_loss"], f"loss on {len(idx) * mb} plan rows {which} ({result['eval_tokens']:,} tokens)"
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -> dict:
+    """The five steps and the projection; ``at["step"]`` names the one running (for a failure)."""
+    n, half = args.steps, max(1, args.steps // 2)
+    run_dir = workdir / "run"
+    owned = ["--output-dir", str(run_dir), "--max-steps", str(n),
+             "--set", "training.log_every=1", "--set", f"checkpoint.every_steps={half}",
+             "--set", "checkpoint.keep_last=null", "--set", "checkpoint.packs=null"]
+    argv = deepspeed_command(str(Path(args.config).resolve()), world, _passthrough(args) + owned)
+    report: dict = {"config": args.config, "processes": world, "steps": n, "workdir": str(workdir)}
+
+    t0 = time.perf_counter()
+    _launch("train", argv, workdir / "logs" / "train.log", args.timeout)
+    step_s, tokens, which = fig.typical_step(fig.step_seconds(run_dir / "metrics.csv"))
+    final = ckpt.checkpoints_root(run_dir) / ckpt.step_dir_name(n)
+    peak, kind = fig.peak_memory(final)
+    report["train"] = {"seconds": time.perf_counter() - t0, "step_seconds": step_s, "tokens_per_step": tokens,
+                       "tokens_per_second": tokens / step_s, "peak_memory_bytes": peak, "peak_memory_kind": kind}
+    _say("train", f"{n} steps: {step_s:.3f} s per step ({which}), {tokens / step_s:,.0f} tokens/s, "
+                  f"peak memory {gib(peak)} ({kind})")
+
+    at["step"] = "save"
+    try:
+        ok, why = ckpt.verify(final)
+        if not ok:
+            raise fig.FiguresError(f"{final.name} is {why}")
+        size, save_s = fig.directory_bytes(final), fig.save_seconds(final)
+    except (OSError, fig.FiguresError) as exc:
+        raise StepFailed("save", str(exc)) from None
+    devices = probe_devices()
+    model_cfg = tcfg.model_config(cfg)
+    predicted = estimate(cfg, model_cfg, world, devices.kind)
+    report["save"] = {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
+    _say("save", f"{final.name}: {gib(size)} in {save_s:.2f} s (estimated {gib(predicted.checkpoint)})")
+
+    at["step"] = "resume"
+    aside = workdir / f"uninterrupted_{final.name}"
+    os.replace(final, aside)
+    t0 = time.perf_counter()
+    _launch("resume", argv + ["--resume", "auto"], workdir / "logs" / "resume.log", args.timeout)
+    if not ckpt.verify(final)[0]:
+        raise StepFailed("resume", f"the resumed launch left no complete {final.name}")
+    same, how = _weights_equal(aside, final)
+    report["resume"] = {"from_step": half, "to_step": n, "seconds": time.perf_counter() - t0, "identical": same}
+    _say("resume", f"step {half} -> {n}: {how}")
+
+    at["step"], t0 = "evaluate", time.perf_counter()
+    loss, what = _evaluate(cfg, final, workdir, world, args.eval_batches)
+    report["evaluate"] = {"loss": loss, "what": what, "seconds": time.perf_counter() - t0}
+    _say("evaluate", f"{what}: {loss:.4f} in {report['evaluate']['seconds']:.1f} s")
+
+    at["step"], t0 = "export", time.perf_counter()
+    if _command(release_commands.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
+        raise StepFailed("export", "ds-trhash export failed (its error is above)")
+    report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
+    _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
+
+    at["step"] = "project"
+    data, _ = resolve_stage_data(cfg, model_cfg, world, deep=False, scratch=workdir)
+    plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
+    projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
+                                plan.peak_kept(), size)
+    report["projection"] = projection.to_dict()
+    _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "
+                    f"{save_s:.2f} s = {format_duration(projection.wall_seconds)} on {world} process(es); disk "
+                    f"{projection.kept_checkpoints} checkpoints kept at once x {gib(size)} = {gib(projection.disk_bytes)}")
+    return report
+
+
+def run_smoke(args: argparse.Namespace) -> int:
+    given = [flag for attr, flag in OWNED if getattr(args, attr) not in (None, [])]
+    if given:
+        print(f"error: the smoke chooses {', '.join(given)} itself (a scratch directory, --steps); drop them",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.steps < 2:
+        print(f"error: --steps must be at least 2 (save, then resume from the middle), got {args.steps}", file=sys.stderr)
+        return EXIT_USAGE
+    world = args.nproc or default_nproc(probe_devices())
+    try:
+        cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
+    except tcfg.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.workdir:
+        workdir = Path(args.workdir).resolve()
+        if workdir.exists() and any(workdir.iterdir()):
+            print(f"error: --workdir {workdir} is not empty; give the smoke an empty or new directory", file=sys.stderr)
+            return EXIT_USAGE
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="ds-trhash-smoke-"))
+    at = {"step": "train"}
+    try:
+        report = _smoke(args, cfg, world, workdir, at)
+    except StepFailed as exc:
+        print(f"smoke FAILED at step {exc.step}: {exc}\n(scratch directory kept: {workdir})", file=sys.stderr)
+        return exc.code
+    except USER_ERRORS + (tcfg.ConfigError, ckpt.CheckpointError, LaunchCheckError, OSError) as exc:
+        print(f"smoke FAILED at step {at['step']}: {' '.join(str(exc).split())}\n(scratch directory kept: {workdir})",
+              file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.keep or args.workdir:
+        print(f"smoke passed; scratch directory kept: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+        print("smoke passed")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "smoke", parents=[build_arg_parser()], conflict_handler="resolve",
+        help="run a stage at its real size for a few steps: train, save, resume, evaluate, export, project",
+        description="Runs the config through the deepspeed launcher for --steps steps in a scratch directory, "
+                    "goes through save, resume, evaluation and export once, and projects the full run's wall "
+                    "time and disk. Takes the launch arguments except --output-dir, --resume and --max-steps.")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps to train (default 8; the resume redoes half)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: one per CUDA device, else 1)")
+    p.add_argument("--workdir", default=None, help="an empty directory to work in (kept); default a temporary one")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--eval-batches", type=int, default=4, help="micro-batches of unseen plan rows to evaluate on")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one launch may take (default 3600)")
+    p.set_defaults(func=run_smoke)

@@ -1,0 +1,68 @@
+"""`ds-trhash preflight` through the real console script: one passing launch of the tiny config,
+and every failure it exists for provoked once, each refused with exit 2 on the line of the
+check that failed while nothing on disk changes.
+
+The runs are independent processes, started side by side by tests/prelaunch/runs.py; each test
+reads its own result."""
+from __future__ import annotations
+
+import pytest
+
+CHECKS = ("config", "devices", "precision", "package deepspeed", "kernels", "deepspeed ops", "data", "output",
+          "stage", "memory", "disk")
+
+
+def _lines(proc) -> dict[str, list[tuple[str, str]]]:
+    """check name -> [(PASS|WARN|FAIL, detail)] from the printed lines."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for line in proc.stdout.splitlines():
+        mark, _, rest = line.partition("  ")
+        if mark in ("PASS", "WARN", "FAIL"):
+            name, _, detail = rest.partition(": ")
+            out.setdefault(name, []).append((mark, detail))
+    return out
+
+
+def test_tiny_config_passes_every_check(prelaunch_runs):
+    proc = prelaunch_runs["preflight"]["pass"]
+    lines = _lines(proc)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(CHECKS) <= set(lines), f"missing checks: {set(CHECKS) - set(lines)}\n{proc.stdout}"
+    assert all(mark != "FAIL" for marks in lines.values() for mark, _ in marks), proc.stdout
+    assert "1,024 tokens per optimizer step" in lines["config"][0][1]
+    assert "60 steps" in lines["data"][0][1] and "every shard it reads matches" in lines["data"][0][1]
+    assert "a fresh start" in lines["output"][0][1]
+    assert "3 at once" in lines["disk"][0][1]  # tiny pretraining keeps its 3 token-pack checkpoints
+    assert "Traceback" not in proc.stderr
+    assert prelaunch_runs["unchanged"], "a preflight run changed files"
+
+
+@pytest.mark.parametrize("case, check, needle", [
+    ("missing_shard", "data", "topics_b/shard-00001.bin is missing"),
+    ("wrong_hash", "data", "topics_a/shard-00000.bin does not match the sha256 its manifest records"),
+    ("target_tokens", "data", "TARGET_TOKENS 123456 != the plan's trained_tokens 160768"),
+    ("disk", "disk", "0.0 MiB free under"),
+    ("package", "package deepspeed", "simulated: deepspeed is not installed"),
+    ("wrong_tokenizer", "stage", "was trained with tokenizer"),
+    ("pretraining_to_sft", "stage", "pretraining -> supervised-finetuning is not an allowed transition"),
+    ("output_holds_run", "output", "already holds a run"),
+])
+def test_each_failure_is_refused_on_its_own_line(prelaunch_runs, case, check, needle):
+    proc = prelaunch_runs["preflight"][case]
+    lines = _lines(proc)
+    failed = {name for name, marks in lines.items() for mark, _ in marks if mark == "FAIL"}
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert failed == {check}, f"failed: {failed}\n{proc.stdout}"
+    assert any(needle in detail for mark, detail in lines[check] if mark == "FAIL"), proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("fix the failed checks before launching")
+    assert prelaunch_runs["unchanged"], "a refused preflight changed files"
+
+
+def test_the_launch_runs_the_cheap_part_itself(prelaunch_runs):
+    """A launch on a disk that cannot hold one checkpoint is refused before the model, writing nothing."""
+    proc = prelaunch_runs["full_disk_launch"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot hold one checkpoint of 14.3 MiB" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not prelaunch_runs["launch_run"].exists() and prelaunch_runs["unchanged"]
