@@ -57,11 +57,17 @@ def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> s
     return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
 
 
-def read_json_object(path: PathLike, error: type[Exception] = ValueError) -> dict[str, Any]:
+def read_json_object(path: PathLike, error: type[Exception] = ValueError, *,
+                     missing: str | None = None) -> dict[str, Any]:
     """The JSON object in ``path``; ``error(message naming the file)`` when the text is not JSON or
-    not an object (a missing file raises FileNotFoundError as usual)."""
+    not an object. A missing file raises FileNotFoundError, or ``error("<path> is missing; " +
+    missing)`` when ``missing`` says what its absence means."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        raise error(f"{path} is missing; {missing}") from None
     except json.JSONDecodeError as exc:
         raise error(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):

@@ -8,7 +8,6 @@ every other file, written last). See docs/contracts.md, "Checkpoints and resume"
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
@@ -16,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ds_trhash.io import read_json_object
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "MANIFEST.json"
@@ -94,11 +95,6 @@ class TrainerState:
 
 
 def read_trainer_state(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(ckpt_dir) / TRAINER_STATE
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; {ckpt_dir} is not a complete checkpoint") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from exc
+    return read_json_object(Path(ckpt_dir) / TRAINER_STATE, CheckpointError,
+                            missing=f"{ckpt_dir} is not a complete checkpoint")
 

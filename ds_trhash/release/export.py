@@ -37,7 +37,7 @@ import torch
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
-from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
+from ds_trhash.io import fsync_path, publish_dir, read_json_object, sha256_file, write_json
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release.hf import bundle as hf_bundle
@@ -299,13 +299,8 @@ def export_safetensors(
 
 
 def read_export_manifest(export_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(export_dir) / EXPORT_MANIFEST
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ExportError(f"{path} is missing; {export_dir} is not a complete export") from None
-    except json.JSONDecodeError as exc:
-        raise ExportError(f"{path} is not valid JSON ({exc})") from None
+    return read_json_object(Path(export_dir) / EXPORT_MANIFEST, ExportError,
+                            missing=f"{export_dir} is not a complete export")
 
 
 def export_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
