@@ -116,6 +116,7 @@ def check_resume_compatible(
     plan_sha256: str | None = None,
     reshard: bool = False,
     found: Mapping[str, bool] | None = None,
+    finished_ok: bool = False,
 ) -> None:
     """Refuse any resume that is not exact continuation, naming every difference at once.
 
@@ -128,6 +129,10 @@ def check_resume_compatible(
     and the step count depend on it, so the same rows continue. Everything else must match.
     ``found``: which of optimizer / scheduler / rng state the checkpoint holds
     (``inspect_saved_parts``), checked when given.
+    ``finished_ok``: a checkpoint at the last step is accepted (``--resume auto`` of a finished
+    run: nothing is trained, the launch completes what the stage's end left unrecorded and
+    exits 0, so a supervised chain restarted after a reboot goes on); an explicit ``--resume DIR``
+    of the last step is refused, and past the last step always is.
     """
     problems: list[str] = []
     state = TrainerState.from_dict(saved_state)
@@ -171,7 +176,7 @@ def check_resume_compatible(
     if plan_sha256 is not None and state.plan_sha256 != plan_sha256:
         problems.append(f"plan_sha256: checkpoint {state.plan_sha256!r}, this run {plan_sha256!r} — the replay "
                         "plan file changed; a changed plan is a new stage")
-    if state.step >= total_steps:
+    if state.step > total_steps or (state.step == total_steps and not finished_ok):
         problems.append(f"step: checkpoint is at step {state.step}, at or past the end of this run "
                         f"({total_steps} steps) — nothing is left to train")
     for part in REQUIRED_STATE_PARTS:

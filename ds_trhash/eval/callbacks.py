@@ -11,8 +11,11 @@ import json
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ds_trhash.data.tokenizer import load_tokenizer
 from ds_trhash.eval.heldout import heldout_loss
+from ds_trhash.io import write_text_atomic
 from ds_trhash.eval.piqa import PiqaCountWarning, PiqaDataError, evaluate_piqa, read_piqa
 from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
 
@@ -93,7 +96,30 @@ class PiqaCallback(Callback):
                                   f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
         self.barrier()
 
+    def _keep_rows_up_to(self, step: int) -> None:
+        """A resume at ``step`` (-1: a fresh start): rows of later steps (evaluated before a crash,
+        after the checkpoint) are dropped, as metrics.csv drops its rows, so each step is evaluated and
+        recorded once; the kept ones are this run's results again (selection, records)."""
+        path = self.output_dir / PIQA_RESULTS
+        if not path.is_file():
+            return
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+        for row in rows:
+            self.results[row["step"]] = row
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        if text != path.read_text(encoding="utf-8"):
+            write_text_atomic(path, text)
+
     def on_start(self, state):
+        if self.rank == 0:  # step 0 is a fresh start: rows of an attempt that left no checkpoint go
+            self._keep_rows_up_to(state.step if state.step > 0 else -1)
         if self.sft and state.step == 0:
             self.evaluate(state)
 
@@ -102,8 +128,16 @@ class PiqaCallback(Callback):
             self.evaluate(state)
 
     def on_end(self, state):
-        if not self.sft and state.step == state.total_steps:
+        # a finished run resumed (RESUME=auto after the end) evaluates only if the end was cut short
+        if not self.sft and state.step == state.total_steps and not self._recorded(state.step):
             self.evaluate(state)
+
+    def _recorded(self, step: int) -> bool:
+        """Whether ``piqa.jsonl`` holds ``step`` (rank 0 knows; the others follow it)."""
+        recorded = [step in self.results] if self.rank == 0 else [False]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(recorded, src=0)
+        return recorded[0]
 
 
 EVAL_CALLBACKS = (HeldoutCallback, PiqaCallback)

@@ -211,7 +211,7 @@ class TRHashForCausalLM(nn.Module):
         self.last_loss_backend: str | None = None
         self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
         self.compile_mode = "none"  # set by ds_trhash.model.compile
-        # Per-layer routed-token counts [L, E] of training forwards, for monitors; off by default.
+        # Per-layer routed-token counts [L, E] of training forwards (expert_load.csv, monitors); off by default.
         self.track_expert_load = False
         self._expert_load: torch.Tensor | None = None
         with torch.no_grad():
@@ -258,10 +258,13 @@ class TRHashForCausalLM(nn.Module):
     # ----------------------------------------------------------------- expert load
     def _count_expert_load(self, input_ids: torch.Tensor) -> None:
         """Add this forward's routes to the [L, E] counts (on the device, no host sync). Counted
-        here, outside the decoder layers, so a checkpointed layer's recompute is not counted twice."""
+        here, outside the decoder layers, so a checkpointed layer's recompute is not counted twice;
+        a scatter-add into a fixed [L, E] shape (not bincount, whose output size depends on the
+        data) keeps a compiled model in one graph."""
         ids = input_ids.reshape(-1).clamp(0, self.config.vocab_size - 1)
-        counts = torch.stack([torch.bincount(e.route_table[:, ids].reshape(-1), minlength=self.config.num_experts)
-                              for e in self.engines()])
+        routes = torch.stack([e.route_table[:, ids].reshape(-1) for e in self.engines()]).long()  # [L, k*N]
+        counts = torch.zeros(len(self.layers), self.config.num_experts, dtype=torch.long, device=routes.device)
+        counts.scatter_add_(1, routes, torch.ones_like(routes))
         self._expert_load = counts if self._expert_load is None else self._expert_load + counts
 
     def take_expert_load(self) -> torch.Tensor | None:

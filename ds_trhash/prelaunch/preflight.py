@@ -93,6 +93,10 @@ def _output(report: Report, cfg, args, world: int, data):
         if data is None:
             return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
         check_resume(cfg, args, world, data, pre.saved, pre.resume_dir)
+        if int(pre.saved["step"]) == data.total_steps:
+            return pre, (f"{output_dir} holds this stage finished ({Path(pre.resume_dir).name} is its last step): "
+                         "--resume auto trains nothing, completes any end-of-stage record an interrupted end "
+                         "left out, and exits 0")
         return pre, f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
 
     return report.run("output", output)

@@ -16,13 +16,13 @@ import jinja2
 
 from ds_trhash.io import json_text, write_text_atomic
 from ds_trhash.release.record import build_run_record, render_markdown
+from ds_trhash.report import expert_plots
 from ds_trhash.report.plots import PLOTS, colour, has_data, render_plot
 from ds_trhash.report.series import StageSeries, read_stages
+from ds_trhash.training.expert_load import EXPERT_LOAD_FILE
 
 INDEX = "index.html"
 NOT_RECORDED = "not recorded"
-EXPERT_LOAD_NOTE = ("Per-expert token load per layer: not recorded by these runs (the trainer does not log "
-                    "per-expert token counts).")
 
 TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{{ title }}</title>
@@ -41,7 +41,6 @@ th{background:#f4f4f4}.note{color:#555}code{font-size:90%}</style></head>
 {% if p.file %}<img src="{{ p.file }}" alt="{{ p.title }}" width="900" height="400">{% endif %}
 {% for note in p.notes %}<p class="note">{{ note }}</p>{% endfor %}
 {% endfor %}
-<h3>Per-expert token load</h3><p class="note">{{ expert_note }}</p>
 </body></html>
 """)
 
@@ -71,6 +70,7 @@ def facts(stages: list[StageSeries], records: list[dict]) -> list[tuple[str, lis
         ("last train loss", [_last(s, "train_loss") for s in stages]),
         ("last eval loss", [_last(s, "eval_loss") for s in stages]),
         ("last grad norm", [_last(s, "grad_norm") for s in stages]),
+        ("busiest expert (whole stage)", [expert_plots.busiest(s) for s in stages]),
     ]
     for name in ("framework_commit", "world_size", "precision", "effective_batch", "kernel_path", "model_mode",
                  "data_fingerprint", "tokenizer_hash", "source_checkpoint", "selection_rule", "selected_checkpoint",
@@ -92,6 +92,20 @@ def _plot_entries(stages: list[StageSeries], plots_dir: Path) -> list[dict]:
         elif not missing:
             notes.append(f"{plot.title}: no values logged yet.")
         entries.append({"title": plot.title, "file": file, "notes": notes})
+    return entries + _expert_entries(stages, plots_dir)
+
+
+def _expert_entries(stages: list[StageSeries], plots_dir: Path) -> list[dict]:
+    missing = [s.stage for s in stages if s.expert_load is None]
+    notes = [f"Per-expert token load: {NOT_RECORDED} by {', '.join(missing)} (no complete row in "
+             f"{EXPERT_LOAD_FILE} yet, or a run from before the trainer wrote it)."] if missing else []
+    entries = []
+    for title, render in ((expert_plots.LOAD_TITLE, expert_plots.render_load_maps),
+                          (expert_plots.BALANCE_TITLE, expert_plots.render_balance)):
+        file = None
+        if expert_plots.with_load(stages):
+            file = render(stages, plots_dir).relative_to(plots_dir.parent).as_posix()
+        entries.append({"title": title, "file": file, "notes": notes})
     return entries
 
 
@@ -114,7 +128,7 @@ def write_report(runs: list[Path], out: Path, *, last_fields: dict[str, Any] | N
     page = TEMPLATE.render(
         title="Training report: " + " \u2192 ".join(s.stage for s in stages),
         stages=[{"name": s.stage, "colour": colour(i)} for i, s in enumerate(stages)],
-        facts=facts(stages, records), plots=_plot_entries(stages, plots_dir), expert_note=EXPERT_LOAD_NOTE)
+        facts=facts(stages, records), plots=_plot_entries(stages, plots_dir))
     write_text_atomic(out / INDEX, page)
     return out / INDEX
 

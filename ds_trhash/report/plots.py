@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from ds_trhash.report.series import StageSeries, smooth
 
 WIDTH_IN, HEIGHT_IN, DPI = 9.0, 4.0, 100  # 900 x 400 pixels
@@ -65,25 +64,40 @@ def _draw(ax, plot: Plot, stages: list[StageSeries]) -> None:
                 ax.plot(s.steps[column], s.values[column], color=c, linewidth=1.5, label=s.stage)
 
 
-def render_plot(plot: Plot, stages: list[StageSeries], out: Path) -> Path:
-    # matplotlib is imported here, not at module level: every `ds-trhash` command imports the
-    # report package through the CLI, and only `report` draws (about 0.4 s of start-up otherwise)
+def new_figure():
+    """A 900 x 400 figure on its own Agg canvas. matplotlib is imported here, not at module level:
+    every `ds-trhash` command imports the report package through the CLI, and only `report` draws
+    (about 0.4 s of start-up otherwise)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI)
     FigureCanvasAgg(fig)
+    return fig
+
+
+def save(fig, out: Path, name: str) -> Path:
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def mark_stages(ax, stages: list[StageSeries]) -> None:
+    """Stage boundaries on a shared-step-axis plot: a dashed line and the stage's name."""
+    _mark_boundaries(ax, stages)
+    ax.set_xlabel("optimizer step (stages end to end)")
+    ax.grid(True, alpha=0.3)
+
+
+def render_plot(plot: Plot, stages: list[StageSeries], out: Path) -> Path:
+    fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
     _draw(ax, plot, stages)
-    _mark_boundaries(ax, stages)
+    mark_stages(ax, stages)
     if plot.log_y and all(v > 0 for s in stages for c in plot.columns for v in s.values[c]):
         ax.set_yscale("log")
     ax.set_title(plot.title)
-    ax.set_xlabel("optimizer step (stages end to end)")
     ax.set_ylabel(plot.ylabel)
-    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path = out / f"{plot.name}.png"
-    fig.savefig(path, dpi=DPI)
-    return path
+    return save(fig, out, plot.name)

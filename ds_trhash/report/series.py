@@ -3,7 +3,7 @@
 Stages are laid end to end on one step axis, in the order given: stage k starts where stage
 k-1 ended, so a pretraining -> refinement -> SFT chain reads left to right. Columns a run did
 not record (``grad_norm`` in runs older than that column) come back as ``None`` so the report
-can say "not recorded" instead of failing.
+can say "not recorded" instead of failing; so does a run without ``expert_load.csv``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ds_trhash.checkpoints import CHECKPOINTS, CheckpointError, list_checkpoints, read_trainer_state
+from ds_trhash.training.expert_load import EXPERT_LOAD_FILE
 from ds_trhash.training.metrics import METRICS_FILE
 
 COLUMNS = ("train_loss", "eval_loss", "lr", "tok_s", "grad_norm", "tokens_seen")
@@ -21,6 +24,27 @@ COLUMNS = ("train_loss", "eval_loss", "lr", "tok_s", "grad_norm", "tokens_seen")
 
 class NotARunError(ValueError):
     """A directory given as a run holds no training output."""
+
+
+@dataclass
+class ExpertLoad:
+    """Route counts per logged interval: ``counts[r, layer, expert]`` over the optimizer steps
+    ``from_steps[r] + 1 .. steps[r]`` (both on the shared axis)."""
+
+    steps: list[int]
+    from_steps: list[int]
+    counts: np.ndarray  # [rows, layers, experts] int64
+
+    @property
+    def total(self) -> np.ndarray:
+        """[layers, experts] routes over the whole stage."""
+        return self.counts.sum(axis=0)
+
+    def relative(self) -> np.ndarray:
+        """[rows, layers, experts]: each expert's share of its layer's routes times the number of
+        experts (1.0 = an even split)."""
+        sums = self.counts.sum(axis=2, keepdims=True).clip(min=1)
+        return self.counts / sums * self.counts.shape[2]
 
 
 @dataclass
@@ -36,6 +60,7 @@ class StageSeries:
     last_step: int = 0
     newest_checkpoint: int | None = None
     total_steps: int | None = None
+    expert_load: ExpertLoad | None = None  # None: no expert_load.csv (or no complete row yet)
 
     @property
     def end(self) -> int:
@@ -77,6 +102,27 @@ def _float(text: str | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def read_expert_load(path: Path, offset: int) -> ExpertLoad | None:
+    """The logged intervals whose rows are there for every layer (a step being written by a live
+    run, or cut by a crash, is left out until all its layers are)."""
+    _, rows = _rows(path)
+    by_step: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for r in rows:
+        try:
+            key, layer = (int(r["step"]), int(r["from_step"])), int(r["layer"])
+            experts = [int(v) for k, v in r.items() if k.startswith("expert_")]
+        except (KeyError, TypeError, ValueError):
+            continue
+        by_step.setdefault(key, {})[layer] = experts
+    layers = 1 + max((layer for group in by_step.values() for layer in group), default=-1)
+    complete = [(key, group) for key, group in sorted(by_step.items()) if sorted(group) == list(range(layers))]
+    if not complete:
+        return None
+    counts = np.array([[group[layer] for layer in range(layers)] for _, group in complete], dtype=np.int64)
+    return ExpertLoad(steps=[offset + s for (s, _), _ in complete], from_steps=[offset + f for (_, f), _ in complete],
+                      counts=counts)
+
+
 def _newest_state(run: Path) -> dict:
     """trainer_state.json of the newest published checkpoint that has a readable one."""
     for info in reversed(list_checkpoints(run)):
@@ -110,6 +156,7 @@ def read_stage(run: Path, offset: int) -> StageSeries:
         series.values[column] = [v for _, v in pairs]
     steps = [int(r["step"]) for r in rows if r.get("step", "").isdigit()]
     series.last_step = max(steps + [series.newest_checkpoint or 0])
+    series.expert_load = read_expert_load(run / EXPERT_LOAD_FILE, offset)
     return series
 
 

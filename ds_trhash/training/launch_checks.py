@@ -79,7 +79,7 @@ def set_aside_damaged(output_dir: Path, stamp: str, log: Log = print) -> list[Pa
     so the fresh start writes nothing over them. Called only after every check passed."""
     moved = []
     targets = [c.path for c in ckpt.list_checkpoints(output_dir)]
-    targets += [Path(output_dir) / name for name in ("metrics.csv", "selection.json", "piqa.jsonl")]
+    targets += [Path(output_dir) / name for name in ("metrics.csv", "expert_load.csv", "selection.json", "piqa.jsonl")]
     for path in targets:
         if path.exists():
             new = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{stamp}")

@@ -143,6 +143,13 @@ def launch_rank_and_world() -> tuple[int, int]:
     return env_int("RANK"), max(1, env_int("WORLD_SIZE"))
 
 
+def rank_line(text: str) -> None:
+    """One line on stderr in a single write: every rank shares the launcher's pipe, and print()
+    writes the text and its newline separately, so two ranks' lines could run together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
          user_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
@@ -175,8 +182,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
             # One line per rank, so the operator (and the tests) see every rank stop at the same step.
-            print(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
-                  f"checkpoint ({state.stop_reason}); exiting 0", file=sys.stderr, flush=True)
+            rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
+                      f"checkpoint ({state.stop_reason}); exiting 0")
     except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError,
             LaunchCheckError) as e:
         if rank == 0:
@@ -189,12 +196,11 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             return 2
         cause = disk_failure(e, cfg.output_dir)
         if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
-            print(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept",
-                  file=sys.stderr, flush=True)
+            rank_line(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept")
             return 1
         if peer_lost(e):
-            print(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
-                  "why); exiting", file=sys.stderr, flush=True)
+            rank_line(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
+                      "why); exiting")
             return 1
         raise
     finally:

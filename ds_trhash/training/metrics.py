@@ -6,12 +6,12 @@ rather than extended: mixed column sets would silently shift values under the wr
 """
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable
+
+from ds_trhash.training.csv_log import CsvLog
 
 __all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
 
@@ -58,7 +58,7 @@ class MetricsWriter:
 
     ``resume_step``: when an exact resume restarts at that step, rows already written for
     later steps (logged before the crash, after the checkpoint) are dropped, so the file
-    keeps one history without duplicated steps.
+    keeps one history without duplicated steps (``CsvLog``).
     """
 
     def __init__(self, path: str | os.PathLike, rank: int, resume_step: int | None = None,
@@ -66,76 +66,28 @@ class MetricsWriter:
         self.path = Path(path)
         self.rank = rank
         self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.monitor)
-        self._fh = None
-        if rank != 0:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        header = ",".join(COLUMNS)
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with self.path.open("r", encoding="utf-8", newline="") as fh:
-                found = fh.readline().rstrip("\r\n")
-            if found != header:
-                raise MetricsError(
-                    f"{self.path}: existing header differs from this trainer's columns; refusing to mix "
-                    f"column sets in one file (move the file away or use a new output_dir).\n"
-                    f"  found:    {found}\n  expected: {header}")
-            if resume_step is not None:
-                self._truncate_after(resume_step)
-            elif not self._ends_with_newline():
-                self._truncate_after(None)  # drop a row torn by a crash mid-write
-            self._fh = self.path.open("a", encoding="utf-8", newline="")
-        else:
-            self._fh = self.path.open("w", encoding="utf-8", newline="")
-            self._fh.write(header + "\n")
-            self._fh.flush()
+        self._log = CsvLog(self.path, COLUMNS, rank, resume_step, error=MetricsError)
 
     def write(self, step: int, **values: Any) -> None:
         """One row; missing columns stay empty. ``train_ppl``/``eval_ppl`` follow from the losses."""
         unknown = sorted(set(values) - set(COLUMNS))
         if unknown:
             raise MetricsError(f"unknown metrics column(s) {unknown}; allowed: {', '.join(COLUMNS)}")
-        if self._fh is None:
+        if not self._log.writes:
             return
         row = dict(values, step=step)
         for loss_key, ppl_key in (("train_loss", "train_ppl"), ("eval_loss", "eval_ppl")):
             if row.get(loss_key) is not None and row.get(ppl_key) is None:
                 row[ppl_key] = perplexity(float(row[loss_key]))
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerow([_cell(c, row.get(c)) for c in COLUMNS])
-        self._fh.write(buf.getvalue())
-        self._fh.flush()  # a crash loses at most the row being written
+        self._log.append([[_cell(c, row.get(c)) for c in COLUMNS]])
         if self.on_row is not None:
             self.on_row(step, row)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._log.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            return fh.read(1) == b"\n"
-
-    def _truncate_after(self, resume_step: int | None) -> None:
-        torn = not self._ends_with_newline()
-        with self.path.open("r", encoding="utf-8", newline="") as fh:
-            rows = list(csv.reader(fh))
-        if torn and len(rows) > 1:
-            rows.pop()  # a crash mid-write: the last row may be cut anywhere, even inside a cell
-        kept = [r for r in rows[1:] if len(r) == len(COLUMNS) and r[0].isdigit()
-                and (resume_step is None or int(r[0]) <= resume_step)]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8", newline="") as fh:
-            w = csv.writer(fh, lineterminator="\n")
-            w.writerow(COLUMNS)
-            w.writerows(kept)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)

@@ -5,8 +5,9 @@ DeepSpeed builds a ``MonitorMaster`` from the ``tensorboard`` / ``csv_monitor`` 
 on its own it logs only the learning rate by sample count. Here every row of ``metrics.csv``
 (train loss, its average over the logging interval, learning rate, grad norm, tokens/s, step
 time; held-out loss) and the events that do not fit a CSV row (peak memory, MFU where the FLOPs
-are known, per-expert token load per layer) are written to it as ``(name, value, step)`` with the
-optimizer step as x axis. Nothing happens when no monitor is enabled.
+are known, each expert's share of its layer's token routes, see ``expert_load``) are written to it
+as ``(name, value, step)`` with the optimizer step as x axis. Nothing happens when no monitor is
+enabled.
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import resource
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["MonitorSink", "IntervalMean", "peak_memory_mib", "model_flops_utilisation", "expert_load"]
+__all__ = ["MonitorSink", "IntervalMean", "peak_memory_mib", "model_flops_utilisation"]
 
 # metrics.csv column -> monitor event name
 EVENT_NAMES = {
@@ -88,16 +88,3 @@ def model_flops_utilisation(tokens_per_s: float, flops_per_token: float, world_s
         return None
     return tokens_per_s * flops_per_token / world_size / (peak * 1e12)
 
-
-def expert_load(model, device: torch.device) -> dict[str, float]:
-    """Each routed expert's share of the token routes counted since the last call, per layer,
-    summed over the data-parallel ranks (every rank must call this together)."""
-    counts = model.take_expert_load()
-    if counts is None:
-        return {}
-    counts = counts.to(device=device, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)
-    shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1)
-    return {f"Experts/layer_{i:02d}/expert_{e}": float(shares[i, e])
-            for i in range(shares.shape[0]) for e in range(shares.shape[1])}

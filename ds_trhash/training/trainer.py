@@ -56,7 +56,8 @@ from ds_trhash.training.engine import (
     expert_parallel_group,
     optimizer_name,
 )
-from ds_trhash.training.metrics import MetricsError, MetricsWriter
+from ds_trhash.training.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
+from ds_trhash.training.metrics import METRICS_FILE, MetricsError, MetricsWriter
 from ds_trhash.training.monitor import MonitorSink
 from ds_trhash.training.progress import Progress
 from ds_trhash.training.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
@@ -258,6 +259,10 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     return OutputSide(resume_dir, saved, init_dir, damaged)
 
 
+def resume_is_auto(args) -> bool:
+    return (args.resume or os.environ.get("RESUME") or None) == "auto"
+
+
 def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
     """An exact resume continues the saved run: every training-critical setting, the world size
     (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
@@ -265,7 +270,7 @@ def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved
         saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
         total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
         plan_sha256=data.plan.sha256 if data.plan is not None else None,
-        found=ckpt.inspect_saved_parts(resume_dir),
+        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=resume_is_auto(args),
     )
     launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
     return ckpt.is_reshard(saved, world, args.reshard)
@@ -337,15 +342,21 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
             f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
             f"{data.total_steps} optimizer steps"
             + (f", resuming at step {state.step} from {resume_dir}" if saved is not None else ""))
+        if saved is not None and state.step == state.total_steps:
+            progress.message(f"resume auto: {cfg.stage} already finished at step {state.step} of {state.total_steps}; "
+                             "nothing is left to train (end-of-stage records missing from an interrupted end are "
+                             "completed), exiting 0")
         progress.message(startup_summary(
             cfg, tcfg.batch_layout(loaded, world), model=model, total_steps=data.total_steps, start_step=state.step,
             ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
             kernels=getattr(model, "kernels_requested", None), hardware=describe_hardware(),
             checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
     monitor = MonitorSink(getattr(engine.engine, "monitor", None))  # DeepSpeed's monitors, when configured
-    model.track_expert_load = monitor.enabled
-    writer = MetricsWriter(output_dir / "metrics.csv", rank, resume_step=state.step if saved is not None else None,
-                           on_row=monitor.row)
+    # a fresh start drops rows an earlier attempt logged without leaving a checkpoint (RESUME=auto)
+    first_step = state.step if saved is not None else -1
+    writer = MetricsWriter(output_dir / METRICS_FILE, rank, resume_step=first_step, on_row=monitor.row)
+    model.track_expert_load = True  # counted on the device; read at logged steps only
+    expert_load = ExpertLoadWriter(output_dir / EXPERT_LOAD_FILE, model_cfg.num_experts, rank, resume_step=first_step)
 
     plan = checkpoint_plan(cfg, data)
     trainer_state = state_recorder(cfg, data, world, critical, init_dir, model, model_cfg, dict(plan.pack_of), device)
@@ -357,9 +368,12 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
         model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor)
+        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor,
+        expert_load=expert_load)
     state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
+    writer.close()
+    expert_load.close()
     cache = getattr(getattr(data.batches, "reader", None), "cache", None)
     if cache is not None:
         cache.close()

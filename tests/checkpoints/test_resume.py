@@ -90,6 +90,16 @@ def test_resume_at_or_past_the_end_refused(step):
         compat(state(step))
 
 
+def test_a_finished_run_is_accepted_only_where_asked_and_never_past_its_end():
+    """--resume auto of a finished stage trains nothing and exits 0 (finished_ok); past the end,
+    or an explicit --resume DIR of the last step, stays refused."""
+    compat(state(100), finished_ok=True)
+    with pytest.raises(ResumeError, match="at step 101, at or past the end"):
+        compat(state(101), finished_ok=True)
+    with pytest.raises(ResumeError, match="at step 100, at or past the end"):
+        compat(state(100))
+
+
 def test_other_stage_refused():
     with pytest.raises(ResumeError, match="stage: checkpoint 'pretraining', this run 'refinement'"):
         compat(stage="refinement")

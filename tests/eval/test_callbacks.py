@@ -81,3 +81,33 @@ def test_piqa_on_other_ranks_only_waits(tmp_path):
                            barrier=lambda: barriers.append(1))
     cb.on_start(TrainState(step=0, total_steps=4))
     assert barriers == [1] and not (tmp_path / "piqa.jsonl").exists()
+
+
+def test_piqa_resumed_keeps_rows_up_to_its_step_and_evaluates_a_missing_end_once(tmp_path, monkeypatch):
+    """Rows written after the checkpoint a run resumes from are dropped (each step recorded once);
+    a finished run resumed evaluates the end only when piqa.jsonl lacks it."""
+    calls = []
+
+    def fake_piqa(model, tok, examples, max_len):
+        calls.append(1)
+        return {"acc": 0.5, "acc_norm": 0.75, "n": 2, "warning": None}
+
+    monkeypatch.setattr(evcb, "evaluate_piqa", fake_piqa)
+    path = tmp_path / "piqa.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "epoch": s // 2, "acc": 0.1 * s}) + "\n" for s in (0, 2, 4))
+                    + '{"step": 6, "ep')  # a line cut by a crash
+    cb = evcb.PiqaCallback(fakes.Model(), ["e1", "e2"], None, 64, tmp_path, 0, fakes.Progress(), sft=True)
+    cb.on_start(TrainState(step=2, total_steps=6))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
+    assert sorted(cb.results) == [0, 2] and calls == []
+
+    finished = evcb.PiqaCallback(fakes.Model(), ["e1", "e2"], None, 64, tmp_path, 0, fakes.Progress(), sft=False)
+    state = TrainState(step=2, total_steps=2)
+    finished.on_start(state)
+    finished.on_end(state)  # step 2 is recorded: not evaluated again
+    assert calls == [] and len(path.read_text().splitlines()) == 2
+    path.write_text(path.read_text().splitlines()[0] + "\n")  # the end's row never written
+    again = evcb.PiqaCallback(fakes.Model(), ["e1", "e2"], None, 64, tmp_path, 0, fakes.Progress(), sft=False)
+    again.on_start(state)
+    again.on_end(state)
+    assert calls == [1] and [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]

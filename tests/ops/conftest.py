@@ -5,7 +5,8 @@ pretraining as one plain process (the victim: its rank is SIGKILLed mid-run; a p
 instead of the deepspeed launcher keeps the test within its time budget, the launcher path
 differs only in how the exit status reaches supervisord) and, beside it, the same pretraining uninterrupted as a plain process (the reference), followed by
 refinement and SFT chained with `after` (from the reference, so that the chain runs while the
-victim restarts), and a command job that records what it received. The fixture waits for all
+victim restarts), refinement started again once finished (as after a reboot), and a command job
+that records what it received. The fixture waits for all
 of them, then `ds-trhash jobs stop` ends everything.
 """
 import json
@@ -20,7 +21,7 @@ import pytest
 
 from tests.training import launch_utils as L
 
-STEPS = 8
+STEPS = 16  # long enough that the SIGKILL lands mid-run on a loaded machine
 EVERY = 2  # checkpoint interval of the pretraining runs
 KILL_AFTER_STEP = 3
 SECRET = "DS_TRHASH_TEST_TOKEN"
@@ -58,7 +59,11 @@ def _manifest(root: Path) -> Path:
         {"name": "sft", "after": ["refine"], **_plain(_train_args(
             "sft.yaml", root / "sft", 2, "--init-checkpoint", str(root / "refine/checkpoints/step_00000002"),
             "--source-stage", "refinement"))},
-        {"name": "probe", "after": ["sft", "pretrain"], "inherit_environment": [SECRET], "restart": "never",
+        # refinement brought up again once it finished, as `jobs up` after a reboot does: exit 0, followers go on
+        {"name": "refine_again", "after": ["refine"], **_plain(_train_args(
+            "refine.yaml", root / "refine", 2, "--init-checkpoint", str(root / "reference/checkpoints" / f"step_{STEPS:08d}")))},
+        {"name": "probe", "after": ["sft", "pretrain", "refine_again"], "inherit_environment": [SECRET],
+         "restart": "never",
          "directory": str(root),
          "argv": [sys.executable, "-c", "import json, os, sys; json.dump({'argv': sys.argv[1:], 'secret': "
                   f"os.environ.get('{SECRET}'), 'resume': os.environ.get('RESUME')}}, open('probe.json', 'w'))",

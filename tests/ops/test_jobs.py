@@ -28,11 +28,11 @@ def test_a_sigkilled_rank_is_restarted_and_the_run_ends_bit_identical(supervised
 
 def test_after_chains_the_stages_and_secrets_reach_only_the_job_that_inherits_them(supervised):
     root, infos = supervised["root"], supervised["infos"]
-    for name in ("refine", "sft", "probe"):
+    for name in ("refine", "sft", "refine_again", "probe"):
         assert infos[name]["statename"] == "EXITED" and infos[name]["exitstatus"] == 0, infos[name]
     assert infos["refine"]["start"] >= infos["reference"]["stop"]
     assert infos["sft"]["start"] >= infos["refine"]["stop"]
-    assert infos["probe"]["start"] >= max(infos["sft"]["stop"], infos["pretrain"]["stop"])
+    assert infos["probe"]["start"] >= max(infos["sft"]["stop"], infos["pretrain"]["stop"], infos["refine_again"]["stop"])
     probe = json.loads((root / "probe.json").read_text())
     assert probe == {"argv": PROBE_ARGS, "secret": SECRET_VALUE, "resume": None}  # a command job: no RESUME
     assert SECRET not in supervised["rank_env"]  # the training job did not name it
@@ -43,7 +43,16 @@ def test_after_chains_the_stages_and_secrets_reach_only_the_job_that_inherits_th
     assert status.returncode == 0, status.stderr
     assert [line.split()[:2] for line in status.stdout.splitlines()] == [
         ["pretrain", "EXITED"], ["reference", "EXITED"], ["refine", "EXITED"], ["sft", "EXITED"],
-        ["probe", "EXITED"], ["idle", "RUNNING"]]
+        ["refine_again", "EXITED"], ["probe", "EXITED"], ["idle", "RUNNING"]]
+
+
+def test_a_finished_stage_brought_up_again_exits_0_without_training_and_its_followers_run(supervised):
+    """What `jobs up` after a reboot does to a finished stage: RESUME=auto, nothing trained, exit 0."""
+    infos = supervised["infos"]
+    log = (supervised["manifest"].jobs_dir / "logs" / "refine_again.log").read_text()
+    assert "refinement already finished at step 2 of 2; nothing is left to train" in log, log[-3000:]
+    assert "[refinement] step " not in log  # no training step ran
+    assert infos["refine_again"]["start"] >= infos["refine"]["stop"] and infos["refine_again"]["exitstatus"] == 0
 
 
 def test_a_second_jobs_up_is_refused_while_the_first_runs(supervised):

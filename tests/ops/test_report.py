@@ -31,7 +31,8 @@ def test_report_of_three_stages_has_plots_and_facts(supervised, tmp_path):
         assert html.count(stage) >= 3, stage  # stage list, facts column, plot legends' note
         assert any((out / "records").glob(f"*-{stage}/run_record.json")), stage
     images = _images(html)
-    assert {"plots/loss.png", "plots/lr.png", "plots/tokens_per_s.png"} <= set(images)
+    assert {"plots/loss.png", "plots/lr.png", "plots/tokens_per_s.png", "plots/expert_load.png",
+            "plots/expert_balance.png"} <= set(images)
     for src in images:
         pixels = imread(out / src)
         assert pixels.shape[:2] == (int(HEIGHT_IN * DPI), int(WIDTH_IN * DPI)), src
@@ -39,7 +40,9 @@ def test_report_of_three_stages_has_plots_and_facts(supervised, tmp_path):
     header = (root / "pre" / "metrics.csv").read_text().splitlines()[0].split(",")
     if "grad_norm" not in header:  # runs from before the grad_norm column
         assert "plots/grad_norm.png" not in images and "not recorded by pretraining" in html
-    assert "Per-expert token load" in html and "not recorded" in html
+    assert "Per-expert token load per layer" in html and "Busiest expert per layer" in html
+    busiest = re.search(r"<td>busiest expert \(whole stage\)</td>(.*?)</tr>", html).group(1)
+    assert busiest.count("x an even split") == 3, busiest  # every stage recorded its routes
     assert html.count("<code>finished</code>") == 3  # state of each stage
     assert "plan_unique_core" in html and "sft_manifest_sha256" in html  # facts from each stage's run record
 
@@ -58,6 +61,17 @@ def test_report_of_a_run_in_progress(supervised, tmp_path):
     html = (out / "index.html").read_text()
     assert "in progress" in html and "refinement" in html
     assert all((out / src).is_file() for src in _images(html)) and "plots/loss.png" in _images(html)
+
+
+def test_a_run_from_before_expert_load_csv_is_reported_as_not_recorded(supervised, tmp_path):
+    run = tmp_path / "old"
+    shutil.copytree(supervised["root"] / "refine", run, ignore=shutil.ignore_patterns("shard_cache", "expert_load.csv"))
+    out = tmp_path / "report"
+    proc = cli("report", "--run", str(supervised["root"] / "pre"), "--run", str(run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    html = (out / "index.html").read_text()
+    assert "Per-expert token load: not recorded by refinement" in html
+    assert "plots/expert_load.png" in _images(html)  # pretraining's map is still drawn
 
 
 def test_a_folder_that_is_not_a_run_exits_2_and_writes_nothing(supervised, tmp_path):

@@ -65,6 +65,8 @@ def source_cases(root: Path, corpus, smoke_workdir: Path) -> dict[str, tuple[lis
         "pretraining_to_sft": ([SFT, "--output-dir", str(root / "sft_run"), *source, "--source-stage", "refinement",
                                 "--set", f"data.sft_dir={corpus['sft']}"], {}),
         "output_holds_run": ([PRETRAIN, "--output-dir", str(smoke_workdir / "run")], {}),
+        "finished_auto": ([PRETRAIN, "--output-dir", str(smoke_workdir / "run"), "--max-steps", "4",
+                           "--resume", "auto"], {}),
     }
 
 

@@ -59,6 +59,14 @@ def test_each_failure_is_refused_on_its_own_line(prelaunch_runs, case, check, ne
     assert prelaunch_runs["unchanged"], "a refused preflight changed files"
 
 
+def test_a_finished_run_under_resume_auto_passes_and_says_it_will_train_nothing(prelaunch_runs):
+    proc = prelaunch_runs["preflight"]["finished_auto"]
+    lines = _lines(proc)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert lines["output"][0][0] == "PASS" and "holds this stage finished (step_00000004 is its last step)" in \
+        lines["output"][0][1] and "exits 0" in lines["output"][0][1], proc.stdout
+
+
 def test_the_launch_runs_the_cheap_part_itself(prelaunch_runs):
     """A launch on a disk that cannot hold one checkpoint is refused before the model, writing nothing."""
     proc = prelaunch_runs["full_disk_launch"]

@@ -44,6 +44,21 @@ def test_two_nodes_match_two_processes_on_one_node_step_by_step(runs):
     assert "startup summary" not in nodes[1].stdout + nodes[1].stderr  # rank 0 reports, on node 0
 
 
+def test_expert_load_is_summed_over_both_nodes(runs):
+    """expert_load.csv counts every rank's routes: two nodes write what one node with two
+    processes writes, and each layer's routes are two per token of the step (top-2)."""
+    root, _ = runs
+    text = (root / "two-nodes" / "expert_load.csv").read_text()
+    assert text == (root / "one-node" / "expert_load.csv").read_text()
+    with open(root / "two-nodes" / "expert_load.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    tokens = {0: 0, **{int(r["step"]): int(r["tokens_seen"]) for r in L.metrics(root / "two-nodes")}}
+    assert sorted({int(r["step"]) for r in rows}) == list(range(1, STEPS + 1))
+    for r in rows:
+        routes = sum(int(v) for k, v in r.items() if k.startswith("expert_"))
+        assert routes == 2 * (tokens[int(r["step"])] - tokens[int(r["from_step"])]), r
+
+
 def test_monitor_event_files_read_back_with_tensorboards_reader(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -61,6 +76,10 @@ def test_monitor_event_files_read_back_with_tensorboards_reader(runs):
     assert all(float(r["grad_norm"]) > 0 and float(r["step_time"]) > 0 for r in metrics)
     shares = [acc.Scalars(f"Experts/layer_00/expert_{e}")[0].value for e in range(4)]
     assert sum(shares) == pytest.approx(1.0) and all(0 < s < 1 for s in shares)
+    with open(root / "two-nodes" / "expert_load.csv", newline="") as f:
+        first = next(csv.DictReader(f))  # step 1, layer 0: the same routes as the monitor's shares
+    counts = [int(first[f"expert_{e}"]) for e in range(4)]
+    assert shares == pytest.approx([c / sum(counts) for c in counts], rel=1e-6)
     with open(mon / "Train_grad_norm.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))

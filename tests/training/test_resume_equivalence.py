@@ -40,16 +40,19 @@ def reference(shared_launches):
     def get(nproc):
         if nproc not in cache:
             out = shared_launches.get(nproc, lambda o: _args(o, micro=8 // nproc))
-            cache[nproc] = L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}")
+            cache[nproc] = out, L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}")
         return cache[nproc]
 
     return get
 
 
-def _resume_and_compare(nproc, out, ref_weights):
+def _resume_and_compare(nproc, out, ref):
+    ref_out, ref_weights = ref
     proc = _launch(nproc, _args(out, micro=8 // nproc) + ["--resume", "auto"])
     assert proc.returncode == 0, L.explain(proc)
     L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), ref_weights)
+    # every step logged: the routes of each step, summed over the ranks, once, as uninterrupted
+    assert (out / "expert_load.csv").read_text() == (ref_out / "expert_load.csv").read_text()
     return proc
 
 

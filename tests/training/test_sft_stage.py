@@ -3,12 +3,15 @@ held-out evaluation, best/ selection, LoRA mode and the stage/mode refusals."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.slow
@@ -127,6 +130,52 @@ def test_sft_provenance_agrees_with_itself(sft, tmp_path):
     heldout = json.loads(result.read_text())
     assert heldout["policy"] == "per_document" and "training_critical" in heldout["policy_source"]
     assert heldout["eval_loss"] == pytest.approx(chosen["eval_loss"], rel=1e-5)
+
+
+def _digest(run):
+    """Every file of a run but the data cache a launch rebuilds."""
+    return {k: v for k, v in tree_digest(run).items() if not k.startswith("shard_cache")}
+
+
+def test_resume_auto_of_a_finished_stage_exits_0_and_completes_only_its_missing_end(stages, tmp_path):
+    """After a reboot a supervised chain relaunches every stage with RESUME=auto: a finished one
+    trains nothing, changes nothing, and exits 0 so its followers start. Its end-of-stage PIQA
+    (configured now, never recorded) is the one thing it adds."""
+    run = tmp_path / "pre"
+    shutil.copytree(stages["pre"].parent.parent, run, ignore=shutil.ignore_patterns("shard_cache"))
+    before = _digest(run)
+    proc = _ok(L.single(["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(run), "--max-steps", "30",
+                         "--set", f"eval.piqa={_piqa_file(tmp_path)}"], RESUME="auto"))
+    assert "pretraining already finished at step 30 of 30; nothing is left to train" in proc.stdout, L.explain(proc)
+    after = _digest(run)
+    assert sorted(set(after) - set(before)) == ["piqa.jsonl"]
+    assert {k: v for k, v in after.items() if k in before and after[k] != before[k]}.keys() == {"config.json"}
+    assert [json.loads(line)["step"] for line in (run / "piqa.jsonl").read_text().splitlines()] == [30]
+
+
+def test_resume_auto_after_a_stop_between_the_last_checkpoint_and_best_publishes_it(sft, stages, tmp_path):
+    """SFT stopped after writing its last epoch checkpoint, before selecting best/: RESUME=auto
+    adds that epoch's candidate from the checkpoint's record, republishes best/, exits 0."""
+    from ds_trhash.training.selection import Candidate, publish
+
+    out, _ = sft
+    run = tmp_path / "sft"
+    shutil.copytree(out, run, ignore=shutil.ignore_patterns("shard_cache"))
+    full = json.loads((run / "selection.json").read_text())
+    publish(run, [Candidate(**full["candidates"][0])], full["rule"])  # as it stood before the last epoch
+    untouched = {k: v for k, v in _digest(run).items() if not k.startswith(("best", "selection.json"))}
+    proc = _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(run),
+                         "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+                         "--set", f"eval.piqa={_piqa_file(stages['root'])}"], RESUME="auto"))
+    assert "already finished" in proc.stdout and "candidate added from" in proc.stdout, L.explain(proc)
+    redone = json.loads((run / "selection.json").read_text())
+    last = full["candidates"][1]
+    assert redone["candidates"][1] == {**last, "checkpoint": str(run / "checkpoints" / Path(last["checkpoint"]).name)}
+    assert redone["selected"]["step"] == full["selected"]["step"]
+    L.assert_identical(L.model_weights(run / "best"),
+                       L.model_weights(run / "checkpoints" / f"step_{full['selected']['step']:08d}"))
+    assert {k: v for k, v in _digest(run).items() if k in untouched and k != "config.json"} == \
+        {k: v for k, v in untouched.items() if k != "config.json"}  # piqa.jsonl, metrics, checkpoints
 
 
 def test_refinement_from_an_exported_safetensors_directory(stages):

@@ -75,6 +75,9 @@ class RunContext:
     faults: Any = None  # callbacks.faults.FaultInjection
     barrier: Callable[[], Any] = lambda: None
     monitor: Any = None  # training.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
+    expert_load: Any = None  # training.expert_load.ExpertLoadWriter: expert_load.csv
+    # called with the state on every rank right before each checkpoint is written (collectives allowed)
+    before_save: list[Callable[[Any], Any]] = field(default_factory=list)
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
     last_checkpoint: Path | None = None
 

@@ -40,6 +40,8 @@ class CheckpointCallback(Callback):
         if state.step == self.last_saved:
             return
         run = self.run
+        for hook in run.before_save:  # e.g. the expert load counted so far goes to its file first
+            hook(state)
         t0 = time.perf_counter()
 
         def write_engine_state(tmp):
@@ -62,6 +64,10 @@ class CheckpointCallback(Callback):
     def _trained_with(self) -> dict:
         return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
 
+    def on_start(self, state):
+        if state.step > 0:  # a resume starts from a complete checkpoint of this step: never saved again
+            self.last_saved = state.step
+
     def on_step_end(self, state, metrics):
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if self.is_epoch_end(state.step):
@@ -74,7 +80,8 @@ class CheckpointCallback(Callback):
         self.protect.add(state.step)
         results = self.run.results
         self.save(state, f"end of epoch {state.epochs_done}",
-                  {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step)})
+                  {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step),
+                   "train_loss": state.last.get("loss") if state.last else None})
 
     def on_end(self, state):
         if state.step == state.total_steps:

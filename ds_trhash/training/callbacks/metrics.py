@@ -1,21 +1,27 @@
 """Training rows of ``metrics.csv``: every ``log_every`` steps, the first and last step, and a stop.
 
 Each row carries the train loss averaged over the steps since the previous row besides the
-step's own; the writer passes every row on to DeepSpeed's monitors, and on the regular rows the
-monitors also get peak memory, MFU (where the device's peak is known) and per-expert token load.
+step's own; the writer passes every row on to DeepSpeed's monitors. At the same steps the
+per-expert token routes counted since the previous row go to ``expert_load.csv`` (summed over
+the ranks; also right before each checkpoint, so that a resume from any checkpoint finds every
+route up to its step recorded), and on the regular rows the monitors also get peak memory, MFU (where the device's
+peak is known) and each expert's share of its layer's routes.
 """
 from __future__ import annotations
 
 from ds_trhash.model.flops import train_flops_per_token
 from ds_trhash.training.callbacks.base import Callback, RunContext
-from ds_trhash.training.monitor import IntervalMean, expert_load, model_flops_utilisation, peak_memory_mib
+from ds_trhash.training.expert_load import gather_expert_load, load_shares
+from ds_trhash.training.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
 
 
 class MetricsCallback(Callback):
-    def __init__(self, writer, model, every: int, monitor=None, device=None, mfu=None):
+    def __init__(self, writer, model, every: int, monitor=None, device=None, mfu=None, expert_load=None):
         self.writer, self.model, self.every = writer, model, every
         self.monitor, self.device, self.mfu = monitor, device, mfu  # mfu: tokens/s -> fraction or None
+        self.expert_load = expert_load  # training.expert_load.ExpertLoadWriter (None: not counted)
         self.interval = IntervalMean()
+        self.logged_step = 0  # the step of the previous row: the start of the expert-load interval
 
     @classmethod
     def from_run(cls, run: RunContext) -> "MetricsCallback":
@@ -23,26 +29,48 @@ class MetricsCallback(Callback):
         if run.monitor is not None and run.monitor.enabled:
             flops = train_flops_per_token(run.model_config, cfg.data.seq_len)
             mfu = lambda tok_s: model_flops_utilisation(tok_s, flops, run.world, cfg.precision, run.device)  # noqa: E731
-        return cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu)
+        cb = cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu,
+                 expert_load=run.expert_load)
+        run.before_save.append(cb.flush_expert_load)
+        return cb
+
+    def flush_expert_load(self, state):
+        """The routes counted since the previous row, summed over the ranks (a collective: every
+        rank calls this at the same steps), as rows of expert_load.csv; None when nothing is
+        counted or this step is already written."""
+        monitoring = self.monitor is not None and self.monitor.enabled
+        if state.step == self.logged_step or (self.expert_load is None and not monitoring):
+            return None
+        counts = gather_expert_load(self.model, self.device)
+        if counts is not None and self.expert_load is not None:
+            self.expert_load.write(state.step, self.logged_step, counts)
+        self.logged_step = state.step
+        return counts
+
+    def on_start(self, state):
+        self.logged_step = state.step
 
     def on_step_end(self, state, metrics):
         self.interval.add(loss=metrics["loss"])
         regular = state.step % self.every == 0 or state.step in (1, state.total_steps)
-        if regular or state.stop_requested:
-            b = self.model.backends_used()
-            self.writer.write(
-                step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
-                tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
-                supervised_tokens=metrics["supervised_tokens"], label_valid=metrics["label_valid"],
-                label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
-                experts_backend=b.get("experts"),
-                loss_backend=b.get("loss"), norm_backend=b.get("norm"),
-                train_loss_avg=self.interval.take()["loss"], grad_norm=metrics.get("grad_norm"),
-                step_time=metrics.get("step_time"),
-            )
-        # regular rows only: every rank takes part in the expert-load all-reduce at the same steps
+        if not (regular or state.stop_requested):
+            return
+        b = self.model.backends_used()
+        self.writer.write(
+            step=state.step, epoch=metrics["epoch"], train_loss=metrics["loss"], lr=metrics["lr"],
+            tok_s=metrics["tok_s"], tokens_seen=metrics["tokens_seen"],
+            supervised_tokens=metrics["supervised_tokens"], label_valid=metrics["label_valid"],
+            label_ignored=metrics["label_ignored"], label_out_of_range=metrics["label_out_of_range"],
+            experts_backend=b.get("experts"),
+            loss_backend=b.get("loss"), norm_backend=b.get("norm"),
+            train_loss_avg=self.interval.take()["loss"], grad_norm=metrics.get("grad_norm"),
+            step_time=metrics.get("step_time"),
+        )
+        counts = self.flush_expert_load(state)  # every rank gets here at the same steps (a stop is agreed first)
         if regular and self.monitor is not None and self.monitor.enabled:
-            events = {"Train/peak_memory_mib": peak_memory_mib(self.device), **expert_load(self.model, self.device)}
+            events = {"Train/peak_memory_mib": peak_memory_mib(self.device)}
+            if counts is not None:
+                events.update(load_shares(counts))
             if self.mfu is not None:
                 events["Train/mfu"] = self.mfu(metrics["tok_s"])
             self.monitor.write(state.step, events)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.training.callbacks.base import Callback, RunContext
 from ds_trhash.training.selection import Candidate, publish
 
@@ -21,11 +22,27 @@ class SelectionCallback(Callback):
         return cls(run) if run.cfg.data.kind == "sft" else None
 
     def on_start(self, state):
-        """A resumed run keeps the candidates of the epochs it already finished."""
-        path = self.run.output_dir / "selection.json"
+        """A resumed run keeps the candidates of the epochs it already finished. Resumed at an
+        epoch-end checkpoint whose candidate is missing (the run stopped between saving it and
+        publishing ``best/``), it adds that candidate from the checkpoint's own record and publishes."""
+        run = self.run
+        path = run.output_dir / "selection.json"
         if state.step > 0 and path.is_file():
             done = json.loads(path.read_text())["candidates"]
             self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
+        epoch_end = state.step > 0 and run.batches.epoch_of(state.step) != run.batches.epoch_of(state.step - 1)
+        if run.rank != 0 or not epoch_end or any(c.step == state.step for c in self.candidates):
+            return
+        checkpoint = ckpt.checkpoints_root(run.output_dir) / ckpt.step_dir_name(state.step)
+        saved = ckpt.read_trainer_state(checkpoint)
+        ev, piqa = saved.get("eval") or {}, saved.get("piqa") or {}
+        self.candidates.append(Candidate(
+            epoch=int(saved["epoch"]), step=state.step, checkpoint=str(checkpoint), eval_loss=ev.get("eval_loss"),
+            eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"), train_loss=saved.get("train_loss"),
+            piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
+        winner = publish(run.output_dir, self.candidates, self.rule)
+        run.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule} "
+                             f"(epoch {saved['epoch']}'s candidate added from {checkpoint.name} on resume)")
 
     def on_epoch_end(self, state):
         run = self.run

@@ -77,3 +77,29 @@ def test_rotation_waits_while_a_sync_holds_the_lock_and_keeps_what_no_sync_verif
                                    "checkpoints/step_00000002": {"manifest_sha256": "0" * 64}})  # another manifest
     step_to(4)
     assert _steps(tmp_path) == [2, 3, 4]  # only the checkpoint verified with its current manifest went
+
+
+def test_a_resume_at_the_last_step_saves_nothing_and_hooks_run_before_each_save(tmp_path):
+    """A finished run resumed (RESUME=auto after its end) does not write its last checkpoint
+    again; every save is preceded by the run's before_save hooks (expert load flushed first)."""
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=2), batches=fakes.Batches(per_epoch=3))
+    seen = []
+    run.before_save.append(lambda st: seen.append((st.step, _steps(tmp_path))))
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=0, total_steps=3)
+    cb.on_start(state)
+    for step in (1, 2, 3):
+        state.step, state.epochs_done, state.last = step, step // 3, {"loss": 4.0 - step}
+        cb.on_step_end(state, fakes.metrics(step))
+        if step == 3:
+            cb.on_epoch_end(state)
+    cb.on_end(state)
+    assert seen == [(2, []), (3, [2])]  # each hook ran before its checkpoint existed
+    assert ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_00000003")["train_loss"] == 1.0
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
+
+    resumed = CheckpointCallback.from_run(fakes.run(tmp_path, cfg=fakes.config(every_steps=2)))
+    finished = TrainState(step=3, total_steps=3)
+    resumed.on_start(finished)
+    resumed.on_end(finished)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == before

@@ -36,3 +36,31 @@ def test_only_sft_and_only_rank_0(tmp_path):
     _epoch_checkpoint(run, tmp_path, 2, 1.0)
     SelectionCallback.from_run(run).on_epoch_end(TrainState(step=2, total_steps=4))
     assert not (tmp_path / "selection.json").exists() and not (tmp_path / "best").exists()
+
+
+def test_a_resume_at_an_epoch_end_adds_the_candidate_the_stopped_run_did_not_publish(tmp_path):
+    """Stopped between writing the last epoch's checkpoint and publishing best/: the resumed run
+    (RESUME=auto of the finished stage) takes that epoch's results from the checkpoint's record."""
+    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), batches=fakes.Batches(per_epoch=2))
+    cb = SelectionCallback.from_run(run)
+    _epoch_checkpoint(run, tmp_path, 2, 3.0)
+    cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0, epochs_done=1, last={"loss": 1.5}))
+    last = tmp_path / "checkpoints" / "step_00000004"
+    last.mkdir(parents=True)
+    (last / "weights").write_text("step 4")
+    (last / "trainer_state.json").write_text(json.dumps({
+        "step": 4, "epoch": 2, "train_loss": 0.75, "eval": {"eval_loss": 2.0, "eval_ppl": 7.4, "eval_tokens": 10},
+        "piqa": {"acc": 0.5, "acc_norm": 0.625}}))
+    assert json.loads((tmp_path / "selection.json").read_text())["selected"]["step"] == 2
+
+    resumed_run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), batches=fakes.Batches(per_epoch=2))
+    SelectionCallback.from_run(resumed_run).on_start(TrainState(step=4, total_steps=4))
+    doc = json.loads((tmp_path / "selection.json").read_text())
+    assert [c["step"] for c in doc["candidates"]] == [2, 4] and doc["selected"]["step"] == 4
+    assert doc["candidates"][1] == {"epoch": 2, "step": 4, "checkpoint": str(last), "eval_loss": 2.0, "eval_ppl": 7.4,
+                                    "eval_tokens": 10, "train_loss": 0.75, "piqa_acc": 0.5, "piqa_acc_norm": 0.625}
+    assert (tmp_path / "best" / "weights").read_text() == "step 4"
+    assert "candidate added from step_00000004 on resume" in resumed_run.progress.messages[-1]
+    before = (tmp_path / "selection.json").read_text()
+    SelectionCallback.from_run(resumed_run).on_start(TrainState(step=4, total_steps=4))  # again: nothing to add
+    assert (tmp_path / "selection.json").read_text() == before
