@@ -6,6 +6,11 @@ import shutil
 # when triton is first imported, so it is set here, before any test module imports it.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under `make test` two xdist workers share the CI machine's two cores with the launches they
+# start (which run with OMP_NUM_THREADS=1): one intra-op thread per worker, set before torch is
+# imported, avoids oversubscription (about 28 % faster for the in-process model and data tests).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_REPO, ".venv", "torch_extensions"))
 # DeepSpeed JIT-builds a small CPU op with ninja; the build is reused only when the same ninja
