@@ -103,3 +103,20 @@ def test_inductor_compiled_model_with_triton_experts_matches_eager_on_cuda(batch
         err = (grads[name].grad.float() - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)
         assert err < 5e-2, name
     assert compiled.backends_used()["experts"] == "triton"
+
+
+def test_expert_load_counting_stays_in_the_graph_and_counts_under_compile(batch):
+    """The trainer always counts routes (expert_load.csv): with counting on, the model still
+    traces as one graph, and a compiled training forward leaves the same counts as eager."""
+    model = make_model()
+    model.track_expert_load = True
+    assert breaks(model, **batch) == (0, [])
+    model.take_expert_load()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(batch["input_ids"], labels=batch["labels"]).backward()
+    counts = model.take_expert_load()
+    flat = batch["input_ids"].reshape(-1)
+    expected = torch.stack([torch.bincount(e.route_table[:, flat].reshape(-1), minlength=ONE_LAYER.num_experts)
+                            for e in model.engines()])
+    assert counts is not None and torch.equal(counts, expected)
