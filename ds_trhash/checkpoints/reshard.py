@@ -9,6 +9,7 @@ universal path. Per-rank RNG states cannot move across world sizes; they are re-
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -275,8 +276,6 @@ def load_engine_state(
         barrier()  # every rank has read it
         if rank == 0:
             remove_dir(cleanup)
-            try:
+            with contextlib.suppress(OSError):  # something else is in it: it stays
                 cleanup.parent.rmdir()  # reshard/ itself, when nothing else is in it
-            except OSError:
-                pass
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ds_trhash.data.tokenizer import load_tokenizer
 from ds_trhash.eval.heldout import heldout_loss
-from ds_trhash.io import write_text_atomic
 from ds_trhash.eval.piqa import PiqaCountWarning, PiqaDataError, evaluate_piqa, read_piqa
+from ds_trhash.io import write_text_atomic
 from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
 
 PIQA_RESULTS = "piqa.jsonl"
@@ -103,8 +103,8 @@ class PiqaCallback(Callback):
         path = self.output_dir / PIQA_RESULTS
         if not path.is_file():
             return
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        before, rows = path.read_text(encoding="utf-8"), []
+        for line in before.splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -114,7 +114,7 @@ class PiqaCallback(Callback):
         for row in rows:
             self.results[row["step"]] = row
         text = "".join(json.dumps(row) + "\n" for row in rows)
-        if text != path.read_text(encoding="utf-8"):
+        if text != before:
             write_text_atomic(path, text)
 
     def on_start(self, state):

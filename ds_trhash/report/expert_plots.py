@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ds_trhash.report.plots import colour, mark_stages, new_figure, save
-from ds_trhash.report.series import StageSeries
+from ds_trhash.report.series import StageSeries, even_split_multiple
 
 LOAD_PLOT, BALANCE_PLOT = "expert_load", "expert_balance"
 LOAD_TITLE = "Per-expert token load per layer (whole stage, 1.0 = an even split)"
@@ -32,8 +32,7 @@ def busiest(stage: StageSeries) -> str:
     load = stage.expert_load
     if load is None:
         return "not recorded"
-    total = load.total.astype(np.float64)
-    relative = total / total.sum(axis=1, keepdims=True).clip(min=1) * total.shape[1]
+    relative = even_split_multiple(load.total)
     layer, expert = np.unravel_index(int(relative.argmax()), relative.shape)
     return f"layer {layer} expert {expert}: {relative[layer, expert]:.3f} x an even split"
 
@@ -41,10 +40,7 @@ def busiest(stage: StageSeries) -> str:
 def render_load_maps(stages: list[StageSeries], out: Path) -> Path:
     shown = with_load(stages)
     fig = new_figure()
-    maps = []
-    for _, s in shown:
-        total = s.expert_load.total.astype(np.float64)
-        maps.append(total / total.sum(axis=1, keepdims=True).clip(min=1) * total.shape[1])
+    maps = [even_split_multiple(s.expert_load.total) for _, s in shown]
     spread = max(float(np.abs(m - 1.0).max()) for m in maps) or 0.05
     image = None
     for k, ((i, s), m) in enumerate(zip(shown, maps)):
@@ -72,8 +68,7 @@ def render_balance(stages: list[StageSeries], out: Path) -> Path:
     fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
     for i, s in with_load(stages):
-        relative = s.expert_load.relative()  # [rows, layers, experts]
-        peak = relative.max(axis=2)  # [rows, layers]
+        peak = even_split_multiple(s.expert_load.counts).max(axis=2)  # [rows, layers]
         for layer in range(peak.shape[1]):
             ax.plot(s.expert_load.steps, peak[:, layer], color=colour(i), linewidth=1, alpha=0.6,
                     marker="." if len(peak) < 20 else None, label=s.stage if layer == 0 else None)

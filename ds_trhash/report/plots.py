@@ -40,13 +40,6 @@ def has_data(plot: Plot, stages: list[StageSeries]) -> bool:
     return any(s.values[c] for s in stages for c in plot.columns)
 
 
-def _mark_boundaries(ax, stages: list[StageSeries]) -> None:
-    for i, s in enumerate(stages):
-        ax.axvline(s.offset, color=colour(i), linestyle="--", linewidth=1, alpha=0.8)
-        ax.annotate(s.stage, xy=(s.offset, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                    textcoords="offset points", color=colour(i), fontsize=8)
-
-
 def _draw(ax, plot: Plot, stages: list[StageSeries]) -> None:
     for i, s in enumerate(stages):
         c = colour(i)
@@ -85,7 +78,10 @@ def save(fig, out: Path, name: str) -> Path:
 
 def mark_stages(ax, stages: list[StageSeries]) -> None:
     """Stage boundaries on a shared-step-axis plot: a dashed line and the stage's name."""
-    _mark_boundaries(ax, stages)
+    for i, s in enumerate(stages):
+        ax.axvline(s.offset, color=colour(i), linestyle="--", linewidth=1, alpha=0.8)
+        ax.annotate(s.stage, xy=(s.offset, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", color=colour(i), fontsize=8)
     ax.set_xlabel("optimizer step (stages end to end)")
     ax.grid(True, alpha=0.3)
 

@@ -40,11 +40,12 @@ class ExpertLoad:
         """[layers, experts] routes over the whole stage."""
         return self.counts.sum(axis=0)
 
-    def relative(self) -> np.ndarray:
-        """[rows, layers, experts]: each expert's share of its layer's routes times the number of
-        experts (1.0 = an even split)."""
-        sums = self.counts.sum(axis=2, keepdims=True).clip(min=1)
-        return self.counts / sums * self.counts.shape[2]
+
+def even_split_multiple(counts: np.ndarray) -> np.ndarray:
+    """Counts [..., experts] -> each expert's share of its layer's routes times the number of
+    experts: 1.0 is an even split (any leading shape: one interval, all intervals, a stage)."""
+    sums = counts.sum(axis=-1, keepdims=True).clip(min=1)
+    return counts / sums * counts.shape[-1]
 
 
 @dataclass

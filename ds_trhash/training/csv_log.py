@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["CsvLog", "CsvLogError"]
+__all__ = ["CsvLog", "MetricsError"]
 
 
-class CsvLogError(ValueError):
-    """The file cannot be extended as asked (a header from another layout)."""
+class MetricsError(ValueError):
+    """A run's metrics file cannot be written as asked (unknown column, a header from another layout)."""
 
 
 class CsvLog:
@@ -27,7 +27,7 @@ class CsvLog:
     None keeps every complete row."""
 
     def __init__(self, path: str | os.PathLike, columns: Sequence[str], rank: int,
-                 resume_step: int | None = None, error: type[Exception] = CsvLogError):
+                 resume_step: int | None = None):
         self.path = Path(path)
         self.columns = tuple(columns)
         self._fh = None
@@ -39,7 +39,7 @@ class CsvLog:
             with self.path.open("r", encoding="utf-8", newline="") as fh:
                 found = fh.readline().rstrip("\r\n")
             if found != header:
-                raise error(
+                raise MetricsError(
                     f"{self.path}: existing header differs from this trainer's columns; refusing to mix "
                     f"column sets in one file (move the file away or use a new output_dir).\n"
                     f"  found:    {found}\n  expected: {header}")

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.training.csv_log import CsvLog
-from ds_trhash.training.metrics import MetricsError
 
 __all__ = ["EXPERT_LOAD_FILE", "ExpertLoadWriter", "columns", "gather_expert_load", "load_shares"]
 
@@ -56,7 +55,7 @@ class ExpertLoadWriter:
 
     def __init__(self, path: str | os.PathLike, num_experts: int, rank: int, resume_step: int | None = None):
         self.num_experts = num_experts
-        self._log = CsvLog(path, columns(num_experts), rank, resume_step, error=MetricsError)
+        self._log = CsvLog(path, columns(num_experts), rank, resume_step)
 
     def write(self, step: int, from_step: int, counts: torch.Tensor) -> None:
         if counts.dim() != 2 or counts.shape[1] != self.num_experts:

@@ -8,6 +8,7 @@ naming what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -113,10 +114,8 @@ def probe_writable(output_dir: Path) -> None:
     except OSError as exc:
         raise LaunchCheckError(f"cannot write to {target}: {exc.strerror or exc}; choose a writable --output-dir") from None
     finally:
-        try:
+        with contextlib.suppress(OSError):  # never created, or already refused above
             probe.unlink()
-        except OSError:
-            pass
 
 
 # ----------------------------------------------------------------------------- init checkpoint

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_trhash.training.csv_log import CsvLog
+from ds_trhash.training.csv_log import CsvLog, MetricsError
 
 __all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
 
@@ -29,10 +29,6 @@ PPL_LOSS_CAP = 100.0
 _FORMATS = {"train_loss": ".6f", "eval_loss": ".6f", "train_loss_avg": ".6f", "grad_norm": ".6e",
             "step_time": ".4f", "train_ppl": ".4f", "eval_ppl": ".4f",
             "lr": ".6e", "tok_s": ".1f", "epoch": ".4f"}
-
-
-class MetricsError(ValueError):
-    """metrics.csv cannot be written as asked (unknown column, a header from another layout)."""
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -66,7 +62,7 @@ class MetricsWriter:
         self.path = Path(path)
         self.rank = rank
         self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.monitor)
-        self._log = CsvLog(self.path, COLUMNS, rank, resume_step, error=MetricsError)
+        self._log = CsvLog(self.path, COLUMNS, rank, resume_step)
 
     def write(self, step: int, **values: Any) -> None:
         """One row; missing columns stay empty. ``train_ppl``/``eval_ppl`` follow from the losses."""

@@ -10,6 +10,7 @@ bytes on every filesystem, so the tests can provoke a full disk. Unset in real r
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import resource
@@ -64,13 +65,11 @@ class Devices:
 def host_memory() -> tuple[int, int]:
     """(available, total) host RAM in bytes, from /proc/meminfo where it exists."""
     fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                fields[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    # no /proc/meminfo, or an unreadable line: sysconf below answers instead
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            fields[key] = int(rest.split()[0]) * 1024
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     total = fields.get("MemTotal", pages * size)
     return fields.get("MemAvailable", os.sysconf("SC_AVPHYS_PAGES") * size), total

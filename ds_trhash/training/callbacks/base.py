@@ -82,6 +82,11 @@ class RunContext:
     last_checkpoint: Path | None = None
 
 
+def is_epoch_end(batches: Any, step: int) -> bool:
+    """Whether optimizer step ``step`` (> 0) completes an epoch of ``batches`` (loop.StepBatches)."""
+    return step > 0 and batches.epoch_of(step) != batches.epoch_of(step - 1)
+
+
 def build_callbacks(parts: list[type[Callback]], cfg: Any) -> list[Builder]:
     """``prepare`` of every part, in order, before the model: the builders of those the config asks for."""
     return [b for b in (part.prepare(cfg) for part in parts) if b is not None]

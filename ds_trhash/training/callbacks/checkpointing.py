@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
 from ds_trhash.training.checkpoint_plan import cadence_reason
 
 
@@ -31,10 +31,6 @@ class CheckpointCallback(Callback):
     @classmethod
     def from_run(cls, run: RunContext) -> "CheckpointCallback":
         return cls(run)
-
-    def is_epoch_end(self, step: int) -> bool:
-        batches = self.run.batches
-        return batches.epoch_of(step) != batches.epoch_of(step - 1)
 
     def save(self, state, reason: str, extra: dict | None = None):
         if state.step == self.last_saved:
@@ -70,7 +66,7 @@ class CheckpointCallback(Callback):
 
     def on_step_end(self, state, metrics):
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
-        if self.is_epoch_end(state.step):
+        if is_epoch_end(self.run.batches, state.step):
             return
         reason = "stop signal" if state.stop_requested else cadence_reason(state.step, self.every, self.protect)
         if reason:

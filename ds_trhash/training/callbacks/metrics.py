@@ -2,10 +2,10 @@
 
 Each row carries the train loss averaged over the steps since the previous row besides the
 step's own; the writer passes every row on to DeepSpeed's monitors. At the same steps the
-per-expert token routes counted since the previous row go to ``expert_load.csv`` (summed over
-the ranks; also right before each checkpoint, so that a resume from any checkpoint finds every
-route up to its step recorded), and on the regular rows the monitors also get peak memory, MFU (where the device's
-peak is known) and each expert's share of its layer's routes.
+per-expert token routes counted since the previous row go to ``expert_load.csv``, summed over
+the ranks (also right before each checkpoint, so that a resume from any checkpoint finds every
+route up to its step recorded). On the regular rows the monitors also get peak memory, MFU
+(where the device's peak is known) and each expert's share of its layer's routes.
 """
 from __future__ import annotations
 

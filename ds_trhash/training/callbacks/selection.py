@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
 from ds_trhash.training.selection import Candidate, publish
 
 
@@ -30,8 +30,8 @@ class SelectionCallback(Callback):
         if state.step > 0 and path.is_file():
             done = json.loads(path.read_text())["candidates"]
             self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
-        epoch_end = state.step > 0 and run.batches.epoch_of(state.step) != run.batches.epoch_of(state.step - 1)
-        if run.rank != 0 or not epoch_end or any(c.step == state.step for c in self.candidates):
+        missing = is_epoch_end(run.batches, state.step) and all(c.step != state.step for c in self.candidates)
+        if run.rank != 0 or not missing:
             return
         checkpoint = ckpt.checkpoints_root(run.output_dir) / ckpt.step_dir_name(state.step)
         saved = ckpt.read_trainer_state(checkpoint)

@@ -1,7 +1,5 @@
-"""The report's per-expert load: expert_load.csv read back (complete steps only, on the shared
-step axis), the two figures drawn from it, and the key fact."""
+"""The report's per-expert load figures and key fact, drawn from expert_load.csv."""
 import numpy as np
-import pytest
 from matplotlib.image import imread
 
 from ds_trhash.report.expert_plots import busiest, render_balance, render_load_maps
@@ -9,19 +7,6 @@ from ds_trhash.report.plots import DPI, HEIGHT_IN, WIDTH_IN
 from ds_trhash.report.series import StageSeries, read_expert_load
 
 HEADER = "step,from_step,layer,expert_0,expert_1,expert_2\n"
-
-
-def test_only_steps_with_every_layer_are_read(tmp_path):
-    path = tmp_path / "expert_load.csv"
-    path.write_text(HEADER + "2,0,0,4,4,4\n2,0,1,6,3,3\n4,2,0,2,2,8\n4,2,1,4,4,4\n6,4,0,1,1,10\n6,4,1,4")
-    load = read_expert_load(path, offset=100)  # step 6: layer 1 torn by a live writer, left out
-    assert load.steps == [102, 104] and load.from_steps == [100, 102]
-    assert load.counts.shape == (2, 2, 3) and load.counts[1, 0].tolist() == [2, 2, 8]
-    assert load.total.tolist() == [[6, 6, 12], [10, 7, 7]]
-    assert load.relative()[0, 1].tolist() == pytest.approx([1.5, 0.75, 0.75])  # 6 of 12 routes, 3 experts
-    assert read_expert_load(tmp_path / "absent.csv", offset=0) is None
-    (tmp_path / "header_only.csv").write_text(HEADER)
-    assert read_expert_load(tmp_path / "header_only.csv", offset=0) is None
 
 
 def _stage(tmp_path, name, offset, counts):
