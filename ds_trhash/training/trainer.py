@@ -231,13 +231,18 @@ class OutputSide:
     damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
 
 
+def requested_resume(args) -> str | None:
+    """``--resume`` or else ``RESUME`` ("auto", a checkpoint directory), None for neither."""
+    return args.resume or os.environ.get("RESUME") or None
+
+
 def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     """Refusals that need only the command line and the output directory. The launcher runs
     them before the process group exists (a refused launch fails in its first seconds), and
     nothing is written until all of them and the data checks pass."""
     output_dir = Path(cfg.output_dir)
     say = log.info if rank == 0 else (lambda *_: None)
-    resume_choice = args.resume or os.environ.get("RESUME") or None
+    resume_choice = requested_resume(args)
     damaged: list = []
     if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
         ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
@@ -259,10 +264,6 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     return OutputSide(resume_dir, saved, init_dir, damaged)
 
 
-def resume_is_auto(args) -> bool:
-    return (args.resume or os.environ.get("RESUME") or None) == "auto"
-
-
 def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
     """An exact resume continues the saved run: every training-critical setting, the world size
     (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
@@ -270,7 +271,7 @@ def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved
         saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
         total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
         plan_sha256=data.plan.sha256 if data.plan is not None else None,
-        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=resume_is_auto(args),
+        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=requested_resume(args) == "auto",
     )
     launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
     return ckpt.is_reshard(saved, world, args.reshard)
