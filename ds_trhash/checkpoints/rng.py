@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from ds_trhash.errors import UserError
+
 
 FORMAT = "ds-trhash-rng-v1"
 _PIECES = ("python", "numpy", "torch_cpu", "cuda")
 
 
-class RNGStateError(RuntimeError):
+class RNGStateError(UserError, RuntimeError):
     """An RNG state that cannot be restored exactly; resuming would not reproduce the run."""
 
 

@@ -14,9 +14,11 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from ds_trhash.errors import UserError
 
 
-class StageError(ValueError):
+
+class StageError(UserError, ValueError):
     """A launch that would start a stage from the wrong source; the message says how to fix it."""
 
 

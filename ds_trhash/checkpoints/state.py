@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
 
 CHECKPOINTS = "checkpoints"
@@ -28,7 +29,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 Log = Callable[[str], None]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written, read or trusted; the message says which and why."""
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from .plan import PlanLike, plan_doc
+from ds_trhash.errors import UserError
+
 
 DEFAULT_PACKS = 40
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError, ValueError):
     """A requested step count or token target does not fit the plan."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file
 
 from .shards import MANIFEST_FILE, load_manifest
@@ -36,7 +37,7 @@ _CHUNK = 1 << 20
 Key = tuple[str, str]
 
 
-class CacheError(ValueError):
+class CacheError(UserError, ValueError):
     """The cache cannot serve a shard (unknown shard, missing source file, too small a bound)."""
 
 

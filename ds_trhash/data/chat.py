@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX  # re-exported: the data layer writes it into labels
 
 CHAT_TEMPLATE_ID = "complexity-chat-v2"
@@ -76,7 +77,7 @@ CHAT_TEMPLATE_JINJA = (
 )
 
 
-class ChatError(ValueError):
+class ChatError(UserError, ValueError):
     """A conversation the template cannot render or supervise.
 
     `code` is a stable short reason (used to count dropped examples); the message says what

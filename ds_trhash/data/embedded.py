@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import publish_dir, sha256_file
 
 from .plan import build_plan, derive_refinement, write_plan
@@ -45,7 +46,7 @@ _CHAT_MARGIN = 8
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-class EmbeddedError(ValueError):
+class EmbeddedError(UserError, ValueError):
     """The demo corpus cannot be built with the requested settings."""
 
 

@@ -15,6 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, sha256_file
 
 from .shards import check_source_name
@@ -53,7 +54,7 @@ FINGERPRINT_KEYS = (
 FINGERPRINT_SOURCES_KEY = "sources"
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan is malformed, inconsistent, changed, or breaks a refinement rule (``rule``)."""
 
     def __init__(self, message: str, rule: Optional[str] = None) -> None:

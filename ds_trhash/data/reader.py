@@ -33,6 +33,8 @@ from .cache import ShardCache
 from .plan import PlanLike, plan_doc, validate_plan_doc
 from .shards import MANIFEST_FILE, load_manifest, read_rows
 from .tokenizer import PathLike
+from ds_trhash.errors import UserError
+
 
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
@@ -42,7 +44,7 @@ _LOOKAHEAD_MICRO_BATCHES = 2
 RowRef = tuple[str, str, int]  # (source, file, row within the file)
 
 
-class ReaderError(ValueError):
+class ReaderError(UserError, ValueError):
     """A batch asks for rows the plan does not hold, or a batch layout is invalid."""
 
 

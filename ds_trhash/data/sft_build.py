@@ -33,6 +33,7 @@ from ds_trhash.data.chat import (
     tokenize_example,
 )
 from ds_trhash.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_file, tokenizer_sha256
+from ds_trhash.errors import UserError
 from ds_trhash.io import publish_dir, sha256_file, write_json
 
 MANIFEST_FORMAT = "tr-hash-sft-manifest-v1"
@@ -48,7 +49,7 @@ DEFAULT_CAPABILITY = "general"
 MAX_LISTED_ERRORS = 20
 
 
-class SFTBuildError(ValueError):
+class SFTBuildError(UserError, ValueError):
     """The SFT set cannot be built; the message lists what is wrong and how to fix it."""
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, PAD_ID, SUPERVISION_MODES
+from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import (
@@ -40,7 +41,7 @@ REBUILD = "rebuild the set with `ds-trhash sft build`"
 _CHECK_CHUNK_TOKENS = 1 << 24  # bounds the memory of the token checks on large sets
 
 
-class SFTDataError(ValueError):
+class SFTDataError(UserError, ValueError):
     """The SFT set cannot be used as configured; the message names the file/field and the fix."""
 
 

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, publish_dir
 
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_sha256
@@ -37,7 +38,7 @@ _SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _ENCODE_BATCH = 256
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """Shard data or a manifest is inconsistent with what the caller asked for."""
 
 

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Union
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -24,7 +25,7 @@ BYTE_ALPHABET_SIZE = 256
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A tokenizer file is missing, malformed, or has the wrong special-token ids."""
 
 

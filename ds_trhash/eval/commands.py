@@ -21,6 +21,7 @@ import torch
 from ds_trhash.checkpoints import CheckpointError, load_merged_weights
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
+from ds_trhash.errors import UserError
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
 from ds_trhash.io import read_json_object, sha256_file, write_json_atomic
@@ -30,7 +31,7 @@ EXIT_ERROR = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class EvalCommandError(ValueError):
+class EvalCommandError(UserError, ValueError):
     """Arguments or inputs the command cannot use."""
 
 

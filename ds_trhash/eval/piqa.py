@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
+from ds_trhash.errors import UserError
+
 
 PIQA_VALIDATION_SIZE = 1838
 PAD_ID = 1  # docs/contracts.md §5 <pad>; right padding is never attended to by a real token (causal mask)
 FIELDS = ("goal", "sol1", "sol2")
 
 
-class PiqaDataError(ValueError):
+class PiqaDataError(UserError, ValueError):
     """The PIQA input cannot be used; the message names the file and line."""
 
 

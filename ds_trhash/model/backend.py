@@ -44,6 +44,8 @@ from .attention import ROPE_BACKENDS
 from .experts import EXPERT_BACKENDS
 from .loss import LOSS_BACKENDS
 from .norms import NORM_BACKENDS
+from ds_trhash.errors import UserError
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ MAX_TRITON_EXPERT_WIDTH = 256
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class BackendError(RuntimeError):
+class BackendError(UserError, RuntimeError):
     """A requested kernel backend cannot run here; the message says why and what to do."""
 
 

@@ -57,6 +57,8 @@ from deepspeed.moe.layer import MoE
 from torch import nn
 
 from .experts import routed_experts_pytorch
+from ds_trhash.errors import UserError
+
 
 # torch 2.13 marks the autograd all_to_all of torch.distributed.nn.functional deprecated (in
 # favour of the private _functional_collectives); it is the public autograd-aware collective.
@@ -68,7 +70,7 @@ STACKED_NAMES = ("expert_gate", "expert_up", "expert_down")
 LOCAL_NAMES = ("gate", "up", "down")  # per-expert parameters, in STACKED_NAMES order
 
 
-class ExpertParallelError(RuntimeError):
+class ExpertParallelError(UserError, RuntimeError):
     """An expert-parallel set-up that cannot be honoured (sizes, groups, LoRA, checkpoints)."""
 
 

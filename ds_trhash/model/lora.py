@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .transformer import TRHashForCausalLM, TRHashMoEEngine
+from ds_trhash.errors import UserError
+
 
 __all__ = [
     "LoRAError",
@@ -65,7 +67,7 @@ _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 _EXPERT_ADAPTER_SUFFIX = "_lora"
 
 
-class LoRAError(ValueError):
+class LoRAError(UserError, ValueError):
     """A LoRA set-up or a checkpoint/mode combination that must not run; message is for the user."""
 
 

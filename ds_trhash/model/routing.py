@@ -11,6 +11,8 @@ from itertools import combinations
 
 import numpy as np
 import torch
+from ds_trhash.errors import UserError
+
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
@@ -18,7 +20,7 @@ _CHANNEL_STEP = 0x85EBCA77
 _EXPERT_XOR = 0xC2B2AE3D
 
 
-class RouteTableError(ValueError):
+class RouteTableError(UserError, ValueError):
     """A route table that must not be used: training on it would silently change the model."""
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
+from ds_trhash.errors import UserError
 from ds_trhash.ops.manifest import Manifest, ManifestError, looks_secret
 from ds_trhash.ops.render import LISTENER, PID_NAME, SOCKET_NAME, secrets_held, write_config
 
@@ -31,7 +32,7 @@ Log = Callable[[str], None]
 START_TIMEOUT_S = 30.0
 
 
-class JobsError(RuntimeError):
+class JobsError(UserError, RuntimeError):
     """supervisord did not do what was asked (did not start, did not stop everything)."""
 
 

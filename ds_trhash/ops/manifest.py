@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+from ds_trhash.errors import UserError
+
 
 MANIFEST_VERSION = 1
 RESTART_POLICIES = ("on-failure", "always", "never")
@@ -31,7 +33,7 @@ TRAIN_ENTRY = PurePosixPath("launch/train.py")
 STOP_WAIT_SECONDS = {"training": 600, "command": 30}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """The manifest cannot be used as written; the message names file, job, key and the fix."""
 
 

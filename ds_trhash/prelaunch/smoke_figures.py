@@ -8,9 +8,11 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from ds_trhash.errors import UserError
 
 
-class FiguresError(RuntimeError):
+
+class FiguresError(UserError, RuntimeError):
     """A launch left no usable record of what it measured."""
 
 

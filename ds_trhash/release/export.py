@@ -37,6 +37,7 @@ import torch
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
+from ds_trhash.errors import UserError
 from ds_trhash.io import fsync_path, publish_dir, read_json_object, sha256_file, write_json
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
@@ -65,7 +66,7 @@ ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
 ROTARY_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """An export that cannot be written or trusted; nothing is left at the destination."""
 
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
 
 
-class GenerateError(ValueError):
+class GenerateError(UserError, ValueError):
     """A model directory or request that cannot be served; the message says how to fix it."""
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
+from ds_trhash.errors import UserError
 from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
 
@@ -47,7 +48,7 @@ _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
 Log = Callable[[str], None]
 
 
-class SyncError(RuntimeError):
+class SyncError(UserError, RuntimeError):
     """A sync that did not complete; ``report`` says what was done before it stopped."""
 
     def __init__(self, message: str, report: "SyncReport | None" = None):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
 from ds_trhash.training.engine import describe_hardware
@@ -32,7 +33,7 @@ RECORD_FIELDS = (
 )
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """The run record cannot be built from what was given (not a run folder, unknown field)."""
 
 

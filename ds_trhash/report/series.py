@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from ds_trhash.checkpoints import CHECKPOINTS, CheckpointError, list_checkpoints, read_trainer_state
+from ds_trhash.errors import UserError
 from ds_trhash.training.expert_load import EXPERT_LOAD_FILE
 from ds_trhash.training.metrics import METRICS_FILE
 
 COLUMNS = ("train_loss", "eval_loss", "lr", "tok_s", "grad_norm", "tokens_seen")
 
 
-class NotARunError(ValueError):
+class NotARunError(UserError, ValueError):
     """A directory given as a run holds no training output."""
 
 

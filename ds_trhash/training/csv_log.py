@@ -13,11 +13,13 @@ import io
 import os
 from pathlib import Path
 from typing import Sequence
+from ds_trhash.errors import UserError
+
 
 __all__ = ["CsvLog", "MetricsError"]
 
 
-class MetricsError(ValueError):
+class MetricsError(UserError, ValueError):
     """A run's metrics file cannot be written as asked (unknown column, a header from another layout)."""
 
 

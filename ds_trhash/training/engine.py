@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_trhash.errors import UserError
 from ds_trhash.training.schedule import build_scheduler
 
 
@@ -26,7 +27,7 @@ def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPES[precision]
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """A configuration DeepSpeed cannot run, found before any training step."""
 
 

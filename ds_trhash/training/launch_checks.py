@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file
 
 Log = Callable[[str], None]
@@ -21,7 +22,7 @@ Log = Callable[[str], None]
 DAMAGED_SUFFIX = ".damaged-"
 
 
-class LaunchCheckError(ValueError):
+class LaunchCheckError(UserError, ValueError):
     """A launch that must not start; the message says why and what to do."""
 
 

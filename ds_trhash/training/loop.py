@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.training.callbacks.base import Callback
 
@@ -78,7 +79,7 @@ def _all_reduce_counts(values: list[int]) -> list[int]:
     return [int(v) for v in t]
 
 
-class LabelError(ValueError):
+class LabelError(UserError, ValueError):
     """Labels that no loss can use: training on them would be silently wrong."""
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.cpp_extension import _get_build_directory
 
 from ds_trhash.data.cache import cache_bytes_from
+from ds_trhash.errors import UserError
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.footprint import GIB, Footprint, estimate, gib
@@ -46,7 +47,7 @@ class Check:
         return self.status == FAIL
 
 
-class ResourceError(RuntimeError):
+class ResourceError(UserError, RuntimeError):
     """The machine cannot run this stage as configured; the message says how to fix it."""
 
 

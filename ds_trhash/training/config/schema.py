@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable, Literal
 
+from ds_trhash.errors import UserError
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
@@ -19,7 +20,7 @@ SFT = "supervised-finetuning"
 # weights are switched by `lora.experts`.
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that must not be launched; the message is meant for the user as is."""
 
     def __init__(self, source: str, key: str, problem: str):
