@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ds_trhash import demo
+from ds_trhash.errors import UserError
 from ds_trhash.data import commands as data_commands
 from ds_trhash.data import sft_commands
 from ds_trhash.eval import commands as eval_commands
@@ -46,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:  # an expected refusal: one line, its exit status
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import CheckpointError, load_merged_weights
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
@@ -228,13 +229,6 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="checkpoints/step_<N> of a run, or an export directory (model.safetensors)")
@@ -255,16 +249,16 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
     p.add_argument("--data", required=True, metavar="PIQA.jsonl", help="JSONL with goal, sol1, sol2, label")
     p.add_argument("--labels", metavar="FILE", help="labels file (valid-labels.lst), one 0/1 per line")
-    p.add_argument("--max-len", type=_positive, default=2048, help="model context; longer inputs lose their oldest context tokens")
-    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--max-len", type=positive_int, default=2048, help="model context; longer inputs lose their oldest context tokens")
+    p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
     p.set_defaults(func=_guarded(_piqa))
 
     p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (docs/contracts.md §8)")
     _model_options(p, "auto: float32")
     p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
-    p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")
-    p.add_argument("--micro-batch", type=_positive, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="packing window (default: the set's sequence cap)")
+    p.add_argument("--micro-batch", type=positive_int, default=16)
     p.add_argument("--policy", choices=("cross_document", "per_document"), default=None,
                    help="packing policy (default: the one the checkpoint was trained with; a different one warns)")
     p.set_defaults(func=_guarded(_heldout))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
 from ds_trhash.release import hub
 from ds_trhash.release.hub import SyncError, redact, summary
@@ -80,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="delete local checkpoints verified on the Hub, beyond the newest --keep-last")
     syn.add_argument("--keep-last", type=int, default=1)
     syn.add_argument("--dry-run", action="store_true", help="read the Hub, upload and delete nothing")
-    syn.add_argument("--lock-timeout", type=float, default=0.0,
+    syn.add_argument("--lock-timeout", type=nonnegative_float, default=0.0,
                      help="seconds to wait for another sync's lock (default: fail at once)")
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)

@@ -19,6 +19,7 @@ from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import EngineError, init_distributed
 from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.errors import UserError
 from ds_trhash.training.trainer import USER_ERRORS, check_output_side, run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -57,7 +58,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     overrides = list(args.set)
-    if args.output_dir:
+    if args.output_dir is not None:
+        if not args.output_dir.strip():
+            raise tcfg.ConfigError("--output-dir", "output_dir", "is empty; pass the directory the run writes to")
         overrides.append(f"output_dir={args.output_dir}")
     if args.max_steps is not None:
         if args.max_steps < 1:
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
         checked = check_output_side(cfg, args, env_rank)
-    except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
+    except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError, UserError) as e:
         if env_rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
                       f"checkpoint ({state.stop_reason}); exiting 0")
     except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError,
-            LaunchCheckError) as e:
+            LaunchCheckError, UserError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash import outputs
 from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 from ds_trhash.data.budget import BudgetError
@@ -198,6 +199,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "plan_sha256": data.plan.sha256 if data.plan is not None else None,
             "plan_doc": data.plan.doc if data.plan is not None else None,
             "init_checkpoint": str(init_dir) if init_dir else None,
+            "output_dir": str(Path(cfg.output_dir).resolve()),  # a copy elsewhere is another run's (--fork)
             "lora": cfg.lora.enabled,
             "backends_used": model.backends_used(),  # the checkpointing callback passes the training step's
             "model_config": model_cfg.to_dict(),
@@ -228,7 +230,7 @@ class OutputSide:
     resume_dir: object | None  # CheckpointInfo
     saved: dict | None  # its trainer_state.json
     init_dir: str | None
-    damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
+    damaged: list  # (name, why) of checkpoints to set aside: all (--allow-fresh-over-damaged) or those newer than resume_dir
 
 
 def requested_resume(args) -> str | None:
@@ -246,17 +248,21 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     damaged: list = []
     if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
         ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    launch_checks.check_flags(args, resume_choice)
+    outputs.check_dir_target("--output-dir", output_dir)
     if resume_choice == "auto":
         resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
     else:
         resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
-    if resume_dir is not None and resume_choice != "auto":
-        launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
     saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    explicit = resume_dir.path if resume_dir is not None and resume_choice != "auto" else None
     init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    launch_checks.check_not_own_source(output_dir, init_dir, explicit)
+    if explicit is not None:
+        launch_checks.check_resume_source(explicit, output_dir, args.fork, saved.get("output_dir"))
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
-    if not damaged:
+    if not damaged or resume_dir is not None:
         ckpt.check_output_dir_stage(output_dir, cfg.stage)
     if saved is None and resume_choice is None:
         launch_checks.check_fresh_output_dir(output_dir)
@@ -308,8 +314,11 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
 
     # --- every check passed: from here on the launch writes
     if damaged:
-        if rank == 0:
+        if rank == 0 and resume_dir is None:
             launch_checks.set_aside_damaged(output_dir, time.strftime("%Y%m%dT%H%M%S"), log=say)
+        elif rank == 0:  # --resume auto fell back past them: the run saves those step names again
+            launch_checks.set_aside_checkpoints(output_dir, [name for name, _ in damaged],
+                                                time.strftime("%Y%m%dT%H%M%S"), log=say)
         _barrier()
     if data.start is not None:
         data.start()

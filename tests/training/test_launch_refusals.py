@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.embedded import build_embedded
+from ds_trhash.training.launcher import main as launcher_main
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
@@ -111,5 +113,68 @@ def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_fin
     # A run directory names its final complete checkpoint, said at start (this launch is then
     # refused for writing into a pretraining run's directory, before anything is written).
     err = _refused(root, _args(root / "base", "--init-checkpoint", str(root / "base"), config="refine"),
-                   "already holds 'pretraining' checkpoints")
+                   f"--output-dir {root / 'base'} holds --init-checkpoint")
     assert f"the run's final complete checkpoint is {root / 'base' / 'checkpoints' / 'step_00000002'}" in err
+
+
+# --- in-process refusals (launcher.main returns before the process group or the model exists)
+
+
+def _refused_here(capsys, root: Path, argv: list[str], *needles: str) -> str:
+    before = tree_digest(root)
+    rc = launcher_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err[-3000:]
+    assert tree_digest(root) == before, "a refused launch changed files"
+    return err
+
+
+def test_a_launch_never_writes_into_its_init_checkpoint_or_the_run_holding_it(root, capsys):
+    step2 = root / "base" / "checkpoints" / "step_00000002"
+    for out, how in ((step2, "is"), (step2 / "refined", "is inside"), (root, "holds"),
+                     (root / "base" / "refined", "is inside")):
+        err = _refused_here(capsys, root, _args(out, "--init-checkpoint", str(step2), config="refine"),
+                            f"--output-dir {out} {how} ")
+        assert str(step2) in err and "writing there would change what this command reads" in err
+    # a fork of another run's checkpoint may not land inside (or over) that run either
+    _refused_here(capsys, root, _args(root / "base" / "fork", "--resume", str(step2), "--fork"),
+                  f"--output-dir {root / 'base' / 'fork'} is inside the run holding --resume {step2}")
+
+
+def test_modifiers_without_their_option_and_an_empty_or_file_output_dir_are_refused(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    _refused_here(capsys, tmp_path, _args(out, "--fork"), "--fork modifies --resume DIR")
+    _refused_here(capsys, tmp_path, _args(out, "--fork", "--resume", "auto"), "--fork modifies --resume DIR")
+    _refused_here(capsys, tmp_path, _args(out, "--allow-fresh-over-damaged"),
+                  "--allow-fresh-over-damaged modifies --resume auto")
+    _refused_here(capsys, tmp_path, _args(""), "--output-dir: output_dir: is empty")
+    (tmp_path / "file").write_text("x")
+    _refused_here(capsys, tmp_path, _args(tmp_path / "file"), f"--output-dir {tmp_path / 'file'} is a regular file")
+    _refused_here(capsys, tmp_path, _args(tmp_path / "file" / "run"),
+                  f"lies below the regular file {tmp_path / 'file'}")
+
+
+def test_resume_of_another_runs_checkpoint_copied_under_this_output_dir_needs_fork(root, capsys):
+    copy = root / "copied"
+    shutil.copytree(root / "base" / "checkpoints" / "step_00000001", copy / "checkpoints" / "step_00000001")
+    _refused_here(capsys, root, _args(copy, "--resume", str(copy / "checkpoints" / "step_00000001")),
+                  f"was saved by the run in {root / 'base'}", "--fork")
+
+
+def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_before_training_on(root):
+    run = root / "newest-damaged"
+    shutil.copytree(root / "base", run)
+    state = sorted((run / "checkpoints" / "step_00000002" / "state").rglob("*.pt"))[0]
+    damaged_bytes = state.read_bytes()[:-16]
+    state.write_bytes(damaged_bytes)
+    proc = L.single(_args(run, "--resume", "auto"))
+    assert proc.returncode == 0, L.explain(proc)
+    assert "resume auto: set aside the damaged step_00000002.damaged-" in proc.stderr, L.explain(proc)
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_00000002.damaged-")]
+    assert len(aside) == 1
+    assert (aside[0] / state.relative_to(run / "checkpoints" / "step_00000002")).read_bytes() == damaged_bytes
+    assert L.checkpoint_steps(run) == [1, 2]
+    assert ckpt.verify(run / "checkpoints" / "step_00000002")[0]  # the step trained again, written anew
