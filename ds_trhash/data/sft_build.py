@@ -35,7 +35,7 @@ from ds_trhash.data.chat import (
 from ds_trhash.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_file, tokenizer_sha256
 from ds_trhash import outputs
 from ds_trhash.errors import UserError
-from ds_trhash.io import publish_dir, sha256_file, write_json
+from ds_trhash.io import publish_dir, sha256_file, utf8_lines, write_json
 
 MANIFEST_FORMAT = "tr-hash-sft-manifest-v1"
 INDEX_FORMAT = "tr-hash-sft-bin-v1"
@@ -116,9 +116,9 @@ def _write_partition(out: Path, name: str, source: Path, source_name: str, token
         raise SFTBuildError(f"{name} input {source} does not exist; pass a chat JSONL file")
     out.mkdir()
     stats = PartitionStats(source={"partition": name, "name": source_name, "file": source.name, "sha256": sha256_file(source)})
-    with open(source, encoding="utf-8") as lines, open(out / "input_ids.bin", "wb") as ids_f, \
+    with open(out / "input_ids.bin", "wb") as ids_f, \
             open(out / "labels.bin", "wb") as labels_f, open(out / "examples.jsonl", "w", encoding="utf-8") as index_f:
-        for line_no, line in enumerate(lines, start=1):
+        for line_no, line in enumerate(utf8_lines(source, SFTBuildError), start=1):
             if not line.strip():
                 continue
             try:

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Union
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_trhash.errors import UserError
-from ds_trhash.io import sha256_file
+from ds_trhash.io import read_utf8, sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<s>", "<unk>"
@@ -40,7 +40,7 @@ def _texts_from(source: Iterable[object]) -> Iterator[str]:
             path = Path(item)
             if not path.is_file():
                 raise TokenizerError(f"tokenizer training input {path} is not a file; pass existing text files")
-            yield path.read_text(encoding="utf-8")
+            yield read_utf8(path, TokenizerError)
         elif isinstance(item, str):
             yield item
         else:

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             LaunchCheckError, UserError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # a diverged run (training/nonfinite.py) is a failed run: 1
     except Exception as e:  # data-layer errors carry their own types; all are user-facing here
         if isinstance(e, USER_ERRORS + tuple(user_errors)):
             if rank == 0:

@@ -60,6 +60,7 @@ from ds_trhash.training.engine import (
 from ds_trhash.training.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.metrics import METRICS_FILE, MetricsError, MetricsWriter
 from ds_trhash.training.monitor import MonitorSink
+from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.progress import Progress
 from ds_trhash.training.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.summary import startup_summary
@@ -380,7 +381,11 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
         protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor,
         expert_load=expert_load)
-    state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
+    callbacks = make_callbacks(builders, run)
+    guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
+                           log=progress.message, check_grad_norm=cfg.precision != "fp16")
+    run.before_save.insert(0, guard.before_save)  # no checkpoint of diverged weights, ever
+    state = loop.run(engine.engine, data.batches, state, callbacks, device, world, nonfinite=guard,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     writer.close()
     expert_load.close()
@@ -388,5 +393,6 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     if cache is not None:
         cache.close()
     if rank == 0:
-        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
+        skipped = f" ({guard.skipped} non-finite step(s) skipped)" if guard.skipped else ""
+        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{skipped}")
     return state

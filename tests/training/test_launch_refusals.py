@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.embedded import build_embedded
@@ -178,3 +179,17 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_before_training_on(r
     assert (aside[0] / state.relative_to(run / "checkpoints" / "step_00000002")).read_bytes() == damaged_bytes
     assert L.checkpoint_steps(run) == [1, 2]
     assert ckpt.verify(run / "checkpoints" / "step_00000002")[0]  # the step trained again, written anew
+
+
+def test_a_diverged_run_stops_naming_the_step_and_saves_no_nan(root):
+    run = root / "diverged"
+    proc = L.single(_args(run, "--set", "optimizer.lr=1.0e30", steps=4))
+    assert proc.returncode == 1, L.explain(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "training diverged" in x)
+    bad = int(line.split("not finite at step ")[1].split(";")[0])
+    assert 1 <= bad <= 4
+    assert L.checkpoint_steps(run) == list(range(1, bad))  # every step before it was saved, none after
+    for step in range(1, bad):
+        assert ckpt.verify(run / "checkpoints" / f"step_{step:08d}")[0]
+        assert all(torch.isfinite(t).all() for t in L.model_weights(run / "checkpoints" / f"step_{step:08d}").values())
