@@ -392,6 +392,8 @@ def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
 
 def load_plan(path: PathLike) -> ReplayPlan:
     path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"replay plan {path} is a directory, not a plan file; pass the plan's JSON file")
     if not path.is_file():
         raise PlanError(f"replay plan {path} does not exist; build one with `ds-trhash data plan`")
     raw = path.read_bytes()

@@ -47,6 +47,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_sync(args: argparse.Namespace) -> int:
     try:
+        hub.check_repo_id(args.repo_id)  # before the token is asked for
         api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
         report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
                           dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,

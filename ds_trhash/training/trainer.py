@@ -133,7 +133,7 @@ def build_model(cfg: tcfg.TrainConfig, model_cfg, init_dir: str | None, device: 
     model = TRHashForCausalLM(model_cfg)
     if init_dir is not None:
         state_dict, _ = ckpt.load_merged_weights(init_dir)  # an SFT→SFT LoRA source arrives merged
-        differences = model.load_checkpoint_state(state_dict)
+        differences = model.load_checkpoint_state(state_dict, where=f"the weights of --init-checkpoint {init_dir}")
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:

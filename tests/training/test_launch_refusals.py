@@ -6,6 +6,7 @@ embedded corpus, the shard cache and the output directories included)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,11 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.embedded import build_embedded
+from ds_trhash.io import sha256_file
+from ds_trhash.model.transformer import WeightsError
+from ds_trhash.training import config as tcfg
 from ds_trhash.training.launcher import main as launcher_main
+from ds_trhash.training.trainer import build_model
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
@@ -193,3 +198,37 @@ def test_a_diverged_run_stops_naming_the_step_and_saves_no_nan(root):
     for step in range(1, bad):
         assert ckpt.verify(run / "checkpoints" / f"step_{step:08d}")[0]
         assert all(torch.isfinite(t).all() for t in L.model_weights(run / "checkpoints" / f"step_{step:08d}").values())
+
+
+def test_a_plan_that_is_a_directory_or_whose_vocabulary_exceeds_the_models_is_refused(root, tmp_path, capsys):
+    paths = build_embedded(root / "embedded")  # the base run's corpus: found, not rebuilt
+    data = ["--set", f"data.shards_dir={paths.shards_dir}"]
+    _refused_here(capsys, root, _args(tmp_path / "run", *data, "--set", f"data.plan={tmp_path}"),
+                  f"replay plan {tmp_path} is a directory, not a plan file")
+    doc = json.loads(Path(paths.pretrain_plan).read_text())
+    doc["vocab_size"] = 70000
+    wide = tmp_path / "wide_plan.json"
+    wide.write_text(json.dumps(doc))
+    _refused_here(capsys, root, _args(tmp_path / "run", *data, "--set", f"data.plan={wide}"),
+                  "data.plan", "records vocab_size 70000, more than the model's")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_init_checkpoint_with_valid_torch_data_but_the_wrong_tensors_is_a_user_error(root, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(root / "base" / "checkpoints" / "step_00000002", wrong)
+    states = wrong / "state" / ckpt.ENGINE_TAG / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        states = next((wrong / "state").rglob("mp_rank_00_model_states.pt"))
+    torch.save({"module": {"embed.weight": torch.zeros(3, 3)}}, states)
+    manifest = json.loads((wrong / ckpt.MANIFEST).read_text())
+    rel = str(states.relative_to(wrong))
+    manifest["files"][rel] = {**manifest["files"][rel], "sha256": sha256_file(states), "size": states.stat().st_size}
+    (wrong / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    # the trainer's own model builder on the real file (in-process: a launch would cost half a
+    # minute to reach it; the launcher prints any such UserError as one line, exit 2)
+    cfg = tcfg.load_config(str(L.REPO / "ds_configs" / "tiny" / "refine.yaml"), [f"output_dir={tmp_path / 'out'}"])
+    before = tree_digest(wrong)
+    with pytest.raises(WeightsError, match=f"the weights of --init-checkpoint {wrong} do not fit this model"):
+        build_model(cfg, tcfg.model_config(cfg), str(wrong), torch.device("cpu"), 0)
+    assert tree_digest(wrong) == before and not (tmp_path / "out").exists()
