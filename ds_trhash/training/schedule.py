@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 __all__ = ["KINDS", "warmup_steps_for", "warmup_steps_from_tokens", "schedule_warmup_steps", "lr_factor",
-           "build_scheduler"]
+           "describe_schedule", "build_scheduler"]
 
 KINDS = ("cosine", "wsd")
 
@@ -97,6 +97,21 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1
     if after <= stable:
         return 1.0
     return _cosine((after - stable) / (remaining - stable), floor)
+
+
+def describe_schedule(schedule_cfg: Any, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
+    """One line for the startup summary: the phases in steps, so a log shows the recipe it ran."""
+    warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
+    sized = (f"{schedule_cfg.warmup_tokens:,} tokens" if schedule_cfg.warmup_tokens is not None
+             else f"{schedule_cfg.fraction:g} of the run")
+    start = schedule_cfg.warmup_start_factor
+    text = f"{schedule_cfg.kind}: warmup {warmup:,} steps ({sized}){f' from {start:g} x peak' if start else ''}, peak {peak_lr:g}"
+    remaining = total_steps - warmup
+    floor = f"{schedule_cfg.floor:g} x peak at step {total_steps:,}"
+    if schedule_cfg.kind == "wsd":
+        stable = int(schedule_cfg.stable_fraction * remaining)
+        return f"{text} for {stable:,} more steps, then a cosine over {remaining - stable:,} steps to {floor}"
+    return f"{text}, then a cosine over {remaining:,} steps to {floor}"
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: Any,

@@ -10,7 +10,7 @@ import torch
 from ds_trhash.data.budget import check_target_tokens, pack_boundaries, plan_steps
 from ds_trhash.data.plan import load_plan, validate_refinement
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.schedule import build_scheduler, schedule_warmup_steps
+from ds_trhash.training.schedule import build_scheduler, describe_schedule, schedule_warmup_steps
 from tests.fail_closed import ds_trhash, tree_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,19 @@ def test_pretrain_config_is_the_release_recipe_on_the_released_plan():
         assert H == 165_297  # 129,995,112,448 / 786,432 = 165,297.33, rounded down
         assert schedule_warmup_steps(cfg.schedule, H, tcfg.tokens_per_step(cfg, world)) == 1272 == math.ceil(1e9 / 786_432)
     assert len(pack_boundaries(165_297, cfg.checkpoint.packs)) == 40
+
+
+def test_the_startup_summary_line_states_the_recipe_in_steps():
+    pre, ref, sft = load("pretrain.yaml"), load("refine.yaml"), load("sft.yaml")
+    assert describe_schedule(pre.schedule, 165_297, 786_432, pre.optimizer.lr) == (
+        "wsd: warmup 1,272 steps (1,000,000,000 tokens) from 0.01 x peak, peak 0.0003 for 131,220 more steps, "
+        "then a cosine over 32,805 steps to 0.1 x peak at step 165,297")
+    assert describe_schedule(ref.schedule, 89_006, 786_432, ref.optimizer.lr) == (
+        "cosine: warmup 636 steps (500,000,000 tokens) from 0.01 x peak, peak 0.0001, "
+        "then a cosine over 88,370 steps to 0.1 x peak at step 89,006")
+    assert describe_schedule(sft.schedule, 5982, 131_072, sft.optimizer.lr) == (
+        "cosine: warmup 179 steps (0.03 of the run), peak 2e-05, then a cosine over 5,803 steps to 0.1 x peak "
+        "at step 5,982")
 
 
 def test_pretrain_lr_at_the_schedule_boundaries():
