@@ -400,15 +400,9 @@ def sync(
             elif plan.units:
                 probe_hub(api, repo_id, repo_type, revision)
             for unit in plan.units:
-                try:
-                    remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
-                    before = remote_differences(api, repo_id, unit, remote=remote)
-                except SyncError as exc:
-                    if not dry_run:
-                        raise
-                    # unreachable or refusing: a dry run that cannot read the Hub cannot say what it would do
-                    raise SyncError(f"dry run: {exc}; could not read {repo_id} on the Hub, so nothing is reported "
-                                    "as to upload: check HF_ENDPOINT, the network and HF_TOKEN") from None
+                # a Hub that cannot be read fails a dry run too: it could not say what it would upload
+                remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                before = remote_differences(api, repo_id, unit, remote=remote)
                 if not before:
                     report.already_remote.append(unit.name)
                     verified.add(unit.name)
