@@ -15,6 +15,7 @@ reading a whole file; paragraphs of a book become separate documents joined by E
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from ds_trhash.errors import UserError
-from ds_trhash.io import json_text, publish_dir
+from ds_trhash.io import json_text, publish_dir, utf8_lines
 
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_sha256
 
@@ -140,6 +141,7 @@ def write_shards(
         raise ShardError(f"{final_dir} already exists; shards are immutable, delete it or choose another --out")
     tmp_dir = Path(out_dir) / f".{source_name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
+    created = not Path(out_dir).exists()  # a failed tokenization leaves no empty --out behind
     tmp_dir.mkdir(parents=True)
     try:
         writer = _ShardWriter(tmp_dir, seq_len, rows_per_shard)
@@ -178,6 +180,9 @@ def write_shards(
         publish_dir(tmp_dir, final_dir, replace=False, fsync=False)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):  # only when still empty
+                Path(out_dir).rmdir()
         raise
     return manifest
 
@@ -247,7 +252,7 @@ def load_manifests(paths: Sequence[PathLike]) -> dict[str, dict]:
 def read_jsonl_texts(paths: Sequence[PathLike], text_field: str = "text") -> Iterator[str]:
     """Yield the text field of every JSONL record; empty texts are skipped."""
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
+        with contextlib.closing(utf8_lines(path, ShardError)) as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -266,7 +271,7 @@ def read_text_documents(paths: Sequence[PathLike]) -> Iterator[str]:
     """Yield one document per blank-line-separated block of each plain-text file."""
     for path in paths:
         block: list[str] = []
-        with open(path, encoding="utf-8") as handle:
+        with contextlib.closing(utf8_lines(path, ShardError)) as handle:
             for line in handle:
                 if line.strip():
                     block.append(line.rstrip("\n"))
