@@ -80,6 +80,11 @@ def is_release_layout(root: PathLike) -> bool:
     return (Path(root) / MIXTURE_FILE).is_file()
 
 
+def sources_dir(root: PathLike) -> Path:
+    """The folder holding ``<source>/<file>`` under a corpus root of either layout."""
+    return Path(root) / CORPORA_DIR if is_release_layout(root) else Path(root)
+
+
 def _check_seq_lens(sources: Mapping[str, SourceManifest]) -> None:
     lengths = {name: m.seq_len for name, m in sources.items()}
     if len(set(lengths.values())) > 1:

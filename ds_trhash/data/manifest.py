@@ -19,13 +19,13 @@ against the manifest documents keeps working.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from ds_trhash.errors import UserError
-from ds_trhash.safe_names import UnsafeNameError, bare_name, relative_path
+
+from .json_fields import JsonFields, kind
 
 MIXTURE_FORMAT = "tr-hash-token-mixture-v1"  # the release's format; our writer writes it too
 LEGACY_FORMAT = "tr-hash-token-shards-v1"  # what our writer wrote before (still loads)
@@ -35,7 +35,6 @@ DTYPE_ALIASES = ("uint16", "<u2")  # both spell little-endian uint16 (numpy's "<
 MIXTURE_FILE = "mixture_manifest.json"
 SOURCE_MANIFEST = "manifest.json"
 CORPORA_DIR = "corpora"
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 FIX = "rebuild the source with `ds-trhash data tokenize`, or fetch an intact copy of the corpus"
 
 
@@ -133,90 +132,8 @@ class Mixture:
 # ----------------------------------------------------------------------------- field readers
 
 
-class _Fields:
-    """Typed reads of one JSON object; errors name ``origin`` and the dotted field."""
-
-    def __init__(self, doc: object, origin: str, where: str = "") -> None:
-        self.origin, self.where = origin, where
-        if not isinstance(doc, Mapping):
-            raise ManifestError(f"{origin}{self._at('')} must be a JSON object, got {_kind(doc)}; {FIX}")
-        self.doc = doc
-
-    def path(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where and key else (self.where or key)
-
-    def _at(self, key: str) -> str:
-        return f" field {self.path(key)!r}" if self.path(key) else ""
-
-    def fail(self, key: str, message: str) -> ManifestError:
-        return ManifestError(f"{self.origin}{self._at(key)} {message}; {FIX}")
-
-    def has(self, key: str) -> bool:
-        return key in self.doc and self.doc[key] is not None
-
-    def value(self, key: str, required: bool) -> Any:
-        if key not in self.doc:
-            if required:
-                raise self.fail(key, "is missing")
-            return None
-        return self.doc[key]
-
-    def integer(self, key: str, minimum: int = 0, required: bool = True) -> Optional[int]:
-        value = self.value(key, required)
-        if value is None and not required:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"is {value!r} ({_kind(value)}); it must be a JSON integer (not a string or boolean)")
-        if value < minimum:
-            raise self.fail(key, f"is {value}; it must be >= {minimum}")
-        return value
-
-    def number(self, key: str, required: bool = False) -> Optional[float]:
-        value = self.value(key, required)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-            raise self.fail(key, f"is {value!r} ({_kind(value)}); it must be a number >= 0")
-        return float(value)
-
-    def text(self, key: str, required: bool = True) -> Optional[str]:
-        value = self.value(key, required)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.fail(key, f"is {value!r} ({_kind(value)}); it must be a non-empty string")
-        return value
-
-    def array(self, key: str) -> list:
-        value = self.value(key, True)
-        if not isinstance(value, list):
-            raise self.fail(key, f"is {_kind(value)}; it must be a list of objects")
-        return value
-
-    def choice(self, key: str, allowed: tuple[str, ...], required: bool = True) -> Optional[str]:
-        value = self.value(key, required)
-        if value is None and not required:
-            return None
-        if value not in allowed:
-            raise self.fail(key, f"is {value!r}; allowed: {', '.join(map(repr, allowed))}")
-        return value
-
-    def sha256(self, key: str, required: bool = True) -> Optional[str]:
-        value = self.text(key, required)
-        if value is not None and not _SHA256.match(value):
-            raise self.fail(key, f"is {value!r}; it must be 64 lowercase hexadecimal digits (a SHA-256)")
-        return value
-
-    def name(self, key: str) -> str:
-        try:
-            return bare_name(self.value(key, True), self.origin, self.path(key))
-        except UnsafeNameError as exc:
-            raise ManifestError(f"{exc}; {FIX}") from None
-
-
-def _kind(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+class _Fields(JsonFields):
+    error, fix = ManifestError, FIX
 
 
 def _dtype(r: _Fields) -> str:
@@ -302,10 +219,6 @@ def parse_mixture_manifest(doc: object, origin: str) -> Mixture:
             raise s.fail("name", f"is {name!r} again; each source is listed once")
         seen.add(name)
         path = s.text("manifest", required=False) or f"{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}"
-        try:
-            relative_path(path, origin, f"sources[{i}].manifest")
-        except UnsafeNameError as exc:
-            raise ManifestError(f"{exc}; {FIX}") from None
         if path != f"{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}":
             raise s.fail("manifest", f"is {path!r}; in this layout it must be "
                                      f"'{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}'")
