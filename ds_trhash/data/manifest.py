@@ -60,7 +60,13 @@ class _AsMapping(Mapping):
         return out
 
     def __getitem__(self, key: str) -> Any:
-        return self._table()[key]
+        for name, attribute in self._json:
+            if name == key:
+                return _plain(getattr(self, attribute))
+        extra = getattr(self, "extra", {})
+        if key in extra:
+            return extra[key]
+        raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._table())

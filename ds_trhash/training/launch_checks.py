@@ -183,8 +183,9 @@ def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, 
                 needed[(source, entry["file"])] = None
     problems = []
     base = sources_dir(shards_dir)  # either corpus layout (docs/contracts.md §2b)
+    listed = {source: {s["file"]: s for s in manifests[source]["shards"]} for source, _ in needed}
     for index, (source, name) in enumerate(needed):
-        shard = next((s for s in manifests[source]["shards"] if s["file"] == name), None)
+        shard = listed[source].get(name)
         if shard is None:
             problems.append(f"{source}/{name} is not in its manifest")
             continue

@@ -125,3 +125,13 @@ def test_a_hostile_shard_name_is_refused_by_the_real_commands_and_nothing_change
     proc = ds_trhash("data", "fingerprint", tmp_path / "plan.json")
     assert_clean_refusal(proc, "field 'phases[0].sources.alpha[0].file'", "'../../victim.bin'")
     assert tree_digest(tmp_path) == before
+
+
+def test_a_manifest_whose_seq_len_is_a_string_is_refused_by_the_command(tmp_path):
+    shards = our_corpus(tmp_path / "shards")
+    edit_json(shards / "beta" / "manifest.json", lambda d: d.update(seq_len="8"))  # once accepted as is
+    before = tree_digest(tmp_path)
+    proc = ds_trhash("data", "plan", "--manifest", shards, "--unique-tokens", "64", "--dataset", "d",
+                     "--revision", "r", "--out", tmp_path / "plan.json")
+    assert_clean_refusal(proc, f"{shards / 'beta' / 'manifest.json'} field 'seq_len' is '8' (a string)")
+    assert tree_digest(tmp_path) == before
