@@ -14,7 +14,7 @@ from ds_trhash.data.plan import build_plan, load_plan
 from ds_trhash.data.reader import ReplayReader, plan_corpus
 from ds_trhash.data.shards import load_manifest, load_manifests
 from ds_trhash.training.launch_checks import shard_problems
-from tests.data.corpus_fixtures import L, edit_json, our_corpus, release_copy
+from tests.data.layout_fixtures import L, edit_json, our_corpus, release_copy
 from tests.fail_closed import assert_clean_refusal, ds_trhash, tree_digest
 
 

@@ -13,7 +13,7 @@ import pytest
 from ds_trhash.data.plan import build_plan, write_plan
 from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import tokenizer_sha256
-from tests.data.corpus_fixtures import edit_json, our_corpus, release_copy
+from tests.data.layout_fixtures import edit_json, our_corpus, release_copy
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
