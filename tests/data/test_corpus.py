@@ -15,7 +15,7 @@ from ds_trhash.data.reader import ReplayReader, plan_corpus
 from ds_trhash.data.shards import load_manifest, load_manifests
 from ds_trhash.training.launch_checks import shard_problems
 from tests.data.layout_fixtures import L, edit_json, our_corpus, release_copy
-from tests.fail_closed import assert_clean_refusal, ds_trhash, tree_digest
+from tests.fail_closed import tree_digest
 
 
 @pytest.fixture()
@@ -115,23 +115,31 @@ def _hostile(tmp_path, name):
     return ours
 
 
-def test_a_hostile_shard_name_is_refused_by_the_real_commands_and_nothing_changes(tmp_path):
+def _refused(capsys, *argv) -> str:
+    """``ds-trhash ARGV`` through the CLI's entry point: exit 2 and one line on stderr."""
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_a_hostile_shard_name_is_refused_by_the_real_commands_and_nothing_changes(tmp_path, capsys):
     shards = _hostile(tmp_path, "../../victim.bin")
     before = tree_digest(tmp_path)
-    proc = ds_trhash("data", "plan", "--manifest", shards, "--source-tokens", f"alpha={8 * L}",
-                     f"beta={8 * L}", "--dataset", "d", "--revision", "r", "--out", tmp_path / "new.json")
-    assert_clean_refusal(proc, f"{shards / 'alpha' / 'manifest.json'} field 'shards[0].file'",
-                         "without a directory part")
-    proc = ds_trhash("data", "fingerprint", tmp_path / "plan.json")
-    assert_clean_refusal(proc, "field 'phases[0].sources.alpha[0].file'", "'../../victim.bin'")
+    err = _refused(capsys, "data", "plan", "--manifest", shards, "--source-tokens", f"alpha={8 * L}",
+                   f"beta={8 * L}", "--dataset", "d", "--revision", "r", "--out", tmp_path / "new.json")
+    assert f"{shards / 'alpha' / 'manifest.json'} field 'shards[0].file'" in err and "without a directory part" in err
+    err = _refused(capsys, "data", "fingerprint", tmp_path / "plan.json")
+    assert "field 'phases[0].sources.alpha[0].file'" in err and "'../../victim.bin'" in err
     assert tree_digest(tmp_path) == before
 
 
-def test_a_manifest_whose_seq_len_is_a_string_is_refused_by_the_command(tmp_path):
+def test_a_manifest_whose_seq_len_is_a_string_is_refused_by_the_command(tmp_path, capsys):
     shards = our_corpus(tmp_path / "shards")
     edit_json(shards / "beta" / "manifest.json", lambda d: d.update(seq_len="8"))  # once accepted as is
     before = tree_digest(tmp_path)
-    proc = ds_trhash("data", "plan", "--manifest", shards, "--unique-tokens", "64", "--dataset", "d",
-                     "--revision", "r", "--out", tmp_path / "plan.json")
-    assert_clean_refusal(proc, f"{shards / 'beta' / 'manifest.json'} field 'seq_len' is '8' (a string)")
+    err = _refused(capsys, "data", "plan", "--manifest", shards, "--unique-tokens", "64", "--dataset", "d",
+                   "--revision", "r", "--out", tmp_path / "plan.json")
+    assert f"{shards / 'beta' / 'manifest.json'} field 'seq_len' is '8' (a string)" in err
     assert tree_digest(tmp_path) == before
