@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_trhash.data.plan import build_plan, write_plan
+from ds_trhash.data.plan import write_plan
+from ds_trhash.data.plan_build import build_plan
 from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.prelaunch.data_check import resolve_stage_data

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_trhash.data.plan import build_plan, write_plan
+from ds_trhash.data.plan import write_plan
+from ds_trhash.data.plan_build import build_plan
 from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from tests.data.layout_fixtures import edit_json, our_corpus, release_copy
