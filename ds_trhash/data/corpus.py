@@ -68,12 +68,13 @@ def read_json(path: Path, what: str) -> object:
         raise ManifestError(f"{what} {path} is not valid JSON (line {exc.lineno}: {exc.msg}); {FIX}") from None
 
 
-def read_source_manifest(path: PathLike, expect_source: Optional[str] = None) -> SourceManifest:
+def read_source_manifest(path: PathLike, expect_source: Optional[str] = None,
+                         expect_seq_len: Optional[int] = None) -> SourceManifest:
     """One source manifest from its file or the folder holding it (either format)."""
     file = Path(path)
     if file.is_dir():
         file = file / SOURCE_MANIFEST
-    return parse_source_manifest(read_json(file, "shard manifest"), str(file), expect_source)
+    return parse_source_manifest(read_json(file, "shard manifest"), str(file), expect_source, expect_seq_len)
 
 
 def is_release_layout(root: PathLike) -> bool:
@@ -108,9 +109,12 @@ def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin:
             raise ManifestError(f"{origin} reads source(s) {', '.join(map(repr, unknown))}, which {root / MIXTURE_FILE} "
                                 f"does not list ({', '.join(sorted(listed))}); the plan is for another corpus")
         names = wanted if wanted is not None else [s.name for s in mixture.sources]
-        found = {name: read_source_manifest(resolve_under(root, f"{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}",
-                                                          str(root / MIXTURE_FILE), "sources.manifest"), name)
-                 for name in names}
+        found = {}
+        for name in names:
+            path = resolve_under(root, f"{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}", str(root / MIXTURE_FILE), "sources")
+            if not path.is_file():
+                raise ManifestError(f"{path} is missing, but {root / MIXTURE_FILE} lists source {name!r}; {FIX}")
+            found[name] = read_source_manifest(path, name, mixture.seq_len)
         check_against_mixture(mixture, found)
         corpus = Corpus(root, LAYOUT_RELEASE, root / CORPORA_DIR, found, mixture)
     else:

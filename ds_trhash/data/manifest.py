@@ -163,17 +163,22 @@ def _shard(entry: object, origin: str, index: int, seq_len: int) -> Shard:
     return Shard(file=file, rows=rows, tokens=tokens, bytes=size, sha256=r.sha256("sha256"))
 
 
-def parse_source_manifest(doc: object, origin: str, expect_source: Optional[str] = None) -> SourceManifest:
+def parse_source_manifest(doc: object, origin: str, expect_source: Optional[str] = None,
+                          expect_seq_len: Optional[int] = None) -> SourceManifest:
     """Validate one source manifest (either format) and normalize it.
 
     ``expect_source``: the source name the manifest's location implies (its folder, or the
-    mixture's entry); a manifest naming another source is refused."""
+    mixture's entry); a manifest naming another source is refused. ``expect_seq_len``: the
+    mixture's, checked before the shards are (which a wrong seq_len would all fail)."""
     r = _Fields(doc, origin)
     fmt = r.choice("format", FORMATS)
     name = r.name("source")
     if expect_source is not None and name != expect_source:
         raise r.fail("source", f"is {name!r}, but the manifest sits where source {expect_source!r} belongs")
     seq_len = r.integer("seq_len", minimum=1)
+    if expect_seq_len is not None and seq_len != expect_seq_len:
+        raise r.fail("seq_len", f"is {seq_len}, but the mixture manifest says {expect_seq_len}; every source of a "
+                                "mixture has the mixture's seq_len")
     legacy = fmt == LEGACY_FORMAT
     dtype = _dtype(r) if (r.has("dtype") or not legacy) else DTYPE
     entries = r.array("shards")

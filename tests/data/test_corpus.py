@@ -78,8 +78,8 @@ def test_release_cross_file_rules_name_the_file(corpora):
     with pytest.raises(ManifestError, match="reads source\\(s\\) 'gamma', which .* does not list"):
         read_corpus(release, ["gamma"], origin="plan.json")
     edit_json(release / "corpora" / "beta" / "manifest.json", lambda d: d.update(seq_len=16))
-    with pytest.raises(ManifestError, match="beta/manifest.json field 'shards\\[0\\].tokens'"):
-        read_corpus(release)  # tokens = rows·16+1 no longer holds: the first rule that fails is named
+    with pytest.raises(ManifestError, match="beta/manifest.json field 'seq_len' is 16, but the mixture manifest says 8"):
+        read_corpus(release)  # named before its shards' tokens, which a wrong seq_len would all fail
 
 
 def test_a_shard_symlinked_out_of_the_corpus_is_a_launch_problem(corpora, tmp_path):
