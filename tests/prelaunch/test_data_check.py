@@ -59,3 +59,12 @@ def test_a_changed_shard_of_the_release_layout_is_named_and_nothing_is_written(r
     with pytest.raises(LaunchCheckError, match=f"{shard} does not match the sha256 its manifest records"):
         resolve_stage_data(cfg, model_cfg, 1, deep=True, scratch=tmp_path / "scratch")
     assert tree_digest(tmp_path) == before
+
+
+def test_without_data_tokenizer_the_run_records_none_and_says_so(release, tmp_path):
+    corpus, plan, _ = release
+    overrides = [f"data.plan={plan}", f"data.shards_dir={corpus}", f"output_dir={tmp_path / 'run'}"]
+    cfg = tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml", overrides)
+    data, said = resolve_stage_data(cfg, tcfg.model_config(cfg), 1, deep=False, scratch=tmp_path / "scratch")
+    assert data.tokenizer_sha256 is None and not data.tokenizer_assumed
+    assert "data.tokenizer is not set: this run records no tokenizer" in said
