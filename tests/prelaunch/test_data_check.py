@@ -63,7 +63,8 @@ def test_a_changed_shard_of_the_release_layout_is_named_and_nothing_is_written(r
 
 def test_without_data_tokenizer_the_run_records_none_and_says_so(release, tmp_path):
     corpus, plan, _ = release
-    overrides = [f"data.plan={plan}", f"data.shards_dir={corpus}", f"output_dir={tmp_path / 'run'}"]
+    overrides = [f"data.plan={plan}", f"data.shards_dir={corpus}", f"output_dir={tmp_path / 'run'}",
+                 "training.max_steps=2"]
     cfg = tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml", overrides)
     data, said = resolve_stage_data(cfg, tcfg.model_config(cfg), 1, deep=False, scratch=tmp_path / "scratch")
     assert data.tokenizer_sha256 is None and not data.tokenizer_assumed
