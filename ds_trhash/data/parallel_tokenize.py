@@ -200,19 +200,24 @@ def run_tokenize(job: TokenizeJob, log: Callable[[str], None] = print) -> dict:
     work = work_dir(out, job.source) if whole else part_dir(out, job.source, index, count)
     if whole and final.exists() and not (work / "done.json").exists():
         raise ShardError(f"{final} already exists; shards are immutable, delete it or choose another --out")
+    created_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(work) + ".lock")
+    stale_lock = Path(lock.lock_file).exists()  # a killed run's; a refused run leaves it as it found it
+    finished = False
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise WorkDirError(f"another `data tokenize` is writing {work} (lock {lock.lock_file}); wait for it") from None
+    created = not work.exists()
+    store = ChunkStore(work)
     try:
-        store = ChunkStore(work)
         store.claim(job.identity())
         summary = store.done() or _encode(job, store, log)
         if not whole:
             log(f"{work}: part {index}/{count} complete, {summary['records']} records read; "
                 "join the parts with `ds-trhash data merge-parts`")
+            finished = True
             return {"part": summary}
         if final.exists():  # an earlier run published the shards, then stopped before cleaning up
             manifest = load_manifest(final)
@@ -220,11 +225,18 @@ def run_tokenize(job: TokenizeJob, log: Callable[[str], None] = print) -> dict:
             remove_stale_temporaries(out, job.source)
             manifest = join_stores([store], out, job.max_bad_records, log)
         store.remove()
+        finished = True
         return {"manifest": manifest}
+    except BaseException:
+        if created and work.exists() and not any(work.glob("c-*.json")):  # nothing worth keeping
+            store.remove()
+        raise
     finally:
         lock.release()
-        if whole and not work.exists():  # finished: leave nothing but the source directory behind
+        if finished or not stale_lock:  # held only while a run writes: leave none behind
             Path(lock.lock_file).unlink(missing_ok=True)
+        if created_out and not any(out.iterdir()):
+            out.rmdir()
 
 
 def _encode(job: TokenizeJob, store: ChunkStore, log: Callable[[str], None]) -> dict:

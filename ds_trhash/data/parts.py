@@ -165,19 +165,23 @@ def merge_parts(dirs: Sequence[Path], out: Path, max_bad_records: int = 0,
                 log: Callable[[str], None] = print) -> dict:
     """`data merge-parts`: join K part directories into ``<out>/<source>``; the parts are left as they are."""
     stores = [ChunkStore(Path(d)) for d in dirs]
-    source = stores[0].identity()["source"]
-    final = Path(out) / source
+    run, _ = _by_part(stores)  # refuse what is not one whole run before anything is written
+    out = Path(out)
+    final = out / run["source"]
     if final.exists():
         raise ShardError(f"{final} already exists; shards are immutable, delete it or choose another --out")
-    Path(out).mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(Path(out) / f".{source}.merge.lock"))
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out / f".{run['source']}.merge.lock"))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise WorkDirError(f"another `data merge-parts` is writing {final}; wait for it") from None
     try:
-        remove_stale_temporaries(out, source)
-        return join_stores(stores, Path(out), max_bad_records, log)
+        remove_stale_temporaries(out, run["source"])
+        return join_stores(stores, out, max_bad_records, log)
     finally:
         lock.release()
         Path(lock.lock_file).unlink(missing_ok=True)
+        if created and not any(out.iterdir()):  # a refused merge leaves no trace
+            out.rmdir()
