@@ -12,6 +12,7 @@ from typing import Callable
 from .inputs import FORMATS, file_inputs, hf_input
 from .parallel_tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
 from .parts import merge_parts, parse_part
+from .publish import publish_corpus
 
 
 def _tokenize(args: argparse.Namespace) -> int:
@@ -36,9 +37,7 @@ def _merge_parts(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from .publish import publish_corpus  # huggingface_hub's upload machinery, only for this command
-
-    publish_corpus(Path(args.dir), args.target, workers=args.workers)
+    publish_corpus(Path(args.dir), args.target)
     return 0
 
 
@@ -79,5 +78,4 @@ def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) ->
     p = sub.add_parser("publish", help="upload a corpus to a Hub dataset repository (resumable) and verify it")
     p.add_argument("dir", metavar="DIR", help="the corpus: a shard root, or the release's layout (corpora/...)")
     p.add_argument("target", metavar="hf://datasets/OWNER/REPO")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="upload workers (default: the client's)")
     p.set_defaults(func=guarded(_publish))
