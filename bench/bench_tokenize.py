@@ -13,8 +13,10 @@ text unless ``--tokenizer`` names one). Measured, in this order:
   thread (the single-process figure the goal multiplies), and ``encode_batch`` with the library's
   own thread pool.
 
-Prints tokens/s of each and the parallel efficiency: tokens/s(N workers) / (N × single-thread
-``encode``); the goal is ≥ 0.9 within what the machine's cores allow.
+Prints tokens/s (wall) and tokens per CPU-second of each, and the parallel efficiency:
+tokens/s(N workers) / (N × single-thread ``encode``); the goal is ≥ 0.9 within what the machine's
+cores allow. On a loaded machine the wall figures say little; CPU seconds per token against bare
+``encode`` show what the pipeline itself costs, whatever the load.
 """
 from __future__ import annotations
 
@@ -45,12 +47,23 @@ def corpus(path: Path, megabytes: float) -> list[str]:
     return docs
 
 
-def time_tokenize(data: Path, tok: Path, out: Path, workers: int) -> tuple[float, int]:
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the tokenize workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def measure(name: str, run) -> tuple[str, int, float, float]:
+    """(name, tokens, wall seconds, CPU seconds) of ``run()``, which returns its token count."""
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    tokens = run()
+    return name, tokens, time.perf_counter() - wall, cpu_seconds() - cpu
+
+
+def tokenize_run(data: Path, tok: Path, out: Path, workers: int):
     job = TokenizeJob("bench", file_inputs([data]), tok, seq_len=1024, rows_per_shard=4096, out=out,
                       vocab_size=65536, workers=workers)
-    start = time.perf_counter()
-    manifest = run_tokenize(job, log=lambda _: None)["manifest"]
-    return time.perf_counter() - start, manifest["stream_tokens"]
+    return lambda: run_tokenize(job, log=lambda _: None)["manifest"]["stream_tokens"]
 
 
 def main() -> None:
@@ -67,26 +80,24 @@ def main() -> None:
         tok = args.tokenizer or train_tokenizer(docs[:2000], args.vocab_size, work / "tok").parent
         print(f"corpus: {len(docs)} documents, {data.stat().st_size / 1e6:.1f} MB JSONL; "
               f"{os.cpu_count()} cores; tokenizer {tok}")
-        rows = []
-        for workers in sorted({1, args.workers}):
-            wall, tokens = time_tokenize(data, tok, work / f"out-{workers}", workers)
-            rows.append((f"data tokenize --workers {workers}", tokens, wall))
-        tokenizer = load_tokenizer(tok)
-        start = time.perf_counter()
-        single = sum(len(tokenizer.encode(d, add_special_tokens=False).ids) + 1 for d in docs)
-        rows.append(("tokenizers encode, 1 thread", single, time.perf_counter() - start))
-        start = time.perf_counter()
-        batch = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(docs, add_special_tokens=False))
-        rows.append(("tokenizers encode_batch, its threads", batch, time.perf_counter() - start))
-        assert rows[0][1] == single == batch, "every path must produce the same token count"
-        print(f"{'path':40s} {'tokens':>12s} {'seconds':>9s} {'tokens/s':>12s}")
-        for name, tokens, wall in rows:
-            print(f"{name:40s} {tokens:12d} {wall:9.2f} {tokens / wall:12.0f}")
-        base = single / rows[-2][2]
-        best = rows[len(rows) - 3]
         n = args.workers
-        print(f"efficiency of {n} workers: {best[1] / best[2] / (n * base):.2f} of {n} × single-thread encode "
-              f"(goal ≥ 0.90); 1 worker: {rows[0][1] / rows[0][2] / base:.2f} of single-thread encode")
+        rows = [measure(f"data tokenize --workers {w}", tokenize_run(data, tok, work / f"out-{w}", w))
+                for w in sorted({1, n})]
+        tokenizer = load_tokenizer(tok)
+        rows.append(measure("tokenizers encode, 1 thread", lambda: sum(
+            len(tokenizer.encode(d, add_special_tokens=False).ids) + 1 for d in docs)))
+        rows.append(measure("tokenizers encode_batch, its threads", lambda: sum(
+            len(e.ids) + 1 for e in tokenizer.encode_batch(docs, add_special_tokens=False))))
+        assert len({r[1] for r in rows}) == 1, "every path must produce the same token count"
+        print(f"{'path':38s} {'tokens':>10s} {'wall s':>7s} {'tokens/s':>10s} {'CPU s':>7s} {'tokens/CPU-s':>12s}")
+        for name, tokens, wall, cpu in rows:
+            print(f"{name:38s} {tokens:10d} {wall:7.2f} {tokens / wall:10.0f} {cpu:7.2f} {tokens / cpu:12.0f}")
+        single = rows[-2][1] / rows[-2][2]
+        one, many = rows[0], rows[-3]
+        print(f"{n} workers: {many[1] / many[2] / (n * single):.2f} of {n} x single-thread encode (goal >= 0.90); "
+              f"1 worker: {one[1] / one[2] / single:.2f}; CPU per token against bare encode: "
+              f"{one[3] / rows[-2][3]:.2f} (1 worker), {many[3] / rows[-2][3]:.2f} ({n} workers); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
