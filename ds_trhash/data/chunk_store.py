@@ -39,11 +39,20 @@ def chunk_name(index: int) -> str:
 
 
 def differences(old: dict, new: dict, old_name: str = "partial run", new_name: str = "this command") -> list[str]:
-    """``key: old (old_name) vs new (new_name)`` for each top-level key that differs."""
+    """``key: old (old_name) vs new (new_name)`` for each top-level key that differs; for the input
+    list, the first input that differs (a corpus may have thousands)."""
     out = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            out.append(f"{key}: {old.get(key)!r} ({old_name}) vs {new.get(key)!r} ({new_name})")
+        was, now = old.get(key), new.get(key)
+        if was == now:
+            continue
+        if key == "inputs" and isinstance(was, list) and isinstance(now, list):
+            if len(was) != len(now):
+                out.append(f"inputs: {len(was)} ({old_name}) vs {len(now)} ({new_name})")
+                continue
+            index = next(i for i, (a, b) in enumerate(zip(was, now)) if a != b)
+            key, was, now = f"input {index}", was[index], now[index]
+        out.append(f"{key}: {was!r} ({old_name}) vs {now!r} ({new_name})")
     return out
 
 

@@ -33,7 +33,7 @@ from filelock import FileLock, Timeout
 from .chunk_store import RUN_FORMAT, ChunkStore, WorkDirError
 from .inputs import InputSpec, Record, decode_record, iter_records
 from .parts import BadRecordLimit, join_stores, part_dir, remove_stale_temporaries, work_dir
-from .shards import MAX_TOKEN_ID, ShardError, check_source_name, load_manifest
+from .shards import MAX_TOKEN_ID, ShardError, check_source_name
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_file, tokenizer_sha256
 
 DEFAULT_CHUNK_RECORDS = 2048
@@ -219,11 +219,9 @@ def run_tokenize(job: TokenizeJob, log: Callable[[str], None] = print) -> dict:
                 "join the parts with `ds-trhash data merge-parts`")
             finished = True
             return {"part": summary}
-        if final.exists():  # an earlier run published the shards, then stopped before cleaning up
-            manifest = load_manifest(final)
-        else:
-            remove_stale_temporaries(out, job.source)
-            manifest = join_stores([store], out, job.max_bad_records, log)
+        # final exists: an earlier run published the shards, then stopped before cleaning up
+        remove_stale_temporaries(out, job.source)
+        manifest = join_stores([store], out, job.max_bad_records, log, shards_written=final.exists())
         store.remove()
         finished = True
         return {"manifest": manifest}

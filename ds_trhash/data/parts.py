@@ -25,7 +25,7 @@ from filelock import FileLock, Timeout
 from ds_trhash.io import write_json_atomic
 
 from .chunk_store import ChunkStore, WorkDirError, differences
-from .shards import ShardError, write_shards
+from .shards import ShardError, load_manifest, write_shards
 
 REPORT_FILE = "tokenize_report.json"
 
@@ -128,27 +128,38 @@ def _by_part(stores: Sequence[ChunkStore]) -> tuple[dict, dict[int, ChunkStore]]
     return {**first, "chunks": summaries[0]["chunks"], "part_count": count}, parts
 
 
-def join_stores(stores: Sequence[ChunkStore], out: Path, max_bad_records: int,
-                log: Callable[[str], None] = print) -> dict:
-    """Cut the chunks of ``stores`` (the parts of one run) into the source's shards under ``out``."""
-    run, parts = _by_part(stores)
-    count, chunks = run["part_count"], run["chunks"]
+def _tally(run: dict, parts: dict[int, ChunkStore], max_bad_records: int) -> BadRecordLimit:
+    """Every chunk's record, in chunk order, through the bad-record limit."""
+    count = run["part_count"]
     limit = BadRecordLimit(max_bad_records, [spec["input"] for spec in run["inputs"]])
-    for n in range(chunks):
+    for n in range(run["chunks"]):
         record = parts[n % count].record(n)
         if record is None:
             raise WorkDirError(f"{parts[n % count].root} lacks chunk {n}; delete its done.json and run that part again")
         limit.add(record)
+    return limit
+
+
+def join_stores(stores: Sequence[ChunkStore], out: Path, max_bad_records: int,
+                log: Callable[[str], None] = print, *, shards_written: bool = False) -> dict:
+    """Cut the chunks of ``stores`` (the parts of one run) into the source's shards under ``out``,
+    then write its report. ``shards_written``: an earlier run published the shards and stopped
+    before the report; only the report is (re)written."""
+    run, parts = _by_part(stores)
+    limit = _tally(run, parts, max_bad_records)
+    final = Path(out) / run["source"]
 
     def documents() -> Iterator[np.ndarray]:
-        for n in range(chunks):
-            yield from parts[n % count].documents(n)
+        for n in range(run["chunks"]):
+            yield from parts[n % run["part_count"]].documents(n)
 
-    manifest = write_shards(run["source"], documents(), run["seq_len"], run["rows_per_shard"], out,
-                            run["vocab_size"], run["tokenizer_sha256"])
+    if shards_written:
+        manifest = load_manifest(final)
+    else:
+        manifest = write_shards(run["source"], documents(), run["seq_len"], run["rows_per_shard"], out,
+                                run["vocab_size"], run["tokenizer_sha256"])
     report = limit.report(run["source"])
-    write_json_atomic(Path(out) / run["source"] / REPORT_FILE, report, fsync=False)
-    final = Path(out) / run["source"]
+    write_json_atomic(final / REPORT_FILE, report, fsync=False)
     log(f"{final / 'manifest.json'}: {manifest['documents']} documents, {len(manifest['shards'])} shards, "
         f"{manifest['total_rows']} rows, {manifest['dropped_tokens']} tokens dropped")
     for tally in report["inputs"]:

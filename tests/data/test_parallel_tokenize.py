@@ -2,6 +2,9 @@
 import json
 
 import numpy as np
+from filelock import FileLock
+
+from ds_trhash.data.chunk_store import ChunkStore
 
 from tests.data.corpus_fixtures import (  # noqa: F401 (corpus_tok is a fixture)
     corpus_tok,
@@ -85,7 +88,7 @@ def test_other_arguments_over_a_partial_run_are_refused_and_change_nothing(tmp_p
     inputs[1].write_text(inputs[1].read_text() + json.dumps({"text": "one more"}) + "\n")
     before = tree_digest(tmp_path)
     code, _, err = tokenize(capsys, inputs, out, corpus_tok, "--max-bad-records", "9")
-    assert code == 2 and "inputs:" in err and "'size'" in err
+    assert code == 2 and "input 1: {'input': " in err and "bad.jsonl" in err and "'size': " in err
     assert tree_digest(tmp_path) == before
 
 
@@ -103,3 +106,33 @@ def test_an_existing_source_and_ids_outside_the_vocabulary_are_refused(tmp_path,
     code, _, err = tokenize(capsys, inputs, out, corpus_tok, "--part", "2/2", source="p")
     assert code == 2 and "--part '2/2' must be I/K with 0 <= I < K" in err
     assert tree_digest(tmp_path) == before  # a run failing before its first chunk leaves nothing
+
+
+def test_a_run_stopped_after_publishing_its_shards_finishes_on_the_next_start(tmp_path, capsys, corpus_tok,
+                                                                               monkeypatch):
+    inputs = write_inputs(tmp_path / "in", 40)
+    assert tokenize(capsys, inputs, tmp_path / "reference", corpus_tok)[0] == 0
+    out = tmp_path / "shards"
+    with monkeypatch.context() as patch:  # the process dies between publishing the shards and cleaning up
+        patch.setattr(ChunkStore, "remove", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            tokenize(capsys, inputs, out, corpus_tok)
+        except KeyboardInterrupt:
+            pass
+    assert (out / ".web.tokenize" / "done.json").exists() and (out / "web" / "manifest.json").exists()
+    (out / "web" / "tokenize_report.json").unlink()  # ... or even before the report was written
+    code, stdout, err = tokenize(capsys, inputs, out, corpus_tok)
+    assert code == 0, err
+    assert "40 documents" in stdout
+    assert tree_digest(out) == tree_digest(tmp_path / "reference")
+
+
+def test_a_second_run_on_the_same_work_directory_is_refused(tmp_path, capsys, corpus_tok):
+    inputs = write_inputs(tmp_path / "in", 40)
+    out = tmp_path / "shards"
+    out.mkdir()
+    with FileLock(str(out / ".web.tokenize.lock")):
+        before = tree_digest(tmp_path)
+        code, _, err = tokenize(capsys, inputs, out, corpus_tok)
+        assert code == 2 and "another `data tokenize` is writing" in err
+        assert tree_digest(tmp_path) == before
