@@ -181,7 +181,8 @@ def decode_record(record: Record, text_field: str) -> tuple[Optional[str], Optio
     if isinstance(raw, bytes):
         return _utf8(raw)
     if not isinstance(raw, str):
-        return None, f"field {text_field!r} is {type(raw).__name__}, not a string"
+        kind = "null" if raw is None else type(raw).__name__
+        return None, f"field {text_field!r} is {kind}, not a string"
     try:
         raw.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate from a JSON \ud800 escape

@@ -19,11 +19,11 @@ from tests.fail_closed import REPO, VENV_BIN, tree_digest
 def test_a_killed_run_started_again_keeps_its_chunks_and_ends_byte_identical(tmp_path, capsys, corpus_tok, monkeypatch):
     data = tmp_path / "in" / "big.jsonl"
     data.parent.mkdir()
-    data.write_text("".join(json.dumps({"text": text(i)}) + "\n" for i in range(2400)))
+    data.write_text("".join(json.dumps({"text": text(i)}) + "\n" for i in range(1200)))
     out = tmp_path / "shards"
     argv = [str(VENV_BIN / "ds-trhash"), "data", "tokenize", "--input", str(data), "--source", "web",
             "--tokenizer", str(corpus_tok), "--seq-len", str(SEQ_LEN), "--rows-per-shard", str(ROWS),
-            "--vocab-size", "400", "--out", str(out), "--chunk-records", "16", "--workers", "2"]
+            "--vocab-size", "400", "--out", str(out), "--chunk-records", "8", "--workers", "2"]
     proc = subprocess.Popen(argv, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     work = out / ".web.tokenize"
     deadline = time.monotonic() + 120
@@ -39,17 +39,17 @@ def test_a_killed_run_started_again_keeps_its_chunks_and_ends_byte_identical(tmp
     kept = len([p for p in work.glob("c-*.json") if p.with_suffix(".bin").exists()])
 
     before = tree_digest(tmp_path)  # a different command over the partial run is refused, nothing changes
-    code, _, err = tokenize(capsys, [data], out, corpus_tok, "--rows-per-shard", "8", "--workers", "2")
+    code, _, err = tokenize(capsys, [data], out, corpus_tok, "--rows-per-shard", "8", "--chunk-records", "8")
     assert code == 2 and "rows_per_shard: 4 (partial run) vs 8 (this command)" in err
     assert tree_digest(tmp_path) == before
 
     written = []  # the same command continues: the completed chunks are verified and not redone
     original = ChunkStore.write
     monkeypatch.setattr(ChunkStore, "write", lambda self, index, *a: written.append(index) or original(self, index, *a))
-    code, stdout, err = tokenize(capsys, [data], out, corpus_tok, "--workers", "2")
+    code, stdout, err = tokenize(capsys, [data], out, corpus_tok, "--chunk-records", "8", "--workers", "2")
     assert code == 0, err
     assert f"continuing after {kept} completed chunks" in stdout and written == list(range(kept, 150))
-    assert tokenize(capsys, [data], tmp_path / "reference", corpus_tok, "--workers", "1")[0] == 0
+    assert tokenize(capsys, [data], tmp_path / "reference", corpus_tok, "--chunk-records", "64", "--workers", "1")[0] == 0
     assert tree_digest(out) == tree_digest(tmp_path / "reference")
 
 

@@ -57,7 +57,7 @@ def test_jsonl_and_jsonl_gz_bad_records_are_named(tmp_path):
         (0, 6, None, "no field 'text'"),
         (0, 7, None, "field 'text' is int, not a string"),
         (0, 8, None, "invalid UTF-8 (unpaired surrogate at character 5)"),
-        (0, 9, None, "field 'text' is NoneType, not a string"),
+        (0, 9, None, "field 'text' is null, not a string"),
         (0, 10, "last", None),
         (0, 11, None, "invalid UTF-8 at byte 10"),
     ]
@@ -71,7 +71,7 @@ def test_jsonl_and_jsonl_gz_bad_records_are_named(tmp_path):
 def test_parquet_rows_nulls_binary_and_missing_column(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": ["one", None, "three"], "n": [1, 2, 3]}), path, row_group_size=2)
-    assert decoded([path]) == [(0, 0, "one", None), (0, 1, None, "field 'text' is NoneType, not a string"),
+    assert decoded([path]) == [(0, 0, "one", None), (0, 1, None, "field 'text' is null, not a string"),
                                (0, 2, "three", None)]
     raw = tmp_path / "raw.parquet"
     pq.write_table(pa.table({"body": pa.array([b"ok", b"\xff"], pa.binary())}), raw)
@@ -105,7 +105,7 @@ def test_hf_dataset_streams_through_datasets(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
     spec = hf_input(str(tmp_path / "repo"), None, "train")
     got = [(r.number, *decode_record(r, "content")) for r in iter_records([spec], "content")]
-    assert got == [(0, "alpha", None), (1, "beta", None), (2, None, "field 'content' is NoneType, not a string")]
+    assert got == [(0, "alpha", None), (1, "beta", None), (2, None, "field 'content' is null, not a string")]
     assert calls[0][1]["streaming"] is True and calls[0][1]["split"] == "train"
     assert [(r.kind, r.raw) for r in iter_records([spec], "text")] == [("missing", None)] * 3
     assert decode_record(next(iter_records([spec], "text")), "text") == (None, "no field 'text'")
