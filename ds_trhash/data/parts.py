@@ -22,10 +22,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from filelock import FileLock, Timeout
 
-from ds_trhash.io import write_json_atomic
+from ds_trhash.io import read_json_object, write_json_atomic
 
 from .chunk_store import ChunkStore, WorkDirError, differences
-from .shards import ShardError, load_manifest, write_shards
+from .shards import MANIFEST_FILE, ShardError, write_shards
 
 REPORT_FILE = "tokenize_report.json"
 
@@ -153,8 +153,8 @@ def join_stores(stores: Sequence[ChunkStore], out: Path, max_bad_records: int,
         for n in range(run["chunks"]):
             yield from parts[n % run["part_count"]].documents(n)
 
-    if shards_written:
-        manifest = load_manifest(final)
+    if shards_written:  # the JSON as written (not a loader's view of it), for the same summary line
+        manifest = read_json_object(final / MANIFEST_FILE, ShardError)
     else:
         manifest = write_shards(run["source"], documents(), run["seq_len"], run["rows_per_shard"], out,
                                 run["vocab_size"], run["tokenizer_sha256"])

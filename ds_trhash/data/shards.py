@@ -10,8 +10,8 @@ self-contained (row r = tokens ``[r·L, r·L + L]``, no reads across files).
 Whatever does not complete a row at the end of the stream is dropped and counted in the
 manifest's ``dropped_tokens``; nothing is ever padded.
 
-Reading inputs (text, JSONL, Parquet, datasets) is ``inputs``; tokenizing them in parallel and
-resumably is ``parallel_tokenize``, which feeds its documents to ``write_shards`` here.
+Plain-text inputs hold one document per blank-line-separated block (streams without
+reading a whole file; paragraphs of a book become separate documents joined by EOS).
 """
 from __future__ import annotations
 
@@ -242,6 +242,39 @@ def load_manifests(paths: Sequence[PathLike]) -> dict[str, dict]:
                 raise ShardError(f"source {manifest['source']!r} is given twice (again in {path})")
             found[manifest["source"]] = manifest
     return found
+
+
+def read_jsonl_texts(paths: Sequence[PathLike], text_field: str = "text") -> Iterator[str]:
+    """Yield the text field of every JSONL record; empty texts are skipped."""
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ShardError(f"{path}:{number} is not valid JSON: {exc}") from exc
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise ShardError(f"{path}:{number} has no string field {text_field!r}; set --text-field")
+                if text:
+                    yield text
+
+
+def read_text_documents(paths: Sequence[PathLike]) -> Iterator[str]:
+    """Yield one document per blank-line-separated block of each plain-text file."""
+    for path in paths:
+        block: list[str] = []
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    block.append(line.rstrip("\n"))
+                elif block:
+                    yield "\n".join(block)
+                    block = []
+        if block:
+            yield "\n".join(block)
 
 
 def read_rows(shard_path: PathLike, rows: Sequence[int], seq_len: int) -> np.ndarray:

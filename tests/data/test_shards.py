@@ -8,8 +8,10 @@ from ds_trhash.data.shards import (
     ShardError,
     load_manifest,
     load_manifests,
+    read_jsonl_texts,
     read_row,
     read_rows,
+    read_text_documents,
     tokenize_to_shards,
     write_shards,
 )
@@ -105,6 +107,24 @@ def test_tokenize_to_shards_appends_eos_and_records_tokenizer(tmp_path):
     assert len(expected) - len(stored) == manifest["dropped_tokens"]
     with pytest.raises(ShardError, match="token id"):
         tokenize_to_shards("small", iter(texts), tok_dir, 16, 4, tmp_path / "shards", vocab_size=200)
+
+
+def test_jsonl_and_text_readers(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"text": "first"}\n\n{"text": ""}\n{"body": "x", "text": "second"}\n', encoding="utf-8")
+    assert list(read_jsonl_texts([jsonl])) == ["first", "second"]
+    other = tmp_path / "b.jsonl"
+    other.write_text('{"body": "only body"}\n', encoding="utf-8")
+    assert list(read_jsonl_texts([other], text_field="body")) == ["only body"]
+    with pytest.raises(ShardError, match=r"b.jsonl:1 has no string field 'text'"):
+        list(read_jsonl_texts([other]))
+    broken = tmp_path / "c.jsonl"
+    broken.write_text('{"text": "ok"}\n{oops\n', encoding="utf-8")
+    with pytest.raises(ShardError, match=r"c.jsonl:2 is not valid JSON"):
+        list(read_jsonl_texts([broken]))
+    text = tmp_path / "book.txt"
+    text.write_text("Para one\nstill one\n\n\n  \nPara two\n\nPara three", encoding="utf-8")
+    assert list(read_text_documents([text])) == ["Para one\nstill one", "Para two", "Para three"]
 
 
 def test_load_manifests_accepts_files_source_dirs_and_roots(tmp_path):
