@@ -42,6 +42,7 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) -> None:
+    """Register the three commands; ``guarded`` turns a handler's expected errors into exit 2."""
     p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest (parallel, resumable)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--input", nargs="+", metavar="FILE", help="text, JSONL, JSONL.gz or Parquet files")
@@ -67,15 +68,15 @@ def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) ->
                    help="fail once more than N records are bad (invalid UTF-8, not JSON, missing or non-string field)")
     p.add_argument("--chunk-records", type=int, default=DEFAULT_CHUNK_RECORDS, metavar="N",
                    help=f"records per unit of work and of resumption (default {DEFAULT_CHUNK_RECORDS})")
-    p.set_defaults(func=guarded(_tokenize))
+    p.set_defaults(func=guarded(_tokenize), error_label=p.prog)
 
     p = sub.add_parser("merge-parts", help="join the K parts of a `data tokenize --part` run into one source")
     p.add_argument("parts", nargs="+", metavar="PART_DIR", help="the SOURCE.part-I-of-K directories, all K of them")
     p.add_argument("--out", required=True, metavar="DIR", help="shard root; writes DIR/SOURCE/")
     p.add_argument("--max-bad-records", type=int, default=0, metavar="N", help="bad records allowed over all parts")
-    p.set_defaults(func=guarded(_merge_parts))
+    p.set_defaults(func=guarded(_merge_parts), error_label=p.prog)
 
     p = sub.add_parser("publish", help="upload a corpus to a Hub dataset repository (resumable) and verify it")
     p.add_argument("dir", metavar="DIR", help="the corpus: a shard root, or the release's layout (corpora/...)")
     p.add_argument("target", metavar="hf://datasets/OWNER/REPO")
-    p.set_defaults(func=guarded(_publish))
+    p.set_defaults(func=guarded(_publish), error_label=p.prog)

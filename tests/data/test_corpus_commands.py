@@ -12,7 +12,7 @@ import pytest
 
 from ds_trhash.cli import main
 from ds_trhash.data.chunk_store import ChunkStore
-from tests.data.corpus_fixtures import ROWS, SEQ_LEN, corpus_tok, text, tokenize  # noqa: F401 (fixture)
+from tests.data.tokenize_fixtures import ROWS, SEQ_LEN, corpus_tok, text, tokenize  # noqa: F401 (fixture)
 from tests.fail_closed import REPO, VENV_BIN, tree_digest
 
 

@@ -6,7 +6,7 @@ from filelock import FileLock
 
 from ds_trhash.data.chunk_store import ChunkStore
 
-from tests.data.corpus_fixtures import (  # noqa: F401 (corpus_tok is a fixture)
+from tests.data.tokenize_fixtures import (  # noqa: F401 (corpus_tok is a fixture)
     corpus_tok,
     expected_stream,
     stored_stream,

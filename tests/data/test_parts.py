@@ -6,7 +6,7 @@ import pytest
 from ds_trhash.cli import main
 from ds_trhash.data.parts import parse_part
 from ds_trhash.data.shards import ShardError
-from tests.data.corpus_fixtures import corpus_tok, tokenize, write_inputs  # noqa: F401 (corpus_tok is a fixture)
+from tests.data.tokenize_fixtures import corpus_tok, tokenize, write_inputs  # noqa: F401 (corpus_tok is a fixture)
 from tests.fail_closed import tree_digest
 
 
