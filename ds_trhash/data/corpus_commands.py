@@ -65,7 +65,8 @@ def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) ->
     p.add_argument("--part", metavar="I/K", help="tokenize part I of K (from 0) into DIR/SOURCE.part-I-of-K; "
                                                  "join the K parts with `data merge-parts`")
     p.add_argument("--max-bad-records", type=int, default=0, metavar="N",
-                   help="fail once more than N records are bad (invalid UTF-8, not JSON, missing or non-string field)")
+                   help="fail once more than N records are bad (invalid UTF-8, not JSON, missing or non-string "
+                        "field); with --part, the part's own records (merge-parts checks the total)")
     p.add_argument("--chunk-records", type=int, default=DEFAULT_CHUNK_RECORDS, metavar="N",
                    help=f"records per unit of work and of resumption (default {DEFAULT_CHUNK_RECORDS})")
     p.set_defaults(func=guarded(_tokenize), error_label=p.prog)

@@ -31,7 +31,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 from .chunk_store import RUN_FORMAT, ChunkStore, WorkDirError
-from .inputs import InputSpec, Record, decode_record, iter_records
+from .inputs import JSONL, TEXT, InputSpec, Record, decode_record, iter_records
 from .parts import BadRecordLimit, join_stores, part_dir, remove_stale_temporaries, work_dir
 from .shards import MAX_TOKEN_ID, ShardError, check_source_name
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_file, tokenizer_sha256
@@ -130,7 +130,7 @@ class ChunkEncoder:
 
 def where(label: str, record: Record) -> str:
     """A record's name for a human: ``FILE line N`` or ``INPUT row N``."""
-    return f"{label} {'line' if record.kind in ('text', 'jsonl') else 'row'} {record.number}"
+    return f"{label} {'line' if record.kind in (TEXT, JSONL) else 'row'} {record.number}"
 
 
 _worker_encoder: Optional[ChunkEncoder] = None

@@ -9,8 +9,12 @@ import numpy as np
 from ds_trhash.cli import main
 from ds_trhash.data.shards import write_shards
 from tests.fail_closed import tree_digest
-from tests.release.test_hub import TOKEN
-from tests.release.test_hub import server as hub  # noqa: F401 (the stand-in Hub fixture, HF_* set)
+try:  # the stand-in Hub fixture (HF_ENDPOINT, HF_TOKEN, HF_HUB_DISABLE_XET set), wherever it lives
+    from tests.release.conftest import TOKEN
+    from tests.release.conftest import server as hub  # noqa: F401
+except ImportError:
+    from tests.release.test_hub import TOKEN
+    from tests.release.test_hub import server as hub  # noqa: F401
 
 TARGET = "hf://datasets/me/corpus"
 
