@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .shards import ShardError
 
@@ -28,6 +28,7 @@ TEXT, JSONL, VALUE, MISSING = "text", "jsonl", "value", "missing"  # record kind
 FORMATS = ("auto", "text", "jsonl", "parquet")
 _ABSENT = object()
 _PARQUET_BATCH = 4096
+_PARQUET_SLICE = 256  # rows skipped or materialized together
 
 
 class InputError(ShardError):
@@ -87,17 +88,34 @@ class Record:
     raw: Any
 
 
-def iter_records(specs: Sequence[InputSpec], text_field: str) -> Iterator[Record]:
-    """Every raw record of every input, in input order."""
+@dataclass(frozen=True)
+class Skipped:
+    """``count`` consecutive records the caller does not want: counted, never materialized."""
+
+    count: int
+
+
+def iter_records(specs: Sequence[InputSpec], text_field: str,
+                 unwanted: Optional[Callable[[int, int], bool]] = None) -> Iterator[Record | Skipped]:
+    """Every raw record of every input, in input order.
+
+    ``unwanted(first, count)`` is True when the caller wants none of the records at stream
+    positions ``[first, first + count)`` (a part skipping other parts' chunks); a Parquet reader
+    then yields one ``Skipped`` for such a run of rows instead of building their Python strings.
+    """
+    position = [0]  # stream position of the next record, advanced as items are handed out
     for index, spec in enumerate(specs):
         if spec.hf is not None:
-            yield from _dataset_values(index, spec, text_field)
+            reader = _dataset_values(index, spec, text_field)
         elif spec.fmt == "text":
-            yield from _text_blocks(index, spec.path)
+            reader = _text_blocks(index, spec.path)
         elif spec.fmt == "jsonl":
-            yield from _jsonl_lines(index, spec.path)
+            reader = _jsonl_lines(index, spec.path)
         else:
-            yield from _parquet_values(index, spec.path, text_field)
+            reader = _parquet_values(index, spec.path, text_field, position, unwanted)
+        for item in reader:
+            position[0] += item.count if isinstance(item, Skipped) else 1
+            yield item
 
 
 def _text_blocks(index: int, path: Path) -> Iterator[Record]:
@@ -127,7 +145,8 @@ def _jsonl_lines(index: int, path: Path) -> Iterator[Record]:
         raise InputError(f"{path} is not a complete gzip file ({exc}); re-create it or drop the .gz suffix") from None
 
 
-def _parquet_values(index: int, path: Path, field: str) -> Iterator[Record]:
+def _parquet_values(index: int, path: Path, field: str, position: list,
+                    unwanted: Optional[Callable[[int, int], bool]]) -> Iterator[Record | Skipped]:
     import pyarrow.parquet as pq  # optional heavy dependency, only for Parquet inputs
 
     try:
@@ -139,9 +158,16 @@ def _parquet_values(index: int, path: Path, field: str) -> Iterator[Record]:
         raise InputError(f"{path} has no column {field!r} (columns: {', '.join(names)}); set --text-field")
     row = 0
     for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            yield Record(index, row, VALUE, value)
-            row += 1
+        column = batch.column(0)
+        for start in range(0, len(column), _PARQUET_SLICE):
+            piece = column.slice(start, _PARQUET_SLICE)  # zero-copy
+            if unwanted is not None and unwanted(position[0], len(piece)):
+                row += len(piece)
+                yield Skipped(len(piece))
+                continue
+            for value in piece.to_pylist():
+                yield Record(index, row, VALUE, value)
+                row += 1
 
 
 def _dataset_values(index: int, spec: InputSpec, field: str) -> Iterator[Record]:

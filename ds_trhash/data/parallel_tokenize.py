@@ -31,7 +31,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 from .chunk_store import RUN_FORMAT, ChunkStore, WorkDirError
-from .inputs import JSONL, TEXT, InputSpec, Record, decode_record, iter_records
+from .inputs import JSONL, TEXT, InputSpec, Record, Skipped, decode_record, iter_records
 from .parts import BadRecordLimit, join_stores, part_dir, remove_stale_temporaries, work_dir
 from .shards import MAX_TOKEN_ID, ShardError, check_source_name
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_file, tokenizer_sha256
@@ -145,20 +145,25 @@ def _encode_in_worker(index: int, records: Sequence[Record]):
     return _worker_encoder(index, records)
 
 
-def _chunks(records: Iterator[Record], size: int, wanted: Callable[[int], bool], seen: list) -> Iterator:
-    """``(n, records)`` for each wanted chunk; ``seen[0]`` counts every record, wanted or not."""
+def _chunks(items: Iterator, size: int, wanted: Callable[[int], bool], seen: list) -> Iterator:
+    """``(n, records)`` for each wanted chunk ``n`` (records ``[n·size, (n+1)·size)``); ``seen[0]``
+    counts every record, wanted or not (``Skipped`` runs lie wholly in unwanted chunks)."""
     batch: list[Record] = []
-    index = 0
-    for record in records:
+    current = 0
+    for item in items:
+        if isinstance(item, Skipped):
+            seen[0] += item.count
+            continue
+        index = seen[0] // size
         seen[0] += 1
+        if index != current:
+            if batch:
+                yield current, batch
+            batch, current = [], index
         if wanted(index):
-            batch.append(record)
-        if seen[0] % size == 0:
-            if wanted(index):
-                yield index, batch
-            batch, index = [], index + 1
+            batch.append(item)
     if batch:
-        yield index, batch
+        yield current, batch
 
 
 def _encode_all(job: TokenizeJob, chunks: Iterator, store: ChunkStore, on_done: Callable[[dict], None]) -> None:
@@ -248,8 +253,14 @@ def _encode(job: TokenizeJob, store: ChunkStore, log: Callable[[str], None]) -> 
         log(f"{store.root}: continuing after {(owned - index) // count} completed chunks")
     resume_from = owned
     seen = [0]
-    chunks = _chunks(iter_records(job.inputs, job.text_field), job.chunk_records,
-                     lambda n: n % count == index and n >= resume_from, seen)
+    def wanted(n: int) -> bool:
+        return n % count == index and n >= resume_from
+
+    def unwanted(first: int, records: int) -> bool:
+        size = job.chunk_records
+        return not any(wanted(n) for n in range(first // size, (first + records - 1) // size + 1))
+
+    chunks = _chunks(iter_records(job.inputs, job.text_field, unwanted), job.chunk_records, wanted, seen)
     _encode_all(job, chunks, store, limit.add)
     total_chunks = -(-seen[0] // job.chunk_records)
     summary = {"records": seen[0], "chunks": total_chunks}

@@ -1,7 +1,8 @@
 """Parts of a tokenize run, and how chunks become one source.
 
 ``--part i/K`` (parts count from 0) owns the chunks ``n`` with ``n % K == i``: every part reads the
-whole input (cheaply, without tokenizing what it does not own) and tokenizes one chunk in K, so
+whole input (cheaply, without decoding or tokenizing what it does not own; Parquet rows of other
+parts are counted without building their strings) and tokenizes one chunk in K, so
 parts take about the same time whatever the input's layout. A part stops at its work directory
 ``<out>/<source>.part-<i>-of-<K>``: its token stream is not cut into shards on its own, because
 shard ``k`` of a source is fixed by stream positions (docs/contracts.md §2: ``rows·L + 1`` tokens,

@@ -8,6 +8,8 @@ import pytest
 
 from ds_trhash.data.inputs import (
     InputError,
+    Record,
+    Skipped,
     decode_record,
     file_format,
     file_inputs,
@@ -111,3 +113,21 @@ def test_hf_dataset_streams_through_datasets(tmp_path, monkeypatch):
     assert decode_record(next(iter_records([spec], "text")), "text") == (None, "no field 'text'")
     with pytest.raises(InputError, match="cannot be opened"):
         list(iter_records([hf_input(str(tmp_path / "nothing-here"))], "text"))
+
+
+def test_parquet_rows_nobody_wants_are_counted_not_built(tmp_path):
+    (tmp_path / "lead.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(1000)]}), path)
+    asked = []
+
+    def unwanted(first, count):
+        asked.append((first, count))
+        return first >= 256  # only the first slice of 256 rows is wanted
+
+    items = list(iter_records(file_inputs([tmp_path / "lead.jsonl", path]), "text", unwanted))
+    records = [i for i in items if isinstance(i, Record)]
+    assert [r.raw for r in records[:2]] == [b'{"text": "a"}\n', b'{"text": "b"}\n']
+    assert [(r.number, r.raw) for r in records[2:]][-1] == (255, "row 255") and len(records) == 2 + 256
+    assert [i.count for i in items if isinstance(i, Skipped)] == [256, 256, 232]
+    assert asked[0] == (2, 256) and asked[1] == (258, 256)  # stream positions: the JSONL's two lines first
