@@ -179,6 +179,8 @@ def _dataset_values(index: int, spec: InputSpec, field: str) -> Iterator[Record]
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise InputError(f"--hf-dataset {name!r} (config {config!r}, split {split!r}) cannot be opened: "
                          f"{' '.join(str(exc).split())}") from None
+    if stream.column_names and field in stream.column_names:
+        stream = stream.select_columns([field])  # decode only the text column
     for row, example in enumerate(stream):
         value = example.get(field, _ABSENT)
         yield Record(index, row, MISSING, None) if value is _ABSENT else Record(index, row, VALUE, value)
