@@ -20,6 +20,8 @@ SHA-256), keeps them, re-reads the input up to that point without tokenizing it,
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -136,9 +138,17 @@ def where(label: str, record: Record) -> str:
 _worker_encoder: Optional[ChunkEncoder] = None
 
 
-def _init_worker(*args) -> None:
+def _init_worker(parent: int, *args) -> None:
     global _worker_encoder
     _worker_encoder = ChunkEncoder(*args)
+    threading.Thread(target=_exit_with, args=(parent,), name="orphan-watch", daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker once its parent is gone (a ``kill -9`` of the run leaves no orphan behind)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _encode_in_worker(index: int, records: Sequence[Record]):
@@ -179,7 +189,7 @@ def _encode_all(job: TokenizeJob, chunks: Iterator, store: ChunkStore, on_done: 
     # which comes before the first record is read, so no reader thread (a streaming dataset's) is
     # forked with them.
     with ProcessPoolExecutor(job.workers, mp_context=get_context("fork"), initializer=_init_worker,
-                             initargs=args) as pool:
+                             initargs=(os.getpid(), *args)) as pool:
         pending: deque = deque()
         try:
             pool.submit(os.getpid).result()

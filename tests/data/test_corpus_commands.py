@@ -1,11 +1,13 @@
 """The corpus commands as users run them: a `ds-trhash data tokenize` killed with SIGKILL and started
 again, a Hugging Face dataset streamed through `datasets`, argument combinations."""
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -29,11 +31,18 @@ def test_a_killed_run_started_again_keeps_its_chunks_and_ends_byte_identical(tmp
     deadline = time.monotonic() + 120
     while len(list(work.glob("c-*.json"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGSTOP)  # freeze it (workers too) to look, then kill -9 the whole group
-    completed = sorted(work.glob("c-*.json"))
-    mid_run = not (work / "done.json").exists() and not (out / "web").exists()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    os.killpg(proc.pid, signal.SIGSTOP)  # freeze it (workers too) to look, then kill -9 the command
+    try:
+        completed = sorted(work.glob("c-*.json"))
+        mid_run = not (work / "done.json").exists() and not (out / "web").exists()
+        workers = psutil.Process(proc.pid).children()
+        proc.kill()
+        proc.wait(timeout=30)
+        os.killpg(proc.pid, signal.SIGCONT)  # the workers run on, find their parent gone, and exit
+        assert len(workers) == 2 and _gone(workers, 15), "a worker outlived its killed parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     assert mid_run and 3 <= len(completed) < 150, len(completed)
     kept = len([p for p in work.glob("c-*.json") if p.with_suffix(".bin").exists()])
@@ -51,6 +60,21 @@ def test_a_killed_run_started_again_keeps_its_chunks_and_ends_byte_identical(tmp
     assert f"continuing after {kept} completed chunks" in stdout and written == list(range(kept, 150))
     assert tokenize(capsys, [data], tmp_path / "reference", corpus_tok, "--chunk-records", "64", "--workers", "1")[0] == 0
     assert tree_digest(out) == tree_digest(tmp_path / "reference")
+
+
+def _gone(processes, timeout_s):
+    """Every process has exited (a zombie waiting for its new parent counts) within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_a_hugging_face_dataset_streams_to_the_same_shards_as_its_files(tmp_path, capsys, corpus_tok, monkeypatch):
