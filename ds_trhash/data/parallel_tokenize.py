@@ -20,6 +20,7 @@ SHA-256), keeps them, re-reads the input up to that point without tokenizing it,
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -140,6 +141,7 @@ _worker_encoder: Optional[ChunkEncoder] = None
 
 def _init_worker(parent: int, *args) -> None:
     global _worker_encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it stops the pool)
     _worker_encoder = ChunkEncoder(*args)
     threading.Thread(target=_exit_with, args=(parent,), name="orphan-watch", daemon=True).start()
 
