@@ -89,8 +89,12 @@ class ChunkStore:
         return read_json_object(path, WorkDirError) if path.is_file() else None
 
     def verified(self, index: int) -> Optional[dict]:
-        """The chunk's completion record if its data file is whole, else None."""
-        record = self.record(index)
+        """The chunk's completion record if its data file is whole, else None (also for a record
+        torn by a power loss: the files are not fsynced, the hashes catch what did not reach disk)."""
+        try:
+            record = self.record(index)
+        except WorkDirError:
+            return None
         data = self.root / f"{chunk_name(index)}.bin"
         if record is None or not data.is_file() or data.stat().st_size != record["bytes"]:
             return None

@@ -17,7 +17,7 @@ from .publish import publish_corpus
 
 def _tokenize(args: argparse.Namespace) -> int:
     if args.hf_dataset is not None:
-        inputs = [hf_input(args.hf_dataset, args.hf_config, args.split)]
+        inputs = [hf_input(args.hf_dataset, args.hf_config, args.split, args.hf_revision)]
     else:
         inputs = file_inputs(args.input, args.format)
     job = TokenizeJob(
@@ -50,6 +50,8 @@ def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) ->
                        help="a Hugging Face dataset (Hub name or local directory), streamed, never downloaded whole")
     p.add_argument("--hf-config", metavar="C", help="the dataset's configuration name")
     p.add_argument("--split", default="train", help="the dataset's split (default train)")
+    p.add_argument("--hf-revision", metavar="REV",
+                   help="the Hub dataset's branch, tag or commit; a commit makes reruns and parts read the same data")
     p.add_argument("--source", required=True, help="source name (directory and plan key)")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
     p.add_argument("--seq-len", type=int, required=True)

@@ -42,13 +42,14 @@ class InputSpec:
     label: str
     fmt: str
     path: Optional[Path] = None
-    hf: Optional[tuple[str, Optional[str], str]] = None
+    hf: Optional[tuple[str, Optional[str], str, Optional[str]]] = None  # name, config, split, revision
 
     def identity(self) -> dict:
         """What a resumed run must find unchanged: a file's size and mtime, a dataset's coordinates."""
         if self.hf is not None:
-            name, config, split = self.hf
-            return {"input": self.label, "format": "hf", "name": name, "config": config, "split": split}
+            name, config, split, revision = self.hf
+            return {"input": self.label, "format": "hf", "name": name, "config": config, "split": split,
+                    "revision": revision}
         stat = self.path.stat()
         return {"input": self.label, "format": self.fmt, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
@@ -75,9 +76,11 @@ def file_inputs(paths: Sequence[os.PathLike | str], fmt: str = "auto") -> list[I
     return specs
 
 
-def hf_input(name: str, config: Optional[str] = None, split: str = "train") -> InputSpec:
-    label = f"hf:{name}" + (f"[{config}]" if config else "") + f":{split}"
-    return InputSpec(label, "hf", hf=(name, config, split))
+def hf_input(name: str, config: Optional[str] = None, split: str = "train", revision: Optional[str] = None) -> InputSpec:
+    """A dataset by name (Hub repository or local directory); ``revision`` pins a Hub dataset's
+    commit, so a resumed run or a later part reads what the first one read."""
+    label = f"hf:{name}" + (f"@{revision}" if revision else "") + (f"[{config}]" if config else "") + f":{split}"
+    return InputSpec(label, "hf", hf=(name, config, split, revision))
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,9 @@ def _parquet_values(index: int, path: Path, field: str, position: list,
 def _dataset_values(index: int, spec: InputSpec, field: str) -> Iterator[Record]:
     import datasets  # optional heavy dependency (~0.5 s to import), only for --hf-dataset
 
-    name, config, split = spec.hf
+    name, config, split, revision = spec.hf
     try:
-        stream = datasets.load_dataset(name, config, split=split, streaming=True)
+        stream = datasets.load_dataset(name, config, split=split, streaming=True, revision=revision)
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise InputError(f"--hf-dataset {name!r} (config {config!r}, split {split!r}) cannot be opened: "
                          f"{' '.join(str(exc).split())}") from None

@@ -21,6 +21,8 @@ def test_a_chunk_round_trips_and_counts_only_when_whole(tmp_path):
         list(store.documents(3))
     data.write_bytes(data.read_bytes()[:-2])
     assert store.verified(3) is None
+    (tmp_path / "w" / "c-00000003.json").write_text('{"chunk": 3, "docu')  # torn by a power loss
+    assert store.verified(3) is None
     with pytest.raises(WorkDirError, match="lacks chunk 4"):
         list(store.documents(4))
 

@@ -108,7 +108,11 @@ def test_hf_dataset_streams_through_datasets(tmp_path, monkeypatch):
     spec = hf_input(str(tmp_path / "repo"), None, "train")
     got = [(r.number, *decode_record(r, "content")) for r in iter_records([spec], "content")]
     assert got == [(0, "alpha", None), (1, "beta", None), (2, None, "field 'content' is null, not a string")]
-    assert calls[0][1]["streaming"] is True and calls[0][1]["split"] == "train"
+    assert calls[0][1]["streaming"] is True and calls[0][1]["split"] == "train" and calls[0][1]["revision"] is None
+    pinned = hf_input("owner/name", "cfg", "validation", "0123abc")
+    assert pinned.label == "hf:owner/name@0123abc[cfg]:validation"
+    assert pinned.identity() == {"input": pinned.label, "format": "hf", "name": "owner/name", "config": "cfg",
+                                 "split": "validation", "revision": "0123abc"}
     assert [(r.kind, r.raw) for r in iter_records([spec], "text")] == [("missing", None)] * 3
     assert decode_record(next(iter_records([spec], "text")), "text") == (None, "no field 'text'")
     with pytest.raises(InputError, match="cannot be opened"):
