@@ -96,11 +96,19 @@ class BadRecordLimit:
                 "bad_records": [{"at": bad["at"], "reason": bad["reason"]} for bad in self.bad]}
 
 
+def _shared(identity: dict) -> dict:
+    """What every part of one run shares: its identity less the part index and the inputs'
+    modification times (parts on other machines may read copies of the inputs, equal in name and
+    size; the records each part read are compared too, below)."""
+    inputs = [{k: v for k, v in spec.items() if k != "mtime_ns"} for spec in identity.get("inputs", [])]
+    return {**{k: v for k, v in identity.items() if k != "part"}, "inputs": inputs}
+
+
 def _by_part(stores: Sequence[ChunkStore]) -> tuple[dict, dict[int, ChunkStore]]:
     """Check that ``stores`` are the complete parts of one run; return its identity and the parts by index."""
     identities = [store.identity() for store in stores]
     count = identities[0]["part"][1]
-    first = {k: v for k, v in identities[0].items() if k != "part"}
+    first = _shared(identities[0])
     parts: dict[int, ChunkStore] = {}
     for store, identity in zip(stores, identities):
         index, k = identity["part"]
@@ -108,8 +116,7 @@ def _by_part(stores: Sequence[ChunkStore]) -> tuple[dict, dict[int, ChunkStore]]
             raise WorkDirError(f"{store.root} is part {index}/{k}, but {stores[0].root} is one of {count} parts")
         if index in parts:
             raise WorkDirError(f"part {index}/{count} is given twice ({parts[index].root} and {store.root})")
-        diff = differences(first, {k: v for k, v in identity.items() if k != "part"},
-                           f"in {stores[0].root}", f"in {store.root}")
+        diff = differences(first, _shared(identity), f"in {stores[0].root}", f"in {store.root}")
         if diff:
             raise WorkDirError(f"{store.root} is not a part of the same run as {stores[0].root}: {'; '.join(diff)}")
         parts[index] = store

@@ -1,4 +1,5 @@
 """`--part i/K` and `data merge-parts`: K parts joined equal one single-machine run, byte for byte."""
+import os
 import shutil
 
 import pytest
@@ -18,10 +19,14 @@ def merge(capsys, *argv):
 
 @pytest.fixture()
 def parts(tmp_path, capsys, corpus_tok):
-    """A single-machine run (``single/web``) and the three parts of the same run (in ``p/``)."""
+    """A single-machine run (``single/web``) and the three parts of the same run (in ``p/``), the
+    last one over inputs whose modification times changed (as copies on another machine)."""
     inputs = write_inputs(tmp_path / "in", 200)
     assert tokenize(capsys, inputs, tmp_path / "single", corpus_tok)[0] == 0
     for index, workers in ((0, 1), (1, 2), (2, 1)):
+        if index == 2:  # the last part reads a copy of the inputs: same names and sizes, other mtimes
+            for path in inputs:
+                os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**10))
         code, out, err = tokenize(capsys, inputs, tmp_path / "p", corpus_tok, "--part", f"{index}/3", "--workers", workers)
         assert code == 0, err
         assert f"part {index}/3 complete, 200 records read" in out
