@@ -6,7 +6,9 @@ covers our layout (``<source>/manifest.json`` + shards) and the release's
 (``mixture_manifest.json``, ``corpora/<source>/manifest.json`` + shards): a manifest is any
 ``manifest.json`` with a ``shards`` list of ``{file, bytes, sha256}``.
 
-How: ``HfApi.upload_folder`` (repository type ``dataset``). With ``hf_xet`` the client streams
+How: ``HfApi.upload_folder`` (repository type ``dataset``; the pinned client, huggingface_hub 2.4,
+has no ``upload_large_folder`` any more: ``upload_folder`` took over its resumable, multi-commit
+upload). With ``hf_xet`` the client streams
 the folder in several commits and a re-run skips what is committed and deduplicates what was
 uploaded; over the LFS protocol (``HF_HUB_DISABLE_XET=1``) it makes one commit, and a re-run
 after an interruption sends no LFS object the Hub already holds (its batch endpoint asks only
