@@ -63,6 +63,16 @@ class NonFiniteGuard:
         # the smallest of every rank's value (the loop sets its host all-reduce); one process: itself
         self.agree: Callable[[int], int] = lambda value: value
 
+    @classmethod
+    def from_config(cls, cfg, log: Callable[[str], None]) -> "NonFiniteGuard":
+        """The guard of a launch: ``training.nonfinite*``, checked at every ``training.log_every``."""
+        return cls(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
+                   log=log, check_grad_norm=cfg.precision != "fp16")
+
+    def describe(self) -> str:
+        """For the end-of-stage line: the steps skip_step skipped, if any."""
+        return f" ({self.skipped} non-finite step(s) skipped)" if self.skipped else ""
+
     @property
     def skips(self) -> bool:
         return self.mode == "skip_step"

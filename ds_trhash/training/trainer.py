@@ -35,6 +35,7 @@ from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
+from ds_trhash.safe_names import UnsafeNameError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import launch_checks, loop, resources
 from ds_trhash.training.callbacks import (
@@ -73,7 +74,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, resources.ResourceError)
+    RNGStateError, resources.ResourceError, UnsafeNameError)
 
 
 # ----------------------------------------------------------------------------- launch checks
@@ -206,6 +207,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
+            "tokenizer_assumed": data.tokenizer_assumed,  # the data recorded none: data.tokenizer was taken
             "sft_dir": data.sft_dir,
             "sft_manifest_sha256": data.sft_manifest_sha256,
             "source_stage": cfg.source_stage,
@@ -304,6 +306,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world))
+    for note in data.notes:
+        say(note)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
@@ -381,11 +385,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
         protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor,
         expert_load=expert_load)
-    callbacks = make_callbacks(builders, run)
-    guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
-                           log=progress.message, check_grad_norm=cfg.precision != "fp16")
-    run.before_save.insert(0, guard.before_save)  # no checkpoint of diverged weights, ever
-    state = loop.run(engine.engine, data.batches, state, callbacks, device, world, nonfinite=guard,
+    guard = NonFiniteGuard.from_config(cfg, log=progress.message)
+    run.before_save.insert(0, guard.before_save)  # first before every save: no checkpoint of diverged weights
+    state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world, nonfinite=guard,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
     writer.close()
     expert_load.close()
@@ -393,6 +395,5 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     if cache is not None:
         cache.close()
     if rank == 0:
-        skipped = f" ({guard.skipped} non-finite step(s) skipped)" if guard.skipped else ""
-        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{skipped}")
+        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
     return state
