@@ -20,7 +20,6 @@ reading a whole file; paragraphs of a book become separate documents joined by E
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +30,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ds_trhash.io import json_text, publish_dir, utf8_lines
+from ds_trhash.io import json_text, publish_dir
 
 from .corpus import load_any, read_source_manifest
 from .manifest import DTYPE, MIXTURE_FORMAT, SOURCE_MANIFEST, ShardError, SourceManifest
@@ -143,7 +142,6 @@ def write_shards(
         raise ShardError(f"{final_dir} already exists; shards are immutable, delete it or choose another --out")
     tmp_dir = Path(out_dir) / f".{source_name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    created = not Path(out_dir).exists()  # a failed tokenization leaves no empty --out behind
     tmp_dir.mkdir(parents=True)
     try:
         writer = _ShardWriter(tmp_dir, seq_len, rows_per_shard)
@@ -189,9 +187,6 @@ def write_shards(
         publish_dir(tmp_dir, final_dir, replace=False, fsync=False)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        if created:
-            with contextlib.suppress(OSError):  # only when still empty
-                Path(out_dir).rmdir()
         raise
     return manifest
 
@@ -231,7 +226,7 @@ def load_manifests(paths: Sequence[PathLike]) -> dict[str, SourceManifest]:
 def read_jsonl_texts(paths: Sequence[PathLike], text_field: str = "text") -> Iterator[str]:
     """Yield the text field of every JSONL record; empty texts are skipped."""
     for path in paths:
-        with contextlib.closing(utf8_lines(path, ShardError)) as handle:
+        with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -250,7 +245,7 @@ def read_text_documents(paths: Sequence[PathLike]) -> Iterator[str]:
     """Yield one document per blank-line-separated block of each plain-text file."""
     for path in paths:
         block: list[str] = []
-        with contextlib.closing(utf8_lines(path, ShardError)) as handle:
+        with open(path, encoding="utf-8") as handle:
             for line in handle:
                 if line.strip():
                     block.append(line.rstrip("\n"))

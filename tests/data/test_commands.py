@@ -117,20 +117,3 @@ def test_train_tokenizer_refuses_empty_input_a_vocabulary_over_uint16_and_non_ut
         assert code == 2 and needle in err and "Traceback" not in err, err
     assert tree_digest(tmp_path) == before
 
-
-def test_tokenize_input_that_is_not_utf8_names_the_file_and_line(inputs, capsys):
-    from ds_trhash.cli import main
-    from tests.fail_closed import tree_digest
-
-    tmp, prose, notes = inputs
-    assert cli(["data", "train-tokenizer", "--input", str(prose), "--vocab-size", "300", "--out", str(tmp / "tok")],
-               capsys)[0] == 0
-    notes.write_bytes(notes.read_bytes() + b'{"body": "na\xefve"}\n')
-    prose.write_bytes(prose.read_bytes() + b"\n\nna\xefve\n")
-    before = tree_digest(tmp)
-    for source, fmt in ((notes, ["--format", "jsonl", "--text-field", "body"]), (prose, [])):
-        code = main(["data", "tokenize", "--input", str(source), "--source", "s", *fmt, "--tokenizer", str(tmp / "tok"),
-                     "--seq-len", "16", "--rows-per-shard", "4", "--vocab-size", "300", "--out", str(tmp / "shards")])
-        err = capsys.readouterr().err
-        assert code == 2 and f"{source}: line" in err and "is not UTF-8 text (byte 0xef" in err, err
-    assert tree_digest(tmp) == before
