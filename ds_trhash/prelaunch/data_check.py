@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ds_trhash.training.stage_data import StageData, _embedded_root, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.launch.stage_data import StageData, _embedded_root, prepare_pretrain_data, prepare_sft_data
 
 
 def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> tuple[StageData, str]:

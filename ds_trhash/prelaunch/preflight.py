@@ -8,7 +8,7 @@ checkpoint, the output directory, memory against an estimate for the micro-batch
 the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
 
 The verdicts are the trainer's own: its config validation, data checks, stage guard, output
-directory and resume checks, and the resource checks of ``training.resources``, which the
+directory and resume checks, and the resource checks of ``training.launch.resources``, which the
 trainer also runs at launch.
 """
 from __future__ import annotations
@@ -25,12 +25,12 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks
-from ds_trhash.training import resources as res
+from ds_trhash.training.launch import checks as launch_checks
+from ds_trhash.training.launch import resources as res
 from ds_trhash.training.engine import EngineError, check_runnable
-from ds_trhash.training.footprint import estimate
+from ds_trhash.training.launch.footprint import estimate
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
-from ds_trhash.training.resources import FAIL, PASS, WARN, Check
+from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
 from ds_trhash.training.trainer import USER_ERRORS, check_output_side, check_resume, guard_stage, kernel_choice
 
 EXIT_FAILED = 2

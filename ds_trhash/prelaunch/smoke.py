@@ -44,11 +44,11 @@ from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.release import commands as release_commands
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.footprint import estimate, gib
-from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.training.launch.footprint import estimate, gib
+from ds_trhash.training.launch.checks import LaunchCheckError
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
-from ds_trhash.training.progress import format_duration
-from ds_trhash.training.resources import default_nproc, probe_devices
+from ds_trhash.training.display import format_duration
+from ds_trhash.training.launch.resources import default_nproc, probe_devices
 from ds_trhash.training.trainer import USER_ERRORS
 
 EXIT_FAILED, EXIT_USAGE = 1, 2

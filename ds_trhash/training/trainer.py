@@ -35,7 +35,9 @@ from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks, loop, resources
+from ds_trhash.training import loop
+from ds_trhash.training.launch import checks as launch_checks
+from ds_trhash.training.launch import resources
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
@@ -56,11 +58,11 @@ from ds_trhash.training.engine import (
     expert_parallel_group,
     optimizer_name,
 )
-from ds_trhash.training.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
-from ds_trhash.training.metrics import METRICS_FILE, MetricsError, MetricsWriter
-from ds_trhash.training.monitor import MonitorSink
-from ds_trhash.training.progress import Progress
-from ds_trhash.training.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
+from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsError, MetricsWriter
+from ds_trhash.training.records.monitor import MonitorSink
+from ds_trhash.training.display import Progress
+from ds_trhash.training.launch.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")

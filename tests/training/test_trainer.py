@@ -31,7 +31,7 @@ def test_fault_injection_is_inert_unless_asked():
 
 
 def test_fresh_output_dir_check(tmp_path):
-    from ds_trhash.training.launch_checks import LaunchCheckError, check_fresh_output_dir
+    from ds_trhash.training.launch.checks import LaunchCheckError, check_fresh_output_dir
 
     check_fresh_output_dir(tmp_path / "new")  # nothing there
     (tmp_path / "old").mkdir()

@@ -65,8 +65,8 @@ class RunContext:
     model: Any  # the module inside it (backends_used)
     model_config: Any  # TRHashConfig
     batches: Any  # loop.StepBatches
-    progress: Any  # training.progress.Progress
-    writer: Any  # training.metrics.MetricsWriter
+    progress: Any  # training.display.Progress
+    writer: Any  # training.records.metrics_csv.MetricsWriter
     trainer_state: Callable[[Any, str, dict], dict]  # (state, reason, extra) -> trainer_state.json
     eval_batches: Any = None  # SFTBatches over the held-out partition, when configured
     tokenizer_dir: str | None = None
@@ -74,8 +74,8 @@ class RunContext:
     stop: Any = None  # callbacks.stop.StopAgreement, asked once per step on every rank
     faults: Any = None  # callbacks.faults.FaultInjection
     barrier: Callable[[], Any] = lambda: None
-    monitor: Any = None  # training.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
-    expert_load: Any = None  # training.expert_load.ExpertLoadWriter: expert_load.csv
+    monitor: Any = None  # training.records.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
+    expert_load: Any = None  # training.records.expert_load.ExpertLoadWriter: expert_load.csv
     # called with the state on every rank right before each checkpoint is written (collectives allowed)
     before_save: list[Callable[[Any], Any]] = field(default_factory=list)
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})

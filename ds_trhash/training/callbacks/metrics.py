@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from ds_trhash.model.flops import train_flops_per_token
 from ds_trhash.training.callbacks.base import Callback, RunContext
-from ds_trhash.training.expert_load import gather_expert_load, load_shares
-from ds_trhash.training.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
+from ds_trhash.training.records.expert_load import gather_expert_load, load_shares
+from ds_trhash.training.records.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
 
 
 class MetricsCallback(Callback):
     def __init__(self, writer, model, every: int, monitor=None, device=None, mfu=None, expert_load=None):
         self.writer, self.model, self.every = writer, model, every
         self.monitor, self.device, self.mfu = monitor, device, mfu  # mfu: tokens/s -> fraction or None
-        self.expert_load = expert_load  # training.expert_load.ExpertLoadWriter (None: not counted)
+        self.expert_load = expert_load  # training.records.expert_load.ExpertLoadWriter (None: not counted)
         self.interval = IntervalMean()
         self.logged_step = 0  # the step of the previous row: the start of the expert-load interval
 

@@ -4,9 +4,9 @@ import csv
 import torch
 
 from ds_trhash.training.callbacks import MetricsCallback
-from ds_trhash.training.expert_load import ExpertLoadWriter
+from ds_trhash.training.records.expert_load import ExpertLoadWriter
 from ds_trhash.training.loop import TrainState
-from ds_trhash.training.metrics import MetricsWriter
+from ds_trhash.training.records.metrics_csv import MetricsWriter
 from tests.training.callbacks import fakes
 
 

@@ -4,7 +4,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ds_trhash.training.progress import Progress, eta_seconds, format_duration
+from ds_trhash.training.display import Progress, eta_seconds, format_duration
 
 
 class Clock:

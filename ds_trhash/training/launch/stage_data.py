@@ -25,7 +25,7 @@ from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks
+from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_trhash.training.launch_checks import (
+from ds_trhash.training.launch.checks import (
     LaunchCheckError,
     check_sft_manifest_unchanged,
     check_tokenizer_matches,
