@@ -48,6 +48,7 @@ from ds_trhash.checkpoints.state import (
     CheckpointError,
     ResumeError,
     TrainerState,
+    describe_hardware,
     read_trainer_state,
 )
 from ds_trhash.checkpoints.store import (
@@ -72,7 +73,7 @@ __all__ = [
     "CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "REQUIRED_STATE_PARTS", "RESHARD_DIR",
     "RESHARD_LAYOUT_KEYS", "TRAINER_STATE", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "CheckpointError",
     "CheckpointInfo", "ResumeError", "TrainerState", "check_output_dir_stage", "check_resume_compatible",
-    "checkpoints_root", "convert_to_universal", "find_resumable", "global_batch", "inspect_saved_parts",
+    "checkpoints_root", "convert_to_universal", "describe_hardware", "find_resumable", "global_batch", "inspect_saved_parts",
     "is_reshard", "list_checkpoints", "load_engine_state", "load_merged_weights", "load_weights_only",
     "needs_universal", "read_source_metadata", "read_source_record", "read_trainer_state", "reseed_rng_for_reshard",
     "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",

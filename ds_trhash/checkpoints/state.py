@@ -7,14 +7,18 @@ every other file, written last). See docs/contracts.md, "Checkpoints and resume"
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import platform
 import re
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
@@ -57,6 +61,20 @@ def _framework_commit() -> str | None:
         return out.stdout.strip() or None
     except Exception:
         return None
+
+
+def describe_hardware() -> str:
+    """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
+    # a broken CUDA install or an unreadable /proc must not stop a checkpoint or a report
+    with contextlib.suppress(RuntimeError):
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return f"{torch.cuda.device_count()} x " + " / ".join(names)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return "CPU: " + line.split(":", 1)[1].strip()
+    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
 
 
 @dataclass

@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.checkpoints import MANIFEST, describe_hardware, list_checkpoints, verify
 from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
-from ds_trhash.training.engine import describe_hardware
 from ds_trhash.checkpoints.selection import RULES as SELECTION_RULES
 from ds_trhash.checkpoints.selection import Candidate, choose
 

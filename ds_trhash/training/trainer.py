@@ -54,7 +54,6 @@ from ds_trhash.training.engine import (
     build_engine,
     check_runnable,
     compute_dtype,
-    describe_hardware,
     expert_parallel_group,
     optimizer_name,
 )
@@ -182,7 +181,7 @@ def check_resources(cfg: tcfg.TrainConfig, model_cfg, data: StageData, world: in
 def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical: dict, init_dir: str | None,
                    model, model_cfg, pack_of: dict[int, int], device: torch.device):
     """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
-    hardware = f"{world} process(es); rank 0 on {describe_hardware()}"
+    hardware = f"{world} process(es); rank 0 on {ckpt.describe_hardware()}"
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return {
@@ -352,7 +351,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         progress.message(startup_summary(
             cfg, tcfg.batch_layout(loaded, world), model=model, total_steps=data.total_steps, start_step=state.step,
             ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
-            kernels=getattr(model, "kernels_requested", None), hardware=describe_hardware(),
+            kernels=getattr(model, "kernels_requested", None), hardware=ckpt.describe_hardware(),
             checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
     monitor = MonitorSink(getattr(engine.engine, "monitor", None))  # DeepSpeed's monitors, when configured
     # a fresh start drops rows an earlier attempt logged without leaving a checkpoint (RESUME=auto)
