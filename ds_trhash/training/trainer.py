@@ -61,7 +61,7 @@ from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadW
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsError, MetricsWriter
 from ds_trhash.training.records.monitor import MonitorSink
 from ds_trhash.training.display import Progress
-from ds_trhash.training.launch.stage_data import StageData, _barrier, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.launch.stage_data import StageData, barrier, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")
@@ -311,7 +311,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     if damaged:
         if rank == 0:
             launch_checks.set_aside_damaged(output_dir, time.strftime("%Y%m%dT%H%M%S"), log=say)
-        _barrier()
+        barrier()
     if data.start is not None:
         data.start()
 
@@ -324,7 +324,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     state = loop.TrainState(step=0, total_steps=data.total_steps)
     if saved is not None:
         ckpt.load_engine_state(engine.engine, resume_dir, reshard=resharding, output_dir=output_dir,
-                               rank=rank, barrier=_barrier, log=log.info)
+                               rank=rank, barrier=barrier, log=log.info)
         state.step = int(saved["step"])
         state.tokens_seen = int(saved.get("tokens_seen", 0))
         state.supervised_seen = int(saved.get("supervised_seen", 0))
@@ -370,7 +370,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=device, engine=engine.engine,
         model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
         trainer_state=trainer_state, eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=_barrier, monitor=monitor,
+        protect_steps=set(plan.protect), stop=stop, faults=FaultInjection.from_env(), barrier=barrier, monitor=monitor,
         expert_load=expert_load)
     state = loop.run(engine.engine, data.batches, state, make_callbacks(builders, run), device, world,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
