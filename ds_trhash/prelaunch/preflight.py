@@ -22,20 +22,22 @@ from typing import Callable, TypeVar
 import torch
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.errors import UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
+from ds_trhash.training.engine import check_runnable
 from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.launch import resources as res
-from ds_trhash.training.engine import EngineError, check_runnable
 from ds_trhash.training.launch.footprint import estimate
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.launch.output import check_output_side, check_resume
+from ds_trhash.training.launch.plan import kernel_choice
 from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
-from ds_trhash.training.trainer import USER_ERRORS, check_output_side, check_resume, guard_stage, kernel_choice
+from ds_trhash.training.launch.stage_guard import guard_stage
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
 
 EXIT_FAILED = 2
-# what the launcher prints as one line besides the trainer's USER_ERRORS
-LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError, launch_checks.LaunchCheckError)
+# what the launcher prints as one line: every user error, and a file the launch names that is missing
+LAUNCH_ERRORS = (UserError, FileNotFoundError)
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 
@@ -59,7 +61,7 @@ class Report:
         """``fn`` returns (value, what passed); a user error it raises becomes a failed line."""
         try:
             value, detail = fn()
-        except USER_ERRORS + LAUNCH_ERRORS as exc:
+        except LAUNCH_ERRORS as exc:
             self.add(Check(name, FAIL, " ".join(str(exc).split())))
             return None
         self.add(Check(name, PASS, detail))
