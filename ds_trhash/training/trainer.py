@@ -191,13 +191,9 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         trainer_state=state_recorder(plan, model), eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
         protect_steps=set(plan.checkpoints.protect), stop=stop, faults=FaultInjection.from_env(), barrier=barrier,
         monitor=monitor, expert_load=expert_load)
+    # the callbacks close the records, the display and the shard cache, even when a step raises
     state = loop.run(engine.engine, data.batches, state, make_callbacks(list(plan.builders), run), plan.device, world,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
-    writer.close()
-    expert_load.close()
-    cache = getattr(getattr(data.batches, "reader", None), "cache", None)
-    if cache is not None:
-        cache.close()
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
     return state

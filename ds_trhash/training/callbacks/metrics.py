@@ -29,10 +29,8 @@ class MetricsCallback(Callback):
         if run.monitor is not None and run.monitor.enabled:
             flops = train_flops_per_token(run.model_config, cfg.data.seq_len)
             mfu = lambda tok_s: model_flops_utilisation(tok_s, flops, run.world, cfg.precision, run.device)  # noqa: E731
-        cb = cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu,
-                 expert_load=run.expert_load)
-        run.before_save.append(cb.flush_expert_load)
-        return cb
+        return cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu,
+                   expert_load=run.expert_load)
 
     def flush_expert_load(self, state):
         """The routes counted since the previous row, summed over the ranks (a collective: every
@@ -49,6 +47,11 @@ class MetricsCallback(Callback):
 
     def on_start(self, state):
         self.logged_step = state.step
+
+    def before_save(self, state):
+        """The expert load counted so far goes to its file first: a resume from any checkpoint
+        finds every route up to its step recorded."""
+        self.flush_expert_load(state)
 
     def on_step_end(self, state, metrics):
         self.interval.add(loss=metrics["loss"])
@@ -74,3 +77,11 @@ class MetricsCallback(Callback):
             if self.mfu is not None:
                 events["Train/mfu"] = self.mfu(metrics["tok_s"])
             self.monitor.write(state.step, events)
+
+    def close(self):
+        """The run's record files, flushed and closed; DeepSpeed's monitors flushed."""
+        self.writer.close()
+        if self.expert_load is not None:
+            self.expert_load.close()
+        if self.monitor is not None:
+            self.monitor.close()
