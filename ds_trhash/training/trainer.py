@@ -154,6 +154,28 @@ def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, d
     return trainer_state
 
 
+def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, state: loop.TrainState) -> RunContext:
+    """What the callbacks are built from: the engine and model, the record writers (opened here,
+    closed by the metrics callback), the stop agreement, the trainer-state builder."""
+    cfg, data, output_dir = plan.cfg, plan.data, plan.output_dir
+    monitor = MonitorSink(getattr(engine, "monitor", None))  # DeepSpeed's monitors, when configured
+    # a fresh start drops rows an earlier attempt logged without leaving a checkpoint (RESUME=auto)
+    first_step = state.step if plan.resuming else -1
+    writer = MetricsWriter(output_dir / METRICS_FILE, rank, resume_step=first_step, on_row=monitor.row)
+    model.track_expert_load = True  # counted on the device; read at logged steps only
+    expert_load = ExpertLoadWriter(output_dir / EXPERT_LOAD_FILE, plan.model_config.num_experts, rank,
+                                   resume_step=first_step)
+    # Signals were recorded since the launcher started (callbacks.stop.install); from here on
+    # every rank asks once per step whether any rank wants to stop.
+    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), plan.world)
+    return RunContext(
+        cfg=cfg, rank=rank, world=plan.world, output_dir=output_dir, device=plan.device, engine=engine,
+        model=model, model_config=plan.model_config, batches=data.batches, progress=progress, writer=writer,
+        trainer_state=state_recorder(plan, model), eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
+        protect_steps=set(plan.checkpoints.protect), stop=stop, faults=FaultInjection.from_env(), barrier=barrier,
+        monitor=monitor, expert_load=expert_load)
+
+
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -163,7 +185,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     point composes them, evaluation included); default ``training_parts()``, without evaluation.
     ``checked``: what ``check_output_side`` decided before the process group existed."""
     plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
-    cfg, data, output_dir, model_cfg = plan.cfg, plan.data, plan.output_dir, plan.model_config
+    cfg, data = plan.cfg, plan.data
     start_writing(plan, rank)
 
     model = build_model(plan, rank)
@@ -175,25 +197,10 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:
         announce(plan, progress, model, engine, ds_config, state)
-    monitor = MonitorSink(getattr(engine.engine, "monitor", None))  # DeepSpeed's monitors, when configured
-    # a fresh start drops rows an earlier attempt logged without leaving a checkpoint (RESUME=auto)
-    first_step = state.step if plan.resuming else -1
-    writer = MetricsWriter(output_dir / METRICS_FILE, rank, resume_step=first_step, on_row=monitor.row)
-    model.track_expert_load = True  # counted on the device; read at logged steps only
-    expert_load = ExpertLoadWriter(output_dir / EXPERT_LOAD_FILE, model_cfg.num_experts, rank, resume_step=first_step)
-
-    # Signals were recorded since the launcher started (callbacks.stop.install); from here on
-    # every rank asks once per step whether any rank wants to stop.
-    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), world)
-    run = RunContext(
-        cfg=cfg, rank=rank, world=world, output_dir=output_dir, device=plan.device, engine=engine.engine,
-        model=model, model_config=model_cfg, batches=data.batches, progress=progress, writer=writer,
-        trainer_state=state_recorder(plan, model), eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
-        protect_steps=set(plan.checkpoints.protect), stop=stop, faults=FaultInjection.from_env(), barrier=barrier,
-        monitor=monitor, expert_load=expert_load)
+    run = run_context(plan, rank, engine.engine, model, progress, state)
     # the callbacks close the records, the display and the shard cache, even when a step raises
     state = loop.run(engine.engine, data.batches, state, make_callbacks(list(plan.builders), run), plan.device, world,
-                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=model_cfg.vocab_size)
+                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
     return state
