@@ -7,9 +7,10 @@ and kernels the profile resolves to, the data, the stage transition from the sou
 checkpoint, the output directory, memory against an estimate for the micro-batch, and the disk
 the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
 
-The verdicts are the trainer's own: its config validation, data checks, stage guard, output
-directory and resume checks, and the resource checks of ``training.launch.resources``, which the
-trainer also runs at launch.
+The verdicts are the trainer's own: the checks ``training.launch.plan.plan_launch`` makes for a
+launch (config validation, data checks, stage guard, output directory and resume checks, the
+kernel choice), called one by one here so that each gets its line, and the resource checks of
+``training.launch.resources``, whose cheap part the trainer also runs at launch.
 """
 from __future__ import annotations
 
