@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # type names only: the loop imports this module, and these import much more
     import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
+    from ds_trhash.data.sft_dataset import SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.callbacks.faults import FaultInjection
@@ -89,14 +91,14 @@ class RunContext:
     world: int
     output_dir: Path
     device: torch.device
-    engine: Any  # the DeepSpeed engine (forward, save_checkpoint)
+    engine: DeepSpeedEngine  # forward, save_checkpoint
     model: TRHashForCausalLM  # the module inside it (backends_used)
     model_config: TRHashConfig
     batches: StepBatches
     progress: Progress
     writer: MetricsWriter  # metrics.csv
     trainer_state: Callable[[TrainState, str, dict], dict]  # (state, reason, extra) -> trainer_state.json
-    eval_batches: Any = None  # SFTBatches over the held-out partition, when configured
+    eval_batches: SFTBatches | None = None  # over the held-out partition, when configured
     tokenizer_dir: str | None = None
     protect_steps: set[int] = field(default_factory=set)  # never rotated away
     stop: StopAgreement | None = None  # asked once per step on every rank
