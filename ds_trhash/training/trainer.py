@@ -32,7 +32,14 @@ from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
-from ds_trhash.training.callbacks import Callback, FaultInjection, LauncherWatch, RunContext, StopAgreement, make_callbacks
+from ds_trhash.training.callbacks import (
+    Callback,
+    FaultInjection,
+    LauncherWatch,
+    RunContext,
+    StopAgreement,
+    make_callbacks,
+)
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.display import Progress
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
