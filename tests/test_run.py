@@ -28,7 +28,7 @@ FORBIDDEN = {
     "ops": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.checkpoints",
             "ds_trhash.data", "ds_trhash.model", "ds_trhash.run"),
     "report": ("ds_trhash.eval", "ds_trhash.run", "ds_trhash.ops"),
-    "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run"),
+    "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run", "ds_trhash.training"),  # selection: checkpoints
     "kernels": ("ds_trhash.",),
     "io.py": ("ds_trhash.",),
     "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report", "ds_trhash.training.trainer"),
