@@ -135,6 +135,7 @@ class LaunchRecord:
     model_config: dict[str, Any]
     tokenizer_dir: str | None
     tokenizer_sha256: str | None
+    tokenizer_assumed: bool  # the data recorded no tokenizer: data.tokenizer was taken as its
     sft_dir: str | None
     sft_manifest_sha256: str | None
     source_stage: str | None
@@ -166,6 +167,7 @@ class LaunchRecord:
             "model_config": self.model_config,
             "tokenizer_dir": self.tokenizer_dir,
             "tokenizer_sha256": self.tokenizer_sha256,
+            "tokenizer_assumed": self.tokenizer_assumed,  # the data recorded none: data.tokenizer was taken
             "sft_dir": self.sft_dir,
             "sft_manifest_sha256": self.sft_manifest_sha256,
             "source_stage": self.source_stage,

@@ -30,6 +30,7 @@ from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
+from ds_trhash.safe_names import UnsafeNameError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks import (
@@ -61,7 +62,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, resources.ResourceError)
+    RNGStateError, resources.ResourceError, UnsafeNameError)
 
 
 # ----------------------------------------------------------------------------- the steps of a stage

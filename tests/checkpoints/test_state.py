@@ -13,7 +13,7 @@ def test_the_launch_record_is_a_complete_trainer_state():
     record = LaunchRecord(
         stage="pretraining", family="language", world_size=2, training_critical={"seed": 1}, plan_fingerprint="f",
         plan_sha256="s", plan_doc=None, init_checkpoint=None, lora=False, model_config={}, tokenizer_dir=None,
-        tokenizer_sha256=None, sft_dir=None, sft_manifest_sha256=None, source_stage=None, hardware="2 process(es)",
+        tokenizer_sha256=None, tokenizer_assumed=False, sft_dir=None, sft_manifest_sha256=None, source_stage=None, hardware="2 process(es)",
         pack_of={5: 1, 10: 2})
     doc = record.trainer_state(step=5, epoch=0, total_steps=10, data_cursor=80, tokens_seen=1, supervised_seen=1,
                                backends_used={}, reason="token pack 1", peak_memory={}, extra={"eval": {"eval_loss": 2.0}})

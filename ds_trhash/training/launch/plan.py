@@ -84,7 +84,8 @@ class LaunchPlan:
             plan_doc=data.plan.doc if data.plan is not None else None,
             init_checkpoint=str(self.output.init_dir) if self.output.init_dir else None, lora=cfg.lora.enabled,
             model_config=self.model_config.to_dict(), tokenizer_dir=data.tokenizer_dir,
-            tokenizer_sha256=data.tokenizer_sha256, sft_dir=data.sft_dir, sft_manifest_sha256=data.sft_manifest_sha256,
+            tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
+            sft_manifest_sha256=data.sft_manifest_sha256,
             source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
             pack_of=dict(self.checkpoints.pack_of))
 
@@ -133,6 +134,9 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world))
+    for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
+        if rank == 0:
+            log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
