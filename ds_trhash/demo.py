@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,8 @@ from ds_trhash import outputs
 from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import find_resumable
 from ds_trhash.errors import UserError
+from ds_trhash.training.launch.command import REPO, deepspeed_command
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "launch" / "train.py"
 # Written into each stage directory the demo creates: only such a directory (or an empty one) is
 # ever cleared by a later demo; anything else under --root was made by someone else.
 DEMO_MARK = ".ds-trhash-demo"
@@ -50,19 +48,6 @@ def check_demo_targets(root: Path, configs: Path) -> None:
         outputs.refuse_unless_ours(f"--root {root}: the stage directory", out, (out / DEMO_MARK).is_file(),
                                    "ds-trhash demo")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_command(config: str, nproc: int, extra: list[str]) -> list[str]:
-    """The CPU launch form: the deepspeed launcher with --num_gpus N starts N CPU processes
-    (gloo) on a machine without GPUs."""
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    return [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            str(LAUNCH), "--config", config, *extra]
 
 
 def column(metrics_csv: Path, name: str) -> list[float]:

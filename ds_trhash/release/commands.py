@@ -1,5 +1,5 @@
-"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash generate` (`ds-trhash report` lives in
-ds_trhash.report.commands).
+"""`ds-trhash export` and `ds-trhash sync` (`ds-trhash generate` is registered by
+ds_trhash.release.generate, `ds-trhash report` by ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors print one line on stderr and return 2.
@@ -17,7 +17,7 @@ from ds_trhash.release.hub import SyncError, redact, summary
 EXIT_USER_ERROR = 2
 
 
-def _fail(err: BaseException | str) -> int:
+def fail(err: BaseException | str) -> int:
     text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
     print(f"error: {text}", file=sys.stderr)
     return EXIT_USER_ERROR
@@ -36,7 +36,7 @@ def run_export(args: argparse.Namespace) -> int:
         manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
                                      force_tokenizer=args.force_tokenizer)
     except (ExportError, OSError, ValueError) as err:
-        return _fail(err)
+        return fail(err)
     w = manifest["weights"]
     print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
           f"sha256 {w['sha256']}, stage {manifest['stage']}")
@@ -53,12 +53,12 @@ def run_sync(args: argparse.Namespace) -> int:
                           dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
                           lock_timeout=args.lock_timeout)
     except SyncError as err:
-        code = _fail(err)
+        code = fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
             print(line, file=sys.stderr)
         return code
     except OSError as err:
-        return _fail(err)
+        return fail(err)
     print(summary(report))
     return 0
 
@@ -86,10 +86,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="seconds to wait for another sync's lock (default: fail at once)")
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
-
-    from ds_trhash.release import generate
-
-    generate.register(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ which removes the ``world_size`` again.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -26,6 +27,9 @@ from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.training.callbacks.base import Callback
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
+
+log = logging.getLogger("ds_trhash.loop")
+
 
 
 class StepBatches(Protocol):
@@ -220,11 +224,43 @@ def run(
     nonfinite: NonFiniteGuard | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested).
-    ``nonfinite``: the divergence guard (training/nonfinite.py), checked at its check steps
-    with the loss read, before each save (the trainer hooks it there) and at the end."""
-    guard = nonfinite
-    if guard is not None:
-        guard.agree = _min_over_ranks
+
+    Whatever happens, every callback's ``close`` runs, in call order. An exception from a step
+    or a hook is first passed to every ``on_error``, then re-raised; a ``close`` that fails
+    meanwhile is logged and does not hide it. After a stage that ended, the first failed
+    ``close`` is raised once every other callback is closed. ``nonfinite``: the divergence guard
+    (training/nonfinite.py), checked at its check steps with the loss read and before each save
+    (the trainer hooks it there)."""
+    failed = False
+    if nonfinite is not None:
+        nonfinite.agree = _min_over_ranks
+    try:
+        return _train(engine, batches, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite)
+    except BaseException as exc:
+        failed = True
+        for cb in callbacks:
+            cb.on_error(exc)
+        raise
+    finally:
+        _close_all(callbacks, raise_first=not failed)
+
+
+def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
+    errors = []
+    for cb in callbacks:
+        try:
+            cb.close()
+        except Exception as exc:  # every other callback still releases what it holds
+            errors.append(exc)
+            log.error("closing %s failed", type(cb).__name__, exc_info=exc)
+    if errors and raise_first:
+        raise errors[0]
+
+
+def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Callback], device: torch.device,
+           world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
+           guard: NonFiniteGuard | None = None) -> TrainState:
+    """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ds_trhash.errors import UserError
+from ds_trhash.training.callbacks.base import Callback
 
 NONE = -1  # no non-finite step seen (on the device)
 UNSEEN = 2**62  # the same, as agreed over the ranks (the smallest bad step wins)
@@ -46,7 +47,7 @@ def is_finite(loss: torch.Tensor, grad_norm) -> bool:
     return ok
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(Callback):
     """See the module docstring. ``check_every``: the loop's check steps (None: only before
     checkpoints and at the end); ``log``: where skipped steps are reported (rank 0)."""
 
@@ -93,7 +94,7 @@ class NonFiniteGuard:
     def due(self, step: int, total_steps: int) -> bool:
         return self.check_every is not None and (step % self.check_every == 0 or step == total_steps)
 
-    def before_save(self, _state=None) -> None:
+    def before_save(self, state=None) -> None:
         """The hook every checkpoint save runs first (all ranks): never save diverged weights."""
         self.check()
 

@@ -14,7 +14,7 @@ from ds_trhash.data.plan import load_plan
 from ds_trhash.data.plan_build import build_plan
 from ds_trhash.data.reader import ReplayReader, plan_corpus
 from ds_trhash.data.shards import load_manifest, load_manifests
-from ds_trhash.training.launch_checks import shard_problems
+from ds_trhash.training.launch.checks import shard_problems
 from tests.data.layout_fixtures import L, edit_json, our_corpus, release_copy
 from tests.fail_closed import tree_digest
 

@@ -11,7 +11,7 @@ from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.training.launch.checks import LaunchCheckError
 from tests.data.layout_fixtures import our_corpus, release_copy
 from tests.fail_closed import tree_digest
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -230,5 +231,6 @@ def test_an_init_checkpoint_with_valid_torch_data_but_the_wrong_tensors_is_a_use
     cfg = tcfg.load_config(str(L.REPO / "ds_configs" / "tiny" / "refine.yaml"), [f"output_dir={tmp_path / 'out'}"])
     before = tree_digest(wrong)
     with pytest.raises(WeightsError, match=f"the weights of --init-checkpoint {wrong} do not fit this model"):
-        build_model(cfg, tcfg.model_config(cfg), str(wrong), torch.device("cpu"), 0)
+        # the plan's fields build_model reads before the weights are loaded
+        build_model(SimpleNamespace(cfg=cfg, model_config=tcfg.model_config(cfg), init_weights=str(wrong)), 0)
     assert tree_digest(wrong) == before and not (tmp_path / "out").exists()
