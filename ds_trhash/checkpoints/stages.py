@@ -14,6 +14,7 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
 from ds_trhash.errors import UserError
 
 

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from ds_trhash.errors import UserError
+
 from .embedded import build_embedded
 from .plan import build_plan, check_refinement, derive_refinement, load_plan, write_plan
 from .shards import load_manifests, read_jsonl_texts, read_text_documents, tokenize_to_shards
 from .tokenizer import train_tokenizer
-from ds_trhash.errors import UserError
 
 
 EXIT_ERROR = 2

@@ -29,11 +29,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ds_trhash.errors import UserError
+
 from .cache import ShardCache
 from .plan import PlanLike, plan_doc, validate_plan_doc
 from .shards import MANIFEST_FILE, load_manifest, read_rows
 from .tokenizer import PathLike
-from ds_trhash.errors import UserError
 
 
 DEFAULT_SHUFFLE_WINDOW = 4096
