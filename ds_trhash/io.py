@@ -15,16 +15,28 @@ Nothing here knows about checkpoints or models; it imports only the standard lib
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 PathLike = str | os.PathLike
 HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
+
+
+@contextlib.contextmanager
+def reading(path: PathLike, error: type[Exception]) -> Iterator[None]:
+    """Reading a file the user named: when the operating system refuses (missing, a directory,
+    no permission, an I/O error), ``error("cannot read <path>: <why>")`` instead of the bare
+    OSError, so the command's one error handler prints it as a line. Wrap the open and the reads."""
+    try:
+        yield
+    except OSError as exc:
+        raise error(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def sha256_file(path: PathLike, chunk_bytes: int = HASH_CHUNK) -> str:

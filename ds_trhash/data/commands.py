@@ -1,17 +1,17 @@
 """`ds-trhash data ...`: tokenizer, shards, replay plans, fingerprints, the demo corpus.
 
 Every handler returns an exit code. Expected failures (bad input, refused overwrite,
-inconsistent plans) print one line to stderr and return 2, never a traceback.
+inconsistent plans) raise a ``UserError``, which ``ds_trhash.cli`` prints as one line naming the
+subcommand (exit 2); anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ds_trhash.errors import UserError
+from ds_trhash.errors import EXIT_USER_ERROR, UserError
 
 from .embedded import build_embedded
 from .plan import build_plan, check_refinement, derive_refinement, load_plan, write_plan
@@ -19,23 +19,8 @@ from .shards import load_manifests, read_jsonl_texts, read_text_documents, token
 from .tokenizer import train_tokenizer
 
 
-EXIT_ERROR = 2
-
-
 class CommandError(UserError, ValueError):
     """Arguments that argparse alone cannot reject (combinations, key=value pairs)."""
-
-
-def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except (ValueError, OSError) as exc:
-            message = " ".join(str(exc).split())
-            print(f"ds-trhash data {args.data_command}: error: {message}", file=sys.stderr)
-            return EXIT_ERROR
-
-    return run
 
 
 def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str], object]) -> Optional[dict]:
@@ -117,7 +102,7 @@ def _check_refinement(args: argparse.Namespace) -> int:
     print(f"{verdict}: {ref.path} {'is' if valid else 'is not'} a refinement of {pre.path}")
     for r in results:
         print(f"  {'ok  ' if r.ok else 'FAIL'} {r.rule}: {r.detail if not r.ok or r.rule == 'fingerprint' else 'holds'}")
-    return 0 if valid else EXIT_ERROR
+    return 0 if valid else EXIT_USER_ERROR
 
 
 def _embedded(args: argparse.Namespace) -> int:
@@ -137,7 +122,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing tokenizer.json (data made with the old one no longer matches)")
-    p.set_defaults(func=_guarded(_train_tokenizer))
+    p.set_defaults(func=_train_tokenizer, error_label=p.prog)
 
     p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE")
@@ -150,7 +135,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
                    help="text: one document per blank-line-separated block; auto: jsonl for *.jsonl inputs")
     p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
-    p.set_defaults(func=_guarded(_tokenize))
+    p.set_defaults(func=_tokenize, error_label=p.prog)
 
     p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
     p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",
@@ -165,21 +150,21 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--revision")
     p.add_argument("--refinement-of", metavar="PLAN", help="derive the refinement plan of a pretraining plan")
     p.add_argument("--out", required=True, metavar="PLAN.json")
-    p.set_defaults(func=_guarded(_plan))
+    p.set_defaults(func=_plan, error_label=p.prog)
 
     p = sub.add_parser("fingerprint", help="print a plan's unique-core fingerprint")
     p.add_argument("plan", metavar="PLAN")
-    p.set_defaults(func=_guarded(_fingerprint))
+    p.set_defaults(func=_fingerprint, error_label=p.prog)
 
     p = sub.add_parser("check-refinement", help="is PLAN a valid refinement of --pretraining? (the launch's check)")
     p.add_argument("plan", metavar="REF", help="the refinement plan")
     p.add_argument("--pretraining", required=True, metavar="PRE", help="the pretraining plan it refines")
-    p.set_defaults(func=_guarded(_check_refinement))
+    p.set_defaults(func=_check_refinement, error_label=p.prog)
 
     p = sub.add_parser("embedded", help="build the offline demo corpus from pydoc_data.topics")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_guarded(_embedded))
+    p.set_defaults(func=_embedded, error_label=p.prog)
     return data

@@ -17,7 +17,7 @@ from ds_trhash import checkpoints as ck
 from ds_trhash.checkpoints import CheckpointError, ResumeError
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 STEPS = 12
 STOP = 6

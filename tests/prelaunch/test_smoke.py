@@ -9,6 +9,9 @@ import pytest
 
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 
+# every case reads the session's runs (tests/prelaunch/runs.py), which launch the smoke
+pytestmark = pytest.mark.launch
+
 
 def test_smoke_reports_positive_figures(prelaunch_runs):
     out, r = prelaunch_runs["smoke"].stdout, prelaunch_runs["report"]

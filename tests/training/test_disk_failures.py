@@ -12,7 +12,7 @@ import pytest
 from ds_trhash.checkpoints import list_checkpoints, verify
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 
 def _can_mount() -> bool:
