@@ -6,9 +6,11 @@ Everything talks to it through supervisor's XML-RPC interface over that socket.
 
 Stopping is gentle for training jobs: the ranks (the processes of the job that carry ``RANK``
 in their environment) get one SIGTERM, finish their step, write a checkpoint and exit 0, which
-supervisord treats as a normal end. Signalling the whole process group instead would hand each
-rank a second SIGTERM through the deepspeed launcher, which the trainer takes as "stop now,
-without a checkpoint".
+supervisord treats as a normal end. Signalling the whole process group instead would reach the
+deepspeed launcher too, which then terminates each rank's process tree in turn and SIGKILLs a
+rank still running after its grace period: a rank in a long step or save would die without its
+checkpoint. (The trainer itself only records signals, a second SIGTERM included; the stop
+lands at the next step boundary.)
 """
 from __future__ import annotations
 

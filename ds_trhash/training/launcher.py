@@ -79,13 +79,15 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     return cfg
 
 
-# The errno values of a disk that cannot take the run's files any more: the run fails (exit 1).
+# The errno values of an output side that cannot take the run's files any more: the run fails (exit 1).
 _DISK_CAUSES = {
     errno.EROFS: "the file system is read-only",
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "the disk quota is exceeded",
     errno.EIO: "an I/O error on the device",
     errno.EFBIG: "the file grew beyond the size limit",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
 }
 
 
@@ -105,7 +107,9 @@ def _raised_in(e: BaseException, module: object) -> bool:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(module.__file__).resolve().parent)
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    source = Path(module.__file__).resolve()
+    return where == source or (source.name == "__init__.py" and where.is_relative_to(source.parent))
 
 
 def _filesystem_cause(output_dir: str) -> str:
