@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +28,22 @@ PathLike = str | os.PathLike
 HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
 
 
-@contextlib.contextmanager
-def reading(path: PathLike, error: type[Exception]) -> Iterator[None]:
-    """Reading a file the user named: when the operating system refuses (missing, a directory,
-    no permission, an I/O error), ``error("cannot read <path>: <why>")`` instead of the bare
-    OSError, so the command's one error handler prints it as a line. Wrap the open and the reads."""
-    try:
-        yield
-    except OSError as exc:
-        raise error(f"cannot read {path}: {exc.strerror or exc}") from None
+class os_errors_as(contextlib.ContextDecorator):
+    """An ``OSError`` about a path (it names a file: missing, unreadable, unwritable, a file where
+    a folder belongs) becomes ``error`` with the operating system's own message, so the one
+    error handler of the command line prints it as a line; an OSError naming no file (a bug, a
+    broken socket) keeps its traceback. A decorator for a command's handler, or a ``with``."""
+
+    def __init__(self, error: type[Exception]):
+        self.error = error
+
+    def __enter__(self) -> "os_errors_as":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise self.error(str(exc)) from exc
+        return False
 
 
 def sha256_file(path: PathLike, chunk_bytes: int = HASH_CHUNK) -> str:

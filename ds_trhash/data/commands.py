@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
+from ds_trhash.io import os_errors_as
 
 from .embedded import build_embedded
 from .plan import build_plan, check_refinement, derive_refinement, load_plan, write_plan
@@ -39,12 +40,14 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
     return out
 
 
+@os_errors_as(CommandError)
 def _train_tokenizer(args: argparse.Namespace) -> int:
     path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
     print(path)
     return 0
 
 
+@os_errors_as(CommandError)
 def _tokenize(args: argparse.Namespace) -> int:
     fmt = args.format
     if fmt == "auto":
@@ -57,6 +60,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(CommandError)
 def _plan(args: argparse.Namespace) -> int:
     build_options = [args.manifest, args.unique_tokens, args.passes, args.weights, args.source_tokens,
                      args.dataset, args.revision]
@@ -88,11 +92,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(CommandError)
 def _fingerprint(args: argparse.Namespace) -> int:
     print(load_plan(args.plan).fingerprint)
     return 0
 
 
+@os_errors_as(CommandError)
 def _check_refinement(args: argparse.Namespace) -> int:
     """The same rules the refinement launch applies, each one's result printed."""
     ref, pre = load_plan(args.plan), load_plan(args.pretraining)
@@ -105,6 +111,7 @@ def _check_refinement(args: argparse.Namespace) -> int:
     return 0 if valid else EXIT_USER_ERROR
 
 
+@os_errors_as(CommandError)
 def _embedded(args: argparse.Namespace) -> int:
     paths = build_embedded(args.out, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed)
     print(json.dumps({name: str(value) for name, value in vars(paths).items()}, indent=2))

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from ds_trhash.data.sft_build import build_sft_dataset, load_tokenizer_identity
+from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset, load_tokenizer_identity
 from ds_trhash.data.sft_dataset import open_sft
+from ds_trhash.io import os_errors_as
 
 
 def _summary(counts: dict[str, dict]) -> str:
@@ -19,6 +20,7 @@ def _summary(counts: dict[str, dict]) -> str:
     )
 
 
+@os_errors_as(SFTBuildError)
 def run_build(args: argparse.Namespace) -> int:
     manifest = build_sft_dataset(args.input, args.eval_input, args.tokenizer, args.seq_len, args.out,
                                  drop_invalid=args.drop_invalid, source_name=args.source_name,
@@ -31,6 +33,7 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(SFTBuildError)
 def run_validate(args: argparse.Namespace) -> int:
     tokenizer_hash = load_tokenizer_identity(args.tokenizer)[1] if args.tokenizer else None
     data = open_sft(args.dir, args.vocab_size, args.seq_len, tokenizer_hash=tokenizer_hash)

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from ds_trhash.errors import UserError
-from ds_trhash.io import json_text, publish_dir, reading
+from ds_trhash.io import json_text, publish_dir
 
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_sha256
 
@@ -247,7 +247,7 @@ def load_manifests(paths: Sequence[PathLike]) -> dict[str, dict]:
 def read_jsonl_texts(paths: Sequence[PathLike], text_field: str = "text") -> Iterator[str]:
     """Yield the text field of every JSONL record; empty texts are skipped."""
     for path in paths:
-        with reading(path, ShardError), open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -266,7 +266,7 @@ def read_text_documents(paths: Sequence[PathLike]) -> Iterator[str]:
     """Yield one document per blank-line-separated block of each plain-text file."""
     for path in paths:
         block: list[str] = []
-        with reading(path, ShardError), open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             for line in handle:
                 if line.strip():
                     block.append(line.rstrip("\n"))

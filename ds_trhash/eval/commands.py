@@ -24,7 +24,7 @@ from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.errors import UserError
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
-from ds_trhash.io import read_json_object, sha256_file, write_json_atomic
+from ds_trhash.io import os_errors_as, read_json_object, sha256_file, write_json_atomic
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -157,6 +157,7 @@ def _write_out(path: str | None, doc: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- handlers
 
 
+@os_errors_as(EvalCommandError)
 def _piqa(args: argparse.Namespace) -> int:
     examples = read_piqa(args.data, args.labels)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -184,6 +185,7 @@ def _piqa(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(EvalCommandError)
 def _heldout(args: argparse.Namespace) -> int:
     config, source = resolve_config(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)

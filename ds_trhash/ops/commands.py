@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ds_trhash.io import os_errors_as
 from ds_trhash.ops import jobs
-from ds_trhash.ops.manifest import load_manifest
+from ds_trhash.ops.manifest import ManifestError, load_manifest
 from ds_trhash.ops.render import write_config
 
 EXIT_NOT_RUNNING = 3
 
 
+@os_errors_as(ManifestError)
 def run_jobs(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     if args.action == "render":

@@ -39,6 +39,7 @@ from ds_trhash.demo import deepspeed_command
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval.commands import load_model
+from ds_trhash.io import os_errors_as
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.prelaunch import smoke_figures as fig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
@@ -166,6 +167,7 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
 # ----------------------------------------------------------------------------- the run
 
 
+@os_errors_as(fig.FiguresError)  # a scratch file that cannot be read or written fails the step
 def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -> dict:
     """The five steps and the projection; ``at["step"]`` names the one running (for a failure)."""
     n, half = args.steps, max(1, args.steps // 2)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ds_trhash.io import os_errors_as
 from ds_trhash.release import hub
-from ds_trhash.release.export import FLOAT_DTYPES, export_checkpoint
-from ds_trhash.release.hub import summary
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release.hub import SyncError, summary
 
 
 class _RefuseToken(argparse.Action):
@@ -23,6 +24,7 @@ class _RefuseToken(argparse.Action):
                                            "environment instead (the value given was not echoed)")
 
 
+@os_errors_as(ExportError)
 def run_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
                                  force_tokenizer=args.force_tokenizer)
@@ -34,6 +36,7 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(SyncError)
 def run_sync(args: argparse.Namespace) -> int:
     api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
     report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,

@@ -26,7 +26,7 @@ from typing import Any
 
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.errors import UserError
-from ds_trhash.io import read_json_object
+from ds_trhash.io import os_errors_as, read_json_object
 
 
 class GenerateError(UserError, ValueError):
@@ -236,6 +236,7 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
     return Result(ids.shape[1], new, bool(new) and new[-1] == eos, time.perf_counter() - started)
 
 
+@os_errors_as(GenerateError)
 def run(args) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
     if args.prompt == "":

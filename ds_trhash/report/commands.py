@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ds_trhash.release.record import write_run_record
+from ds_trhash.io import os_errors_as
+from ds_trhash.release.record import RecordError, write_run_record
 from ds_trhash.report.index import is_directory_output, write_report
 
 
+@os_errors_as(RecordError)
 def run_report(args: argparse.Namespace) -> int:
     fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
               "known_limitations": args.limitation or None}
