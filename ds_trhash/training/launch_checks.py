@@ -168,11 +168,11 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
     (plan, each source's shard manifest) must equal the file's SHA-256."""
     if tokenizer is None:
         return
-    from ds_trhash.data.tokenizer import tokenizer_file, tokenizer_sha256
+    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 
     try:
         actual = tokenizer_sha256(tokenizer)
-    except (OSError, ValueError) as exc:
+    except (OSError, TokenizerError) as exc:  # unreadable, or not a tokenizer: a bug keeps its traceback
         raise LaunchCheckError(f"data.tokenizer {tokenizer}: {exc}") from None
     wrong = {what: h for what, h in recorded.items() if h and h != actual}
     if wrong:
