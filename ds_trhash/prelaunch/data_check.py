@@ -28,5 +28,7 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
     data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none")
     hashed = "sizes and SHA-256" if deep else "sizes (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
+    notes = "".join(f"; {note}" for note in data.notes)
     return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
-                  f"trained tokens, {data.total_steps} steps; every shard it reads matches its manifest's {hashed}")
+                  f"trained tokens, {data.total_steps} steps; every shard it reads matches its manifest's {hashed}"
+                  f"{notes}")

@@ -185,6 +185,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
+            "tokenizer_assumed": data.tokenizer_assumed,  # the data recorded none: data.tokenizer was taken
             "sft_dir": data.sft_dir,
             "sft_manifest_sha256": data.sft_manifest_sha256,
             "source_stage": cfg.source_stage,
@@ -280,6 +281,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world))
+    for note in data.notes:
+        say(note)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
