@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
+
 from ds_trhash.errors import UserError
 from ds_trhash.io import utf8_lines
 
