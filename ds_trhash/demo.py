@@ -15,8 +15,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ds_trhash import outputs
+from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import find_resumable
+from ds_trhash.errors import UserError
 from ds_trhash.training.launch.command import REPO, deepspeed_command
+
+# Written into each stage directory the demo creates: only such a directory (or an empty one) is
+# ever cleared by a later demo; anything else under --root was made by someone else.
+DEMO_MARK = ".ds-trhash-demo"
+STAGES = [
+    ("pretraining", "pretrain.yaml", "tiny-pretrain", []),
+    ("refinement", "refine.yaml", "tiny-refine", ["--init-checkpoint", "{prev}"]),
+    ("supervised-finetuning", "sft.yaml", "tiny-sft", ["--init-checkpoint", "{prev}", "--source-stage", "refinement"]),
+]
+
+
+class DemoError(UserError, ValueError):
+    """A demo that cannot start without touching what it did not make."""
+
+
+def check_demo_targets(root: Path, configs: Path) -> None:
+    """Before any stage runs: every stage config exists, and every stage directory is new, empty,
+    or one an earlier demo made (it is then replaced). Nothing else is ever deleted."""
+    missing = [config for _, config, _, _ in STAGES if not (configs / config).is_file()]
+    if missing:
+        raise DemoError(f"--configs {configs} lacks {', '.join(missing)}; point --configs at a folder with "
+                        "pretrain.yaml, refine.yaml and sft.yaml")
+    outputs.check_dir_target("--root", root)
+    for _, _, name, _ in STAGES:
+        out = root / name
+        outputs.refuse_unless_ours(f"--root {root}: the stage directory", out, (out / DEMO_MARK).is_file(),
+                                   "ds-trhash demo")
 
 
 
@@ -44,17 +74,15 @@ def run_demo(root: Path, nproc: int, configs: Path) -> int:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    stages = [
-        ("pretraining", "pretrain.yaml", "tiny-pretrain", []),
-        ("refinement", "refine.yaml", "tiny-refine", ["--init-checkpoint", "{prev}"]),
-        ("supervised-finetuning", "sft.yaml", "tiny-sft", ["--init-checkpoint", "{prev}", "--source-stage", "refinement"]),
-    ]
+    check_demo_targets(root, configs)
     summary = []
     prev: Path | None = None
-    for stage, config, name, extra in stages:
+    for stage, config, name, extra in STAGES:
         out = root / name
-        if out.exists():
+        if out.exists():  # an earlier demo's (check_demo_targets) or empty
             shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / DEMO_MARK).write_text("made by ds-trhash demo; a later demo replaces this directory\n")
         args = [a.replace("{prev}", str(prev)) for a in extra] + ["--output-dir", str(out)]
         cmd = deepspeed_command(str(configs / config), nproc, args)
         print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
@@ -81,6 +109,6 @@ def run_demo(root: Path, nproc: int, configs: Path) -> int:
 def register(sub) -> None:
     p = sub.add_parser("demo", help="run the tiny three-stage pipeline on CPU through the deepspeed launcher")
     p.add_argument("--root", default="runs/demo", help="where the stages write (default runs/demo)")
-    p.add_argument("--nproc", type=int, default=1, help="processes per stage (default 1)")
+    p.add_argument("--nproc", type=positive_int, default=1, help="processes per stage (default 1)")
     p.add_argument("--configs", default=str(REPO / "ds_configs" / "tiny"), help="folder with pretrain/refine/sft.yaml")
     p.set_defaults(func=lambda a: run_demo(Path(a.root).resolve(), a.nproc, Path(a.configs)))

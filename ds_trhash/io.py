@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,34 @@ def sha256_file(path: PathLike, chunk_bytes: int = HASH_CHUNK) -> str:
         while chunk := fh.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _not_utf8(path: PathLike, line_no: int, line: bytes, exc: UnicodeDecodeError, error: type[Exception]) -> Exception:
+    return error(f"{path}: line {line_no} is not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1}); "
+                 "re-encode the file as UTF-8")
+
+
+def utf8_lines(path: PathLike, error: type[Exception] = ValueError) -> Iterator[str]:
+    """The lines of a UTF-8 text file, newlines kept, read one at a time (a file of any size); a
+    line that is not UTF-8 raises ``error`` naming the file, the line and the byte."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, line_no, raw, exc, error) from None
+
+
+def read_utf8(path: PathLike, error: type[Exception] = ValueError) -> str:
+    """The whole text of a UTF-8 file; a byte that is not UTF-8 raises ``error`` naming its line."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        line = data[start:data.find(b"\n", exc.start) if b"\n" in data[exc.start:] else len(data)]
+        exc.start -= start
+        raise _not_utf8(path, data.count(b"\n", 0, start) + 1, line, exc, error) from None
 
 
 def fsync_path(path: PathLike) -> None:

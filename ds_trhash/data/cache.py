@@ -59,6 +59,9 @@ def cache_bytes_from(cfg_value: Optional[float], env: Optional[Mapping[str, str]
         value, origin = (DEFAULT_CACHE_GB if cfg_value is None else float(cfg_value)), f"data.cache_gb={cfg_value!r}"
     if not math.isfinite(value) or value <= 0:
         raise CacheError(f"{origin} must be a positive number of GiB")
+    if int(value * GIB) < 1:
+        raise CacheError(f"{origin} is {value!r} GiB, which rounds to 0 bytes; give the cache at least a shard "
+                         "(data.cache_gb is in GiB: 0.1 is about 107 MB)")
     return int(value * GIB)
 
 

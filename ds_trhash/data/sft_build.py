@@ -33,8 +33,9 @@ from ds_trhash.data.chat import (
     tokenize_example,
 )
 from ds_trhash.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_file, tokenizer_sha256
+from ds_trhash import outputs
 from ds_trhash.errors import UserError
-from ds_trhash.io import publish_dir, sha256_file, write_json
+from ds_trhash.io import publish_dir, sha256_file, utf8_lines, write_json
 
 MANIFEST_FORMAT = "tr-hash-sft-manifest-v1"
 INDEX_FORMAT = "tr-hash-sft-bin-v1"
@@ -115,9 +116,9 @@ def _write_partition(out: Path, name: str, source: Path, source_name: str, token
         raise SFTBuildError(f"{name} input {source} does not exist; pass a chat JSONL file")
     out.mkdir()
     stats = PartitionStats(source={"partition": name, "name": source_name, "file": source.name, "sha256": sha256_file(source)})
-    with open(source, encoding="utf-8") as lines, open(out / "input_ids.bin", "wb") as ids_f, \
+    with open(out / "input_ids.bin", "wb") as ids_f, \
             open(out / "labels.bin", "wb") as labels_f, open(out / "examples.jsonl", "w", encoding="utf-8") as index_f:
-        for line_no, line in enumerate(lines, start=1):
+        for line_no, line in enumerate(utf8_lines(source, SFTBuildError), start=1):
             if not line.strip():
                 continue
             try:
@@ -175,6 +176,7 @@ def _check_vocab(tokenizer: Tokenizer, vocab_size: int | None) -> int:
 
 
 def _check_out_dir(out_dir: Path) -> None:
+    outputs.check_dir_target("--out", out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise SFTBuildError(f"output {out_dir} already exists and is not an empty directory; choose a new --out or remove it")
 
@@ -197,6 +199,8 @@ def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathL
     if seq_len < 2:
         raise SFTBuildError(f"seq_len must be at least 2, got {seq_len}")
     out_dir = Path(out_dir)
+    for flag, source in (("--input", train_jsonl), ("--eval-input", eval_jsonl), ("--tokenizer", tokenizer_dir)):
+        outputs.refuse_overlap("--out", out_dir, flag, source)  # a build never writes into what it reads
     _check_out_dir(out_dir)
     tokenizer, tokenizer_hash = load_tokenizer_identity(tokenizer_dir)
     vocab = _check_vocab(tokenizer, vocab_size)

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Union
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_trhash.errors import UserError
-from ds_trhash.io import sha256_file
+from ds_trhash.io import read_utf8, sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<s>", "<unk>"
@@ -21,6 +21,7 @@ EOS_ID, PAD_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 # Order matters: the trainer assigns ids in list order, and docs/contracts.md §5 fixes these ids.
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, UNK_TOKEN)
 BYTE_ALPHABET_SIZE = 256
+MAX_VOCAB = 2**16  # token shards are uint16 (data/shards.py MAX_TOKEN_ID + 1)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -40,7 +41,7 @@ def _texts_from(source: Iterable[object]) -> Iterator[str]:
             path = Path(item)
             if not path.is_file():
                 raise TokenizerError(f"tokenizer training input {path} is not a file; pass existing text files")
-            yield path.read_text(encoding="utf-8")
+            yield read_utf8(path, TokenizerError)
         elif isinstance(item, str):
             yield item
         else:
@@ -66,6 +67,16 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
     minimum = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE
     if vocab_size < minimum:
         raise TokenizerError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least {minimum}")
+    if vocab_size > MAX_VOCAB:
+        raise TokenizerError(f"vocab_size {vocab_size} is too large: token shards store ids as uint16, so at most "
+                             f"{MAX_VOCAB} tokens fit; pass --vocab-size {MAX_VOCAB} or less")
+    seen = {"chars": 0}
+
+    def counted(texts: Iterator[str]) -> Iterator[str]:
+        for text in texts:
+            seen["chars"] += len(text.strip())
+            yield text
+
     tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -76,7 +87,10 @@ def train_tokenizer(source: Iterable[object], vocab_size: int, out_dir: PathLike
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_texts_from(source), trainer=trainer)
+    tokenizer.train_from_iterator(counted(_texts_from(source)), trainer=trainer)
+    if not seen["chars"]:
+        raise TokenizerError("the tokenizer training input holds no text (empty files or only whitespace); "
+                             "pass the text files to learn the vocabulary from")
     check_special_ids(tokenizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import load_merged_weights
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
@@ -54,6 +55,18 @@ def recorded_model_config(checkpoint: str | os.PathLike) -> tuple[dict[str, Any]
     if config_file.is_file():
         return _read_json(config_file), str(config_file)
     return None, None
+
+
+def check_is_checkpoint(checkpoint: str | os.PathLike) -> None:
+    """``--checkpoint`` names a training checkpoint (trainer_state.json, state/) or an export
+    (model.safetensors): say so when it is neither, before reading anything from it."""
+    root = Path(checkpoint)
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise EvalCommandError(f"--checkpoint {root} {what}; pass checkpoints/step_<N> of a run or an export directory")
+    if not any((root / name).exists() for name in ("trainer_state.json", "state", "model.safetensors")):
+        raise EvalCommandError(f"--checkpoint {root} is not a checkpoint or an export (it holds no trainer_state.json, "
+                               "state/ or model.safetensors); pass checkpoints/step_<N> of a run or an export directory")
 
 
 def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
@@ -159,6 +172,14 @@ def _write_out(path: str | None, doc: dict[str, Any]) -> None:
 
 @os_errors_as(EvalCommandError)
 def _piqa(args: argparse.Namespace) -> int:
+    check_is_checkpoint(args.checkpoint)
+    config, source = resolve_config(args.checkpoint, args.preset)
+    if args.max_len is None:
+        args.max_len = config.max_seq_len
+    elif args.max_len > config.max_seq_len:  # checked before the model is allocated, as held-out does
+        raise EvalCommandError(f"--max-len {args.max_len} exceeds the {config.max_seq_len} positions of the model "
+                               f"({source}); pass --max-len {config.max_seq_len} or less (longer inputs are "
+                               "left-truncated to it)")
     examples = read_piqa(args.data, args.labels)
     tokenizer = load_tokenizer(args.tokenizer)
     recorded = recorded_tokenizer_sha256(args.checkpoint)
@@ -187,6 +208,7 @@ def _piqa(args: argparse.Namespace) -> int:
 
 @os_errors_as(EvalCommandError)
 def _heldout(args: argparse.Namespace) -> int:
+    check_is_checkpoint(args.checkpoint)
     config, source = resolve_config(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)
     seq_len = args.seq_len
@@ -217,11 +239,6 @@ def _heldout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
@@ -244,16 +261,18 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
     p.add_argument("--data", required=True, metavar="PIQA.jsonl", help="JSONL with goal, sol1, sol2, label")
     p.add_argument("--labels", metavar="FILE", help="labels file (valid-labels.lst), one 0/1 per line")
-    p.add_argument("--max-len", type=_positive, default=2048, help="model context; longer inputs lose their oldest context tokens")
-    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="model inputs at most (default and maximum: the model's positions); longer inputs lose "
+                        "their oldest context tokens")
+    p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
     p.set_defaults(func=_piqa, error_label=p.prog)
 
     p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (docs/contracts.md §8)")
     _model_options(p, "auto: float32")
     p.add_argument("--sft-dir", required=True, metavar="DIR", help="tokenized SFT set (manifest.json, eval/)")
-    p.add_argument("--seq-len", type=_positive, default=None, help="packing window (default: the set's sequence cap)")
-    p.add_argument("--micro-batch", type=_positive, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="packing window (default: the set's sequence cap)")
+    p.add_argument("--micro-batch", type=positive_int, default=16)
     p.add_argument("--policy", choices=("cross_document", "per_document"), default=None,
                    help="packing policy (default: the one the checkpoint was trained with; a different one warns)")
     p.set_defaults(func=_heldout, error_label=p.prog)

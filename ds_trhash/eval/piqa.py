@@ -18,6 +18,7 @@ reported (and warned about) but not refused, so small local sets stay usable.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -27,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ds_trhash.errors import UserError
+from ds_trhash.io import utf8_lines
 
 
 PIQA_VALIDATION_SIZE = 1838
@@ -75,10 +77,9 @@ def _parse_label(value: Any, where: str) -> int:
 def read_labels(path: str | os.PathLike) -> list[int]:
     """The original distribution's ``valid-labels.lst``: one 0/1 per line."""
     labels = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                labels.append(_parse_label(line, f"{path}:{lineno}"))
+    for lineno, line in enumerate(utf8_lines(path, PiqaDataError), 1):
+        if line.strip():
+            labels.append(_parse_label(line, f"{path}:{lineno}"))
     return labels
 
 
@@ -88,7 +89,7 @@ def read_piqa(path: str | os.PathLike, labels_path: str | os.PathLike | None = N
     also present in the JSONL must agree with it. Blank lines are skipped."""
     labels = read_labels(labels_path) if labels_path is not None else None
     examples: list[PiqaExample] = []
-    with open(path, encoding="utf-8") as f:
+    with contextlib.closing(utf8_lines(path, PiqaDataError)) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

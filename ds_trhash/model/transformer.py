@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from ds_trhash.errors import UserError
+
 from .attention import ROPE_BACKENDS, DocumentMask, TRHashAttention, build_document_mask
 from .config import TRHashConfig
 from .experts import EXPERT_BACKENDS, routed_experts
@@ -22,6 +24,11 @@ from .norms import NORM_BACKENDS, RMSNorm
 from .routing import RouteTableError, build_route_table, expert_pairs, pair_codes, validate_route_table
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_n")
+
+
+class WeightsError(UserError, ValueError):
+    """Saved weights (valid torch data) whose tensors are not this model's."""
+
 _DROPPED_KEY_SUFFIX = ".self_attn.rotary_emb.inv_freq"  # recomputed, never a parameter
 
 
@@ -371,9 +378,15 @@ class TRHashForCausalLM(nn.Module):
         for engine in self.engines():
             engine.validate_routes()
 
-    def load_checkpoint_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> list[str]:
-        """Load, validate every layer's routes, and report where they differ from the config."""
-        self.load_state_dict(state_dict, strict=strict)
+    def load_checkpoint_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                              where: str = "the saved weights") -> list[str]:
+        """Load, validate every layer's routes, and report where they differ from the config.
+        ``where`` names the source in the error when the tensors are another model's."""
+        try:
+            self.load_state_dict(state_dict, strict=strict)
+        except RuntimeError as exc:  # missing / unexpected keys, wrong shapes: the file is another model's
+            raise WeightsError(f"{where} do not fit this model ({self.config.num_layers} layers, hidden "
+                               f"{self.config.hidden_size}): {' '.join(str(exc).split())[:300]}") from None
         self.validate_routes()
         return report_route_differences(self)
 

@@ -10,6 +10,7 @@ in the environment of ``jobs up`` and never reaches a file.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -67,6 +68,30 @@ class Manifest:
 
 def looks_secret(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_PATTERNS)
+
+
+# Values that are credentials whatever the variable is called: the published prefixes of access
+# tokens (Hugging Face, GitHub, GitLab, Slack, OpenAI-style, AWS key ids, PyPI, npm) ...
+TOKEN_RE = re.compile(r"(?<![A-Za-z0-9])(hf_[A-Za-z0-9]{16,}|api_org_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
+                      r"|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{16,}|xox[abposr]-[A-Za-z0-9-]{10,}"
+                      r"|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|pypi-[A-Za-z0-9_-]{16,}|npm_[A-Za-z0-9]{20,})")
+# ... and long random-looking words: 32+ characters of a token alphabet with more than 4.2 bits of
+# entropy per character (a hex digest, at most 4.0, and ordinary words and paths stay below it).
+WORD_RE = re.compile(r"[A-Za-z0-9_+=.-]{32,}")
+MIN_ENTROPY_BITS = 4.2
+
+
+def _entropy_bits(word: str) -> float:
+    counts = [word.count(c) for c in set(word)]
+    return -sum(n / len(word) * math.log2(n / len(word)) for n in counts)
+
+
+def looks_like_token(text: str) -> bool:
+    """Whether ``text`` holds an access token or another credential-like random string."""
+    if TOKEN_RE.search(text):
+        return True
+    return any(_entropy_bits(w) > MIN_ENTROPY_BITS and re.search(r"\d", w) and re.search(r"[A-Za-z]", w)
+               for w in WORD_RE.findall(text))
 
 
 def is_training_argv(argv: tuple[str, ...]) -> bool:
@@ -141,6 +166,9 @@ def _argv(r: _Reader) -> tuple[str, ...]:
     if not argv[0] or "=" in argv[0]:
         r.fail("argv", f"the program {argv[0]!r} must be a non-empty path without '='")
     for i, arg in enumerate(argv):
+        if looks_like_token(arg):  # checked first: the messages of _check_text echo the element
+            raise ManifestError(f"{r.file}: {r.where}key 'argv' element {i} (value not shown) looks like an access "
+                                "token or another secret; pass it through inherit_environment instead of argv")
         _check_text(f"{r.file}: {r.where}key 'argv' element {i}", arg)
     return argv
 
@@ -160,6 +188,10 @@ def _environment(r: _Reader, kind: str) -> tuple[tuple[str, str], ...]:
             r.fail("environment", f"{name} must be a string (quote it in the TOML), got {type(value).__name__}")
         where = f"{r.file}: {r.where}key 'environment' variable {name}"
         _check_text(where, value, echo=False)
+        if looks_like_token(value):
+            raise ManifestError(f"{where} (value not shown) looks like an access token or another secret; never "
+                                "write secrets into a manifest: set it in the environment of `ds-trhash jobs up` "
+                                f'under its usual name and add inherit_environment = ["<NAME>"] to this job')
         quotes = {'"', "'"}
         if (value[:1] in quotes or value[-1:] in quotes) or quotes <= set(value):
             raise ManifestError(f"{where} (value not shown): supervisord strips quote characters at either end of "
@@ -204,7 +236,11 @@ def _job(file: Path, index: int, table: Any, here: Path, base_dir: Path) -> Job:
     if clash:
         r.fail("inherit_environment", f"{clash[0]} is also set in environment; keep one of them")
     after = _string_list(r, "after")
-    return Job(name=name, argv=argv, directory=r.path("directory", here, base_dir), environment=environment,
+    directory = r.path("directory", here, base_dir)
+    if not directory.is_dir():  # supervisord would only report a failed spawn, again and again
+        r.fail("directory", f"{directory} does not exist or is not a directory; create it or fix the path "
+                            "(relative paths are taken from the manifest's folder)")
+    return Job(name=name, argv=argv, directory=directory, environment=environment,
                inherit_environment=tuple(sorted(set(inherit))), restart=restart,
                log=r.path("log", here, None), after=after, kind=kind,
                stop_wait_seconds=r.seconds("stop_wait_seconds", STOP_WAIT_SECONDS[kind]),

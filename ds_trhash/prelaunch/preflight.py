@@ -23,6 +23,7 @@ from typing import Callable, TypeVar
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.argtypes import positive_int
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
@@ -184,7 +185,7 @@ def register(sub) -> None:
         help="check a launch against this machine in seconds: devices, memory, disk, packages, data, stage, output",
         description="Takes the arguments of `deepspeed launch/train.py` and checks, without building the model "
                     "or writing anything, that the launch can run to its end here. Exit 0: no check failed.")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes the launch starts on this node (default: one per CUDA device, else 1)")
     p.add_argument("--deep", action="store_true",
                    help="also hash every shard the plan reads against its manifest (as long as reading it once)")

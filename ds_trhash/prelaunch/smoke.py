@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash import outputs
+from ds_trhash.argtypes import positive_float, positive_int
 from ds_trhash.data.reader import ReplayReader
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval import commands as eval_commands
@@ -247,8 +249,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
     if args.workdir:
         workdir = Path(args.workdir).resolve()
-        if workdir.exists() and any(workdir.iterdir()):
-            raise SmokeArgumentError(f"--workdir {workdir} is not empty; give the smoke an empty or new directory")
+        outputs.refuse_unless_ours("--workdir", workdir, False, "ds-trhash smoke")  # new or empty only
         workdir.mkdir(parents=True, exist_ok=True)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="ds-trhash-smoke-"))
@@ -280,10 +281,10 @@ def register(sub) -> None:
                     "goes through save, resume, evaluation and export once, and projects the full run's wall "
                     "time and disk. Takes the launch arguments except --output-dir, --resume and --max-steps.")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps to train (default 8; the resume redoes half)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: one per CUDA device, else 1)")
+    p.add_argument("--nproc", type=positive_int, default=None, help="processes (default: one per CUDA device, else 1)")
     p.add_argument("--workdir", default=None, help="an empty directory to work in (kept); default a temporary one")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--eval-batches", type=int, default=4, help="micro-batches of unseen plan rows to evaluate on")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one launch may take (default 3600)")
+    p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds one launch may take (default 3600)")
     p.set_defaults(func=run_smoke)

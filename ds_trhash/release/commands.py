@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.io import os_errors_as
 from ds_trhash.release import hub
 from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
@@ -38,6 +39,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 @os_errors_as(SyncError)
 def run_sync(args: argparse.Namespace) -> int:
+    hub.check_repo_id(args.repo_id)  # before the token is asked for
     api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
     report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
                       dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
@@ -65,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="delete local checkpoints verified on the Hub, beyond the newest --keep-last")
     syn.add_argument("--keep-last", type=int, default=1)
     syn.add_argument("--dry-run", action="store_true", help="read the Hub, upload and delete nothing")
-    syn.add_argument("--lock-timeout", type=float, default=0.0,
+    syn.add_argument("--lock-timeout", type=nonnegative_float, default=0.0,
                      help="seconds to wait for another sync's lock (default: fail at once)")
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)

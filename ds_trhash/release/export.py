@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ds_trhash import outputs
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
@@ -216,6 +217,7 @@ def _chat_template_text(chat_template: str | os.PathLike | None) -> str:
 
 
 def _refuse_existing(out: Path) -> None:
+    outputs.check_dir_target("--out", out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} already exists and is not empty; an export never overwrites: choose a new directory")
 
@@ -371,6 +373,7 @@ def export_checkpoint(
     """
 
     ckpt = Path(ckpt_dir)
+    outputs.refuse_overlap("--out", out_dir, "--checkpoint", ckpt)  # an export never writes into its source
     _refuse_existing(Path(out_dir))
     parse_dtype(dtype)
     try:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.argtypes import nonnegative_float
+from ds_trhash.argtypes import seed as seed_arg
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
 from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 from ds_trhash.errors import UserError
@@ -101,10 +103,14 @@ def _tokenizer_path(root: Path, state: dict[str, Any], override: str | None) -> 
         path = tokenizer_file(where)
     except TokenizerError as exc:
         raise GenerateError(f"{exc} (the tokenizer recorded for {root}); pass --tokenizer DIR") from None
-    expected = state.get("tokenizer_sha256")
+    expected, where_recorded = state.get("tokenizer_sha256"), "trainer_state.json tokenizer_sha256"
+    if not expected and (root / "run.json").is_file():  # an export: the tokenizer its run recorded
+        expected, where_recorded = _read_json(root / "run.json").get("tokenizer_sha256"), "run.json tokenizer_sha256"
+    if not expected and override and (root / "tokenizer.json").is_file():
+        expected, where_recorded = tokenizer_sha256(root / "tokenizer.json"), f"{root / 'tokenizer.json'}"
     if expected and tokenizer_sha256(path) != expected:
-        raise GenerateError(f"{path} is not the tokenizer {root} was trained with (SHA-256 differs from "
-                            "trainer_state.json tokenizer_sha256); pass the run's own tokenizer with --tokenizer")
+        raise GenerateError(f"--tokenizer {path} is not the tokenizer {root} was trained with (SHA-256 differs from "
+                            f"{where_recorded}); pass the model's own tokenizer with --tokenizer, or drop --tokenizer")
     return path
 
 
@@ -242,8 +248,6 @@ def run(args) -> int:
         raise GenerateError("--prompt is empty; give some text to continue")
     if args.max_new_tokens < 1:
         raise GenerateError("--max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        raise GenerateError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.system is not None and args.chat is None:
@@ -280,9 +284,9 @@ def register(subparsers) -> None:
     what.add_argument("--messages", help="JSON file with a conversation ending in a user turn")
     gen.add_argument("--system", default=None, help="system prompt for --chat")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    gen.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling")
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    gen.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling (reproducible output)")
     gen.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own / recorded)")
     gen.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     gen.set_defaults(func=run)

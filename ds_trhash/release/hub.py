@@ -71,6 +71,19 @@ def redact(text: str) -> str:
     return _TOKEN_PATTERN.sub("hf_<redacted>", text)
 
 
+def check_repo_id(repo_id: str) -> None:
+    """A repository id the Hub accepts (``namespace/name`` of letters, digits, ``-_.``), before
+    anything is read, locked or sent."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise SyncError(f"--repo-id {repo_id!r} is not a valid repository id ({' '.join(str(exc).split())[:200]}); "
+                        "use namespace/name with letters, digits, '-', '_' and '.'") from None
+
+
 def make_api(*, require_token: bool = True) -> Any:
     """An ``HfApi`` authenticated by ``HF_TOKEN`` only.
 
@@ -244,17 +257,33 @@ def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise SyncError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
 
+def probe_hub(api: Any, repo_id: str, repo_type: str | None, revision: str | None = None,
+              timeout: float = 10.0) -> None:
+    """One request without retries, before a dry run reads the listings (which retry for about
+    half a minute): an endpoint that does not answer fails the dry run at once, saying so; a
+    repository that does not exist yet is an answer (everything would be uploaded)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        api.repo_info(repo_id, repo_type=repo_type, revision=revision or "main", timeout=timeout)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        return
+    except Exception as exc:  # connection refused, timeout, HTTP error: reported without the chain
+        raise SyncError(f"dry run: could not read {repo_id} on the Hub ({type(exc).__name__}: {exc}), so nothing is "
+                        "reported as to upload: check HF_ENDPOINT, the network and HF_TOKEN") from None
+
+
 def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
                  revision: str | None = None) -> dict[str, Any]:
     """Every file the Hub holds under the unit's folder (the whole repository for a root unit),
     by repository path, with its size and hashes; empty when the folder does not exist."""
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     def listing() -> list[Any]:
         try:
             return list(api.list_repo_tree(repo_id, path_in_repo=unit.path_in_repo or None, recursive=True,
                                            repo_type=repo_type, revision=revision))
-        except EntryNotFoundError:  # the folder is not on the Hub yet
+        except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):  # not on the Hub yet
             return []
 
     entries = _call(f"listing {unit.path_in_repo or 'the root'} of {repo_id}", listing)
@@ -355,6 +384,7 @@ def sync(
     if keep_last < 1:
         raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
     say: Log = lambda line: log(redact(line))  # noqa: E731
+    check_repo_id(repo_id)
     report = SyncReport(repo_id=repo_id, dry_run=dry_run)
     root = Path(local_dir)
     lock_dir = discover_lock_dir(root)
@@ -371,14 +401,12 @@ def sync(
             if not dry_run and plan.units:
                 _call(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True,
                       exist_ok=True)
+            elif plan.units:
+                probe_hub(api, repo_id, repo_type, revision)
             for unit in plan.units:
-                try:
-                    remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
-                    before = remote_differences(api, repo_id, unit, remote=remote)
-                except SyncError as exc:
-                    if not dry_run:
-                        raise
-                    remote, before = {}, [f"remote state unknown ({exc})"]
+                # a Hub that cannot be read fails a dry run too: it could not say what it would upload
+                remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
+                before = remote_differences(api, repo_id, unit, remote=remote)
                 if not before:
                     report.already_remote.append(unit.name)
                     verified.add(unit.name)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ds_trhash.checkpoints import MANIFEST, describe_hardware, list_checkpoints, verify
 from ds_trhash.errors import UserError
-from ds_trhash.io import sha256_file, write_json_atomic
+from ds_trhash.io import read_utf8, sha256_file, utf8_lines, write_json_atomic
 from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
 from ds_trhash.checkpoints.selection import RULES as SELECTION_RULES
 from ds_trhash.checkpoints.selection import Candidate, choose
@@ -41,9 +41,10 @@ class RecordError(UserError, ValueError):
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
@@ -57,10 +58,21 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
 
 
 def read_metrics(path: Path) -> list[dict[str, str]]:
+    """The rows of a run's metrics.csv. Every cell of a numeric column must be empty or a number
+    (nan and inf included: a diverged loss is a number): anything else would be published as null."""
     if not path.is_file():
         return []
-    with path.open(encoding="utf-8", newline="") as fh:
-        return list(csv.DictReader(fh))
+    rows = list(csv.DictReader(utf8_lines(path, RecordError)))
+    for line_no, row in enumerate(rows, 2):
+        for key, text in row.items():
+            if key is None or not text or key.endswith("_backend"):
+                continue
+            try:
+                float(text)
+            except (TypeError, ValueError):
+                raise RecordError(f"{path}: line {line_no}, column {key}: {text!r} is not a number; "
+                                  "restore the file the trainer wrote (or remove that row)") from None
+    return rows
 
 
 def _number(text: str | None) -> float | int | None:
@@ -99,7 +111,7 @@ def read_piqa_rows(path: Path) -> dict[int, dict[str, Any]]:
     rows: dict[int, dict[str, Any]] = {}
     if not path.is_file():
         return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_utf8(path, RecordError).splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -194,9 +206,12 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 
     rows = read_metrics(run / "metrics.csv")
     piqa = read_piqa_rows(run / "piqa.jsonl")
-    checkpoints, states = [], []
+    checkpoints, states, unreadable = [], [], []
     for info in list_checkpoints(run):
-        state = _read_json(info.path / "trainer_state.json") or {}
+        state = _read_json(info.path / "trainer_state.json")
+        if state is None:
+            unreadable.append(info.name)
+        state = state or {}
         complete = verify(info.path, deep=False)[0]
         metrics = _checkpoint_metrics(info.step, rows)
         if info.step in piqa:
@@ -206,6 +221,10 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
                             "metrics": metrics})
         if complete:
             states.append(state)
+    if checkpoints and len(unreadable) == len(checkpoints):
+        raise RecordError(f"{run}: the trainer_state.json of every checkpoint is missing or unreadable "
+                          f"({', '.join(unreadable[-3:])}); a record built without them would say nothing: "
+                          "restore them, or report on the run's copy that has them")
     if checkpoints:
         put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json, metrics.csv and piqa.jsonl")
     names = {c["step"]: c["name"] for c in checkpoints}

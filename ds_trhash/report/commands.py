@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ds_trhash import outputs
 from ds_trhash.io import os_errors_as
 from ds_trhash.release.record import RecordError, write_run_record
 from ds_trhash.report.index import is_directory_output, write_report
@@ -18,6 +19,11 @@ from ds_trhash.report.index import is_directory_output, write_report
 def run_report(args: argparse.Namespace) -> int:
     fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
               "known_limitations": args.limitation or None}
+    for run in args.run:  # a report describes runs; it never writes into one
+        outputs.refuse_overlap("--out", args.out, "--run", run, may_hold=True,
+                               fix="write the report outside the run directory")
+    outputs.check_dir_target("--out", args.out if is_directory_output(args.out, len(args.run))
+                             else Path(args.out).parent)
     if is_directory_output(args.out, len(args.run)):
         out = Path(args.out)
         index = write_report([Path(r) for r in args.run], out, last_fields=fields,

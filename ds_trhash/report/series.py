@@ -17,6 +17,7 @@ import numpy as np
 
 from ds_trhash.checkpoints import CHECKPOINTS, CheckpointError, list_checkpoints, read_trainer_state
 from ds_trhash.errors import UserError
+from ds_trhash.io import utf8_lines
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE
 from ds_trhash.training.records.metrics_csv import METRICS_FILE
 
@@ -88,10 +89,9 @@ def _rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     """Header and complete rows; a row cut by a crash or by a live writer is left out."""
     if not path.is_file():
         return [], []
-    with path.open(encoding="utf-8", newline="") as fh:
-        reader = csv.DictReader(fh)
-        rows = [r for r in reader if None not in r and None not in r.values()]
-        return list(reader.fieldnames or []), rows
+    reader = csv.DictReader(utf8_lines(path, NotARunError))
+    rows = [r for r in reader if None not in r and None not in r.values()]
+    return list(reader.fieldnames or []), rows
 
 
 def _float(text: str | None) -> float | None:

@@ -59,7 +59,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     overrides = list(args.set)
-    if args.output_dir:
+    if args.output_dir is not None:
+        if not args.output_dir.strip():
+            raise tcfg.ConfigError("--output-dir", "output_dir", "is empty; pass the directory the run writes to")
         overrides.append(f"output_dir={args.output_dir}")
     if args.max_steps is not None:
         if args.max_steps < 1:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.training.callbacks.base import Callback
+from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
 log = logging.getLogger("ds_trhash.loop")
 
@@ -73,13 +74,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_reduce_counts(values: list[int]) -> list[int]:
-    """Sum host integers over ranks (gloo, CPU tensors): no device involved."""
+def _all_reduce_counts(values: list[int], op=dist.ReduceOp.SUM) -> list[int]:
+    """Sum (or ``op``) host integers over ranks (gloo, CPU tensors): no device involved."""
     if not _distributed():
         return list(values)
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, group=_host_group())
+    dist.all_reduce(t, op=op, group=_host_group())
     return [int(v) for v in t]
+
+
+def _min_over_ranks(value: int) -> int:
+    return _all_reduce_counts([value], op=dist.ReduceOp.MIN)[0]
 
 
 class LabelError(UserError, ValueError):
@@ -114,13 +119,15 @@ def _reduced_grad_norm(engine) -> torch.Tensor | None:
 
 
 def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
-               vocab_size: int | None = None) -> dict:
+               vocab_size: int | None = None, skip_nonfinite: bool = False) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
 
     No host synchronisation: label counts are host integers (summed over ranks on the CPU), the
     loss is accumulated on the device over micro-batches and all-reduced there; ``"loss"`` is a
     0-dim device tensor that reaches the host only when someone reads it (``float(...)``),
-    which the loop leaves to the callbacks that log it.
+    which the loop leaves to the callbacks that log it. ``skip_nonfinite`` (training.nonfinite
+    skip_step) reads the step's loss and gradient norm before the optimizer applies them, and a
+    non-finite step becomes a no-op update (``"skipped"`` True).
     """
     valid, ignored, bad = label_counts(micro_batches, vocab_size)
     t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
@@ -130,6 +137,7 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
             f"{int(bad_step)} label(s) in this step are neither -100 nor a token id below the vocabulary "
             f"size {vocab_size}; the data does not belong to this model (check the tokenizer and vocabulary)")
     scale = world_size / max(n_step, 1)
+    skipped = False
     # float64, as the host sum of float(loss) per micro-batch was: metrics.csv values unchanged
     loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)
     own_norm = None
@@ -139,17 +147,24 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
             inputs.pop("input_ids"), labels=inputs.pop("labels"), reduction="sum", **inputs
         )
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
+        loss_sum_local += loss_sum.detach().double()
         if i == len(micro_batches) - 1:
             own_norm = _reduced_grad_norm(engine)
+            if skip_nonfinite:  # decided before the update, alike on every rank (global values)
+                if _distributed():
+                    dist.all_reduce(loss_sum_local)
+                skipped = not is_finite(loss_sum_local, own_norm)
+                if skipped:
+                    skip_update(engine)
         engine.step()
-        loss_sum_local += loss_sum.detach().double()
-    if _distributed():
+    if _distributed() and not skip_nonfinite:
         dist.all_reduce(loss_sum_local)  # on the device stream: nothing waits for it here
     loss = loss_sum_local / max(n_step, 1)
     # a device tensor (or DeepSpeed's float): read on the host only when a callback logs it
     norm = own_norm if own_norm is not None else getattr(engine, "get_global_grad_norm", lambda: None)()
     return {"loss": loss, "grad_norm": norm, "supervised_tokens": n_step, "tokens": t_step,
-            "label_valid": n_step, "label_ignored": ignored_step, "label_out_of_range": bad_step}
+            "label_valid": n_step, "label_ignored": ignored_step, "label_out_of_range": bad_step,
+            "skipped": skip_nonfinite and skipped}
 
 
 class StepMetrics(Mapping):
@@ -159,22 +174,31 @@ class StepMetrics(Mapping):
 
     _LAZY = ("loss", "ppl", "grad_norm")
 
-    def __init__(self, values: dict, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None):
+    def __init__(self, values: dict, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
+                 first_nonfinite: torch.Tensor | None = None):
         self._values = dict(values)
         self._loss = loss
         self._grad_norm = grad_norm
+        self._first_nonfinite = first_nonfinite  # the guard's device tensor, read with the loss
+        self.first_nonfinite: int | None = None  # after the read: the first non-finite step, or -1
 
     def _resolve(self) -> None:
         if "loss" not in self._values:
-            loss, g = self._loss, self._grad_norm
-            if isinstance(loss, torch.Tensor) and isinstance(g, torch.Tensor):
-                # both on the device: one copy to the host, not two
-                loss, g = torch.stack([loss.detach().double().reshape(()), g.detach().double().reshape(())]).tolist()
+            loss, g, bad = self._loss, self._grad_norm, self._first_nonfinite
+            if isinstance(loss, torch.Tensor):
+                # everything on the device in one copy to the host, not one each
+                parts = [loss.detach().double().reshape(())]
+                parts += [g.detach().double().reshape(()).to(parts[0].device)] if isinstance(g, torch.Tensor) else []
+                parts += [bad.double().reshape(()).to(parts[0].device)] if bad is not None else []
+                values = torch.stack(parts).tolist() if len(parts) > 1 else [parts[0]]
+                loss = values[0]
+                g = values[1] if isinstance(g, torch.Tensor) else g
+                self.first_nonfinite = int(values[-1]) if bad is not None else None
             loss = float(loss)
             self._values["loss"] = loss
             self._values["ppl"] = math.exp(min(loss, 50.0))
             self._values["grad_norm"] = None if g is None else float(g)
-            self._loss = self._grad_norm = None
+            self._loss = self._grad_norm = self._first_nonfinite = None
 
     def __getitem__(self, key):
         if key in self._LAZY:
@@ -197,16 +221,21 @@ def run(
     world_size: int,
     lr_of: Callable[[], float],
     vocab_size: int | None = None,
+    nonfinite: NonFiniteGuard | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested).
 
     Whatever happens, every callback's ``close`` runs, in call order. An exception from a step
     or a hook is first passed to every ``on_error``, then re-raised; a ``close`` that fails
     meanwhile is logged and does not hide it. After a stage that ended, the first failed
-    ``close`` is raised once every other callback is closed."""
+    ``close`` is raised once every other callback is closed. ``nonfinite``: the divergence guard
+    (training/nonfinite.py), checked at its check steps with the loss read and before each save
+    (the trainer hooks it there)."""
     failed = False
+    if nonfinite is not None:
+        nonfinite.agree = _min_over_ranks
     try:
-        return _train(engine, batches, state, callbacks, device, world_size, lr_of, vocab_size)
+        return _train(engine, batches, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite)
     except BaseException as exc:
         failed = True
         for cb in callbacks:
@@ -229,7 +258,8 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
 
 
 def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Callback], device: torch.device,
-           world_size: int, lr_of: Callable[[], float], vocab_size: int | None) -> TrainState:
+           world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
+           guard: NonFiniteGuard | None = None) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
@@ -238,9 +268,15 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
         epoch = batches.epoch_of(state.step)
         t0 = time.perf_counter()
         lr = lr_of()
-        stats = train_step(engine, batches.micro_batches(state.step), device, world_size, vocab_size)
+        stats = train_step(engine, batches.micro_batches(state.step), device, world_size, vocab_size,
+                           skip_nonfinite=guard is not None and guard.skips)
         dt = time.perf_counter() - t0
         state.step += 1
+        if guard is not None:
+            if guard.skips:
+                guard.skipped_step(state.step, stats["skipped"])
+            else:
+                guard.record(state.step, stats["loss"], stats["grad_norm"])
         state.tokens_seen += stats["tokens"]
         state.supervised_seen += stats["supervised_tokens"]
         next_epoch = state.epochs_done = batches.epoch_of(state.step)
@@ -255,7 +291,10 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
             "label_valid": stats["label_valid"],
             "label_ignored": stats["label_ignored"],
             "label_out_of_range": stats["label_out_of_range"],
-        }, loss=stats["loss"], grad_norm=stats["grad_norm"])
+        }, loss=stats["loss"], grad_norm=stats["grad_norm"], first_nonfinite=guard.first_bad if guard else None)
+        if guard is not None and guard.due(state.step, state.total_steps):
+            metrics["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
+            guard.check(metrics.first_nonfinite)  # before any callback could save this step
         state.last = metrics
         for cb in callbacks:
             cb.on_step_end(state, metrics)

@@ -37,6 +37,7 @@ from ds_trhash.training.launch import resources
 from ds_trhash.training.launch.output import OutputSide
 from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
 from ds_trhash.training.launch.stage_data import barrier
+from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
 from ds_trhash.training.records.monitor import MonitorSink
@@ -59,7 +60,7 @@ def build_model(plan: LaunchPlan, rank: int) -> TRHashForCausalLM:
     model = TRHashForCausalLM(plan.model_config)
     if plan.init_weights is not None:
         state_dict, _ = ckpt.load_merged_weights(plan.init_weights)  # an SFT→SFT LoRA source arrives merged
-        differences = model.load_checkpoint_state(state_dict)
+        differences = model.load_checkpoint_state(state_dict, where=f"the weights of --init-checkpoint {plan.init_weights}")
         for line in differences:
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
@@ -82,8 +83,11 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
     """Every check passed: damaged checkpoints are set aside, the data's on-disk parts (the shard
     cache) are created. The first writes of the launch."""
     if plan.output.damaged:
-        if rank == 0:
+        if rank == 0 and plan.output.resume_dir is None:
             launch_checks.set_aside_damaged(plan.output_dir, time.strftime("%Y%m%dT%H%M%S"), log=log.info)
+        elif rank == 0:  # --resume auto fell back past them: the run saves those step names again
+            launch_checks.set_aside_checkpoints(plan.output_dir, [name for name, _ in plan.output.damaged],
+                                                time.strftime("%Y%m%dT%H%M%S"), log=log.info)
         barrier()
     if plan.data.start is not None:
         plan.data.start()
@@ -189,8 +193,11 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         announce(plan, progress, model, engine, ds_config, state)
     run = run_context(plan, rank, engine.engine, model, progress, state)
     # the callbacks close the records, the display and the shard cache, even when a step raises
-    state = loop.run(engine.engine, data.batches, state, make_callbacks(list(plan.builders), run), plan.device, world,
+    callbacks = make_callbacks(list(plan.builders), run)
+    guard = NonFiniteGuard.from_config(cfg, log=progress.message)
+    run.callbacks.insert(0, guard)  # its before_save runs first at every save: no checkpoint of diverged weights
+    state = loop.run(engine.engine, data.batches, state, callbacks, plan.device, world, nonfinite=guard,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
     if rank == 0:
-        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}")
+        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
     return state

@@ -129,3 +129,10 @@ def test_cache_size_from_env_or_config():
         cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "lots"})
     with pytest.raises(CacheError, match="data.cache_gb=0 must be a positive"):
         cache_bytes_from(0, {})
+
+
+def test_a_bound_that_rounds_to_zero_bytes_names_its_origin():
+    with pytest.raises(CacheError, match=r"data.cache_gb=1e-12 is 1e-12 GiB, which rounds to 0 bytes"):
+        cache_bytes_from(1e-12, {})
+    with pytest.raises(CacheError, match=r"TOKENIZED_CACHE_GB='1e-12' is 1e-12 GiB, which rounds to 0 bytes"):
+        cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "1e-12"})

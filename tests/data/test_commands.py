@@ -91,3 +91,25 @@ def test_embedded_command_prints_paths(tmp_path, capsys):
     paths = json.loads(out)
     assert Path(paths["pretrain_plan"]).is_file() and Path(paths["chat_train_jsonl"]).is_file()
     assert load_plan(paths["refine_plan"]).fingerprint == load_plan(paths["pretrain_plan"]).fingerprint
+
+
+def test_train_tokenizer_refuses_empty_input_a_vocabulary_over_uint16_and_non_utf8(tmp_path, capsys):
+    from ds_trhash.cli import main
+    from tests.fail_closed import tree_digest
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"first line\nna\xefve\n")
+    text = tmp_path / "ok.txt"
+    text.write_text("hash routed experts\n" * 20)
+    before = tree_digest(tmp_path)
+    for inputs, vocab, needle in (([empty], "300", "holds no text"),
+                                  ([text], "70000", "vocab_size 70000 is too large: token shards store ids as uint16"),
+                                  ([text, latin], "300", f"{latin}: line 2 is not UTF-8 text (byte 0xef at column 3)")):
+        code = main(["data", "train-tokenizer", "--input", *map(str, inputs), "--vocab-size", vocab,
+                     "--out", str(tmp_path / "tok")])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err, err
+    assert tree_digest(tmp_path) == before
+

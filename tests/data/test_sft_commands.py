@@ -64,3 +64,19 @@ def test_an_extra_key_in_a_message_is_refused_and_nothing_is_built(tmp_path, tok
     err = capsys.readouterr().err
     assert "train.jsonl:5: message 0 has key(s) 'name'; a message holds only role and content" in err
     assert tree_digest(tmp_path) == before
+
+
+def test_a_line_that_is_not_utf8_names_the_file_and_line_and_nothing_is_built(tmp_path, tokenizer_dir, capsys):
+    from ds_trhash.cli import main
+    from tests.fail_closed import tree_digest
+
+    train, evaluation = _inputs(tmp_path)
+    with open(train, "ab") as f:
+        f.write(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    before = tree_digest(tmp_path)
+    argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "256", "--out", str(tmp_path / "sft")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{train}: line 5 is not UTF-8 text (byte 0xe9 at column" in err and "Traceback" not in err, err
+    assert tree_digest(tmp_path) == before

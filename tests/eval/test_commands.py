@@ -193,3 +193,26 @@ def test_packing_policy_comes_from_the_training_checkpoint_or_defaults_with_a_no
     assert capsys.readouterr().err == ""
     assert commands._packing_policy(tmp_path, None)[0] == "cross_document"  # records nothing
     assert "records no packing policy; using cross_document" in capsys.readouterr().err
+
+
+def test_eval_piqa_refuses_a_non_checkpoint_a_max_len_beyond_the_positions_and_non_utf8_data(setup, tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    config = TRHashConfig.from_preset("tiny", vocab_size=VOCAB_SIZE)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "readme.txt").write_text("not a model")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"goal": "caf\xe9", "sol1": "a", "sol2": "b", "label": 0}\n')
+    before = tree_digest(tmp_path)
+    common = ["--tokenizer", str(setup["tok"]), "--device", "cpu", "--out", str(tmp_path / "p.json")]
+    for argv, needle in (
+            (["--checkpoint", str(notes), "--data", str(setup["piqa"])], f"--checkpoint {notes} is not a checkpoint or an export"),
+            (["--checkpoint", str(tmp_path / "latin.jsonl"), "--data", str(setup["piqa"])], "is not a directory"),
+            (["--checkpoint", str(setup["export"]), "--data", str(setup["piqa"]), "--max-len", str(config.max_seq_len + 1)],
+             f"--max-len {config.max_seq_len + 1} exceeds the {config.max_seq_len} positions of the model"),
+            (["--checkpoint", str(setup["export"]), "--data", str(latin)], f"{latin}: line 1 is not UTF-8 text")):
+        assert _run(["eval", "piqa", *argv, *common]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert tree_digest(tmp_path) == before

@@ -77,3 +77,30 @@ def test_the_launch_runs_the_cheap_part_itself(prelaunch_runs):
     assert "cannot hold one checkpoint of 14.3 MiB" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not prelaunch_runs["launch_run"].exists() and prelaunch_runs["unchanged"]
+
+
+def test_an_empty_output_dir_or_a_modifier_without_its_option_fails_the_config_or_output_check(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """In-process (no console-script start): these fail before any device, data or disk check."""
+    from ds_trhash.cli import main
+    from tests.fail_closed import REPO, tree_digest
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "ds_configs" / "tiny" / "pretrain.yaml")
+    assert main(["preflight", "--config", config, "--output-dir", ""]) == 2
+    assert "FAIL  config: --output-dir: output_dir: is empty" in capsys.readouterr().out
+    (tmp_path / "file").write_text("x")
+    before = tree_digest(tmp_path)
+    from ds_trhash.prelaunch.preflight import _output
+    from ds_trhash.prelaunch.preflight import Report
+    from ds_trhash.training import config as tcfg
+    from ds_trhash.training.launcher import build_arg_parser
+
+    for argv, needle in ((["--fork"], "--fork modifies --resume DIR"),
+                         (["--output-dir", str(tmp_path / "file")], "is a regular file")):
+        args = build_arg_parser().parse_args(["--config", config, *argv])
+        cfg = tcfg.load_config(config, [f"output_dir={args.output_dir or tmp_path / 'run'}"])
+        report = Report()
+        assert _output(report, cfg, args, 1, None) is None
+        assert report.checks[-1].failed and needle in report.checks[-1].detail
+    assert tree_digest(tmp_path) == before

@@ -116,18 +116,21 @@ def test_user_errors_exit_2_with_one_line_and_change_nothing(tiny_export, tmp_pa
     before = _tree_digest(tiny_export.out)
     ending = tmp_path / "ends_with_assistant.json"
     ending.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}')
+    other_tokenizer = tmp_path / "other" / "tokenizer.json"  # another tokenizer than the export's
+    other_tokenizer.parent.mkdir()
+    other_tokenizer.write_text((Path(tiny_export.out) / "tokenizer.json").read_text() + "\n")
     model = ["--model", str(tiny_export.out)]
     cases = [
         (["--model", str(tmp_path / "missing"), "--prompt", PROMPT], "is not a directory"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", PROMPT, "--top-p", "0"], "--top-p must be in (0, 1]"),
-        (["--prompt", PROMPT, "--temperature", "-1"], "--temperature must be >= 0"),
         (["--prompt", PROMPT, "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["--prompt", PROMPT, "--system", "s"], "--system goes with --chat"),
         (["--messages", str(tmp_path / "nope.json")], "does not exist"),
         (["--messages", str(ending)], "ends with an assistant turn"),
         (["--chat", "hi", "--max-new-tokens", "500"], "exceeds the model's context of 128 tokens"),
         (["--prompt", PROMPT, "--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),
+        (["--prompt", PROMPT, "--tokenizer", str(other_tokenizer)], "is not the tokenizer"),
     ]
     for argv, message in cases:
         assert main(["generate", *model, *argv]) == 2, argv

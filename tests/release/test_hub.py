@@ -274,3 +274,32 @@ def test_a_rejected_token_is_never_shown_and_a_token_argument_is_refused(tmp_pat
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert "HF_TOKEN" in captured.err and TOKEN not in captured.err + captured.out
+
+
+def test_sync_refuses_an_invalid_repo_id_before_anything(tmp_path, server, capsys):
+    out = _run(tmp_path)
+    before = _tree_digest(out)
+    assert commands.main(["sync", "--local", str(out), "--repo-id", "not a valid id!!", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--repo-id 'not a valid id!!' is not a valid repository id" in err and "Traceback" not in err
+    assert server.requests == [] or "commit" not in server.requests
+    assert _tree_digest(out) == before
+
+
+def test_a_dry_run_against_an_endpoint_that_does_not_answer_fails_fast_and_says_so(tmp_path, monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", dead)
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    out = _run(tmp_path)
+    before = _tree_digest(out)
+    started = time.monotonic()
+    assert commands.main(["sync", "--local", str(out), "--repo-id", REPO, "--dry-run"]) == 2
+    assert time.monotonic() - started < 10  # one request, not the listing's half minute of retries
+    err = capsys.readouterr().err
+    assert "dry run:" in err and f"could not read {REPO} on the Hub" in err and "would upload" not in err, err
+    assert _tree_digest(out) == before

@@ -131,3 +131,23 @@ def test_cli_report_on_a_directory_that_is_not_a_run_exits_2_and_writes_nothing(
     err = capsys.readouterr().err
     assert "is not a run output directory (it holds no config.json, metrics.csv or checkpoints/)" in err
     assert "Traceback" not in err and tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda run: (run / "metrics.csv").write_bytes((run / "metrics.csv").read_bytes().replace(b"0.900000,", b"0.9x,", 1)),
+     "metrics.csv: line 5, column train_loss: '0.9x' is not a number"),
+    (lambda run: (run / "metrics.csv").write_bytes((run / "metrics.csv").read_bytes() + b"40,\xff\n"),
+     "metrics.csv: line 7 is not UTF-8 text (byte 0xff at column 4)"),
+    (lambda run: [(p / "trainer_state.json").write_bytes(b"\x00not json") for p in (run / "checkpoints").iterdir()],
+     "the trainer_state.json of every checkpoint is missing or unreadable"),
+], ids=["not-a-number", "not-utf8", "every-state-unreadable"])
+def test_report_of_damaged_run_files_is_refused_naming_file_and_line(tmp_path, capsys, damage, message):
+    from tests.fail_closed import tree_digest
+
+    run, _, _, _ = _full_run(tmp_path)
+    damage(run)
+    before = tree_digest(tmp_path)
+    assert cli(["report", "--run", str(run), "--out", str(tmp_path / "record.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert tree_digest(tmp_path) == before

@@ -66,3 +66,16 @@ def test_the_real_entry_point_prints_one_line_and_no_traceback(tmp_path):
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert "duplicate key 'seed'" in proc.stderr and tree_digest(tmp_path) == before
+
+
+def test_a_cache_size_that_rounds_to_zero_bytes_names_data_cache_gb(capsys, tmp_path):
+    err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "data.cache_gb=1.0e-12")
+    assert "data.cache_gb: 1e-12 GiB rounds to 0 bytes" in err
+
+
+def test_skip_step_needs_zero_stage_0_and_fp32(capsys, tmp_path):
+    err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "training.nonfinite=skip_step",
+                   "--set", "zero.stage=1")
+    assert "training.nonfinite: skip_step zeroes a step's gradients" in err
+    err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "training.nonfinite=sometimes")
+    assert "training.nonfinite" in err and "skip_step" in err

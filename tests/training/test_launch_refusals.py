@@ -6,12 +6,21 @@ embedded corpus, the shard cache and the output directories included)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
+import torch
 
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.embedded import build_embedded
+from ds_trhash.io import sha256_file
+from ds_trhash.model.transformer import WeightsError
+from ds_trhash.training import config as tcfg
+from ds_trhash.training.launcher import main as launcher_main
+from ds_trhash.training.trainer import build_model
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
@@ -112,5 +121,117 @@ def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_fin
     # A run directory names its final complete checkpoint, said at start (this launch is then
     # refused for writing into a pretraining run's directory, before anything is written).
     err = _refused(root, _args(root / "base", "--init-checkpoint", str(root / "base"), config="refine"),
-                   "already holds 'pretraining' checkpoints")
+                   f"--output-dir {root / 'base'} holds --init-checkpoint")
     assert f"the run's final complete checkpoint is {root / 'base' / 'checkpoints' / 'step_00000002'}" in err
+
+
+# --- in-process refusals (launcher.main returns before the process group or the model exists)
+
+
+def _refused_here(capsys, root: Path, argv: list[str], *needles: str) -> str:
+    before = tree_digest(root)
+    rc = launcher_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err[-3000:]
+    assert tree_digest(root) == before, "a refused launch changed files"
+    return err
+
+
+def test_a_launch_never_writes_into_its_init_checkpoint_or_the_run_holding_it(root, capsys):
+    step2 = root / "base" / "checkpoints" / "step_00000002"
+    for out, how in ((step2, "is"), (step2 / "refined", "is inside"), (root, "holds"),
+                     (root / "base" / "refined", "is inside")):
+        err = _refused_here(capsys, root, _args(out, "--init-checkpoint", str(step2), config="refine"),
+                            f"--output-dir {out} {how} ")
+        assert str(step2) in err and "writing there would change what this command reads" in err
+    # a fork of another run's checkpoint may not land inside (or over) that run either
+    _refused_here(capsys, root, _args(root / "base" / "fork", "--resume", str(step2), "--fork"),
+                  f"--output-dir {root / 'base' / 'fork'} is inside the run holding --resume {step2}")
+
+
+def test_modifiers_without_their_option_and_an_empty_or_file_output_dir_are_refused(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    _refused_here(capsys, tmp_path, _args(out, "--fork"), "--fork modifies --resume DIR")
+    _refused_here(capsys, tmp_path, _args(out, "--fork", "--resume", "auto"), "--fork modifies --resume DIR")
+    _refused_here(capsys, tmp_path, _args(out, "--allow-fresh-over-damaged"),
+                  "--allow-fresh-over-damaged modifies --resume auto")
+    _refused_here(capsys, tmp_path, _args(""), "--output-dir: output_dir: is empty")
+    (tmp_path / "file").write_text("x")
+    _refused_here(capsys, tmp_path, _args(tmp_path / "file"), f"--output-dir {tmp_path / 'file'} is a regular file")
+    _refused_here(capsys, tmp_path, _args(tmp_path / "file" / "run"),
+                  f"lies below the regular file {tmp_path / 'file'}")
+
+
+def test_resume_of_another_runs_checkpoint_copied_under_this_output_dir_needs_fork(root, capsys):
+    copy = root / "copied"
+    shutil.copytree(root / "base" / "checkpoints" / "step_00000001", copy / "checkpoints" / "step_00000001")
+    _refused_here(capsys, root, _args(copy, "--resume", str(copy / "checkpoints" / "step_00000001")),
+                  f"was saved by the run in {root / 'base'}", "--fork")
+
+
+def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_before_training_on(root):
+    run = root / "newest-damaged"
+    shutil.copytree(root / "base", run)
+    state = sorted((run / "checkpoints" / "step_00000002" / "state").rglob("*.pt"))[0]
+    damaged_bytes = state.read_bytes()[:-16]
+    state.write_bytes(damaged_bytes)
+    proc = L.single(_args(run, "--resume", "auto"))
+    assert proc.returncode == 0, L.explain(proc)
+    assert "resume auto: set aside the damaged step_00000002.damaged-" in proc.stderr, L.explain(proc)
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_00000002.damaged-")]
+    assert len(aside) == 1
+    assert (aside[0] / state.relative_to(run / "checkpoints" / "step_00000002")).read_bytes() == damaged_bytes
+    assert L.checkpoint_steps(run) == [1, 2]
+    assert ckpt.verify(run / "checkpoints" / "step_00000002")[0]  # the step trained again, written anew
+
+
+def test_a_diverged_run_stops_naming_the_step_and_saves_no_nan(root):
+    run = root / "diverged"
+    proc = L.single(_args(run, "--set", "optimizer.lr=1.0e30", steps=4))
+    assert proc.returncode == 1, L.explain(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "training diverged" in x)
+    bad = int(line.split("not finite at step ")[1].split(";")[0])
+    assert 1 <= bad <= 4
+    assert L.checkpoint_steps(run) == list(range(1, bad))  # every step before it was saved, none after
+    for step in range(1, bad):
+        assert ckpt.verify(run / "checkpoints" / f"step_{step:08d}")[0]
+        assert all(torch.isfinite(t).all() for t in L.model_weights(run / "checkpoints" / f"step_{step:08d}").values())
+
+
+def test_a_plan_that_is_a_directory_or_whose_vocabulary_exceeds_the_models_is_refused(root, tmp_path, capsys):
+    paths = build_embedded(root / "embedded")  # the base run's corpus: found, not rebuilt
+    data = ["--set", f"data.shards_dir={paths.shards_dir}"]
+    _refused_here(capsys, root, _args(tmp_path / "run", *data, "--set", f"data.plan={tmp_path}"),
+                  f"replay plan {tmp_path} is a directory, not a plan file")
+    doc = json.loads(Path(paths.pretrain_plan).read_text())
+    doc["vocab_size"] = 70000
+    wide = tmp_path / "wide_plan.json"
+    wide.write_text(json.dumps(doc))
+    _refused_here(capsys, root, _args(tmp_path / "run", *data, "--set", f"data.plan={wide}"),
+                  "data.plan", "records vocab_size 70000, more than the model's")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_init_checkpoint_with_valid_torch_data_but_the_wrong_tensors_is_a_user_error(root, tmp_path):
+    wrong = tmp_path / "wrong"
+    shutil.copytree(root / "base" / "checkpoints" / "step_00000002", wrong)
+    states = wrong / "state" / ckpt.ENGINE_TAG / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        states = next((wrong / "state").rglob("mp_rank_00_model_states.pt"))
+    torch.save({"module": {"embed.weight": torch.zeros(3, 3)}}, states)
+    manifest = json.loads((wrong / ckpt.MANIFEST).read_text())
+    rel = str(states.relative_to(wrong))
+    manifest["files"][rel] = {**manifest["files"][rel], "sha256": sha256_file(states), "size": states.stat().st_size}
+    (wrong / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    # the trainer's own model builder on the real file (in-process: a launch would cost half a
+    # minute to reach it; the launcher prints any such UserError as one line, exit 2)
+    cfg = tcfg.load_config(str(L.REPO / "ds_configs" / "tiny" / "refine.yaml"), [f"output_dir={tmp_path / 'out'}"])
+    before = tree_digest(wrong)
+    with pytest.raises(WeightsError, match=f"the weights of --init-checkpoint {wrong} do not fit this model"):
+        # the plan's fields build_model reads before the weights are loaded
+        build_model(SimpleNamespace(cfg=cfg, model_config=tcfg.model_config(cfg), init_weights=str(wrong)), 0)
+    assert tree_digest(wrong) == before and not (tmp_path / "out").exists()

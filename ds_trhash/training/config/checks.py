@@ -32,6 +32,13 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if cfg.zero.stage == 3:
         raise b.fail("zero.stage", "DeepSpeed MoE does not support ZeRO-3 (every TR-HASH model is MoE); "
                                    "use 0, 1 or 2")
+    if cfg.data.cache_gb is not None and int(cfg.data.cache_gb * 2**30) < 1:
+        raise b.fail("data.cache_gb", f"{cfg.data.cache_gb!r} GiB rounds to 0 bytes; the shard cache needs room for "
+                                      "at least one shard (the unit is GiB: 0.1 is about 107 MB)")
+    if cfg.training.nonfinite == "skip_step" and (cfg.zero.stage != 0 or cfg.precision != "fp32"):
+        raise b.fail("training.nonfinite", "skip_step zeroes a step's gradients before the optimizer applies "
+                                           "them, which needs zero.stage 0 and precision fp32 (ZeRO keeps its own "
+                                           "gradient partitions); use stop, or zero.stage 0 with fp32")
     if stage == SFT and cfg.data.kind != "sft":
         raise b.fail("data.kind", f"stage {SFT} trains on a tokenized SFT set; data.kind must be sft, "
                                   f"got {cfg.data.kind}", "stage")

@@ -168,6 +168,9 @@ class TrainingSection:
     epochs: int = _f(1, check=_positive)
     max_steps: int | None = _f(None, check=_optional(_positive))
     log_every: int = _f(1, check=_positive)
+    # a non-finite loss or gradient norm: stop the run (no checkpoint of it), or skip such steps
+    nonfinite: Literal["stop", "skip_step"] = "stop"
+    nonfinite_max_skips: int = _f(3, check=_positive)  # skip_step: this many in a row stop the run
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash import outputs
 from ds_trhash.data.corpus import sources_dir
 from ds_trhash.errors import UserError
 from ds_trhash.safe_names import UnsafeNameError, resolve_under
@@ -58,20 +59,21 @@ def check_fresh_output_dir(output_dir: Path) -> None:
 
 def resume_auto(output_dir: Path, allow_fresh_over_damaged: bool,
                 log: Log = print) -> tuple[ckpt.CheckpointInfo | None, list[tuple[str, str]]]:
-    """``--resume auto``: (the newest checkpoint that verifies, []) — each checkpoint is hashed
-    once, newest first, and newer broken ones are reported. When checkpoints exist but none
-    verifies the launch is refused, listing each and why: starting fresh would write a new run
-    over the remains of one that may be repairable. ``--allow-fresh-over-damaged`` is the
-    explicit way past; then (None, the damaged ones) comes back, for ``set_aside_damaged``
-    once every other check passed. No checkpoint at all: (None, []), a fresh start."""
+    """``--resume auto``: (the newest checkpoint that verifies, the newer ones that do not) — each
+    checkpoint is hashed once, newest first. The damaged newer ones are set aside
+    (``set_aside_checkpoints``) once every other check passed, so the resumed run never writes
+    the same step name over one of them. When checkpoints exist but none verifies the launch is
+    refused, listing each and why: starting fresh would write a new run over the remains of one
+    that may be repairable. ``--allow-fresh-over-damaged`` is the explicit way past; then (None,
+    the damaged ones) comes back, for ``set_aside_damaged``. No checkpoint at all: (None, [])."""
     skipped: list[tuple[str, str]] = []
     for info in reversed(ckpt.list_checkpoints(output_dir)):
         ok, reason = ckpt.verify(info.path)
         if ok:
             for name, why in skipped:
-                log(f"{name} is {why} — falling back to {info.name}")
+                log(f"{name} is {why} — falling back to {info.name} (the damaged one is set aside before training)")
             log(f"resume auto: continuing from {info.path}")
-            return info, []
+            return info, skipped[::-1]
         skipped.append((info.name, reason))
     if not skipped:
         log(f"resume auto: no checkpoint under {ckpt.checkpoints_root(output_dir)} — starting fresh")
@@ -89,33 +91,87 @@ def resume_auto(output_dir: Path, allow_fresh_over_damaged: bool,
 def check_resume_auto(output_dir: Path, allow_fresh_over_damaged: bool = False) -> list[tuple[str, str]]:
     """The refusal part of ``resume_auto`` alone (for preflight): the damaged checkpoints when
     allowed, [] when one verifies or there are none."""
-    return resume_auto(output_dir, allow_fresh_over_damaged, log=lambda _: None)[1]
+    info, damaged = resume_auto(output_dir, allow_fresh_over_damaged, log=lambda _: None)
+    return [] if info is not None else damaged
+
+
+def _rename_aside(paths: Iterable[Path], stamp: str) -> list[Path]:
+    """``<name>.damaged-<stamp>`` beside each existing path (renamed, never deleted)."""
+    moved = []
+    for path in paths:
+        if path.exists():
+            new = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{stamp}")
+            os.rename(path, new)
+            moved.append(new)
+    return moved
+
+
+def set_aside_checkpoints(output_dir: Path, names: Iterable[str], stamp: str, log: Log = print) -> list[Path]:
+    """Rename the damaged checkpoints ``names`` aside: ``--resume auto`` fell back past them, and
+    the resumed run will save those step names again."""
+    moved = _rename_aside((ckpt.checkpoints_root(output_dir) / name for name in names), stamp)
+    if moved:
+        log(f"resume auto: set aside the damaged {', '.join(p.name for p in moved)} (renamed, not deleted)")
+    return moved
 
 
 def set_aside_damaged(output_dir: Path, stamp: str, log: Log = print) -> list[Path]:
     """Rename the damaged run's checkpoints and metrics aside (``<name>.damaged-<stamp>``),
     so the fresh start writes nothing over them. Called only after every check passed."""
-    moved = []
     targets = [c.path for c in ckpt.list_checkpoints(output_dir)]
     targets += [Path(output_dir) / name for name in ("metrics.csv", "expert_load.csv", "selection.json", "piqa.jsonl")]
-    for path in targets:
-        if path.exists():
-            new = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{stamp}")
-            os.rename(path, new)
-            moved.append(new)
+    moved = _rename_aside(targets, stamp)
     if moved:
         log(f"--allow-fresh-over-damaged: set aside {', '.join(p.name for p in moved)}; starting fresh")
     return moved
 
 
-def check_resume_source(resume_dir: Path, output_dir: Path, fork: bool) -> None:
+def check_resume_source(resume_dir: Path, output_dir: Path, fork: bool, written_in: str | None = None) -> None:
     """``--resume DIR`` continues the run that wrote DIR. Into another --output-dir that would
-    be two runs claiming one history; ``--fork`` says that is meant (a new run branching off)."""
+    be two runs claiming one history; ``--fork`` says that is meant (a new run branching off).
+    ``written_in``: the output directory the checkpoint records it was saved in; a checkpoint of
+    another run copied under this output directory has a local path but records the other run."""
     run_of = Path(resume_dir).resolve().parent.parent  # <run>/checkpoints/step_N
-    if run_of != Path(output_dir).resolve() and not fork:
+    if fork:
+        return
+    if run_of != Path(output_dir).resolve():
         raise LaunchCheckError(
             f"--resume {resume_dir} is a checkpoint of the run in {run_of}, not of --output-dir {output_dir}; "
             f"resume it in its own run (--output-dir {run_of}), or pass --fork to continue it as a new run here")
+    if written_in and Path(written_in) != run_of:
+        raise LaunchCheckError(
+            f"--resume {resume_dir} was saved by the run in {written_in} and copied under --output-dir {output_dir}; "
+            f"resume it in its own run (--output-dir {written_in}), or pass --fork to continue it as a new run here")
+
+
+def check_flags(args, resume_choice: str | None) -> None:
+    """Modifiers without the option they modify would be silently ignored: refuse them."""
+    if getattr(args, "fork", False) and (resume_choice is None or resume_choice == "auto"):
+        raise LaunchCheckError("--fork modifies --resume DIR (continue another run's checkpoint as a new run "
+                               "here); pass --resume DIR with it, or drop --fork")
+    if getattr(args, "allow_fresh_over_damaged", False) and resume_choice != "auto":
+        raise LaunchCheckError("--allow-fresh-over-damaged modifies --resume auto (set damaged checkpoints aside "
+                               "and start fresh); pass --resume auto with it, or drop it")
+
+
+def check_not_own_source(output_dir: Path, init_dir: str | None, resume_dir: Path | None) -> None:
+    """A launch never writes into what it reads: the --output-dir may not be, lie inside, or hold
+    the --init-checkpoint, nor the run that holds it (its rotation and metrics would rewrite the
+    source). ``resume_dir``: an explicit --resume DIR, which may only be read from its own run."""
+    if init_dir is not None:
+        outputs.refuse_overlap("--output-dir", output_dir, "--init-checkpoint", init_dir)
+        run = outputs.run_holding(init_dir)
+        if run is not None:
+            outputs.refuse_overlap("--output-dir", output_dir, f"the run holding --init-checkpoint {init_dir},",
+                                   run, fix="choose an --output-dir outside that run")
+    if resume_dir is not None:
+        run = outputs.run_holding(resume_dir)
+        if run is None or run != Path(os.path.realpath(output_dir)):
+            outputs.refuse_overlap("--output-dir", output_dir, "--resume", resume_dir)
+            if run is not None:
+                outputs.refuse_overlap("--output-dir", output_dir, f"the run holding --resume {resume_dir},", run,
+                                       fix="resume in that run's own --output-dir, or --fork into a directory "
+                                           "outside it")
 
 
 def probe_writable(output_dir: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash import outputs
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.launch.stage_data import StageData
@@ -27,7 +28,7 @@ class OutputSide:
     resume_dir: ckpt.CheckpointInfo | None  # the checkpoint a resume continues from
     saved: dict[str, Any] | None  # its trainer_state.json
     init_dir: str | None  # --init-checkpoint, or the one the resumed run was initialised from
-    damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
+    damaged: list  # (name, why) of checkpoints to set aside: all (--allow-fresh-over-damaged) or those newer than resume_dir
 
 
 def requested_resume(args) -> str | None:
@@ -46,17 +47,21 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     damaged: list = []
     if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
         ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    launch_checks.check_flags(args, resume_choice)
+    outputs.check_dir_target("--output-dir", output_dir)
     if resume_choice == "auto":
         resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
     else:
         resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
-    if resume_dir is not None and resume_choice != "auto":
-        launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
     saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    explicit = resume_dir.path if resume_dir is not None and resume_choice != "auto" else None
     init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    launch_checks.check_not_own_source(output_dir, init_dir, explicit)
+    if explicit is not None:
+        launch_checks.check_resume_source(explicit, output_dir, args.fork, saved.get("output_dir"))
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
-    if not damaged:
+    if not damaged or resume_dir is not None:
         ckpt.check_output_dir_stage(output_dir, cfg.stage)
     if saved is None and resume_choice is None:
         launch_checks.check_fresh_output_dir(output_dir)

@@ -87,7 +87,7 @@ class LaunchPlan:
             tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
             sft_manifest_sha256=data.sft_manifest_sha256,
             source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
-            pack_of=dict(self.checkpoints.pack_of))
+            pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()))
 
 
 def launch_device() -> torch.device:

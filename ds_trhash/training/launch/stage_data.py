@@ -118,6 +118,12 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
                                f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
+    plan_vocab, model_vocab = plan.doc.get("vocab_size"), tcfg.model_config(cfg).vocab_size
+    if isinstance(plan_vocab, int) and plan_vocab > model_vocab:
+        raise tcfg.ConfigError(cfg.origin, "data.plan",
+                               f"the plan {plan_path} records vocab_size {plan_vocab}, more than the model's "
+                               f"{model_vocab} (model.preset {cfg.model.preset}): token ids beyond it have no "
+                               "embedding; use data tokenized for this model's vocabulary")
     env_target = os.environ.get("TARGET_TOKENS")
     if env_target not in (None, ""):
         check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
