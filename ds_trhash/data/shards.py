@@ -214,11 +214,19 @@ def load_manifest(path: PathLike) -> dict:
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ShardError(f"shard manifest {file} is not valid JSON: {exc}") from exc
+    return check_manifest(manifest, str(file))
+
+
+def check_manifest(manifest: object, origin: str) -> dict:
+    """A decoded source manifest, checked for its format and keys; ``origin`` names it in messages
+    (a local path, or the file in a remote store)."""
+    if not isinstance(manifest, dict):
+        raise ShardError(f"shard manifest {origin} is not a JSON object")
     if manifest.get("format") != SHARD_FORMAT:
-        raise ShardError(f"{file} has format {manifest.get('format')!r}, expected {SHARD_FORMAT!r}")
+        raise ShardError(f"{origin} has format {manifest.get('format')!r}, expected {SHARD_FORMAT!r}")
     for key in ("source", "seq_len", "vocab_size", "tokenizer_sha256", "shards"):
         if key not in manifest:
-            raise ShardError(f"shard manifest {file} lacks {key!r}; regenerate it with `ds-trhash data tokenize`")
+            raise ShardError(f"shard manifest {origin} lacks {key!r}; regenerate it with `ds-trhash data tokenize`")
     return manifest
 
 

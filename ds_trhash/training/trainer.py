@@ -197,6 +197,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "plan_fingerprint": data.plan.fingerprint if data.plan is not None else None,
             "plan_sha256": data.plan.sha256 if data.plan is not None else None,
             "plan_doc": data.plan.doc if data.plan is not None else None,
+            "data_source": data.data_source,  # {store, commit}: a resume reads this commit again
             "init_checkpoint": str(init_dir) if init_dir else None,
             "lora": cfg.lora.enabled,
             "backends_used": model.backends_used(),  # the checkpointing callback passes the training step's
@@ -296,7 +297,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     # --- the data: plan, budgets, tokenizer identity, every shard's hash (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world))
+            else prepare_pretrain_data(cfg, rank, world, saved_source=(saved or {}).get("data_source")))
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
