@@ -93,6 +93,7 @@ class ShardCache:
         self._worker: Optional[threading.Thread] = None
         self._closed = False
         self._error: Optional[BaseException] = None
+        self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------
@@ -148,7 +149,8 @@ class ShardCache:
                 digest = sha256_file(partial) if size == shard.size else f"<{size} bytes, not {shard.size}>"
                 if digest == shard.sha256:
                     cf.write_marker(partial, path, shard.sha256, shard.size)
-                    os.replace(partial, path)
+                    with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice
+                        os.replace(partial, path)
                     return True
             finally:
                 partial.unlink(missing_ok=True)
@@ -170,6 +172,8 @@ class ShardCache:
             if cf.trusted(path, shard.sha256, shard.size):
                 self._count("waited_s", time.monotonic() - started)
                 return True
+            for stale in path.parent.glob(f"{path.name}{cf.PARTIAL}*"):  # we hold its lock: a dead run's
+                stale.unlink(missing_ok=True)
             if path.exists():  # complete but no matching marker (copied in, or touched): hash once
                 if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
                     cf.write_marker(path, path, shard.sha256, shard.size)
@@ -190,10 +194,18 @@ class ShardCache:
         key = (source, file)
         path = cf.entry_path(self.root, source, file)
         with cf.pinned(path):
-            hit = cf.trusted(path, self._expected(key).sha256, self._expected(key).size)
-            self._ensure(key, wait=True)
-            if hit:
+            shard = self._expected(key)
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp is not None and self._seen.get(key) == stamp:  # verified here before, unchanged since
                 self._count("hits")
+            elif stamp is not None and cf.trusted(path, shard.sha256, shard.size):
+                self._count("hits")
+            else:
+                self._ensure(key, wait=True)
+            self._seen[key] = path.stat().st_mtime_ns
             yield path
 
     def get(self, source: str, file: str) -> Path:
@@ -256,8 +268,14 @@ class ShardCache:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
 
+    def usage(self) -> int:
+        """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
+        with cf.evict_lock(self.cache_dir):
+            return cf.scan(self.cache_dir)[0]
+
     def stats(self) -> dict:
-        used, entries = cf.scan(self.cache_dir)
+        with cf.evict_lock(self.cache_dir):
+            used, entries = cf.scan(self.cache_dir)
         with self._cond:
             return {"bytes": used, "files": len(entries), "max_bytes": self.max_bytes, **self._counts}
 

@@ -467,6 +467,8 @@ def _send_raw(self: _Handler, status: int, raw: _Raw, headers: dict) -> None:
         self.wfile.write(bytes(data[half:] if raw.fault == "stall" else data))
     except OSError:
         return  # the client gave up on a stalled transfer
+    if raw.fault == "stall":
+        return  # the client had given up on it by now: not a download it used
     with self.hub.lock:
         self.hub.served[raw.path] = self.hub.served.get(raw.path, 0) + 1
 
