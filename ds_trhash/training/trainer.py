@@ -22,6 +22,8 @@ from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 from ds_trhash.data.budget import BudgetError
 from ds_trhash.data.cache import CacheError
+from ds_trhash.data.corpus import CorpusError
+from ds_trhash.data.store import StoreError
 from ds_trhash.data.embedded import EmbeddedError
 from ds_trhash.data.plan import PlanError, unique_core_fingerprint, validate_refinement
 from ds_trhash.data.reader import ReaderError
@@ -71,7 +73,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, resources.ResourceError)
+    RNGStateError, resources.ResourceError, CorpusError, StoreError)
 
 
 # ----------------------------------------------------------------------------- launch checks

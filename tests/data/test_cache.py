@@ -216,8 +216,3 @@ def test_cache_size_from_env_or_config():
         cache_bytes_from(1e-12, {})
 
 
-def test_a_bound_below_one_shard_per_rank_is_refused_naming_the_smallest(store):
-    corpus = open_corpus(plan_for(store), str(store))
-    corpus.check_cache_bound(2 * SHARD_BYTES, 2, "data.cache_gb")
-    with pytest.raises(CacheError, match=rf"the smallest bound that works is {2 * SHARD_BYTES} bytes"):
-        corpus.check_cache_bound(2 * SHARD_BYTES - 1, 2, "data.cache_gb")

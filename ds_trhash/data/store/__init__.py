@@ -2,8 +2,8 @@
 
 ``data.shards_dir`` null: the plan's own ``dataset`` + ``revision`` (an ``hf://datasets/...``
 repository). ``data.shards_dir`` a directory: that directory. ``data.shards_dir``
-``hf://datasets/OWNER/REPO[@REVISION]``: that repository (a mirror), at its revision or else the
-plan's.
+``hf://datasets/OWNER/REPO[@REVISION]``: that repository (a mirror), at its revision or else
+``main`` (the plan's revision names one of the original repository's).
 """
 from __future__ import annotations
 
@@ -28,5 +28,5 @@ def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str) -> Sha
         return HubStore(repo, pinned or str(revision))
     if shards_dir.startswith("hf://"):
         repo, revision = parse_hf_url(shards_dir, f"{origin}: data.shards_dir")
-        return HubStore(repo, revision or str(plan_doc.get("revision") or "main"))
+        return HubStore(repo, revision or "main")  # a mirror has its own branches
     return LocalStore(shards_dir)
