@@ -26,8 +26,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_trhash.data.corpus import open_corpus  # noqa: E402
-from ds_trhash.data.plan import build_plan  # noqa: E402
+from ds_trhash.data.stream import open_corpus  # noqa: E402
+from ds_trhash.data.plan_build import build_plan  # noqa: E402
 from ds_trhash.data.reader import ReplayReader  # noqa: E402
 from ds_trhash.data.shards import load_manifests, write_shards  # noqa: E402
 from ds_trhash.data.store import HubStore  # noqa: E402

@@ -1,216 +1,148 @@
-"""The one question a launch asks the data: can this plan be read from this store, and how?
+"""A local corpus directory of either layout, read into one normalized form (docs/contracts.md §2b).
 
-``open_corpus`` resolves the store's revision to a commit (once; a resume passes the commit its
-checkpoint recorded), takes one file listing, reads each planned source's manifest, and checks,
-without reading any shard's bytes: the plan agrees with the manifests (seq_len, tokenizer, rows),
-and every planned shard is in the listing with its manifest size (and its SHA-256, where the
-listing carries one). ``deep`` hashes every planned shard as well (``ds-trhash preflight --deep``).
-Shard bytes are otherwise verified as they enter the node's cache (``data.cache``).
+``read_corpus(root)`` tells the layouts apart by ``mixture_manifest.json``: present, it is the
+release's (sources under ``corpora/``, checked against the mixture); absent, ours (sources are
+``root``'s subfolders). Either way the result names ``sources_dir``, the folder that holds
+``<source>/manifest.json`` and ``<source>/<file>``, so readers, checks and the cache address a
+shard as ``sources_dir / source / file`` whatever the layout. Every name taken from a manifest
+or a plan passes ``ds_trhash.safe_names`` before a path is built from it.
 """
 from __future__ import annotations
 
-import os
-import re
-import tempfile
-from dataclasses import dataclass, field
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
-import torch.distributed as dist
+from ds_trhash.safe_names import bare_name, resolve_under
 
-from ds_trhash.errors import UserError
-from ds_trhash.io import sha256_file
+from .manifest import (
+    CORPORA_DIR, FIX, MIXTURE_FILE, SOURCE_MANIFEST, ManifestError, Mixture, SourceManifest,
+    check_against_mixture, parse_mixture_manifest, parse_source_manifest,
+)
+from .tokenizer import PathLike
 
-from .cache import GIB, CACHE_ENV, CacheError, Shard, ShardCache
-from .plan import plan_doc
-from .shards import MANIFEST_FILE, check_manifest
-from .store import LOCAL_COMMIT, LocalStore, ShardStore, StoreFile, open_store
-
-Key = tuple[str, str]
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_SHOWN = 5
+LAYOUT_OURS = "ds-trhash"
+LAYOUT_RELEASE = "release"
 
 
-class CorpusError(UserError, ValueError):
-    """The plan cannot be read from its store as it stands (names the shard or the file)."""
-
-
-def source_manifest_path(source: str) -> str:
-    """Where a source's manifest lives in a store (our layout: ``<source>/manifest.json``)."""
-    return f"{source}/{MANIFEST_FILE}"
-
-
-def shard_store_path(source: str, file: str) -> str:
-    return f"{source}/{file}"
-
-
-def read_source_manifest(doc: object, origin: str) -> dict:
-    """A decoded source manifest, checked; the one place that knows the manifest format."""
-    return check_manifest(doc, origin)
-
-
-def planned_shards(doc: Mapping) -> dict[Key, None]:
-    """Every (source, file) the plan reads, in plan order."""
-    needed: dict[Key, None] = {}
-    for phase in doc["phases"]:
-        for source, entries in phase["sources"].items():
-            for entry in entries:
-                needed[(source, entry["file"])] = None
-    return needed
-
-
-def check_plan_manifests(doc: Mapping, manifests: Mapping[str, Mapping]) -> None:
-    """The plan against its sources' manifests: seq_len, tokenizer, and every planned shard in its
-    manifest with at least the rows the plan takes of it."""
-    planned_tokenizer = doc.get("tokenizer_sha256")
-    for source, manifest in manifests.items():
-        if manifest["seq_len"] != doc["seq_len"]:
-            raise CorpusError(f"source {source!r} shards have seq_len {manifest['seq_len']}, the plan {doc['seq_len']}")
-        if planned_tokenizer and manifest["tokenizer_sha256"] != planned_tokenizer:
-            raise CorpusError(f"source {source!r} was tokenized with {manifest['tokenizer_sha256']}, "
-                              f"the plan expects tokenizer {planned_tokenizer}")
-    for phase in doc["phases"]:
-        for source, entries in phase["sources"].items():
-            rows = {shard["file"]: int(shard["rows"]) for shard in manifests[source]["shards"]}
-            for entry in entries:
-                if rows.get(entry["file"], -1) < entry["rows"]:
-                    raise CorpusError(
-                        f"plan phase {phase['name']!r} takes {entry['rows']} rows of {source}/{entry['file']}, "
-                        f"its manifest lists {rows.get(entry['file'], 'no such shard')}; the plan and the shards disagree")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Corpus:
-    store: ShardStore
-    commit: str
-    manifests: dict[str, dict]
-    shards: dict[Key, Shard] = field(default_factory=dict)  # the planned ones
+    root: Path
+    layout: str  # LAYOUT_OURS or LAYOUT_RELEASE
+    sources_dir: Path  # holds <source>/manifest.json and <source>/<file>
+    sources: dict[str, SourceManifest]
+    mixture: Optional[Mixture] = None
+
+    def shard_path(self, source: str, file: str, origin: str = "the plan") -> Path:
+        """Where a shard lies; a name that would leave the corpus (``..``, a symlink out) is refused."""
+        bare_name(source, origin, "source")
+        bare_name(file, origin, f"{source}.file")
+        return resolve_under(self.sources_dir, f"{source}/{file}", origin, f"{source}/{file}")
 
     @property
-    def record(self) -> dict:
-        """What checkpoints and the run record keep: the store and the commit read (never a token)."""
-        return {"store": self.store.identity, "commit": self.commit}
-
-    def min_cache_bytes(self, ranks_on_node: int) -> int:
-        """One largest planned shard per rank of the node: what the ranks pin at once."""
-        return ranks_on_node * max((s.size for s in self.shards.values()), default=0)
-
-    def check_cache_bound(self, max_bytes: int, ranks_on_node: int, setting: str) -> None:
-        need = self.min_cache_bytes(ranks_on_node)
-        if max_bytes < need:
-            raise CacheError(
-                f"{setting} allows {max_bytes} bytes, but {ranks_on_node} rank(s) on this node read one shard each "
-                f"at once (the largest planned shard is {need // max(ranks_on_node, 1)} bytes): the smallest bound "
-                f"that works is {need} bytes = {need / GIB:.6g} GiB; raise data.cache_gb or {CACHE_ENV}")
-
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = 2) -> ShardCache:
-        return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch)
+    def seq_len(self) -> int:
+        return next(iter(self.sources.values())).seq_len
 
 
-def _shown(problems: list[str]) -> str:
-    more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
-    return "; ".join(problems[:_SHOWN]) + more
+def read_json(path: Path, what: str) -> object:
+    """A JSON file's decoded content; every way it can be unreadable is one message naming it."""
+    if path.is_dir():
+        raise ManifestError(f"{what} {path} is a directory, not a file; point at the manifest file or its folder")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"no {what} at {path}; run `ds-trhash data tokenize` for that source first, "
+                            "or point at the corpus root") from None
+    except OSError as exc:
+        raise ManifestError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ManifestError(f"{what} {path} line {line} is not UTF-8 (byte {exc.start}); {FIX}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{what} {path} is not valid JSON (line {exc.lineno}: {exc.msg}); {FIX}") from None
 
 
-def _hash_problems(store: ShardStore, shards: Mapping[Key, Shard]) -> list[str]:
-    """``--deep``: the bytes of every planned shard (local in place, remote through a temp file)."""
-    problems = []
-    with tempfile.TemporaryDirectory(prefix="ds-trhash-deep-") as tmp:
-        for (source, file), shard in shards.items():
-            if isinstance(store, LocalStore):
-                digest = sha256_file(store.root / shard.path)
-            else:
-                dest = Path(tmp) / "shard"
-                dest.write_bytes(b"")
-                store.download(shard.path, dest, shard.size)
-                digest = sha256_file(dest)
-                dest.unlink()
-            if digest != shard.sha256:
-                problems.append(f"{source}/{file} has sha256 {digest}, its manifest {shard.sha256}")
-    return problems
+def read_source_manifest(path: PathLike, expect_source: Optional[str] = None,
+                         expect_seq_len: Optional[int] = None) -> SourceManifest:
+    """One source manifest from its file or the folder holding it (either format)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / SOURCE_MANIFEST
+    return parse_source_manifest(read_json(file, "shard manifest"), str(file), expect_source, expect_seq_len)
 
 
-def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
-                deep: bool = False, store: Optional[ShardStore] = None) -> Corpus:
-    """The plan's corpus, checked as the module docstring says; raises CorpusError / StoreError."""
-    doc = plan_doc(plan)
-    store = store or open_store(shards_dir, doc, origin)
-    commit = store.resolve(pinned)
-    listing = store.list_files()
-    manifests: dict[str, dict] = {}
-    for source in sorted({s for s, _ in planned_shards(doc)}):
-        where = source_manifest_path(source)
-        if where not in listing:
-            raise CorpusError(f"{store.description} has no {where}; the plan reads source {source!r} "
-                              "(wrong data.shards_dir or revision?)")
-        manifests[source] = read_source_manifest(store.read_json(where), f"{where} in {store.description}")
-    corpus = corpus_at(doc, store, commit, manifests, listing)
-    if deep:
-        problems = _hash_problems(store, corpus.shards)
-        if problems:
-            raise CorpusError(f"the shards in {store.description} do not match their manifests' SHA-256: "
-                              f"{_shown(problems)}; restore them, or re-tokenize and re-plan")
+def is_release_layout(root: PathLike) -> bool:
+    return (Path(root) / MIXTURE_FILE).is_file()
+
+
+def sources_dir(root: PathLike) -> Path:
+    """The folder holding ``<source>/<file>`` under a corpus root of either layout."""
+    return Path(root) / CORPORA_DIR if is_release_layout(root) else Path(root)
+
+
+def _check_seq_lens(sources: Mapping[str, SourceManifest]) -> None:
+    lengths = {name: m.seq_len for name, m in sources.items()}
+    if len(set(lengths.values())) > 1:
+        raise ManifestError(f"the sources disagree on seq_len ({lengths}); one corpus has one seq_len: "
+                            "re-tokenize the odd ones or keep them in another corpus")
+
+
+def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin: str = "the plan") -> Corpus:
+    """The corpus at ``root`` (either layout), its manifests validated. ``sources``: read only
+    these (a plan's), each name checked as a bare name taken from ``origin``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"corpus {root} is not a directory; point data.shards_dir (or --manifest) at the "
+                            "folder holding the sources")
+    wanted = None if sources is None else [bare_name(s, origin, "source") for s in sources]
+    if is_release_layout(root):
+        mixture = parse_mixture_manifest(read_json(root / MIXTURE_FILE, "mixture manifest"), str(root / MIXTURE_FILE))
+        listed = {s.name for s in mixture.sources}
+        unknown = sorted(set(wanted or ()) - listed)
+        if unknown:
+            raise ManifestError(f"{origin} reads source(s) {', '.join(map(repr, unknown))}, which {root / MIXTURE_FILE} "
+                                f"does not list ({', '.join(sorted(listed))}); the plan is for another corpus")
+        names = wanted if wanted is not None else [s.name for s in mixture.sources]
+        found = {}
+        for name in names:
+            path = resolve_under(root, f"{CORPORA_DIR}/{name}/{SOURCE_MANIFEST}", str(root / MIXTURE_FILE), "sources")
+            if not path.is_file():
+                raise ManifestError(f"{path} is missing, but {root / MIXTURE_FILE} lists source {name!r}; {FIX}")
+            found[name] = read_source_manifest(path, name, mixture.seq_len)
+        check_against_mixture(mixture, found)
+        corpus = Corpus(root, LAYOUT_RELEASE, root / CORPORA_DIR, found, mixture)
+    else:
+        if wanted is None:
+            names = [d.name for d in sorted(root.iterdir()) if (d / SOURCE_MANIFEST).is_file()]
+            if not names:
+                raise ManifestError(f"{root} holds neither {MIXTURE_FILE} nor source folders with a {SOURCE_MANIFEST}")
+        else:
+            names = wanted
+        found = {name: read_source_manifest(resolve_under(root, f"{name}/{SOURCE_MANIFEST}", origin, "source"), name)
+                 for name in names}
+        corpus = Corpus(root, LAYOUT_OURS, root, found)
+    _check_seq_lens(corpus.sources)
     return corpus
 
 
-def corpus_at(plan, store: ShardStore, commit: str, manifests: dict[str, dict],
-              listing: Optional[Mapping[str, StoreFile]] = None) -> Corpus:
-    """The corpus from manifests already read (by rank 0, shared with the others): plan checks,
-    and with ``listing`` every planned shard present with its manifest size."""
-    doc = plan_doc(plan)
-    store.pin(commit)
-    check_plan_manifests(doc, manifests)
-    shards, problems = {}, []
-    for source, file in planned_shards(doc):
-        entry = next(s for s in manifests[source]["shards"] if s["file"] == file)
-        size = int(entry.get("bytes", int(entry["tokens"]) * 2))
-        shard = Shard(shard_store_path(source, file), str(entry["sha256"]), size)
-        shards[(source, file)] = shard
-        found = listing.get(shard.path) if listing is not None else shard
-        if found is None:
-            problems.append(f"{shard.path} is missing (the plan reads it)")
-        elif found.size != size:
-            problems.append(f"{shard.path} holds {found.size} bytes, its manifest {size}")
-        elif found.sha256 and found.sha256 != shard.sha256:
-            problems.append(f"{shard.path} has sha256 {found.sha256} in the listing, its manifest {shard.sha256}")
-    if problems:
-        at = "" if commit == LOCAL_COMMIT else f" at commit {commit}"
-        raise CorpusError(f"the shards in {store.description}{at} do not match the plan: {_shown(problems)}; "
-                          "restore them, or re-tokenize and re-plan")
-    return Corpus(store, commit, manifests, shards)
-
-
-def shared_corpus(plan, shards_dir: Optional[str], origin: str, pinned: str | None, rank: int, world: int,
-                   deep: bool) -> Corpus:
-    """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
-    answer, or its refusal, to every rank: N ranks never make N look-ups at once."""
-    store = open_store(shards_dir, plan_doc(plan), origin)
-    if not (dist.is_initialized() and world > 1):
-        return open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
-    payload: list = [None]
-    if rank == 0:
-        try:
-            corpus = open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
-            payload = [(corpus.commit, corpus.manifests, None)]
-        except UserError as exc:
-            payload = [(None, None, str(exc))]
-    dist.broadcast_object_list(payload, src=0)
-    commit, manifests, refusal = payload[0]
-    if refusal is not None:
-        raise CorpusError(refusal)
-    return corpus if rank == 0 else corpus_at(plan, store, commit, manifests)
-
-
-def resume_commit(shards_dir: str | None, doc: Mapping, saved_source: dict | None) -> str | None:
-    """The commit a resume reads: the one its checkpoint recorded, even if the branch moved since.
-    Asking for another commit explicitly (``@<commit>``) is refused, naming both."""
-    commit = (saved_source or {}).get("commit")
-    if not commit or commit == LOCAL_COMMIT:
-        return None
-    spec = shards_dir if shards_dir and shards_dir.startswith("hf://") else doc.get("dataset")
-    asked = spec.partition("@")[2] if isinstance(spec, str) and "@" in spec else str(doc.get("revision") or "")
-    if _COMMIT.match(asked) and asked != commit:
-        raise CorpusError(f"this run read commit {commit} of its dataset (recorded in its checkpoint); the launch "
-                          f"asks for commit {asked}: a resume reads the commit it started on; drop the revision, "
-                          "or start a new run with --init-checkpoint")
-    return commit
+def load_any(paths: Iterable[PathLike]) -> dict[str, SourceManifest]:
+    """Manifests by source from manifest files, source folders, or corpus roots of either layout."""
+    found: dict[str, SourceManifest] = {}
+    for path in map(Path, paths):
+        if path.is_file() or (path / SOURCE_MANIFEST).is_file():
+            manifests = [read_source_manifest(path)]
+        elif path.is_dir():
+            manifests = list(read_corpus(path).sources.values())
+        else:
+            raise ManifestError(f"manifest path {path} does not exist")
+        for manifest in manifests:
+            if manifest.name in found:
+                raise ManifestError(f"source {manifest.name!r} is given twice (again in {path})")
+            found[manifest.name] = manifest
+    return found

@@ -1,4 +1,5 @@
-"""Replay plans (docs/contracts.md §2): build, write once, load, fingerprint, derive and check refinement.
+"""Replay plans (docs/contracts.md §2): write once, load, fingerprint, derive and check refinement
+(building one from manifests: ``plan_build``; correcting one: ``plan_correct``).
 
 A plan is the immutable statement of which rows a run trains on and how often. Refinement
 is only meaningful on the same corpus, so the unique core gets a fingerprint over its exact
@@ -11,34 +12,15 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
-from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, sha256_file
 
-from .shards import check_source_name
+from .plan_schema import PLAN_FORMAT, REQUIRED_KEYS, PlanError, check_plan_fields  # noqa: F401 (re-exported)
 from .tokenizer import PathLike
 
-PLAN_FORMAT = "tr-hash-token-replay-plan-v1"
 UNIQUE_CORE = "unique_core"
-# Rows are taken from the front of each source, shards whole in manifest order, the last partially.
-SELECTION_MODE = "manifest_prefix"
-REQUIRED_KEYS = (
-    "format",
-    "seq_len",
-    "selection_mode",
-    "row_alignment",
-    "requested_unique_tokens",
-    "unique_tokens",
-    "trained_tokens",
-    "source_unique_tokens",
-    "source_passes",
-    "dataset",
-    "revision",
-    "phases",
-)
 FINGERPRINT_KEYS = (
     "format",
     "dataset",
@@ -52,14 +34,6 @@ FINGERPRINT_KEYS = (
 # Key under which the unique_core phase's sources enter the fingerprinted document. It is
 # `sources`, as in the released plans: any other name gives fingerprints that match none of them.
 FINGERPRINT_SOURCES_KEY = "sources"
-
-
-class PlanError(UserError, ValueError):
-    """A plan is malformed, inconsistent, changed, or breaks a refinement rule (``rule``)."""
-
-    def __init__(self, message: str, rule: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.rule = rule
 
 
 @dataclass(frozen=True)
@@ -129,44 +103,11 @@ def unique_core_fingerprint(doc: PlanLike) -> str:
     return hashlib.sha256(canonical_json(core)).hexdigest()
 
 
-def _check_phase(phase: object, index: int) -> None:
-    if not isinstance(phase, dict) or not isinstance(phase.get("name"), str):
-        raise PlanError(f"plan phase {index} must be an object with a string 'name'")
-    passes = phase.get("passes")
-    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-        raise PlanError(f"plan phase {phase['name']!r} has passes {passes!r}; it must be an integer >= 1")
-    sources = phase.get("sources")
-    if not isinstance(sources, dict) or not sources:
-        raise PlanError(f"plan phase {phase['name']!r} has no sources")
-    for source, entries in sources.items():
-        if not isinstance(entries, list) or not entries:
-            raise PlanError(f"plan phase {phase['name']!r} source {source!r} must list [{{file, rows}}, ...]")
-        for entry in entries:
-            if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
-                    and isinstance(entry.get("rows"), int) and entry["rows"] > 0):
-                raise PlanError(
-                    f"plan phase {phase['name']!r} source {source!r} has entry {entry!r}; "
-                    "each must be {\"file\": str, \"rows\": positive int}"
-                )
-
-
 def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
-    """Check format, required keys and that every total agrees with the listed rows."""
-    if not isinstance(doc, Mapping):
-        raise PlanError(f"{where} is not a JSON object")
-    if doc.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{where} has format {doc.get('format')!r}, expected {PLAN_FORMAT!r}")
-    missing = [key for key in REQUIRED_KEYS if key not in doc]
-    if missing:
-        raise PlanError(f"{where} lacks required keys {', '.join(missing)}; rebuild it with `ds-trhash data plan`")
+    """Check the fields (``plan_schema.check_plan_fields``: types, names) and that every total
+    agrees with the listed rows."""
+    check_plan_fields(doc, where)
     seq_len, alignment = doc["seq_len"], doc["row_alignment"]
-    if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(alignment, int) or alignment < 1:
-        raise PlanError(f"{where} needs positive integer seq_len and row_alignment, got {seq_len!r}, {alignment!r}")
-    for key in ("source_unique_tokens", "source_passes"):
-        if not isinstance(doc[key], Mapping):
-            raise PlanError(f"{where}: {key} must be an object mapping source -> number, got {doc[key]!r}")
-    for index, phase in enumerate(doc["phases"] if isinstance(doc["phases"], list) else []):
-        _check_phase(phase, index)
     core = _unique_core(doc)
     if core["passes"] != 1:
         raise PlanError(f"{where}: phase {UNIQUE_CORE!r} has passes {core['passes']}, must be 1")
@@ -186,139 +127,6 @@ def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
     trained = sum(sum(source_rows(p["sources"]).values()) * seq_len * p["passes"] for p in doc["phases"])
     if doc["trained_tokens"] != trained:
         raise PlanError(f"{where}: trained_tokens {doc['trained_tokens']} != {trained} summed over phases (rows·seq_len·passes)")
-
-
-def _budgets(
-    available: Mapping[str, int],
-    requested: Optional[int],
-    weights: Optional[Mapping[str, float]],
-    budgets: Optional[Mapping[str, int]],
-) -> tuple[int, dict[str, int]]:
-    """Per-source token budgets; default weights are the sources' available tokens."""
-    if budgets is not None:
-        if weights is not None:
-            raise PlanError("give either source weights or per-source budgets, not both")
-        unknown = set(budgets) - set(available)
-        if unknown or set(available) - set(budgets):
-            raise PlanError(f"per-source budgets must name exactly the sources {sorted(available)}, got {sorted(budgets)}")
-        total = sum(int(value) for value in budgets.values())
-        if requested is not None and requested != total:
-            raise PlanError(f"unique token budget {requested} != the per-source budgets' sum {total}; drop one of them")
-        return total, {source: int(value) for source, value in budgets.items()}
-    if requested is None or requested < 1:
-        raise PlanError(f"unique token budget must be a positive integer, got {requested!r}")
-    weights = dict(available) if weights is None else dict(weights)
-    if set(weights) != set(available):
-        raise PlanError(f"source weights must name exactly the sources {sorted(available)}, got {sorted(weights)}")
-    if any(value < 0 for value in weights.values()) or not any(value > 0 for value in weights.values()):
-        raise PlanError(f"source weights {weights} must be >= 0 with at least one positive")
-    total = sum(Fraction(value) for value in weights.values())
-    return requested, {
-        source: int(Fraction(requested) * Fraction(value) / total) for source, value in weights.items() if value > 0
-    }
-
-
-def _select(manifest: Mapping, rows: int) -> list[dict]:
-    """Take ``rows`` rows: whole shards in manifest order, the last one partially."""
-    entries, left = [], rows
-    for shard in manifest["shards"]:
-        if left == 0:
-            break
-        take = min(int(shard["rows"]), left)
-        entries.append({"file": shard["file"], "rows": take})
-        left -= take
-    return entries
-
-
-def _shared_value(manifests: Mapping[str, Mapping], key: str, given: Optional[object] = None) -> object:
-    values = {source: manifest.get(key) for source, manifest in manifests.items()}
-    distinct = set(values.values()) | ({given} if given is not None else set())
-    if len(distinct) != 1:
-        raise PlanError(f"manifests disagree on {key}: {values}" + (f" (requested {given})" if given is not None else ""))
-    return distinct.pop()
-
-
-def build_plan(
-    manifests: Mapping[str, Mapping],
-    unique_tokens_budget: Optional[int],
-    *,
-    dataset: str,
-    revision: str,
-    source_weights: Optional[Mapping[str, float]] = None,
-    source_budgets: Optional[Mapping[str, int]] = None,
-    source_passes: Optional[Mapping[str, int]] = None,
-    row_alignment: int = 1,
-    seq_len: Optional[int] = None,
-    selection_mode: str = SELECTION_MODE,
-) -> dict:
-    """Build a plan document: the unique core, then ``replay_<k>`` for each extra pass.
-
-    Replay phase k (k = 1, 2, ...) holds the same rows as the unique core for every source
-    with ``passes > k``, so a source with passes 2 is seen once more after the core.
-    """
-    if selection_mode != SELECTION_MODE:
-        raise PlanError(f"selection_mode {selection_mode!r} is not supported; use {SELECTION_MODE!r}")
-    if not manifests:
-        raise PlanError("no shard manifests given; pass at least one source")
-    if not isinstance(row_alignment, int) or row_alignment < 1:
-        raise PlanError(f"row_alignment must be a positive integer, got {row_alignment!r}")
-    for source, manifest in manifests.items():
-        check_source_name(source)
-        if manifest.get("source", source) != source:
-            raise PlanError(f"manifest for {source!r} says source {manifest.get('source')!r}")
-    seq_len = int(_shared_value(manifests, "seq_len", seq_len))
-    vocab_size = _shared_value(manifests, "vocab_size")
-    tokenizer_hash = _shared_value(manifests, "tokenizer_sha256")
-    available_rows = {source: sum(int(s["rows"]) for s in m["shards"]) for source, m in manifests.items()}
-    requested, budgets = _budgets(
-        {s: rows * seq_len for s, rows in available_rows.items()}, unique_tokens_budget, source_weights, source_budgets
-    )
-    passes = {source: 1 for source in budgets}
-    for source, value in (source_passes or {}).items():
-        if source not in budgets:
-            raise PlanError(f"passes given for {source!r}, which is not a selected source ({sorted(budgets)})")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"passes for {source!r} must be an integer >= 1, got {value!r}")
-        passes[source] = value
-    core: dict[str, list] = {}
-    for source in sorted(budgets):
-        rows = budgets[source] // seq_len // row_alignment * row_alignment
-        if rows == 0:
-            raise PlanError(
-                f"source {source!r} gets {budgets[source]} tokens, less than one aligned block of "
-                f"{row_alignment} rows x {seq_len}; raise its budget or lower row_alignment"
-            )
-        if rows > available_rows[source]:
-            raise PlanError(
-                f"source {source!r} needs {rows} rows but its shards hold {available_rows[source]}; "
-                "lower the budget or tokenize more text"
-            )
-        core[source] = _select(manifests[source], rows)
-    phases = [{"name": UNIQUE_CORE, "passes": 1, "sources": core}]
-    for extra in range(1, max(passes.values())):
-        phases.append(
-            {"name": f"replay_{extra}", "passes": 1,
-             "sources": {s: copy.deepcopy(core[s]) for s in core if passes[s] > extra}}
-        )
-    source_unique = {source: rows * seq_len for source, rows in source_rows(core).items()}
-    doc = {
-        "format": PLAN_FORMAT,
-        "dataset": dataset,
-        "revision": revision,
-        "seq_len": seq_len,
-        "selection_mode": selection_mode,
-        "row_alignment": row_alignment,
-        "requested_unique_tokens": requested,
-        "unique_tokens": sum(source_unique.values()),
-        "trained_tokens": sum(sum(source_rows(p["sources"]).values()) * seq_len * p["passes"] for p in phases),
-        "source_unique_tokens": source_unique,
-        "source_passes": passes,
-        "vocab_size": vocab_size,
-        "tokenizer_sha256": tokenizer_hash,
-        "phases": phases,
-    }
-    validate_plan_doc(doc)
-    return doc
 
 
 def derive_refinement(doc: PlanLike) -> dict:
@@ -392,13 +200,20 @@ def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
 
 def load_plan(path: PathLike) -> ReplayPlan:
     path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"replay plan {path} is a directory, not a plan file; point at the plan's .json file")
     if not path.is_file():
         raise PlanError(f"replay plan {path} does not exist; build one with `ds-trhash data plan`")
     raw = path.read_bytes()
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: line {line} holds a non-UTF-8 byte "
+                        f"(offset {exc.start}); restore the plan file") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: line {exc.lineno} column {exc.colno}: "
+                        f"{exc.msg}; restore the plan file") from None
     validate_plan_doc(doc, where=f"replay plan {path}")
     return ReplayPlan(
         doc=doc,

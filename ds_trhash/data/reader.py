@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .cache import ShardCache
+from .corpus import sources_dir
 from .plan import PlanLike, plan_doc, validate_plan_doc
 from .shards import read_rows
 from .tokenizer import PathLike
@@ -141,7 +142,7 @@ class ReplayReader:
         self.seq_len = int(doc["seq_len"])
         self.seed = int(seed)
         self.shuffle_window = int(shuffle_window)
-        self.shards_dir = Path(shards_dir) if shards_dir is not None else None
+        self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[_Segment] = []
         start = 0

@@ -30,6 +30,7 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
     name = "plan" if embedded else f"plan {data.plan.path}"
     source = data.data_source or {}
     commit = "" if source.get("commit") in (None, "local") else f" at commit {source['commit']}"
+    notes = "".join(f"; {note}" for note in data.notes)
     return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
                   f"trained tokens, {data.total_steps} steps; shards from {data.shards_dir}{commit}: every shard "
-                  f"it reads matches its manifest's {hashed}; the cache bound holds one shard per rank")
+                  f"it reads matches its manifest's {hashed}; the cache bound holds one shard per rank{notes}")

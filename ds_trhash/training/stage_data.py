@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ds_trhash.data.budget import check_target_tokens, plan_steps
 from ds_trhash.data.cache import CACHE_ENV, cache_bytes_from
-from ds_trhash.data.corpus import resume_commit, shared_corpus
+from ds_trhash.data.stream import resume_commit, shared_corpus
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plan import load_plan
 from ds_trhash.data.reader import ReplayReader
@@ -57,6 +57,8 @@ class StageData:
     sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
     shards_dir: str | None = None  # where the plan's shards are (pretraining, refinement)
     data_source: dict | None = None  # {store, commit} read: recorded in every checkpoint
+    tokenizer_assumed: bool = False  # the data records no tokenizer: the configured one is taken as its
+    notes: tuple[str, ...] = ()  # said once by rank 0 (e.g. that the corpus records no tokenizer)
     describe: str = ""
     # Creates what reading needs on disk (the shard cache); called once every check has passed.
     start: Callable[[], None] | None = None
@@ -76,6 +78,23 @@ def _embedded(cfg: tcfg.TrainConfig, rank: int):
 
 def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
+
+
+def _tokenizer_identity(recorded: dict, tokenizer_dir, shards_dir) -> tuple[str | None, bool, tuple[str, ...]]:
+    """(the tokenizer identity of the data, whether it was assumed, what to say once).
+
+    The data's own record wins (``check_tokenizer_matches`` already compared it with
+    data.tokenizer). A corpus that records none (the release's manifests never do) is taken to
+    be tokenized with the configured data.tokenizer, and the launch says so."""
+    known = next((h for h in recorded.values() if h), None)
+    if known is not None:
+        return known, False, ()
+    if tokenizer_dir is None:
+        return None, False, (f"the corpus at {shards_dir} and its plan record no tokenizer identity and data.tokenizer "
+                             "is not set: this run records no tokenizer",)
+    actual = tokenizer_sha256(tokenizer_dir)
+    return actual, True, (f"the corpus at {shards_dir} and its plan record no tokenizer identity; assuming "
+                          f"data.tokenizer {tokenizer_dir} (sha256 {actual[:12]}…), recorded as this run's tokenizer",)
 
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
@@ -103,17 +122,19 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
     pinned = resume_commit(shards_dir, plan.doc, saved_source)
     corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
-    launch_checks.check_tokenizer_matches(tokenizer_dir, {
-        f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
-        **{f"the {source} shard manifest": m.get("tokenizer_sha256") for source, m in corpus.manifests.items()}})
+    recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
+                **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
+    launch_checks.check_tokenizer_matches(tokenizer_dir, recorded)
+    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
     ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     corpus.check_cache_bound(max_bytes, ranks_on_node, f"data.cache_gb / {CACHE_ENV}")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"), shards_dir=corpus.store.description,
-                     data_source=corpus.record,
-                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description}")
+                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes,
+                     shards_dir=corpus.store.description, data_source=corpus.record,
+                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
+                              f"({corpus.layout} layout)")
 
     def start() -> None:
         # One cache per node: every rank of this node opens the same folder; each shard is

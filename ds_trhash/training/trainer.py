@@ -22,7 +22,7 @@ from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
 from ds_trhash.data.budget import BudgetError
 from ds_trhash.data.cache import CacheError
-from ds_trhash.data.corpus import CorpusError
+from ds_trhash.data.stream import CorpusError
 from ds_trhash.data.store import StoreError
 from ds_trhash.data.embedded import EmbeddedError
 from ds_trhash.data.plan import PlanError, unique_core_fingerprint, validate_refinement
@@ -36,6 +36,7 @@ from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import LoRAError, apply_lora
 from ds_trhash.model.routing import RouteTableError
+from ds_trhash.safe_names import UnsafeNameError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import launch_checks, loop, resources
 from ds_trhash.training.callbacks import (
@@ -73,7 +74,7 @@ log = logging.getLogger("ds_trhash.trainer")
 USER_ERRORS: tuple[type[BaseException], ...] = (
     PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
     CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, resources.ResourceError, CorpusError, StoreError)
+    RNGStateError, resources.ResourceError, UnsafeNameError, CorpusError, StoreError)
 
 
 # ----------------------------------------------------------------------------- launch checks
@@ -206,6 +207,7 @@ def state_recorder(cfg: tcfg.TrainConfig, data: StageData, world: int, critical:
             "model_config": model_cfg.to_dict(),
             "tokenizer_dir": data.tokenizer_dir,
             "tokenizer_sha256": data.tokenizer_sha256,
+            "tokenizer_assumed": data.tokenizer_assumed,  # the data recorded none: data.tokenizer was taken
             "sft_dir": data.sft_dir,
             "sft_manifest_sha256": data.sft_manifest_sha256,
             "source_stage": cfg.source_stage,
@@ -300,6 +302,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
             else prepare_pretrain_data(cfg, rank, world, saved_source=(saved or {}).get("data_source")))
+    for note in data.notes:
+        say(note)
     guard_stage(cfg, init_dir, data, resuming=saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)

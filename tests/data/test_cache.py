@@ -11,7 +11,7 @@ import pytest
 
 from ds_trhash.data import cache_files as cf
 from ds_trhash.data.cache import GIB, CacheError, Shard, ShardCache, ShardIntegrityError, cache_bytes_from
-from ds_trhash.data.corpus import open_corpus
+from ds_trhash.data.stream import open_corpus
 from ds_trhash.data.store import LocalStore
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 from tests.fail_closed import tree_digest

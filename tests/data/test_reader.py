@@ -9,9 +9,10 @@ import torch
 
 import contextlib
 
-from ds_trhash.data.corpus import CorpusError, check_plan_manifests, open_corpus
-from ds_trhash.data.plan import build_plan, derive_refinement
+from ds_trhash.data.plan import derive_refinement
+from ds_trhash.data.plan_build import build_plan
 from ds_trhash.data.reader import ReaderError, ReplayReader
+from ds_trhash.data.stream import CorpusError, check_plan_manifests, open_corpus
 from ds_trhash.data.shards import load_manifests, read_rows, write_shards
 
 L, R = 4, 5
@@ -67,7 +68,7 @@ def test_order_covers_every_phase_row_once_per_pass(corpus):
     refs = reader.global_rows(0, reader.num_rows)
     assert len(set(refs[:35])) == 35  # the unique core: every row once
     assert Counter(r for r in refs if r[0] == "a") == Counter({r: 2 for r in refs[:35] if r[0] == "a"})
-    assert reader.phase_at(34) == "unique_core" and reader.phase_at(35) == "replay_1"
+    assert reader.phase_at(34) == "unique_core" and reader.phase_at(35) == "quality_replay_2"
     assert reader.global_rows(10, 7) == refs[10:17]
 
 

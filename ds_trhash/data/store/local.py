@@ -36,10 +36,14 @@ class LocalStore:
     def list_files(self) -> dict[str, StoreFile]:
         """One stat per file (no reads): the cost does not grow with the corpus bytes."""
         found: dict[str, StoreFile] = {}
+        root = self.root.resolve()
         for folder, _, files in os.walk(self.root):
             for name in files:
                 full = os.path.join(folder, name)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if os.path.islink(full) and not Path(full).resolve().is_relative_to(root):
+                    raise StoreError(f"shard store {self.root}: {rel} is a symlink that leads outside the store; "
+                                     "copy the file in, or remove the link")
                 found[rel] = StoreFile(rel, os.stat(full).st_size)
         return found
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_trhash.data.cache import ShardIntegrityError
-from ds_trhash.data.corpus import CorpusError, open_corpus, resume_commit
+from ds_trhash.data.stream import CorpusError, open_corpus, resume_commit
 from ds_trhash.data.reader import ReplayReader
 from ds_trhash.data.store import HubStore, StoreError, StoreUnavailable, open_store
 from tests.data.hub_corpus import REPO, SHARD_BYTES, TOKEN, hub_corpus  # noqa: F401 (fixture)
