@@ -8,7 +8,8 @@ SHA-256 match the manifest; a corrupt download is deleted and fetched once more,
 stops naming the shard and both hashes. Nothing unverified is ever returned, and a process
 killed mid-download leaves only a partial file, which the next scan deletes.
 
-The bound covers every byte under ``cache_dir``. To make room, the least recently used entries
+The bound covers every entry and partial download under ``cache_dir`` (the few hundred bytes of
+markers, pins and locks beside each are not counted). To make room, the least recently used entries
 that no rank has pinned are evicted under one eviction lock; a reader pins the shard it reads
 (a shared lock), so the smallest bound that always works is one largest shard per rank of the
 node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.

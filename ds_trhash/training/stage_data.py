@@ -1,7 +1,9 @@
 """Stage data: what a launch trains on, checked before any model exists.
 
 ``prepare_pretrain_data`` (pretraining, refinement) loads the replay plan, checks the token budget,
-the tokenizer identity and every planned shard; ``prepare_sft_data`` opens (or, for the tiny preset,
+asks the data package its one question (``data.stream.shared_corpus``: the store's commit, every
+planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
+and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
 builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining reader
 and its shard cache are created only by ``StageData.start``, once every launch check has passed.
 """
