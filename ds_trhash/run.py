@@ -7,7 +7,7 @@ and is what ``launch/train.py`` runs.
 """
 from __future__ import annotations
 
-from ds_trhash.eval.callbacks import EVAL_CALLBACKS, EVAL_USER_ERRORS
+from ds_trhash.eval.callbacks import EVAL_CALLBACKS
 from ds_trhash.training import launcher
 from ds_trhash.training.callbacks import Callback, training_parts
 
@@ -18,4 +18,4 @@ def launch_parts() -> list[type[Callback]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launcher.main(argv, parts=launch_parts(), user_errors=EVAL_USER_ERRORS)
+    return launcher.main(argv, parts=launch_parts())

@@ -1,25 +1,19 @@
-"""`ds-trhash export`, `ds-trhash sync` and `ds-trhash generate` (`ds-trhash report` lives in
-ds_trhash.report.commands).
+"""`ds-trhash export` and `ds-trhash sync` (`ds-trhash generate` is registered by
+ds_trhash.release.generate, `ds-trhash report` by ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
-``func(args) -> int``. User errors print one line on stderr and return 2.
+``func(args) -> int``. User errors raise a ``UserError``; ``ds_trhash.cli`` prints it as one line
+on stderr, any token redacted, and returns 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.io import os_errors_as
 from ds_trhash.release import hub
-from ds_trhash.release.hub import SyncError, redact, summary
-
-EXIT_USER_ERROR = 2
-
-
-def _fail(err: BaseException | str) -> int:
-    text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
-    print(f"error: {text}", file=sys.stderr)
-    return EXIT_USER_ERROR
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release.hub import SyncError, summary
 
 
 class _RefuseToken(argparse.Action):
@@ -30,12 +24,10 @@ class _RefuseToken(argparse.Action):
                                            "environment instead (the value given was not echoed)")
 
 
+@os_errors_as(ExportError)
 def run_export(args: argparse.Namespace) -> int:
-    try:
-        manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
-                                     force_tokenizer=args.force_tokenizer)
-    except (ExportError, OSError, ValueError) as err:
-        return _fail(err)
+    manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
+                                 force_tokenizer=args.force_tokenizer)
     w = manifest["weights"]
     print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
           f"sha256 {w['sha256']}, stage {manifest['stage']}")
@@ -44,19 +36,12 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(SyncError)
 def run_sync(args: argparse.Namespace) -> int:
-    try:
-        api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
-        report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
-                          dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                          lock_timeout=args.lock_timeout)
-    except SyncError as err:
-        code = _fail(err)
-        for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
-            print(line, file=sys.stderr)
-        return code
-    except OSError as err:
-        return _fail(err)
+    api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
+    report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                      lock_timeout=args.lock_timeout)
     print(summary(report))
     return 0
 
@@ -85,18 +70,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--token", "--hf-token", nargs="?", action=_RefuseToken, help=argparse.SUPPRESS)
     syn.set_defaults(func=run_sync)
 
-    from ds_trhash.release import generate
 
-    generate.register(subparsers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (tests); the project CLI calls ``register`` instead."""
-    parser = argparse.ArgumentParser(prog="ds-trhash")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
+from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 from ds_trhash.errors import UserError
-from ds_trhash.io import read_json_object
+from ds_trhash.io import os_errors_as, read_json_object
+from ds_trhash.model.attention import rope_inv_freq
+from ds_trhash.model.config import TRHashConfig as NativeConfig
+from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
 
 
 class GenerateError(UserError, ValueError):
@@ -49,10 +56,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _hf_tokenizer(tokenizer_json: Path, max_len: int):
     """A PreTrainedTokenizerFast over a run's tokenizer.json, set up as an export's would be."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers (seconds), as in load()
 
-    from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
-    from ds_trhash.release.hf.bundle import SPECIAL_TOKENS
 
     return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), model_max_length=max_len,
                                    chat_template=CHAT_TEMPLATE_JINJA, clean_up_tokenization_spaces=False,
@@ -62,6 +67,7 @@ def _hf_tokenizer(tokenizer_json: Path, max_len: int):
 def _load_export(root: Path) -> Loaded:
     # PreTrainedTokenizerFast directly: transformers 5's AutoTokenizer reads config.json first and
     # would ask whether to trust the export's code just to build a tokenizer.
+    # lazy: transformers (seconds), as in load(); the export's model code imports it at its top
     from transformers import PreTrainedTokenizerFast
 
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
@@ -88,8 +94,6 @@ def _recorded(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _tokenizer_path(root: Path, state: dict[str, Any], override: str | None) -> Path:
-    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
-
     where = override or ((root / "tokenizer.json") if (root / "tokenizer.json").is_file() else state.get("tokenizer_dir"))
     if where is None:
         raise GenerateError(f"{root} records no tokenizer; pass --tokenizer DIR")
@@ -105,9 +109,7 @@ def _tokenizer_path(root: Path, state: dict[str, Any], override: str | None) -> 
 
 
 def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
-    from ds_trhash.model.attention import rope_inv_freq
-    from ds_trhash.model.config import TRHashConfig as NativeConfig
-    from ds_trhash.release.hf.bundle import hf_config
+    # lazy: the export's model code imports transformers (seconds) at its top, as in load()
     from ds_trhash.release.hf.configuration_tr_hash_moe import TRHashConfig
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
     config, state = _recorded(root)
@@ -133,7 +135,7 @@ def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
 
 
 def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu") -> Loaded:
-    import torch
+    # lazy: transformers takes seconds to import; only a generation needs it (the argument checks do not)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "loaded ..." line says it; no bars in the terminal
@@ -177,8 +179,6 @@ def read_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def check_conversation(messages: list[dict[str, Any]]) -> None:
     """What the SFT builder would refuse, with its messages, plus a conversation that is already answered."""
-    from ds_trhash.data.chat import ChatError, normalize
-
     try:
         turns = normalize(messages)
     except ChatError as exc:
@@ -208,8 +208,7 @@ class Result:
 def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stream: bool = True) -> Result:
     """Generate after ``text`` with the KV cache; tokens are printed to stdout as they come."""
-    import torch
-    from transformers import TextStreamer
+    from transformers import TextStreamer  # lazy: transformers (seconds), as in load()
 
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
@@ -236,39 +235,35 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
     return Result(ids.shape[1], new, bool(new) and new[-1] == eos, time.perf_counter() - started)
 
 
+@os_errors_as(GenerateError)
 def run(args) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
-    from ds_trhash.release.commands import _fail as fail
-
     if args.prompt == "":
-        return fail("--prompt is empty; give some text to continue")
+        raise GenerateError("--prompt is empty; give some text to continue")
     if args.max_new_tokens < 1:
-        return fail("--max-new-tokens must be at least 1")
+        raise GenerateError("--max-new-tokens must be at least 1")
     if args.temperature < 0:
-        return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        raise GenerateError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
-        return fail(f"--top-p must be in (0, 1], got {args.top_p}")
-    try:
-        if args.system is not None and args.chat is None:
-            return fail("--system goes with --chat (a --messages file carries its own system turn)")
-        if args.messages is not None:
-            messages = read_messages(args.messages)
-        elif args.chat is not None:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.chat}]
-        else:
-            messages = None
-        if messages is not None:
-            check_conversation(messages)
-        # stdout carries only the generated text: libraries' loading chatter goes to stderr
-        with contextlib.redirect_stdout(sys.stderr):
-            loaded = load(args.model, args.tokenizer, args.device)
-        text = chat_prompt(loaded.tokenizer, messages) if messages is not None else args.prompt
-        print(f"loaded {loaded.source}", file=sys.stderr, flush=True)
-        result = generate(loaded, text, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed)
-    except (GenerateError, OSError) as err:
-        return fail(err)
+        raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.system is not None and args.chat is None:
+        raise GenerateError("--system goes with --chat (a --messages file carries its own system turn)")
+    if args.messages is not None:
+        messages = read_messages(args.messages)
+    elif args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+    else:
+        messages = None
+    if messages is not None:
+        check_conversation(messages)
+    # stdout carries only the generated text: libraries' loading chatter goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        loaded = load(args.model, args.tokenizer, args.device)
+    text = chat_prompt(loaded.tokenizer, messages) if messages is not None else args.prompt
+    print(f"loaded {loaded.source}", file=sys.stderr, flush=True)
+    result = generate(loaded, text, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, seed=args.seed)
     why = "stopped at EOS" if result.stopped_at_eos else f"reached --max-new-tokens {args.max_new_tokens}"
     rate = len(result.new_ids) / result.seconds if result.seconds > 0 else float("inf")
     print(f"[{len(result.new_ids)} new tokens after a {result.prompt_tokens}-token prompt, {why}; "

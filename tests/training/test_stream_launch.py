@@ -23,7 +23,7 @@ from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
 from tests.training.test_resume_equivalence import STEPS, _args
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 REPO = "team/embedded"
 STALLED = "topics_a/shard-00001.bin"  # first read at step 5, after the checkpoint of step 3

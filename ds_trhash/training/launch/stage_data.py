@@ -28,11 +28,12 @@ from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks
+from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -41,7 +42,7 @@ def _rank0_first(rank: int, fn):
     """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
     made once and only read by the other ranks."""
     result = fn() if rank == 0 else None
-    _barrier()
+    barrier()
     if rank != 0:
         result = fn()
     return result
@@ -66,7 +67,8 @@ class StageData:
     start: Callable[[], None] | None = None
 
 
-def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
+def embedded_root(cfg: tcfg.TrainConfig) -> Path:
+    """Where a launch builds the embedded demo corpus: beside its output directory, shared by runs."""
     return Path(cfg.output_dir).resolve().parent / "embedded"
 
 
@@ -75,7 +77,7 @@ def _embedded(cfg: tcfg.TrainConfig, rank: int):
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
                                "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
 
-    return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
+    return _rank0_first(rank, lambda: build_embedded(embedded_root(cfg), seq_len=cfg.data.seq_len))
 
 
 def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
