@@ -142,6 +142,7 @@ class LaunchRecord:
     hardware: str  # "<world> process(es); rank 0 on <describe_hardware()>"
     pack_of: Mapping[int, int] = field(default_factory=dict)  # step -> token pack it closes
     output_dir: str | None = None  # resolved: a copy of a checkpoint elsewhere is another run's (--fork)
+    data_source: dict[str, Any] | None = None  # {store, commit} the shards were read from
 
     def trainer_state(self, *, step: int, epoch: int, total_steps: int, data_cursor: int, tokens_seen: int,
                       supervised_seen: int, backends_used: dict[str, Any], reason: str, peak_memory: dict[str, Any],
@@ -162,6 +163,7 @@ class LaunchRecord:
             "plan_fingerprint": self.plan_fingerprint,
             "plan_sha256": self.plan_sha256,
             "plan_doc": self.plan_doc,
+            "data_source": self.data_source,  # a resume reads this commit again
             "init_checkpoint": self.init_checkpoint,
             "output_dir": self.output_dir,
             "lora": self.lora,

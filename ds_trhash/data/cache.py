@@ -1,48 +1,58 @@
-"""Bounded local cache of token shards, filled from a (possibly slow) source store.
+"""One bounded cache of token shards per node, filled from a shard store (local or remote).
 
-Every copied shard is checked against its manifest SHA-256 before it can be returned, so a
-corrupt store fails the run instead of training on damaged tokens. The byte bound counts
-copies in flight, so the cache directory never holds more than ``max_bytes``.
+Every rank of a node opens the same ``cache_dir``. While a shard is cached the node downloads
+it once: the rank that needs it first takes its download lock, the others wait on that lock and
+then find the verified file. A download lands under a temporary name created at its full size
+(so the bound counts it from the start) and is renamed into place only after its size and
+SHA-256 match the manifest; a corrupt download is deleted and fetched once more, then the run
+stops naming the shard and both hashes. Nothing unverified is ever returned, and a process
+killed mid-download leaves only a partial file, which the next scan deletes.
 
-Eviction order: shards the reader released (least recently used first); a ``get`` that
-still lacks room then evicts unreleased shards too, because only the shard being fetched
-is needed right now (readers copy rows out of a shard before asking for the next). A
-prefetch never evicts unreleased shards: it only uses room that is free or released.
+The bound covers every entry and partial download under ``cache_dir`` (the few hundred bytes of
+markers, pins and locks beside each are not counted). To make room, the least recently used entries
+that no rank has pinned are evicted under one eviction lock; a reader pins the shard it reads
+(a shared lock), so the smallest bound that always works is one largest shard per rank of the
+node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
 
-One ShardCache owns its ``cache_dir``: give each rank its own directory.
+The file layout and the locks are in ``cache_files``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
-from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file
 
-from .shards import MANIFEST_FILE, load_manifest
-from .tokenizer import PathLike
+from . import cache_files as cf
+from .cache_files import CacheError
+from .store import ShardStore
 
 GIB = 1024**3
 DEFAULT_CACHE_GB = 1.0
 CACHE_ENV = "TOKENIZED_CACHE_GB"
-_PARTIAL = ".partial-"
-_CHUNK = 1 << 20
+ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
 
 Key = tuple[str, str]
-
-
-class CacheError(UserError, ValueError):
-    """The cache cannot serve a shard (unknown shard, missing source file, too small a bound)."""
+__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "Shard", "cache_bytes_from", "GIB", "CACHE_ENV"]
 
 
 class ShardIntegrityError(CacheError):
-    """A shard's bytes do not match the SHA-256 its manifest recorded."""
+    """A shard's bytes do not match the SHA-256 its manifest recorded (after one re-download)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: str  # in the store
+    sha256: str
+    size: int
 
 
 def cache_bytes_from(cfg_value: Optional[float], env: Optional[Mapping[str, str]] = None) -> int:
@@ -65,180 +75,150 @@ def cache_bytes_from(cfg_value: Optional[float], env: Optional[Mapping[str, str]
     return int(value * GIB)
 
 
-@dataclass
-class _Entry:
-    size: int
-    released: bool
-    verified: bool
-    last_used: int
+def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
+    """One folder per store and commit inside the node's cache directory."""
+    return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
 
 
 class ShardCache:
-    def __init__(
-        self,
-        source_dir: PathLike,
-        cache_dir: PathLike,
-        max_bytes: int,
-        manifests: Optional[Mapping[str, Mapping]] = None,
-        prefetch: int = 2,
-    ) -> None:
-        self.source_dir = Path(source_dir)
-        self.cache_dir = Path(cache_dir)
-        if self.source_dir.resolve() == self.cache_dir.resolve():
-            raise CacheError(f"cache_dir {self.cache_dir} is the shard store itself; use a separate directory")
+    def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, Shard],
+                 commit: str = "local", prefetch: int = 2) -> None:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = int(max_bytes)
-        self.prefetch_depth = max(0, int(prefetch))
-        self._manifests: dict[str, Mapping] = dict(manifests or {})
+        self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
+        self.cache_dir = Path(cache_dir)
+        self.root = cache_root(self.cache_dir, store.identity, commit)
+        self._shards = dict(shards)
         self._cond = threading.Condition()
-        self._entries: dict[Key, _Entry] = {}
-        self._in_flight: dict[Key, int] = {}
         self._queue: deque[Key] = deque()
-        self._clock = 0
-        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0}
+        self._busy = 0
+        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0,
+                        "redownloads": 0, "waited_s": 0.0}
         self._worker: Optional[threading.Thread] = None
         self._closed = False
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._adopt_existing()
+        self._error: Optional[BaseException] = None
+        self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
+        self.root.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------
-    def _expected(self, key: Key) -> tuple[str, int]:
-        source, file = key
-        if source not in self._manifests:
-            self._manifests[source] = load_manifest(self.source_dir / source / MANIFEST_FILE)
-        for shard in self._manifests[source]["shards"]:
-            if shard["file"] == file:
-                return shard["sha256"], int(shard.get("bytes", int(shard["tokens"]) * 2))
-        raise CacheError(f"shard {source}/{file} is not in that source's manifest; the plan and the shards disagree")
+    def _expected(self, key: Key) -> Shard:
+        shard = self._shards.get(key)
+        if shard is None:
+            raise CacheError(f"shard {key[0]}/{key[1]} is not in that source's manifest; the plan and the shards disagree")
+        if shard.size > self.max_bytes:
+            raise CacheError(f"shard {key[0]}/{key[1]} is {shard.size} bytes, larger than the whole cache "
+                             f"({self.max_bytes}); raise data.cache_gb or {CACHE_ENV}")
+        return shard
 
-    def _path(self, key: Key) -> Path:
-        return self.cache_dir / key[0] / key[1]
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _used(self) -> int:
-        return sum(entry.size for entry in self._entries.values()) + sum(self._in_flight.values())
-
-    def _adopt_existing(self) -> None:
-        """Keep complete shards from an earlier run (verified on first use); drop partial copies."""
-        for path in sorted(self.cache_dir.glob("*/*")):
-            if _PARTIAL in path.name:
-                path.unlink(missing_ok=True)
-                continue
-            key = (path.parent.name, path.name)
-            try:
-                _, size = self._expected(key)
-            except (CacheError, ValueError):
-                continue
-            if path.stat().st_size == size:
-                self._entries[key] = _Entry(size, released=True, verified=False, last_used=self._tick())
-            else:
-                path.unlink()
+    def _count(self, name: str, amount: float = 1) -> None:
         with self._cond:
-            self._evict_until(0, allow_unreleased=True)
+            self._counts[name] += amount
 
-    def _evict_until(self, needed: int, allow_unreleased: bool) -> bool:
-        """Evict (LRU, released first) until ``needed`` more bytes fit; caller holds the lock."""
-        while self._used() + needed > self.max_bytes:
-            candidates = [(not e.released, e.last_used, k) for k, e in self._entries.items()
-                          if e.released or allow_unreleased]
-            if not candidates:
+    def _reserve(self, path: Path, size: int, wait: bool) -> Optional[Path]:
+        """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of unpinned
+        entries); None for a prefetch that finds no room now."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with cf.evict_lock(self.cache_dir):
+                used, entries = cf.scan(self.cache_dir)
+                for _, victim in entries:
+                    if used + size <= self.max_bytes:
+                        break
+                    victim_size = victim.stat().st_size if victim.exists() else 0
+                    if victim != path and cf.try_evict(victim):
+                        used -= victim_size
+                        self._count("evictions")
+                if used + size <= self.max_bytes:
+                    partial = cf.side(path, f"{cf.PARTIAL}{os.getpid()}-{threading.get_ident()}")
+                    with open(partial, "wb") as f:
+                        f.truncate(size)
+                    return partial
+            if not wait:
+                return None
+            if time.monotonic() > deadline:
+                raise CacheError(f"no room for {path.name} in the cache {self.cache_dir} ({self.max_bytes} bytes) "
+                                 f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
+            time.sleep(0.05)
+
+    def _fill(self, key: Key, path: Path, shard: Shard, wait: bool) -> bool:
+        """Download and verify ``key`` into ``path``; the caller holds its download lock and pin."""
+        seen = []
+        for attempt in range(2):
+            partial = self._reserve(path, shard.size, wait)
+            if partial is None:
                 return False
-            _, _, victim = min(candidates)
-            del self._entries[victim]
-            self._path(victim).unlink(missing_ok=True)
-            self._counts["evictions"] += 1
-        return True
+            try:
+                self.store.download(shard.path, partial, shard.size)
+                size = partial.stat().st_size
+                digest = sha256_file(partial) if size == shard.size else f"<{size} bytes, not {shard.size}>"
+                if digest == shard.sha256:
+                    cf.write_marker(partial, path, shard.sha256, shard.size)
+                    with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice
+                        os.replace(partial, path)
+                    return True
+            finally:
+                partial.unlink(missing_ok=True)
+            seen.append(digest)
+            self._count("redownloads", attempt == 0)
+        raise ShardIntegrityError(
+            f"shard {key[0]}/{key[1]} from {self.store.description}: two downloads hashed {seen[0]} and {seen[1]}, "
+            f"its manifest records sha256 {shard.sha256}; the store's copy is corrupt (or the manifest is): "
+            "restore it, or re-tokenize and re-plan")
 
-    # -- copying -----------------------------------------------------------------------
-    def _copy_verified(self, key: Key, sha256: str) -> None:
-        """Copy one shard into the cache while hashing it; only a matching copy is kept."""
-        source_path = self.source_dir / key[0] / key[1]
-        final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        partial = final.with_name(f"{final.name}{_PARTIAL}{os.getpid()}-{threading.get_ident()}")
-        digest = hashlib.sha256()
-        try:
-            with open(source_path, "rb") as src, open(partial, "wb") as dst:
-                for block in iter(lambda: src.read(_CHUNK), b""):
-                    digest.update(block)
-                    dst.write(block)
-        except FileNotFoundError:
-            partial.unlink(missing_ok=True)
-            raise CacheError(f"shard {source_path} is missing from the shard store") from None
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-        if digest.hexdigest() != sha256:
-            partial.unlink(missing_ok=True)
-            raise ShardIntegrityError(
-                f"shard {source_path} has sha256 {digest.hexdigest()}, its manifest records {sha256}; "
-                "the stored copy is corrupt: restore or re-tokenize that source"
-            )
-        os.replace(partial, final)
-
-    def _local_copy_ok(self, key: Key, sha256: str) -> bool:
-        return sha256_file(self._path(key), _CHUNK) == sha256
-
-    def _fetch(self, key: Key, sha256: str, size: int, prefetched: bool) -> None:
-        """Copy a reserved key in, then record it; the reservation is dropped either way."""
-        try:
-            self._copy_verified(key, sha256)
-        except BaseException:
-            with self._cond:
-                del self._in_flight[key]
-                self._counts["prefetch_errors"] += int(prefetched)  # the get that needs it retries
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            del self._in_flight[key]
-            self._entries[key] = _Entry(size, released=False, verified=True, last_used=self._tick())
-            self._counts["prefetched"] += int(prefetched)
-            self._cond.notify_all()
+    def _ensure(self, key: Key, wait: bool) -> bool:
+        """The entry is present and verified (fetched now if needed); the caller holds its pin."""
+        shard = self._expected(key)
+        path = cf.entry_path(self.root, *key)
+        if cf.trusted(path, shard.sha256, shard.size):
+            return True
+        started = time.monotonic()
+        with cf.download_lock(path):  # one download per node; the others wait here
+            if cf.trusted(path, shard.sha256, shard.size):
+                self._count("waited_s", time.monotonic() - started)
+                return True
+            for stale in path.parent.glob(f"{path.name}{cf.PARTIAL}*"):  # we hold its lock: a dead run's
+                stale.unlink(missing_ok=True)
+            if path.exists():  # complete but no matching marker (copied in, or touched): hash once
+                if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
+                    cf.write_marker(path, path, shard.sha256, shard.size)
+                    return True
+                cf.side(path, cf.MARKER).unlink(missing_ok=True)
+                path.unlink()
+            done = self._fill(key, path, shard, wait)
+        if done and wait:
+            self._count("misses")
+            self._count("waited_s", time.monotonic() - started)
+        return done
 
     # -- public API --------------------------------------------------------------------
-    def get(self, source: str, file: str) -> Path:
-        """Local path of a verified copy of ``source/file``; fetched now if not cached."""
+    @contextlib.contextmanager
+    def pinned(self, source: str, file: str) -> Iterator[Path]:
+        """A verified local copy of ``source/file``, pinned (never evicted) inside the block."""
+        self._raise_worker_error()
         key = (source, file)
-        sha256, size = self._expected(key)
-        if size > self.max_bytes:
-            raise CacheError(
-                f"shard {source}/{file} is {size} bytes, larger than the whole cache ({self.max_bytes}); "
-                f"raise data.cache_gb or {CACHE_ENV}"
-            )
-        with self._cond:
-            while True:
-                while key in self._in_flight:
-                    self._cond.wait()
-                entry = self._entries.get(key)
-                if entry is not None:
-                    if not entry.verified and not self._local_copy_ok(key, sha256):
-                        del self._entries[key]
-                        self._path(key).unlink(missing_ok=True)
-                        continue
-                    entry.verified, entry.released, entry.last_used = True, False, self._tick()
-                    self._counts["hits"] += 1
-                    return self._path(key)
-                if self._evict_until(size, allow_unreleased=True):
-                    break
-                self._cond.wait()  # only copies in flight hold the room; wait for one to land
-            self._counts["misses"] += 1
-            self._in_flight[key] = size
-        self._fetch(key, sha256, size, prefetched=False)
-        return self._path(key)
+        path = cf.entry_path(self.root, source, file)
+        with cf.pinned(path):
+            shard = self._expected(key)
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp is not None and self._seen.get(key) == stamp:  # verified here before, unchanged since
+                self._count("hits")
+            elif stamp is not None and cf.trusted(path, shard.sha256, shard.size):
+                self._count("hits")
+            else:
+                self._ensure(key, wait=True)
+            self._seen[key] = path.stat().st_mtime_ns
+            yield path
 
-    def release(self, source: str, file: str) -> None:
-        """Mark a shard consumed: it stays cached but may be evicted first."""
-        with self._cond:
-            entry = self._entries.get((source, file))
-            if entry is not None:
-                entry.released = True
+    def get(self, source: str, file: str) -> Path:
+        """Path of a verified copy (fetched now if not cached); unpinned once this returns."""
+        with self.pinned(source, file) as path:
+            return path
 
-    def prefetch(self, upcoming: Iterable[tuple[str, str]]) -> None:
-        """Queue the next few shards (``prefetch`` of them) for a background copy."""
+    def prefetch(self, upcoming: Iterable[Key]) -> None:
+        """Queue the next few shards (``prefetch`` of them) for a background download."""
         if self.prefetch_depth == 0:
             return
         with self._cond:
@@ -247,12 +227,8 @@ class ShardCache:
             wanted: list[Key] = []
             for key in upcoming:
                 key = (key[0], key[1])
-                if key in wanted or key in self._in_flight:
-                    continue
-                if key in self._entries:
-                    self._entries[key].released = False  # needed again soon: do not evict it first
-                    continue
-                wanted.append(key)
+                if key not in wanted:
+                    wanted.append(key)
                 if len(wanted) == self.prefetch_depth:
                     break
             self._queue = deque(wanted)
@@ -260,6 +236,11 @@ class ShardCache:
                 self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
+
+    def _raise_worker_error(self) -> None:
+        """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
+        if self._error is not None:
+            raise self._error
 
     def _prefetch_loop(self) -> None:
         while True:
@@ -269,35 +250,38 @@ class ShardCache:
                 if self._closed:
                     return
                 key = self._queue.popleft()
-                self._cond.notify_all()  # wait_idle may be watching the queue drain
-                if key in self._entries or key in self._in_flight:
-                    continue
-                try:
-                    sha256, size = self._expected(key)
-                except (CacheError, ValueError):
-                    self._counts["prefetch_errors"] += 1
-                    continue
-                if size > self.max_bytes or not self._evict_until(size, allow_unreleased=False):
-                    continue  # no free room: the later get fetches it on demand
-                self._in_flight[key] = size
+                self._busy += 1
             try:
-                self._fetch(key, sha256, size, prefetched=True)
+                path = cf.entry_path(self.root, *key)
+                shard = self._expected(key)
+                if not cf.trusted(path, shard.sha256, shard.size):
+                    with cf.pinned(path):
+                        if self._ensure(key, wait=False):
+                            self._count("prefetched")
+            except ShardIntegrityError as exc:
+                self._error = exc
             except (CacheError, OSError):
-                continue
+                self._count("prefetch_errors")  # the read that needs it fetches it and reports
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until no prefetch is queued or copying (tests and clean shutdown)."""
+        """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout=timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+
+    def usage(self) -> int:
+        """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
+        with cf.evict_lock(self.cache_dir):
+            return cf.scan(self.cache_dir)[0]
 
     def stats(self) -> dict:
+        with cf.evict_lock(self.cache_dir):
+            used, entries = cf.scan(self.cache_dir)
         with self._cond:
-            return {
-                "bytes": self._used(),
-                "files": len(self._entries),
-                "max_bytes": self.max_bytes,
-                **self._counts,
-            }
+            return {"bytes": used, "files": len(entries), "max_bytes": self.max_bytes, **self._counts}
 
     def close(self) -> None:
         with self._cond:

@@ -20,6 +20,7 @@ in an optimizer step therefore depends on G only.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,7 +33,7 @@ import torch
 from ds_trhash.errors import UserError
 
 from .cache import ShardCache
-from .corpus import Corpus, read_corpus, sources_dir
+from .corpus import sources_dir
 from .plan import PlanLike, plan_doc, validate_plan_doc
 from .shards import read_rows
 from .tokenizer import PathLike
@@ -123,39 +124,6 @@ class _Segment:
         return [self.sources[s].locate(k) for _, s, k in keyed]
 
 
-def plan_corpus(shards_dir: PathLike, plan: PlanLike, origin: str = "the plan") -> Corpus:
-    """The corpus at ``shards_dir`` (either layout, docs/contracts.md §2b) with the manifests of
-    every source the plan reads, checked against the plan before training.
-
-    Fails when a planned shard is missing from its manifest, holds fewer rows than planned,
-    or was cut for another seq_len or tokenizer, so a run never starts on shards it cannot use."""
-    doc = plan_doc(plan)
-    names = list(dict.fromkeys(source for phase in doc["phases"] for source in phase["sources"]))
-    corpus = read_corpus(shards_dir, names, origin)
-    planned_tokenizer = doc.get("tokenizer_sha256")
-    for source, manifest in corpus.sources.items():
-        if manifest.seq_len != doc["seq_len"]:
-            raise ReaderError(f"source {source!r} shards have seq_len {manifest.seq_len}, the plan {doc['seq_len']}")
-        if planned_tokenizer and manifest.tokenizer_sha256 and manifest.tokenizer_sha256 != planned_tokenizer:
-            raise ReaderError(f"source {source!r} was tokenized with {manifest.tokenizer_sha256}, "
-                              f"the plan expects tokenizer {planned_tokenizer}")
-    for phase in doc["phases"]:
-        for source, entries in phase["sources"].items():
-            rows = {shard.file: shard.rows for shard in corpus.sources[source].shards}
-            for entry in entries:
-                if rows.get(entry["file"], -1) < entry["rows"]:
-                    raise ReaderError(
-                        f"plan phase {phase['name']!r} takes {entry['rows']} rows of {source}/{entry['file']}, "
-                        f"its manifest lists {rows.get(entry['file'], 'no such shard')}; the plan and shards_dir disagree"
-                    )
-    return corpus
-
-
-def source_manifests(shards_dir: PathLike, plan: PlanLike) -> dict:
-    """The manifests of ``plan_corpus`` by source."""
-    return plan_corpus(shards_dir, plan).sources
-
-
 class ReplayReader:
     def __init__(
         self,
@@ -242,10 +210,11 @@ class ReplayReader:
         global_batch = micro_batch * grad_accum * world_size
         return step * global_batch + (micro_step * world_size + rank) * micro_batch
 
-    def _path(self, source: str, file: str) -> Path:
+    def _pinned(self, source: str, file: str):
+        """The shard's local path, pinned in the cache (never evicted) while it is read."""
         if self.cache is not None:
-            return self.cache.get(source, file)
-        return self.shards_dir / source / file
+            return self.cache.pinned(source, file)
+        return contextlib.nullcontext(self.shards_dir / source / file)
 
     def batch(
         self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
@@ -279,12 +248,13 @@ class ReplayReader:
         for index, (source, file, _) in enumerate(refs):
             by_file.setdefault((source, file), []).append(index)
         for (source, file), indices in by_file.items():
-            out[indices] = read_rows(self._path(source, file), [refs[i][2] for i in indices], self.seq_len)
+            with self._pinned(source, file) as path:
+                out[indices] = read_rows(path, [refs[i][2] for i in indices], self.seq_len)
         return out
 
     def _plan_cache(self, refs: list[RowRef], step: int, micro_step: int, rank: int, world_size: int,
                     micro_batch: int, grad_accum: int) -> None:
-        """Prefetch this rank's next micro-batches' shards; release the ones no longer needed."""
+        """Prefetch this rank's next micro-batches' shards, in plan order."""
         upcoming: list[tuple[str, str]] = []
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
@@ -296,6 +266,4 @@ class ReplayReader:
             for source, file, _ in self.global_rows(first, micro_batch):
                 if (source, file) not in upcoming:
                     upcoming.append((source, file))
-        for key in {(source, file) for source, file, _ in refs} - set(upcoming):
-            self.cache.release(*key)
         self.cache.prefetch(upcoming)

@@ -26,9 +26,11 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
         return data, (f"{where}{name}: manifest hashes, vocabulary, labels and tokenizer check out; "
                       f"{data.batches.steps_per_epoch} steps per epoch, {data.total_steps} steps")
     data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none")
-    hashed = "sizes and SHA-256" if deep else "sizes (hashes: --deep)"
+    hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
+    source = data.data_source or {}
+    commit = "" if source.get("commit") in (None, "local") else f" at commit {source['commit']}"
     notes = "".join(f"; {note}" for note in data.notes)
     return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
-                  f"trained tokens, {data.total_steps} steps; every shard it reads matches its manifest's {hashed}"
-                  f"{notes}")
+                  f"trained tokens, {data.total_steps} steps; shards from {data.shards_dir}{commit}: every shard "
+                  f"it reads matches its manifest's {hashed}; the cache bound holds one shard per rank{notes}")

@@ -138,7 +138,12 @@ def _source_hash(path: str | None) -> tuple[str | None, str | None]:
 def _dataset_revision(state: Mapping[str, Any]) -> tuple[Any, str | None]:
     plan = state.get("plan_doc")
     if isinstance(plan, Mapping) and plan.get("revision"):
-        return {"dataset": plan.get("dataset"), "revision": plan["revision"]}, "plan_doc in trainer_state.json"
+        found = {"dataset": plan.get("dataset"), "revision": plan["revision"]}
+        source = state.get("data_source")
+        if isinstance(source, Mapping) and source.get("commit"):  # the commit the run read
+            found.update(store=source.get("store"), commit=source["commit"])
+            return found, "plan_doc and data_source in trainer_state.json"
+        return found, "plan_doc in trainer_state.json"
     sft_dir = state.get("sft_dir") or (state.get("training_critical") or {}).get("data.sft_dir")
     if sft_dir:
         manifest = _read_json(Path(sft_dir) / "manifest.json")

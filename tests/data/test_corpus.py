@@ -12,9 +12,10 @@ from ds_trhash.data.corpus import LAYOUT_OURS, LAYOUT_RELEASE, read_corpus, sour
 from ds_trhash.data.manifest import LEGACY_FORMAT, ManifestError
 from ds_trhash.data.plan import load_plan
 from ds_trhash.data.plan_build import build_plan
-from ds_trhash.data.reader import ReplayReader, plan_corpus
+from ds_trhash.data.reader import ReplayReader
 from ds_trhash.data.shards import load_manifest, load_manifests
-from ds_trhash.training.launch.checks import shard_problems
+from ds_trhash.data.store import StoreError
+from ds_trhash.data.stream import open_corpus
 from tests.data.layout_fixtures import L, edit_json, our_corpus, release_copy
 from tests.fail_closed import tree_digest
 
@@ -62,8 +63,8 @@ def test_a_plan_over_the_release_layout_reads_the_same_rows_as_over_ours(corpora
     ours, release = corpora
     plan_ours, plan_release = _plan(load_manifests([ours])), _plan(load_manifests([release]))
     assert plan_release.get("tokenizer_sha256") is None and plan_ours["tokenizer_sha256"] == "t" * 64
-    corpus = plan_corpus(release, plan_release)
-    assert corpus.layout == LAYOUT_RELEASE and shard_problems(release, plan_release, corpus.sources) == []
+    corpus = open_corpus(plan_release, str(release))  # every planned shard listed with its size
+    assert corpus.layout == LAYOUT_RELEASE and len(corpus.shards) == len(open_corpus(plan_ours, str(ours)).shards)
     a, b = ReplayReader(plan_ours, ours, seed=3), ReplayReader(plan_release, release, seed=3)
     for step in range(2):
         assert all((x == y).all() for x, y in zip(a.batch(step, 0, 0, 1, 8, 1), b.batch(step, 0, 0, 1, 8, 1)))
@@ -89,8 +90,8 @@ def test_a_shard_symlinked_out_of_the_corpus_is_a_launch_problem(corpora, tmp_pa
     shutil.copy(ours / "alpha" / "shard-00000.bin", victim)
     (ours / "alpha" / "shard-00000.bin").unlink()
     os.symlink(victim, ours / "alpha" / "shard-00000.bin")
-    problems = shard_problems(ours, plan, plan_corpus(ours, plan).sources)
-    assert len(problems) == 1 and "outside" in problems[0] and "alpha/shard-00000.bin" in problems[0]
+    with pytest.raises(StoreError, match="alpha/shard-00000.bin is a symlink that leads outside the store"):
+        open_corpus(plan, str(ours))
 
 
 def test_data_plan_builds_over_the_release_layout_through_the_command(corpora, tmp_path, capsys):

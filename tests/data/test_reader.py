@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from ds_trhash.data.cache import ShardCache
+import contextlib
+
 from ds_trhash.data.plan import derive_refinement
 from ds_trhash.data.plan_build import build_plan
-from ds_trhash.data.reader import ReaderError, ReplayReader, source_manifests
+from ds_trhash.data.reader import ReaderError, ReplayReader
+from ds_trhash.data.stream import CorpusError, check_plan_manifests, open_corpus
 from ds_trhash.data.shards import load_manifests, read_rows, write_shards
 
 L, R = 4, 5
@@ -130,14 +132,11 @@ class RecordingCache:
     """Stands in for ShardCache to observe which shards a rank asks for."""
 
     def __init__(self, root):
-        self.root, self.got, self.released, self.prefetched = root, set(), set(), []
+        self.root, self.got, self.prefetched = root, set(), []
 
-    def get(self, source, file):
+    def pinned(self, source, file):
         self.got.add((source, file))
-        return self.root / source / file
-
-    def release(self, source, file):
-        self.released.add((source, file))
+        return contextlib.nullcontext(self.root / source / file)
 
     def prefetch(self, upcoming):
         self.prefetched.append(list(upcoming))
@@ -153,13 +152,12 @@ def test_each_rank_opens_only_its_own_shards(corpus):
         assert cache.got == mine
         upcoming = {(s, f) for s, f, _ in reader.global_rows(10 + rank * 5, 5) + reader.global_rows(20 + rank * 5, 5)}
         assert set(cache.prefetched[-1]) == upcoming
-        assert cache.released == mine - upcoming
 
 
 def test_batches_through_a_bounded_cache_match_direct_reads(corpus, tmp_path):
     root, doc = corpus
     limit = 3 * (R * L + 1) * 2
-    cache = ShardCache(root, tmp_path / "cache", limit, manifests=load_manifests([root]), prefetch=2)
+    cache = open_corpus(doc, str(root)).open_cache(tmp_path / "cache", limit, prefetch=2)
     cached = ReplayReader(doc, None, seed=2, cache=cache)
     direct = ReplayReader(doc, root, seed=2)
     for step in range(58 // 4):
@@ -190,13 +188,14 @@ def test_huge_plans_need_no_per_row_table():
     assert {s for s, _, _ in tail} == {"code"} and {s for s, _, _ in middle} == {"web", "code"}
 
 
-def test_source_manifests_check_the_plan_against_the_shards(corpus):
+def test_the_plan_is_checked_against_the_manifests(corpus):
     root, doc = corpus
-    assert set(source_manifests(root, doc)) == {"a", "b"}
+    manifests = load_manifests([root])
+    assert set(open_corpus(doc, str(root)).manifests) == {"a", "b"}
     greedy = json.loads(json.dumps(doc))
     greedy["phases"][0]["sources"]["b"][-1]["rows"] = 3  # shard-00002 of b holds 2 rows
-    with pytest.raises(ReaderError, match="takes 3 rows of b/shard-00002.bin, its manifest lists 2"):
-        source_manifests(root, greedy)
+    with pytest.raises(CorpusError, match="takes 3 rows of b/shard-00002.bin, its manifest lists 2"):
+        check_plan_manifests(greedy, manifests)
     other = dict(doc, tokenizer_sha256="different")
-    with pytest.raises(ReaderError, match="expects tokenizer different"):
-        source_manifests(root, other)
+    with pytest.raises(CorpusError, match="expects tokenizer different"):
+        open_corpus(other, str(root))

@@ -11,7 +11,7 @@ from ds_trhash.data.shards import load_manifests
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch.checks import LaunchCheckError
+from ds_trhash.data.stream import CorpusError
 from tests.data.layout_fixtures import our_corpus, release_copy
 from tests.fail_closed import tree_digest
 
@@ -56,7 +56,7 @@ def test_a_changed_shard_of_the_release_layout_is_named_and_nothing_is_written(r
     shard.write_bytes(bytes(raw))
     cfg, model_cfg = _config(tmp_path, plan, corpus, tok)
     before = tree_digest(tmp_path)
-    with pytest.raises(LaunchCheckError, match=f"{shard} does not match the sha256 its manifest records"):
+    with pytest.raises(CorpusError, match="corpora/beta/tokens-00001.bin has sha256 [0-9a-f]{64}, its manifest"):
         resolve_stage_data(cfg, model_cfg, 1, deep=True, scratch=tmp_path / "scratch")
     assert tree_digest(tmp_path) == before
 

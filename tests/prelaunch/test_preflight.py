@@ -42,10 +42,11 @@ def test_tiny_config_passes_every_check(prelaunch_runs):
 
 @pytest.mark.parametrize("case, check, needle", [
     ("missing_shard", "data", "topics_b/shard-00001.bin is missing"),
-    ("wrong_hash", "data", "topics_a/shard-00000.bin does not match the sha256 its manifest records"),
+    ("wrong_hash", "data", "topics_a/shard-00000.bin has sha256"),
     ("target_tokens", "data", "TARGET_TOKENS 123456 != the plan's trained_tokens 160768"),
     ("disk", "disk", "0.0 MiB free under"),
     ("package", "package deepspeed", "simulated: deepspeed is not installed"),
+    ("no_network", "data", "from the Hub at http://127.0.0.1:9 after 5 attempts"),
     ("wrong_tokenizer", "stage", "was trained with tokenizer"),
     ("pretraining_to_sft", "stage", "pretraining -> supervised-finetuning is not an allowed transition"),
     ("output_holds_run", "output", "already holds a run"),

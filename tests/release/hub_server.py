@@ -90,9 +90,13 @@ class Repo:
     private: bool
     files: dict[str, StoredFile] = field(default_factory=dict)
     commits: list[dict[str, Any]] = field(default_factory=list)
+    history: dict[str, dict[str, StoredFile]] = field(default_factory=dict)  # commit -> files at it
+    pinned_head: str | None = None  # a view of the repository at one past commit
 
     @property
     def head(self) -> str:
+        if self.pinned_head is not None:
+            return self.pinned_head
         return hashlib.sha1(json.dumps([c["oid"] for c in self.commits]).encode()).hexdigest()
 
 
@@ -110,6 +114,9 @@ class HubServer:
         self.corrupt: set[str] = set()
         self.hold: dict[str, threading.Event] = {}
         self.arrived: dict[str, threading.Event] = {}
+        self.file_faults: dict[str, list[str]] = {}  # resolve path -> faults, one per request (see DatasetFaults)
+        self.stall_s = 30.0  # how long a "stall" fault keeps the connection silent
+        self.served: dict[str, int] = {}  # resolve path -> complete GETs answered
         self.observers: list[Any] = []  # callables(endpoint) run on every request (e.g. "is the local dir intact?")
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -189,6 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _HTTPError(401, f"Invalid credentials in Authorization header {got!r}")
             body = self._body()
             status, doc, headers = handler(match, query, body)
+            if isinstance(doc, _Raw):
+                self._send_raw(status, doc, headers)
+                return
         except _HTTPError as err:
             status, doc, headers = err.status, {"error": err.message, **err.extra}, {"X-Error-Message": err.message}
             if err.code:
@@ -237,6 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", r"/(?P<prefix>datasets/)?(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch", "lfs_batch",
              self._lfs_batch),
             ("PUT", r"/lfs-upload/(?P<oid>[0-9a-f]{64})", "lfs_upload", self._lfs_upload),
+            ("GET", r"/(?P<type>dataset)s/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve",
+             self._resolve_file),
             ("POST", r"/lfs-verify/(?P<oid>[0-9a-f]{64})", "lfs_verify", self._lfs_verify),
         ]
         for want, pattern, name, handler in routes:
@@ -250,9 +262,13 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.hub.repos.get((repo_type, match.group("repo")))
         if repo is None:
             raise _HTTPError(404, f"Repository {match.group('repo')} not found", "RepoNotFound")
-        if match.groupdict().get("rev", "main") != "main":
-            raise _HTTPError(404, f"Revision {match.group('rev')} not found", "RevisionNotFound")
-        return repo
+        rev = match.groupdict().get("rev") or "main"
+        if rev in ("main", repo.head):
+            return repo
+        if rev in repo.history:  # a past commit: the files as they were then
+            return Repo(repo.repo_id, repo.repo_type, repo.private, dict(repo.history[rev]), repo.commits,
+                        pinned_head=rev)
+        raise _HTTPError(404, f"Revision {rev} not found", "RevisionNotFound")
 
     # ------------------------------------------------------------------ endpoints
 
@@ -376,5 +392,104 @@ class _Handler(BaseHTTPRequestHandler):
             repo.commits.append({"summary": lines[0]["value"]["summary"], "operations": lines[1:],
                                  "oid": hashlib.sha1(body).hexdigest()})
             oid = repo.head
+            repo.history[oid] = dict(files)
         return 200, {"commitUrl": f"{self.hub.url}/{repo.repo_id}/commit/{oid}", "commitOid": oid,
                      "pullRequestUrl": None}, {}
+
+
+# ---------------------------------------------------------------------- dataset downloads
+# Kept apart from the upload endpoints above: what the shard store's downloads need.
+
+
+@dataclass
+class _Raw:
+    """A file body (not JSON), sent from ``start`` with the faults armed for its path."""
+
+    data: bytes
+    start: int
+    path: str
+    fault: str | None
+
+
+def _resolve_file(self: _Handler, match: re.Match, query: dict, body: bytes):
+    """``GET /datasets/{repo}/resolve/{rev}/{path}``: the file at that revision, with the headers
+    the client reads (X-Repo-Commit, ETag, X-Linked-Etag / X-Linked-Size for LFS files,
+    Content-Length, Accept-Ranges) and ``Range: bytes=N-`` answered with 206."""
+    repo = self._repo(match)
+    path = match.group("path")
+    stored = repo.files.get(path)
+    if stored is None:
+        raise _HTTPError(404, f"{path} does not exist at {match.group('rev')}", "EntryNotFound")
+    with self.hub.lock:
+        faults = self.hub.file_faults.get(path) or []
+        fault = faults.pop(0) if faults else None
+    if fault == "503":
+        raise _HTTPError(503, "Service temporarily unavailable")
+    if fault == "429":
+        raise _HTTPError(429, "Too many requests")
+    start = 0
+    wanted = self.headers.get("Range", "")
+    if wanted.startswith("bytes=") and wanted.endswith("-"):
+        start = min(int(wanted[6:-1]), len(stored.data))
+    entry = stored.entry(path)
+    headers = {"X-Repo-Commit": repo.head, "ETag": f'"{entry["oid"]}"', "Accept-Ranges": "bytes"}
+    if stored.lfs:
+        headers.update({"X-Linked-Etag": f'"{entry["lfs"]["oid"]}"', "X-Linked-Size": str(len(stored.data))})
+    if start:
+        headers["Content-Range"] = f"bytes {start}-{len(stored.data) - 1}/{len(stored.data)}"
+    return (206 if start else 200), _Raw(stored.data, start, path, fault), headers
+
+
+def _send_raw(self: _Handler, status: int, raw: _Raw, headers: dict) -> None:
+    """The body with its fault: ``drop`` closes the socket halfway, ``stall`` goes silent halfway
+    for ``hub.stall_s``, ``corrupt`` flips one byte; otherwise the whole body."""
+    data = bytearray(raw.data[raw.start:])
+    if raw.fault == "corrupt" and data:
+        data[len(data) // 2] ^= 0xFF
+    self.send_response(status)
+    self.send_header("Content-Type", "application/octet-stream")
+    self.send_header("Content-Length", str(len(data)))
+    for key, value in headers.items():
+        self.send_header(key, value)
+    self.end_headers()
+    half = len(data) // 2
+    try:
+        if raw.fault == "drop":
+            self.wfile.write(bytes(data[:half]))
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if raw.fault == "stall":
+            self.wfile.write(bytes(data[:half]))
+            self.wfile.flush()
+            self.hub._stop.wait(self.hub.stall_s)
+        self.wfile.write(bytes(data[half:] if raw.fault == "stall" else data))
+    except OSError:
+        return  # the client gave up on a stalled transfer
+    if raw.fault == "stall":
+        return  # the client had given up on it by now: not a download it used
+    with self.hub.lock:
+        self.hub.served[raw.path] = self.hub.served.get(raw.path, 0) + 1
+
+
+_Handler._resolve_file = _resolve_file
+_Handler._send_raw = _send_raw
+
+
+def seed_dataset(hub: HubServer, repo_id: str, files: dict[str, bytes]) -> str:
+    """Create (or move ``main`` of) a dataset repository holding ``files`` (``.bin`` as LFS); the
+    new commit, kept in the history so the former ones stay readable. ``None`` values delete."""
+    with hub.lock:
+        repo = hub.repos.setdefault(("dataset", repo_id), Repo(repo_id, "dataset", private=False))
+        now = dict(repo.files)
+        for path, data in files.items():
+            if data is None:
+                now.pop(path, None)
+            else:
+                now[path] = StoredFile(data, lfs=path.endswith(LFS_SUFFIXES) or len(data) > LFS_THRESHOLD)
+        repo.files = now
+        repo.commits.append({"summary": "seed", "operations": sorted(files),
+                             "oid": hashlib.sha1(f"{len(repo.commits)}{sorted(files)}".encode()).hexdigest()})
+        repo.history[repo.head] = dict(now)
+        return repo.head

@@ -76,6 +76,7 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
         if need[1] is None:
             raise b.fail(need[0], f"required for preset {cfg.model.preset}; null (the embedded demo corpus) "
                                   "is allowed only with preset tiny", "model.preset")
+        # data.shards_dir null: the plan's own dataset (an hf://datasets/... repository) is read.
     num_experts, max_seq = _model_facts(cfg.model.preset)
     if num_experts % cfg.parallel.ep_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]

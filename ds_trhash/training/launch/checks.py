@@ -15,10 +15,7 @@ from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
-from ds_trhash.data.corpus import sources_dir
 from ds_trhash.errors import UserError
-from ds_trhash.safe_names import UnsafeNameError, resolve_under
-from ds_trhash.io import sha256_file
 
 Log = Callable[[str], None]
 # Next to a run's files, the names a damaged run is set aside under (never deleted).
@@ -238,64 +235,6 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
         raise LaunchCheckError(
             f"data.tokenizer {tokenizer_file(tokenizer)} has sha256 {actual[:12]}…, but {listing}; "
             "point data.tokenizer at the tokenizer the data was made with, or rebuild the data")
-
-
-def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
-                   world: int = 1, hashes: bool = True) -> list[str]:
-    """Every shard the plan reads: present with its manifest size (all ranks), and its SHA-256
-    equal to the manifest's (each rank hashes every world-th shard, so the whole set is hashed
-    once; ``hashes`` False: sizes only, as ``ds-trhash preflight`` checks without --deep).
-    Returns the problems found here; ``agree_on_problems`` shares them."""
-    needed: dict[tuple[str, str], None] = {}
-    for phase in plan_doc["phases"]:
-        for source, entries in phase["sources"].items():
-            for entry in entries:
-                needed[(source, entry["file"])] = None
-    problems = []
-    base = sources_dir(shards_dir)  # either corpus layout (docs/contracts.md §2b)
-    listed = {source: {s["file"]: s for s in manifests[source]["shards"]} for source, _ in needed}
-    for index, (source, name) in enumerate(needed):
-        shard = listed[source].get(name)
-        if shard is None:
-            problems.append(f"{source}/{name} is not in its manifest")
-            continue
-        try:
-            path = resolve_under(base, f"{source}/{name}", "the plan", f"{source}/{name}")
-        except UnsafeNameError as exc:
-            problems.append(str(exc))
-            continue
-        try:
-            size = path.stat().st_size
-        except OSError:
-            problems.append(f"{path} is missing (the plan reads it; was it deleted after planning?)")
-            continue
-        if "bytes" in shard and size != int(shard["bytes"]):
-            problems.append(f"{path} holds {size} bytes, its manifest {shard['bytes']}")
-            continue
-        if hashes and index % world == rank and sha256_file(path) != shard["sha256"]:
-            problems.append(f"{path} does not match the sha256 its manifest records ({shard['sha256'][:12]}…)")
-    return problems
-
-
-def agree_on_problems(problems: Iterable[str], world: int) -> list[str]:
-    """Every rank's problems, on every rank, so all refuse together with the same message."""
-    problems = list(problems)
-    if world <= 1:
-        return problems
-    import torch.distributed as dist
-
-    gathered: list[list[str] | None] = [None] * world
-    dist.all_gather_object(gathered, problems)
-    return [p for part in gathered for p in (part or [])]
-
-
-def check_shards(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, Mapping], rank: int = 0,
-                 world: int = 1, hashes: bool = True) -> None:
-    problems = agree_on_problems(shard_problems(shards_dir, plan_doc, manifests, rank, world, hashes), world)
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise LaunchCheckError(f"the shards under {shards_dir} do not match the plan: {shown}; "
-                               "restore them or re-tokenize and re-plan")
 
 
 def check_sft_manifest_unchanged(recorded: str | None, current: str | None, sft_dir: str | None) -> None:

@@ -87,7 +87,8 @@ class LaunchPlan:
             tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
             sft_manifest_sha256=data.sft_manifest_sha256,
             source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
-            pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()))
+            pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()),
+            data_source=data.data_source)
 
 
 def launch_device() -> torch.device:
@@ -130,10 +131,10 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     model_cfg = tcfg.model_config(cfg)
     output = checked if checked is not None else check_output_side(cfg, args, rank)
-    # the data: plan, budgets, tokenizer identity, every shard's hash (reads only; the
+    # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world))
+            else prepare_pretrain_data(cfg, rank, world, saved_source=(output.saved or {}).get("data_source")))
     for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
         if rank == 0:
             log.info(note)

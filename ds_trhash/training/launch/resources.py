@@ -249,14 +249,14 @@ def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int
                after: int = 0, existing: list[int] | tuple = ()) -> list[tuple[str, Path, int]]:
     """What a run from step ``after`` to ``total_steps`` puts on disk: the checkpoints it keeps at
     once beyond the ``existing`` complete ones (the trainer's own cadence and rotation), and the
-    shard cache of every rank (pretraining, refinement)."""
+    node's one shard cache (pretraining, refinement: shared by the node's ranks)."""
     kept = CheckpointPlan.for_stage(cfg, total_steps, steps_per_epoch).peak_kept(after=after, existing=existing)
     new = max(0, kept - len(existing))
     needs = [(f"checkpoints ({new} more x {gib(footprint.checkpoint)}, at most {kept} at once)",
               Path(cfg.output_dir), new * footprint.checkpoint)]
     if cfg.data.kind == "pretrain":
         cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache")
-        needs.append((f"shard cache ({world} rank(s))", cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ) * world))
+        needs.append(("shard cache (one per node)", cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ)))
     return needs
 
 

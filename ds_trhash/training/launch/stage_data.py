@@ -1,7 +1,9 @@
 """Stage data: what a launch trains on, checked before any model exists.
 
 ``prepare_pretrain_data`` (pretraining, refinement) loads the replay plan, checks the token budget,
-the tokenizer identity and every planned shard; ``prepare_sft_data`` opens (or, for the tiny preset,
+asks the data package its one question (``data.stream.shared_corpus``: the store's commit, every
+planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
+and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
 builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining reader
 and its shard cache are created only by ``StageData.start``, once every launch check has passed.
 """
@@ -16,10 +18,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds_trhash.data.budget import check_target_tokens, plan_steps
-from ds_trhash.data.cache import ShardCache, cache_bytes_from
+from ds_trhash.data.cache import CACHE_ENV, cache_bytes_from
+from ds_trhash.data.stream import resume_commit, shared_corpus
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plan import load_plan
-from ds_trhash.data.reader import ReplayReader, plan_corpus
+from ds_trhash.data.reader import ReplayReader
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.tokenizer import tokenizer_sha256
@@ -56,6 +59,7 @@ class StageData:
     sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
     sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
     shards_dir: str | None = None  # where the plan's shards are (pretraining, refinement)
+    data_source: dict | None = None  # {store, commit} read: recorded in every checkpoint
     tokenizer_assumed: bool = False  # the data records no tokenizer: the configured one is taken as its
     notes: tuple[str, ...] = ()  # said once by rank 0 (e.g. that the corpus records no tokenizer)
     describe: str = ""
@@ -97,24 +101,18 @@ def _tokenizer_identity(recorded: dict, tokenizer_dir, shards_dir) -> tuple[str 
                           f"data.tokenizer {tokenizer_dir} (sha256 {actual[:12]}…), recorded as this run's tokenizer",)
 
 
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "split") -> StageData:
-    """``shard_hashes``: "split" (a launch: each rank hashes its share of the planned shards and
-    the ranks agree), or, in one process without a process group, "all" or "none" (sizes only)."""
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
+                          saved_source: dict | None = None) -> StageData:
+    """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
+    cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
+    ``data_source`` a resumed checkpoint recorded (its commit is read again)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = paths.shards_dir, paths.tokenizer_dir
+        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
     else:
         plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
     plan = load_plan(plan_path)
-    if shards_dir is None:
-        # null means the plan's own `dataset` at its `revision`; only local shard roots are read so far.
-        raise tcfg.ConfigError(
-            cfg.origin, "data.shards_dir",
-            f"null means the shards of the plan's own dataset {plan.doc.get('dataset')!r} (revision "
-            f"{plan.doc.get('revision')!r}, plan {plan_path}), and reading a dataset that is not a local directory "
-            "is not supported yet; download the corpus and set data.shards_dir to its directory "
-            "(--set data.shards_dir=DIR)")
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
                                f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")
@@ -131,28 +129,28 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
-    corpus = plan_corpus(shards_dir, plan, origin=f"replay plan {plan_path}")
-    manifests = corpus.sources
+    # Before the model and engine: the revision pinned, every planned shard listed with its size.
+    pinned = resume_commit(shards_dir, plan.doc, saved_source)
+    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
-                **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in manifests.items()}}
+                **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     launch_checks.check_tokenizer_matches(tokenizer_dir, recorded)
-    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, shards_dir)
-    # Before the model and engine: every planned shard present, sized and hashed as planned.
-    if shard_hashes == "split":
-        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
-    else:
-        launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, hashes=shard_hashes == "all")
+    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
+    max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
+    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    corpus.check_cache_bound(max_bytes, ranks_on_node, f"data.cache_gb / {CACHE_ENV}")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes, shards_dir=str(shards_dir),
-                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]} ({corpus.layout} layout)")
+                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes,
+                     shards_dir=corpus.store.description, data_source=corpus.record,
+                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
+                              f"({corpus.layout} layout)")
 
     def start() -> None:
-        # Every shard is read through the bounded cache, which verifies its SHA-256 against the
-        # manifest again as it copies it (one cache folder per rank).
-        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-        cache = ShardCache(corpus.sources_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), manifests)
-        reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
+        # One cache per node: every rank of this node opens the same folder; each shard is
+        # downloaded once and verified (size and SHA-256) before any rank reads it.
+        cache = corpus.open_cache(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache", max_bytes)
+        reader = ReplayReader(plan, None, cfg.seed, cache=cache)
         data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
 
     data.start = start

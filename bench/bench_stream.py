@@ -1,0 +1,106 @@
+"""Shard streaming figures (not a test): rows/s delivered from the loopback Hub against local disk,
+and the launch's data check over a 1,000-shard corpus before and after the store.
+
+    .venv/bin/python bench/bench_stream.py [--shards 40] [--rows 2048] [--seq-len 128] [--check-shards 1000]
+
+1. A synthetic corpus (two sources, ``--shards`` shards of ``--rows`` rows each) is written once,
+   served by the loopback Hub stand-in (``tests/release/hub_server.py``, the real
+   ``huggingface_hub`` client) and read in plan order, micro-batches of 8 rows, by one reader:
+   straight from the directory (no cache), through the node cache filled from the directory, and
+   through the node cache filled from the Hub (cold: every shard downloaded on the way, with
+   prefetch). The server runs in this process, so it competes with the reader for one interpreter.
+2. The launch's data check for a plan over a ``--check-shards``-shard corpus: before (every planned
+   shard hashed, as the launch did) and after (one listing and the manifests), from the directory
+   and from the Hub, at two shard sizes: the "after" time should not grow with the corpus bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ds_trhash.data.stream import open_corpus  # noqa: E402
+from ds_trhash.data.plan_build import build_plan  # noqa: E402
+from ds_trhash.data.reader import ReplayReader  # noqa: E402
+from ds_trhash.data.shards import load_manifests, write_shards  # noqa: E402
+from ds_trhash.data.store import HubStore  # noqa: E402
+from tests.data.hub_corpus import corpus_files  # noqa: E402
+from tests.release.hub_server import HubServer, seed_dataset  # noqa: E402
+
+TOKEN = "hf_benchstreamtoken"
+
+
+def corpus(root: Path, shards: int, rows: int, seq_len: int) -> dict:
+    rng = np.random.default_rng(0)
+    for source in ("a", "b"):
+        stream = rng.integers(1, 30000, shards * rows * seq_len + 1)
+        write_shards(source, [stream], seq_len, rows, root, vocab_size=32000, tokenizer_hash="h")
+    manifests = load_manifests([root])
+    total = sum(m["total_rows"] for m in manifests.values()) * seq_len
+    return build_plan(manifests, total, dataset="hf://datasets/bench/corpus", revision="main")
+
+
+def rows_per_s(reader: ReplayReader, rows: int, micro: int = 8) -> float:
+    started = time.perf_counter()
+    for step in range(rows // micro):
+        reader.batch(step, 0, 0, 1, micro, 1)
+    return (rows // micro * micro) / (time.perf_counter() - started)
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", type=int, default=40)
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--check-shards", type=int, default=1000)
+    args = ap.parse_args()
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp, HubServer(TOKEN, deadline_s=3600) as hub:
+        os.environ.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+        root = Path(tmp) / "corpus"
+        plan = corpus(root, args.shards, args.rows, args.seq_len)
+        seed_dataset(hub, "bench/corpus", corpus_files(root))
+        n = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
+        size = sum(len(b) for b in corpus_files(root).values())
+        print(f"corpus: {n:,} rows of {args.seq_len} tokens, {2 * args.shards} shards, {size / 2**20:.1f} MiB")
+        direct = rows_per_s(ReplayReader(plan, root, 0), n)
+        local = open_corpus(plan, str(root))
+        with local.open_cache(Path(tmp) / "cache-local", 2**40) as cache:
+            via_local = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
+        remote = open_corpus(plan, None, store=HubStore("bench/corpus"))
+        with remote.open_cache(Path(tmp) / "cache-hub", 2**40) as cache:
+            via_hub = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
+            waited = cache.stats()["waited_s"]
+        print(f"rows/s  local dir, no cache: {direct:,.0f}")
+        print(f"rows/s  node cache from the local dir (cold): {via_local:,.0f}")
+        print(f"rows/s  node cache from the loopback Hub (cold): {via_hub:,.0f} = {via_hub / via_local:.3f} of the "
+              f"local cache, {via_hub / direct:.3f} of direct reads; reads waited {waited:.2f} s for downloads")
+
+        for rows in (16, 256):
+            big = Path(tmp) / f"check-{rows}"
+            doc = corpus(big, args.check_shards // 2, rows, args.seq_len)
+            seed_dataset(hub, f"bench/check-{rows}", corpus_files(big))
+            mib = sum(p.stat().st_size for p in big.rglob("*.bin")) / 2**20
+            before = timed(lambda: open_corpus(doc, str(big), deep=True))
+            after = timed(lambda: open_corpus(doc, str(big)))
+            hub_after = timed(lambda: open_corpus(doc, None, store=HubStore(f"bench/check-{rows}")))
+            print(f"launch check, {args.check_shards} shards, {mib:.0f} MiB: before (hash every shard) {before:.3f} s; "
+                  f"after, directory {after:.3f} s; after, loopback Hub {hub_after:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

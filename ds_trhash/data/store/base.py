@@ -1,0 +1,62 @@
+"""What the shard cache and the launch checks need from wherever a corpus lives.
+
+A store is one corpus at one pinned revision: it resolves that revision to a commit once, lists
+every file with its size in one request, reads a small JSON file, and writes one file's bytes
+into a local file the cache prepared. The reader and the cache never learn more than this, so
+another kind of store (``s3://``, ``gs://`` through fsspec) only has to implement these four.
+"""
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from ds_trhash.errors import UserError
+
+
+class StoreError(UserError, ValueError):
+    """The store cannot give what the launch needs (unreachable, missing file, bad revision)."""
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """A transient failure outlived its retries: names the file and the endpoint."""
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    path: str  # relative, "/"-separated
+    size: int
+    sha256: Optional[str] = None  # when the listing carries it (LFS files on the Hub)
+
+
+def relative_name(path: str, origin: str) -> str:
+    """A store path from an untrusted listing or manifest: relative, no ``..``, no empty part."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        raise StoreError(f"{origin}: {path!r} is not a plain relative file name")
+    norm = posixpath.normpath(path)
+    if path.startswith("/") or norm != path or norm == "." or norm.split("/")[0] == "..":
+        raise StoreError(f"{origin}: {path!r} is not a plain relative file name (no '/', '..' or absolute parts)")
+    return path
+
+
+class ShardStore(Protocol):
+    """One corpus at one revision (see the module docstring)."""
+
+    description: str  # what messages name: a path, or hf://datasets/OWNER/REPO plus endpoint
+    identity: str  # stable text naming the store and its commit (cache folder, run record)
+
+    def resolve(self, pinned: Optional[str] = None) -> str:
+        """The commit this store reads (``pinned``: a commit recorded earlier, kept as is)."""
+
+    def pin(self, commit: str) -> None:
+        """Read ``commit`` from now on without asking the store (another rank resolved it)."""
+
+    def list_files(self) -> dict[str, StoreFile]:
+        """Every file at the commit, by relative path, from one listing."""
+
+    def read_json(self, path: str) -> Any:
+        """The decoded JSON file at ``path``."""
+
+    def download(self, path: str, dest: Path, size: int) -> None:
+        """Write the file's ``size`` bytes into ``dest`` (an existing file, overwritten from 0)."""

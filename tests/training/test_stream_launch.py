@@ -1,0 +1,100 @@
+"""A 2-rank launch that streams its shards from the loopback Hub through the real client: killed
+with SIGKILL while a download is in flight, resumed with --resume auto after `main` moved (it
+reads the commit it started on), through a 503, a dropped connection, a stalled transfer and a
+corrupt body; it ends bit-identical to the same plan read from a local directory. Each shard is
+downloaded once per node, the cache never holds more than its bound, and the token is in no file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from ds_trhash.data import cache_files as cf
+from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.plan import load_plan
+from tests.data.hub_corpus import TOKEN, corpus_files
+from tests.release.hub_server import HubServer, seed_dataset
+from tests.training import launch_utils as L
+from tests.training.test_resume_equivalence import STEPS, _args
+
+pytestmark = pytest.mark.launch
+
+REPO = "team/embedded"
+STALLED = "topics_a/shard-00001.bin"  # first read at step 5, after the checkpoint of step 3
+GIB = 1024**3
+
+
+def _losses(out):
+    return {int(r["step"]): r["train_loss"] for r in L.metrics(out) if r["train_loss"]}
+
+
+def _sampler(cache_dir, seen, stop):
+    while not stop.is_set():
+        if cache_dir.exists():
+            with cf.evict_lock(cache_dir):
+                seen.append(cf.scan(cache_dir)[0])
+        time.sleep(0.05)
+
+
+def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launches, tmp_path):
+    ref = shared_launches.get(2, lambda o: _args(o, micro=4))
+    paths = build_embedded(ref.parent / "embedded", seq_len=128)  # the reference's corpus (already built)
+    plan = load_plan(paths.pretrain_plan)
+    planned = {f"{s}/{e['file']}" for ph in plan.doc["phases"] for s, es in ph["sources"].items() for e in es}
+    files = corpus_files(paths.shards_dir)
+    bound = sum(len(files[p]) for p in planned)  # exactly the planned shards: nothing to spare
+    out = tmp_path / "run"
+    args = _args(out, micro=4) + ["--set", f"data.plan={paths.pretrain_plan}", "--set",
+                                  f"data.shards_dir=hf://datasets/{REPO}", "--set", f"data.tokenizer={paths.tokenizer_dir}"]
+    seen, stop = [], threading.Event()
+    with HubServer(TOKEN, deadline_s=900) as hub:
+        first = seed_dataset(hub, REPO, files)
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60",
+                   TOKENIZED_CACHE_GB=repr(bound / GIB))
+        hub.file_faults.update({"topics_b/shard-00000.bin": ["503"], "topics_a/shard-00004.bin": ["drop"],
+                                "topics_b/shard-00001.bin": ["corrupt"], STALLED: ["stall"]})
+        hub.stall_s = 600  # the first run is killed while this transfer hangs
+        sampler = threading.Thread(target=_sampler, args=(out / "shard_cache", seen, stop), daemon=True)
+        sampler.start()
+        port = L.free_port()
+        killed = subprocess.Popen([str(L.VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+                                   str(L.REPO / "launch" / "train.py"), *args], cwd=L.REPO, env=L.base_env(**env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline and not (
+                    (out / "checkpoints" / "step_00000003").is_dir() and list(out.glob("shard_cache/*/topics_a/shard-00001.bin.partial-*"))
+                    and STALLED not in hub.served and hub.file_faults[STALLED] == []):
+                assert killed.poll() is None, killed.communicate()[0][-5000:]
+                time.sleep(0.2)
+            os.killpg(killed.pid, signal.SIGKILL)
+        finally:
+            killed.wait(30)
+            for seg in L.shm_segments(port):
+                seg.unlink(missing_ok=True)
+        assert L.checkpoint_steps(out) == [3] and list(out.rglob("*.partial-*"))
+        state = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+        assert state["data_source"] == {"store": f"hf:{hub.url}/datasets/{REPO}", "commit": first}
+
+        moved = seed_dataset(hub, REPO, {STALLED: None})  # main moves on, without the stalled shard
+        hub.stall_s = 5
+        hub.file_faults[STALLED] = ["503", "drop", "stall", "corrupt"]
+        resumed = L.deepspeed(2, args + ["--resume", "auto"], timeout=600, **{**env, "HF_HUB_DOWNLOAD_TIMEOUT": "2"})
+        stop.set()
+        assert resumed.returncode == 0, L.explain(resumed)
+    assert moved != first and "resuming at step 3" in resumed.stdout, L.explain(resumed)
+    L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), L.model_weights(
+        ref / "checkpoints" / f"step_{STEPS:08d}"))
+    assert _losses(out) == _losses(ref)
+    # once per node: a complete GET per planned shard, plus one for each corrupt body served
+    corrupt = {"topics_b/shard-00001.bin", STALLED}
+    assert {p: n for p, n in hub.served.items() if p in planned} == {p: 1 + (p in corrupt) for p in planned}
+    assert seen and max(seen) <= bound
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
