@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 from ds_trhash.eval.callbacks import HeldoutCallback, PiqaCallback
+from ds_trhash.release.lifecycle import StageEndCallback
 from ds_trhash.run import launch_parts
 from ds_trhash.training.callbacks import (
     CheckpointCallback,
@@ -45,8 +46,9 @@ def _imports(path: Path):
 
 
 def test_launch_calls_the_parts_in_order():
+    # the end of a completed stage (final/, stage_complete.json, cleanup) runs after every checkpoint and best/
     assert launch_parts() == [StopCallback, FaultCallback, HeldoutCallback, PiqaCallback, MetricsCallback,
-                              ProgressCallback, CheckpointCallback, SelectionCallback]
+                              ProgressCallback, CheckpointCallback, SelectionCallback, StageEndCallback]
 
 
 def test_no_package_imports_above_itself():

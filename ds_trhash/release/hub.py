@@ -108,13 +108,20 @@ class Unit:
     path_in_repo: str  # "" = repository root
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "size"}
     step: int | None = None
+    prefix: str = ""  # --path-in-repo: the folder of the repository that mirrors the run
 
     @property
     def name(self) -> str:
+        """The unit's name in the run directory (and in sync_verified.json), whatever the prefix."""
         return self.path_in_repo or self.path.name
 
+    @property
+    def folder(self) -> str:
+        """The unit's folder in the repository ("" = the root)."""
+        return "/".join(p for p in (self.prefix, self.path_in_repo) if p)
+
     def remote(self, rel: str) -> str:
-        return f"{self.path_in_repo}/{rel}" if self.path_in_repo else rel
+        return f"{self.folder}/{rel}" if self.folder else rel
 
 
 @dataclass
@@ -205,7 +212,8 @@ def discover(local_dir: str | os.PathLike) -> _Plan:
     if (root / "exports").is_dir():
         candidates += [p for p in sorted((root / "exports").iterdir()) if p.is_dir()]
     for path in candidates:
-        if path.name == CHECKPOINTS or not _is_export(path):
+        # hidden: an export being written (``.final.tmp-*``), renamed into place only when complete
+        if path.name == CHECKPOINTS or path.name.startswith(".") or not _is_export(path):
             continue
         rel = path.relative_to(root).as_posix()
         unit = _export_unit(path, rel)
@@ -248,12 +256,12 @@ def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = 
 
     def listing() -> list[Any]:
         try:
-            return list(api.list_repo_tree(repo_id, path_in_repo=unit.path_in_repo or None, recursive=True,
+            return list(api.list_repo_tree(repo_id, path_in_repo=unit.folder or None, recursive=True,
                                            repo_type=repo_type, revision=revision))
         except EntryNotFoundError:  # the folder is not on the Hub yet
             return []
 
-    entries = _call(f"listing {unit.path_in_repo or 'the root'} of {repo_id}", listing)
+    entries = _call(f"listing {unit.folder or 'the root'} of {repo_id}", listing)
     return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
 
 
@@ -261,7 +269,7 @@ def stale_remote_files(unit: Unit, remote: Mapping[str, Any]) -> list[str]:
     """Files on the Hub inside a unit's own folder that its manifest does not list (left there by
     an earlier run with another layout). A root unit (an export synced alone) owns no folder, so
     nothing beside it counts as stale."""
-    if not unit.path_in_repo:
+    if not unit.folder:
         return []
     wanted = {unit.remote(rel) for rel in unit.files}
     return sorted(path for path in remote if path not in wanted)
@@ -310,10 +318,13 @@ def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str
 
 
 def _mark_verified(lock_dir: Path, unit: Unit, repo_id: str) -> None:
-    """Tell the trainer's rotation (``checkpoint.keep_unsynced``) this checkpoint is on the Hub."""
-    if unit.kind == "checkpoint":
-        update_verified(lock_dir, add={unit.name: {"manifest_sha256": unit.files[MANIFEST]["sha256"],
-                                                   "repo_id": repo_id}})
+    """Tell the trainer's rotation (``checkpoint.keep_unsynced``), cleanup and the watcher that
+    this unit is on the Hub, with exactly this manifest (and where: repository and prefix)."""
+    manifest = MANIFEST if unit.kind == "checkpoint" else EXPORT_MANIFEST
+    entry = {"manifest_sha256": unit.files[manifest]["sha256"], "repo_id": repo_id}
+    if unit.prefix:
+        entry["prefix"] = unit.prefix
+    update_verified(lock_dir, add={unit.name: entry})
 
 
 def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
@@ -340,22 +351,27 @@ def sync(
     repo_type: str | None = None,
     revision: str | None = None,
     lock_timeout: float = 0.0,
+    path_in_repo: str = "",
     log: Log = print,
 ) -> SyncReport:
     """Upload every complete checkpoint/export under ``local_dir``, verify it on the Hub, then
     (with ``prune_local``) delete verified local checkpoints beyond the newest ``keep_last``.
 
     Raises ``SyncError`` (with ``.report``) on the first upload or verification failure; nothing
-    is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing.
+    is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing. ``path_in_repo``:
+    a folder of the repository under which the run's units go (``check_prefix``).
     """
     if keep_last < 1:
         raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
+    prefix = check_prefix(path_in_repo)
     say: Log = lambda line: log(redact(line))  # noqa: E731
     report = SyncReport(repo_id=repo_id, dry_run=dry_run)
     root = Path(local_dir)
     lock_dir = discover_lock_dir(root)
     with sync_lock(lock_dir, lock_timeout):
         plan = discover(root)
+        for unit in plan.units:
+            unit.prefix = prefix
         if prune_local and not plan.prunable:
             raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
                             f"single {plan.units[0].kind} {root}")
@@ -415,6 +431,21 @@ def sync(
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
     return report
+
+
+def check_prefix(prefix: str | None) -> str:
+    """A repository folder given by the user: relative, '/'-separated, no '.' or '..' part, no
+    empty part; returned without surrounding slashes ("" = the repository root)."""
+    text = (prefix or "").strip()
+    if not text:
+        return ""
+    parts = text.split("/")
+    bad = (text.startswith("/") or "\\" in text or any(p in ("", ".", "..") for p in parts)
+           or any(ord(c) < 32 for c in text))
+    if bad:
+        raise SyncError(f"--path-in-repo {prefix!r} is not a folder of the repository: give a relative path such "
+                        "as runs/pretrain (no leading '/', no '.' or '..' part, no empty part, no backslash)")
+    return text
 
 
 def discover_lock_dir(root: Path) -> Path:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.training import config as tcfg
+from ds_trhash.checkpoints import run_lock
 from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
@@ -169,10 +170,21 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
         checked = check_output_side(cfg, args, env_rank)
+        # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
+        lock = run_lock.acquire(cfg.output_dir) if env_rank == 0 else run_lock.check_peer(cfg.output_dir)
     except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
         if env_rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _train(cfg, args, parts, user_errors, checked)
+    finally:
+        if lock is not None:  # a refused launch that wrote nothing also takes its lock file away
+            lock.release(discard=True)
+
+
+def _train(cfg, args, parts, user_errors, checked) -> int:
+    """The launch once its output side is checked and its directory is locked."""
     rank, world = init_distributed()
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -32,7 +32,8 @@ from typing import Any
 
 from ds_trhash.training.callbacks.base import Callback, RunContext
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: a terminal that closes stops the run with a checkpoint, as SIGTERM does, instead of killing it
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
 DUPLICATE_WINDOW_S = 2.0
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
