@@ -74,13 +74,13 @@ def check_args(run_dir: str | os.PathLike, repo_id: str, prefix: str, every: flo
     return hub.check_prefix(prefix)
 
 
-def check_repo(api: Any, repo_id: str, repo_type: str | None, create: bool) -> None:
+def check_repo(api: Any, repo_id: str, repo_type: str | None, revision: str | None, create: bool) -> None:
     """The repository must exist (or be created with ``create``): a typo in --repo is refused
     before the run is waited for, instead of creating a stray repository."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     try:
-        api.repo_info(repo_id, repo_type=repo_type)
+        api.repo_info(repo_id, repo_type=repo_type, revision=revision or "main")
         return
     except RepositoryNotFoundError:
         if not create:
@@ -155,7 +155,8 @@ class Watcher:
         """One sync pass in a child process; False when it failed or stalled (and was killed)."""
         self.passes += 1
         started = time.monotonic()
-        proc = subprocess.Popen(self.pass_command(), start_new_session=True, preexec_fn=_die_with_parent)
+        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # a log, not a terminal: no progress bars
+        proc = subprocess.Popen(self.pass_command(), env=env, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             code = proc.wait(timeout=self.pass_timeout)
         except subprocess.TimeoutExpired:
@@ -209,7 +210,7 @@ def watch(run_dir: str | os.PathLike, repo_id: str, *, prefix: str = "", every: 
     """Check the arguments, the token and the repository, then watch until the run is backed up."""
     prefix = check_args(run_dir, repo_id, prefix, every, pass_timeout)
     api = hub.make_api(require_token=True)
-    check_repo(api, repo_id, repo_type, create_repo)
+    check_repo(api, repo_id, repo_type, revision, create_repo)
     watcher = Watcher(run_dir, repo_id, prefix=prefix, every=every, pass_timeout=pass_timeout, repo_type=repo_type,
                       revision=revision, log=log)
     return watcher.run(max_passes)
