@@ -2,6 +2,8 @@
 the stand-in Hub for the sync, watch and cleanup tests."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +63,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def server(monkeypatch):
+@contextlib.contextmanager
+def stand_in_hub(monkeypatch, deadline_s: float = 120.0) -> Iterator[HubServer]:
     """The stand-in Hub, with HF_ENDPOINT / HF_TOKEN / HF_HUB_DISABLE_XET set as a user would.
     huggingface_hub reads the endpoint and the Xet switch once, at import, and this process
     imported it already, so its constants are pointed at the server too."""
-    with HubServer(TOKEN) as srv:
+    with HubServer(TOKEN, deadline_s=deadline_s) as srv:
         for key, value in {"HF_ENDPOINT": srv.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}.items():
             monkeypatch.setenv(key, value)
         monkeypatch.setattr(constants, "ENDPOINT", srv.url)
@@ -74,3 +76,7 @@ def server(monkeypatch):
         yield srv
 
 
+@pytest.fixture
+def server(monkeypatch):
+    with stand_in_hub(monkeypatch) as srv:
+        yield srv

@@ -11,6 +11,9 @@ How the DeepSpeed 0.19 launcher delivers a stop decides the design:
 - SIGTERM to the ``deepspeed`` runner kills the runner alone (it installs no handler on one
   node), leaving ``launch.py`` and the ranks running as orphans.
 - A signal to one rank reaches that rank only.
+- A terminal that closes sends SIGHUP to its foreground process group: the runner and
+  ``launch.py`` (no handler for it) die at once, the ranks record it like SIGTERM (and see
+  ``launch.py`` gone), write their stop checkpoint and exit 0.
 
 So a signal handler here only records the request (it never raises and does no I/O), and once
 per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
