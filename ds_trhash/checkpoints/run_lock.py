@@ -5,7 +5,7 @@ and the window is wide: after Ctrl-C the ``deepspeed`` runner returns the prompt
 ranks still write their stop checkpoint. So rank 0 of every launch takes an exclusive
 ``fcntl.flock`` on this file before it writes anything and holds it until the process exits;
 the kernel releases it when the process ends, however it ends (``kill -9`` included), so a
-stale lock never blocks a restart. The file holds who holds it (host, pid, the launch's
+stale lock never blocks a restart. A launch that exits removes the file it created. The file holds who holds it (host, pid, the launch's
 rendezvous address, start time) for the refusal message.
 
 The other ranks of a launch do not take the lock; they probe it. A shared lock that cannot be
@@ -83,23 +83,26 @@ def _refusal(output_dir: Path) -> RunLocked:
 class RunLock:
     """The held lock of this process (rank 0); released when the process exits, or by ``release``."""
 
-    def __init__(self, output_dir: Path, fd: int, created_dir: bool):
-        self.output_dir, self.fd, self.created_dir = output_dir, fd, created_dir
+    def __init__(self, output_dir: Path, fd: int, created_dir: bool, previous: bytes | None):
+        self.output_dir, self.fd, self.created_dir, self.previous = output_dir, fd, created_dir, previous
 
-    def release(self, *, discard: bool = False) -> None:
-        """Release it. ``discard``: a launch refused before writing anything also removes the lock
-        file, and the output directory when taking the lock created it and nothing else is there."""
+    def release(self) -> None:
+        """Release it and leave the directory as the launch found it: a lock file this launch
+        created is removed (and the directory, when taking the lock created it and it is empty
+        again), an earlier one gets its previous content back. A refused launch so changes nothing."""
         if self.fd < 0:
             return
         path = self.output_dir / RUN_LOCK
-        if discard:
-            try:
-                if [p.name for p in self.output_dir.iterdir()] == [RUN_LOCK]:
-                    path.unlink()
-                    if self.created_dir:
-                        self.output_dir.rmdir()
-            except OSError:
-                pass
+        try:
+            if self.previous is None:
+                path.unlink()
+                if self.created_dir and not any(self.output_dir.iterdir()):
+                    self.output_dir.rmdir()
+            else:
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, self.previous, 0)
+        except OSError:
+            pass  # a read-only or vanished directory: the kernel still frees the lock below
         os.close(self.fd)
         self.fd = -1
 
@@ -110,6 +113,7 @@ def acquire(output_dir: str | os.PathLike) -> RunLock:
     out = Path(output_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    existed = (out / RUN_LOCK).exists()
     fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + _SETTLE_S
     while not _try(fd, fcntl.LOCK_EX):
@@ -117,11 +121,12 @@ def acquire(output_dir: str | os.PathLike) -> RunLock:
             os.close(fd)
             raise _refusal(out)
         time.sleep(0.05)
+    previous = os.pread(fd, 1 << 16, 0) if existed else None
     doc = {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(), "launch": launch_identity(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(doc) + "\n").encode(), 0)
-    return RunLock(out, fd, created)
+    return RunLock(out, fd, created, previous)
 
 
 def check_peer(output_dir: str | os.PathLike) -> None:

@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     try:
         return _train(cfg, args, parts, user_errors, checked)
     finally:
-        if lock is not None:  # a refused launch that wrote nothing also takes its lock file away
-            lock.release(discard=True)
+        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
+            lock.release()
 
 
 def _train(cfg, args, parts, user_errors, checked) -> int:

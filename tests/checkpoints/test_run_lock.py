@@ -45,7 +45,7 @@ def test_a_second_rank_0_is_refused_naming_the_holder_until_it_dies(tmp_path, mo
         _kill(pid)
     assert run_lock.is_alive(out) is None  # released by the kernel: no stale lock after kill -9
     lock = run_lock.acquire(out)
-    assert run_lock.read_holder(out)["pid"] == os.getpid()
+    assert run_lock.read_holder(out)["pid"] == os.getpid() and run_lock.is_alive(out)["pid"] == os.getpid()
     lock.release()
     assert run_lock.is_alive(out) is None
 
@@ -71,13 +71,17 @@ def test_a_peer_rank_passes_for_its_own_launch_and_is_refused_for_another(tmp_pa
     run_lock.check_peer(out)  # the holder is gone
 
 
-def test_a_refused_launch_that_wrote_nothing_takes_its_lock_file_and_directory_away(tmp_path):
+def test_a_launch_leaves_the_lock_file_as_it_found_it(tmp_path):
     out = tmp_path / "new"
-    run_lock.acquire(out).release(discard=True)
-    assert not out.exists()
+    run_lock.acquire(out).release()
+    assert not out.exists()  # created for the lock only: taken away with it
     existing = tmp_path / "run"
     existing.mkdir()
     (existing / "metrics.csv").write_text("step\n")
+    run_lock.acquire(existing).release()
+    assert sorted(p.name for p in existing.iterdir()) == ["metrics.csv"]
+    (existing / RUN_LOCK).write_text('{"pid": 1}\n')  # left by a launch killed with -9
     lock = run_lock.acquire(existing)
-    lock.release(discard=True)
-    assert sorted(p.name for p in existing.iterdir()) == [RUN_LOCK, "metrics.csv"]
+    assert run_lock.read_holder(existing)["pid"] == os.getpid()
+    lock.release()
+    assert (existing / RUN_LOCK).read_text() == '{"pid": 1}\n'

@@ -17,6 +17,8 @@ from ds_trhash import cli
 from ds_trhash.checkpoints import MANIFEST
 from ds_trhash.checkpoints.sync_guard import read_verified
 from ds_trhash.io import sha256_file
+from ds_trhash.ops.manifest import load_manifest
+from ds_trhash.ops.render import render_config
 from ds_trhash.release import hub, watch
 from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR
 from tests import fail_closed
@@ -171,3 +173,14 @@ def test_kill_9_of_the_watcher_at_any_point_then_a_restart_is_consistent(tmp_pat
     assert _consistent(run) == []
     assert {k: v for k, v in tree_digest(run).items() if not k.startswith("sync_verified")} == before
     assert sha256_file(run / FINAL_DIR / "model.safetensors") == sha256_file(finished / FINAL_DIR / "model.safetensors")
+
+
+def test_the_shipped_backup_manifest_runs_training_and_the_watcher_side_by_side(tmp_path):
+    manifest = load_manifest(fail_closed.REPO / "ds_configs" / "jobs" / "tiny_backup.toml")
+    train, backup = manifest.jobs
+    assert (train.kind, backup.kind, train.after, backup.after) == ("training", "command", (), ())
+    assert backup.inherit_environment == ("HF_TOKEN",) and "HF_TOKEN" not in backup.environment
+    args = cli.build_parser().parse_args(list(backup.argv[1:]))  # the watcher's argv is a valid sync --watch
+    assert args.watch == "runs/tiny-backup" and args.path_in_repo and args.pass_timeout > args.every
+    assert f"--output-dir {args.watch}" in " ".join(train.argv) and "checkpoint.keep_unsynced=true" in train.argv
+    assert "[program:backup]" in render_config(manifest, tmp_path)
