@@ -111,8 +111,11 @@ def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, to
         "checkpoint": source.relative_to(out).as_posix() if source.is_relative_to(out) else str(source),
         "final": FINAL_DIR if exported else None,
         "final_manifest_sha256": sha256_file(final_manifest) if exported else None,
-        "completed_unix": time.time(),
     }
+    earlier = read_completion(out)
+    if earlier is not None and {k: earlier.get(k) for k in doc} == doc:
+        return earlier  # a finished stage relaunched: the record stands as it was
+    doc["completed_unix"] = time.time()
     write_json_atomic(out / COMPLETE_FILE, doc)
     return doc
 

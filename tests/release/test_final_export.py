@@ -118,6 +118,9 @@ def test_the_stage_end_writes_final_then_the_record_and_sft_exports_only_when_as
     done = read_completion(run)
     assert done["final"] == FINAL_DIR and done["final_manifest_sha256"]
     assert json.loads((run / FINAL_DIR / EXPORT_MANIFEST).read_text())["stage"] == "pretraining"
+    before = tree_digest(run)
+    callback.on_end(_state(TOTAL))  # the finished stage relaunched: nothing to write, nothing rewritten
+    assert tree_digest(run) == before
     sft = make_run(tmp_path / "sft", finished=False)
     callback, _ = _end_run(sft, stage="supervised-finetuning", kind="sft")
     callback.on_end(_state(TOTAL))
