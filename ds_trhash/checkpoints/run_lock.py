@@ -10,7 +10,7 @@ rendezvous address, start time) for the refusal message.
 
 The other ranks of a launch do not take the lock; they probe it. A shared lock that cannot be
 taken means a launch holds it: when the holder named in the file is this launch (same
-rendezvous address and world size, and on the same host the same parent ``launch.py``), the probe passes, otherwise the rank refuses too, so a
+rendezvous address and world size, which two live launches cannot share), the probe passes, otherwise the rank refuses too, so a
 refused launch fails on every rank at once instead of leaving ranks waiting for a rank 0
 that is gone.
 
@@ -141,10 +141,8 @@ def check_peer(output_dir: str | os.PathLike) -> None:
             return  # free: our rank 0 is about to take it (and refuses for us if it cannot)
         deadline = time.monotonic() + _SETTLE_S
         while True:  # held: by our rank 0 (its record may still be being written) or by another launch
-            holder = read_holder(out)
-            same_host = holder.get("host") == socket.gethostname()
-            if holder.get("launch") == launch_identity() and (not same_host or holder.get("ppid") == os.getppid()):
-                return  # our own rank 0 (on this host: started by the same launch.py)
+            if read_holder(out).get("launch") == launch_identity():
+                return  # our own rank 0 (on this node or another one: the same rendezvous)
             if time.monotonic() >= deadline:
                 raise _refusal(out)
             time.sleep(0.05)

@@ -56,12 +56,10 @@ def test_a_peer_rank_passes_for_its_own_launch_and_is_refused_for_another(tmp_pa
     ours = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600", "WORLD_SIZE": "2"}
     run_lock.check_peer(out)  # no lock file yet: rank 0 has not started; nothing is created
     assert not out.exists()
-    pid = _hold_in_child(out, ours)  # our rank 0 (forked from this process: the same parent)
+    pid = _hold_in_child(out, ours)  # our rank 0
     try:
         for key, value in ours.items():
             monkeypatch.setenv(key, value)
-        launch_py = os.getpid()  # rank 0 was forked from this process: for the probe, both share a launch.py
-        monkeypatch.setattr(os, "getppid", lambda: launch_py)
         run_lock.check_peer(out)
         monkeypatch.setenv("MASTER_PORT", "29601")  # a rank of another launch
         with pytest.raises(RunLocked, match=f"is in use by a running launch: pid {pid}"):
