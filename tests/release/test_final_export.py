@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_trhash.checkpoints import load_weights_only, step_dir_name
+from ds_trhash.checkpoints import list_checkpoints, load_weights_only, step_dir_name
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, verify_export
 from ds_trhash.release.final_export import (
     COMPLETE_FILE,
@@ -136,3 +136,15 @@ def test_export_final_defaults_by_stage_and_cleanup_needs_it():
         tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.cleanup_after_success=keep_final"])
     with pytest.raises(tcfg.ConfigError, match="cleanup_after_success"):
         tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml", ["training.cleanup_after_success=everything"])
+
+
+def test_cleanup_after_success_runs_at_the_end_and_waits_for_the_hub_when_the_run_syncs(tmp_path):
+    run = make_run(tmp_path / "run", packs={10: 1, 30: 2}, finished=False)
+    callback, lines = _end_run(run, cleanup="keep_packs")
+    callback.on_end(_state(TOTAL))
+    assert [c.step for c in list_checkpoints(run)] == [10, 30] and final_status(run)[0]
+    synced = make_run(tmp_path / "synced", finished=False, keep_unsynced=True)
+    callback, lines = _end_run(synced, cleanup="keep_final")
+    callback.on_end(_state(TOTAL))  # nothing on the Hub yet: the watcher cleans up later
+    assert [c.step for c in list_checkpoints(synced)] == [10, 20, 30] and read_completion(synced)
+    assert any("cleanup after success deferred" in line and "not verified on the Hub" in line for line in lines)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ds_trhash import cli
-from ds_trhash.checkpoints import MANIFEST
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints
 from ds_trhash.checkpoints.sync_guard import read_verified
 from ds_trhash.io import sha256_file
 from ds_trhash.ops.manifest import load_manifest
@@ -77,8 +77,9 @@ def test_bad_input_is_refused_before_anything_is_uploaded(tmp_path, finished, se
     assert {p: fail_closed.tree_digest(p) for p in (run, stray)} == before
 
 
-def test_a_stalled_pass_is_killed_and_the_next_one_completes_under_the_prefix(tmp_path, finished, server):
-    run = copy_run(finished, tmp_path / "run")
+def test_a_stalled_pass_is_killed_and_the_next_one_completes_under_the_prefix(tmp_path, server):
+    # a run that syncs and asks for cleanup: the watcher deletes the checkpoints once it verified them
+    run = make_run(tmp_path / "run", keep_unsynced=True, cleanup="keep_final")
     gate = server.hold["commit"] = threading.Event()  # the Hub takes the first commit and never answers
     lines, result = [], {}
 
@@ -106,7 +107,8 @@ def test_a_stalled_pass_is_killed_and_the_next_one_completes_under_the_prefix(tm
     assert f"{PREFIX}/{FINAL_DIR}/model.safetensors" in files
     assert {p.split("/")[3] for p in files if p.startswith(f"{PREFIX}/checkpoints/")} == {
         "step_00000010", "step_00000020", "step_00000030"}
-    assert _consistent(run) == []
+    assert any("cleanup after success (keep_final): removed 3 checkpoint(s)" in line for line in lines), lines
+    assert list_checkpoints(run) == [] and _consistent(run) == []  # final/ stays, verified
 
 
 def test_a_checkpoint_being_written_is_not_uploaded_and_the_watch_goes_on(tmp_path, server):
