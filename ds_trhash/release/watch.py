@@ -45,11 +45,15 @@ RUN_MARKERS = ("config.json", CHECKPOINTS, RUN_LOCK, COMPLETE_FILE, FINAL_DIR)
 _PR_SET_PDEATHSIG = 1
 
 
+try:  # looked up once here: between fork and exec the child only calls it (no loading, no allocation)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None  # not Linux: a pass then outlives a killed watcher, and the sync lock keeps it safe
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the pass then outlives a killed watcher, and the sync lock keeps it safe
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def check_args(run_dir: str | os.PathLike, repo_id: str, prefix: str, every: float, pass_timeout: float) -> str:
