@@ -11,11 +11,15 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from .corpus_index import read_corpus_index
 from .embedded import build_embedded
-from .plan import build_plan, check_refinement, derive_refinement, load_plan, write_plan
-from .shards import load_manifests, read_jsonl_texts, read_text_documents, tokenize_to_shards
+from .plan import check_refinement, derive_refinement, load_plan, write_plan
+from .plan_build import build_plan
+from .plan_correct import build_corrective_plan
+from .shards import read_jsonl_texts, read_text_documents, tokenize_to_shards
 from .tokenizer import train_tokenizer
 from ds_trhash.errors import UserError
+from ds_trhash.io import read_json_object
 
 
 EXIT_ERROR = 2
@@ -73,7 +77,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     build_options = [args.manifest, args.unique_tokens, args.passes, args.weights, args.source_tokens,
-                     args.dataset, args.revision]
+                     args.dataset, args.revision, args.quality_scores]
     if args.refinement_of:
         if any(option is not None for option in build_options):
             raise CommandError("--refinement-of derives from an existing plan; drop the build options")
@@ -85,8 +89,12 @@ def _plan(args: argparse.Namespace) -> int:
             missing.append("--unique-tokens or --source-tokens")
         if missing:
             raise CommandError(f"building a plan needs {', '.join(missing)} (or use --refinement-of PLAN)")
+        scores = None
+        if args.quality_scores:
+            scores = read_json_object(args.quality_scores, CommandError,
+                                      missing="--quality-scores names a JSON object from corpora/<source>/<file> to a number")
         doc = build_plan(
-            load_manifests(args.manifest),
+            read_corpus_index(args.manifest, args.seq_len),
             args.unique_tokens,
             dataset=args.dataset,
             revision=args.revision,
@@ -95,11 +103,22 @@ def _plan(args: argparse.Namespace) -> int:
             source_passes=_pairs(args.passes, "--passes", int),
             row_alignment=args.row_alignment,
             seq_len=args.seq_len,
+            quality_scores=scores,
         )
-    plan = write_plan(doc, args.out)
+    return _write(doc, args.out)
+
+
+def _write(doc: dict, out: str) -> int:
+    plan = write_plan(doc, out)
     print(f"{plan.path}: fingerprint {plan.fingerprint}, unique_tokens {plan.unique_tokens}, "
           f"trained_tokens {plan.trained_tokens}, phases {[p['name'] for p in plan.phases]}")
     return 0
+
+
+def _correct_plan(args: argparse.Namespace) -> int:
+    counts = _pairs(args.double_exposed, "--double-exposed", int)
+    doc = build_corrective_plan(load_plan(args.plan), counts, read_corpus_index(args.manifest))
+    return _write(doc, args.out)
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
@@ -153,7 +172,8 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
 
     p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
     p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",
-                   help="manifest.json files, source directories, or shard roots")
+                   help="manifest.json files, source directories, or shard roots; or one corpus in the release's "
+                        "layout (the directory holding mixture_manifest.json)")
     p.add_argument("--unique-tokens", type=int, help="unique token budget split by --weights")
     p.add_argument("--weights", nargs="+", metavar="SOURCE=W", help="default: proportional to available tokens")
     p.add_argument("--source-tokens", nargs="+", metavar="SOURCE=N", help="explicit per-source token budgets")
@@ -162,9 +182,20 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--seq-len", type=int, help="checked against the manifests")
     p.add_argument("--dataset")
     p.add_argument("--revision")
+    p.add_argument("--quality-scores", metavar="FILE",
+                   help="JSON object corpora/<source>/<file> -> score: best-scored shards of each source first")
     p.add_argument("--refinement-of", metavar="PLAN", help="derive the refinement plan of a pretraining plan")
     p.add_argument("--out", required=True, metavar="PLAN.json")
     p.set_defaults(func=_guarded(_plan))
+
+    p = sub.add_parser("correct-plan", help="replay phases without shards already trained twice (unique core kept)")
+    p.add_argument("plan", metavar="PLAN", help="the uncorrected plan")
+    p.add_argument("--double-exposed", nargs="+", required=True, metavar="SOURCE=N",
+                   help="how many of each source's first unique-core shards were already trained twice")
+    p.add_argument("--manifest", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="the corpus the plan selects from (its manifests only)")
+    p.add_argument("--out", required=True, metavar="NEW.json")
+    p.set_defaults(func=_guarded(_correct_plan))
 
     p = sub.add_parser("fingerprint", help="print a plan's unique-core fingerprint")
     p.add_argument("plan", metavar="PLAN")

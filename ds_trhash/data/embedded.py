@@ -27,7 +27,8 @@ from typing import Iterator
 from ds_trhash.errors import UserError
 from ds_trhash.io import publish_dir, sha256_file
 
-from .plan import build_plan, derive_refinement, write_plan
+from .plan import derive_refinement, write_plan
+from .plan_build import build_plan
 from .shards import tokenize_to_shards
 from .tokenizer import PathLike, load_tokenizer, train_tokenizer
 

@@ -1,4 +1,5 @@
-"""Replay plans (docs/contracts.md §2): build, write once, load, fingerprint, derive and check refinement.
+"""Replay plans (docs/contracts.md §2): write once, load, fingerprint, derive and check refinement
+(building one from manifests: ``plan_build``; correcting one: ``plan_correct``).
 
 A plan is the immutable statement of which rows a run trains on and how often. Refinement
 is only meaningful on the same corpus, so the unique core gets a fingerprint over its exact
@@ -11,20 +12,16 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, sha256_file
 
-from .shards import check_source_name
 from .tokenizer import PathLike
 
 PLAN_FORMAT = "tr-hash-token-replay-plan-v1"
 UNIQUE_CORE = "unique_core"
-# Rows are taken from the front of each source, shards whole in manifest order, the last partially.
-SELECTION_MODE = "manifest_prefix"
 REQUIRED_KEYS = (
     "format",
     "seq_len",
@@ -186,139 +183,6 @@ def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
     trained = sum(sum(source_rows(p["sources"]).values()) * seq_len * p["passes"] for p in doc["phases"])
     if doc["trained_tokens"] != trained:
         raise PlanError(f"{where}: trained_tokens {doc['trained_tokens']} != {trained} summed over phases (rows·seq_len·passes)")
-
-
-def _budgets(
-    available: Mapping[str, int],
-    requested: Optional[int],
-    weights: Optional[Mapping[str, float]],
-    budgets: Optional[Mapping[str, int]],
-) -> tuple[int, dict[str, int]]:
-    """Per-source token budgets; default weights are the sources' available tokens."""
-    if budgets is not None:
-        if weights is not None:
-            raise PlanError("give either source weights or per-source budgets, not both")
-        unknown = set(budgets) - set(available)
-        if unknown or set(available) - set(budgets):
-            raise PlanError(f"per-source budgets must name exactly the sources {sorted(available)}, got {sorted(budgets)}")
-        total = sum(int(value) for value in budgets.values())
-        if requested is not None and requested != total:
-            raise PlanError(f"unique token budget {requested} != the per-source budgets' sum {total}; drop one of them")
-        return total, {source: int(value) for source, value in budgets.items()}
-    if requested is None or requested < 1:
-        raise PlanError(f"unique token budget must be a positive integer, got {requested!r}")
-    weights = dict(available) if weights is None else dict(weights)
-    if set(weights) != set(available):
-        raise PlanError(f"source weights must name exactly the sources {sorted(available)}, got {sorted(weights)}")
-    if any(value < 0 for value in weights.values()) or not any(value > 0 for value in weights.values()):
-        raise PlanError(f"source weights {weights} must be >= 0 with at least one positive")
-    total = sum(Fraction(value) for value in weights.values())
-    return requested, {
-        source: int(Fraction(requested) * Fraction(value) / total) for source, value in weights.items() if value > 0
-    }
-
-
-def _select(manifest: Mapping, rows: int) -> list[dict]:
-    """Take ``rows`` rows: whole shards in manifest order, the last one partially."""
-    entries, left = [], rows
-    for shard in manifest["shards"]:
-        if left == 0:
-            break
-        take = min(int(shard["rows"]), left)
-        entries.append({"file": shard["file"], "rows": take})
-        left -= take
-    return entries
-
-
-def _shared_value(manifests: Mapping[str, Mapping], key: str, given: Optional[object] = None) -> object:
-    values = {source: manifest.get(key) for source, manifest in manifests.items()}
-    distinct = set(values.values()) | ({given} if given is not None else set())
-    if len(distinct) != 1:
-        raise PlanError(f"manifests disagree on {key}: {values}" + (f" (requested {given})" if given is not None else ""))
-    return distinct.pop()
-
-
-def build_plan(
-    manifests: Mapping[str, Mapping],
-    unique_tokens_budget: Optional[int],
-    *,
-    dataset: str,
-    revision: str,
-    source_weights: Optional[Mapping[str, float]] = None,
-    source_budgets: Optional[Mapping[str, int]] = None,
-    source_passes: Optional[Mapping[str, int]] = None,
-    row_alignment: int = 1,
-    seq_len: Optional[int] = None,
-    selection_mode: str = SELECTION_MODE,
-) -> dict:
-    """Build a plan document: the unique core, then ``replay_<k>`` for each extra pass.
-
-    Replay phase k (k = 1, 2, ...) holds the same rows as the unique core for every source
-    with ``passes > k``, so a source with passes 2 is seen once more after the core.
-    """
-    if selection_mode != SELECTION_MODE:
-        raise PlanError(f"selection_mode {selection_mode!r} is not supported; use {SELECTION_MODE!r}")
-    if not manifests:
-        raise PlanError("no shard manifests given; pass at least one source")
-    if not isinstance(row_alignment, int) or row_alignment < 1:
-        raise PlanError(f"row_alignment must be a positive integer, got {row_alignment!r}")
-    for source, manifest in manifests.items():
-        check_source_name(source)
-        if manifest.get("source", source) != source:
-            raise PlanError(f"manifest for {source!r} says source {manifest.get('source')!r}")
-    seq_len = int(_shared_value(manifests, "seq_len", seq_len))
-    vocab_size = _shared_value(manifests, "vocab_size")
-    tokenizer_hash = _shared_value(manifests, "tokenizer_sha256")
-    available_rows = {source: sum(int(s["rows"]) for s in m["shards"]) for source, m in manifests.items()}
-    requested, budgets = _budgets(
-        {s: rows * seq_len for s, rows in available_rows.items()}, unique_tokens_budget, source_weights, source_budgets
-    )
-    passes = {source: 1 for source in budgets}
-    for source, value in (source_passes or {}).items():
-        if source not in budgets:
-            raise PlanError(f"passes given for {source!r}, which is not a selected source ({sorted(budgets)})")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"passes for {source!r} must be an integer >= 1, got {value!r}")
-        passes[source] = value
-    core: dict[str, list] = {}
-    for source in sorted(budgets):
-        rows = budgets[source] // seq_len // row_alignment * row_alignment
-        if rows == 0:
-            raise PlanError(
-                f"source {source!r} gets {budgets[source]} tokens, less than one aligned block of "
-                f"{row_alignment} rows x {seq_len}; raise its budget or lower row_alignment"
-            )
-        if rows > available_rows[source]:
-            raise PlanError(
-                f"source {source!r} needs {rows} rows but its shards hold {available_rows[source]}; "
-                "lower the budget or tokenize more text"
-            )
-        core[source] = _select(manifests[source], rows)
-    phases = [{"name": UNIQUE_CORE, "passes": 1, "sources": core}]
-    for extra in range(1, max(passes.values())):
-        phases.append(
-            {"name": f"replay_{extra}", "passes": 1,
-             "sources": {s: copy.deepcopy(core[s]) for s in core if passes[s] > extra}}
-        )
-    source_unique = {source: rows * seq_len for source, rows in source_rows(core).items()}
-    doc = {
-        "format": PLAN_FORMAT,
-        "dataset": dataset,
-        "revision": revision,
-        "seq_len": seq_len,
-        "selection_mode": selection_mode,
-        "row_alignment": row_alignment,
-        "requested_unique_tokens": requested,
-        "unique_tokens": sum(source_unique.values()),
-        "trained_tokens": sum(sum(source_rows(p["sources"]).values()) * seq_len * p["passes"] for p in phases),
-        "source_unique_tokens": source_unique,
-        "source_passes": passes,
-        "vocab_size": vocab_size,
-        "tokenizer_sha256": tokenizer_hash,
-        "phases": phases,
-    }
-    validate_plan_doc(doc)
-    return doc
 
 
 def derive_refinement(doc: PlanLike) -> dict:

@@ -208,7 +208,9 @@ def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int,
         ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    scheduler = build_scheduler(optimizer, total_steps, cfg.schedule)
+    # token positions of one optimizer step over all ranks: sizes a warmup given in tokens
+    tokens_per_step = int(ds_config["train_batch_size"]) * cfg.data.seq_len
+    scheduler = build_scheduler(optimizer, total_steps, cfg.schedule, tokens_per_step)
     engine, ds_opt, _, ds_sched = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )

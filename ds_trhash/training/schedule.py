@@ -1,7 +1,8 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to a floor (docs/contracts.md §6).
+"""The learning-rate schedule: linear warmup, then cosine decay or warmup-stable-decay to a floor
+(docs/contracts.md §6, §6b).
 
-One formula for every stage, so a pretraining, refinement or SFT run differs only in its
-numbers. The schedule is a pure function of the optimizer step, which is what makes an exact
+One family of formulas for every stage, so a pretraining, refinement or SFT run differs only in
+its numbers. The schedule is a pure function of the optimizer step, which is what makes an exact
 resume possible: ``LambdaLR`` stores only ``last_epoch`` (the step) in its state dict.
 """
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["warmup_steps_for", "lr_factor", "build_scheduler"]
+__all__ = ["KINDS", "warmup_steps_for", "warmup_steps_from_tokens", "schedule_warmup_steps", "lr_factor",
+           "describe_schedule", "build_scheduler"]
+
+KINDS = ("cosine", "wsd")
 
 
 def warmup_steps_for(total_steps: int, fraction: float = 0.03, minimum: int = 1) -> int:
@@ -30,14 +34,51 @@ def warmup_steps_for(total_steps: int, fraction: float = 0.03, minimum: int = 1)
     return min(total_steps, max(minimum, int(fraction * total_steps)))
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1) -> float:
+def warmup_steps_from_tokens(total_steps: int, warmup_tokens: int, tokens_per_step: int, minimum: int = 1) -> int:
+    """W = max(minimum, ceil(warmup_tokens / tokens_per_step)), never more than H.
+
+    A warmup given in tokens keeps its length in data when the batch changes; rounding up means
+    at least ``warmup_tokens`` tokens are seen before the peak (1B tokens at 786,432 a step: 1,272).
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if warmup_tokens < 0 or tokens_per_step < 1:
+        raise ValueError(f"need warmup_tokens >= 0 and tokens_per_step >= 1, got {warmup_tokens}, {tokens_per_step}")
+    return min(total_steps, max(minimum, -(-warmup_tokens // tokens_per_step)))
+
+
+def schedule_warmup_steps(schedule_cfg: Any, total_steps: int, tokens_per_step: int | None) -> int:
+    """W of a ``schedule`` config section: from ``warmup_tokens`` when set, else its warmup fraction."""
+    tokens = schedule_cfg.warmup_tokens
+    if tokens is None:
+        return warmup_steps_for(total_steps, schedule_cfg.fraction, schedule_cfg.min_warmup_steps)
+    if tokens_per_step is None:
+        raise ValueError("schedule.warmup_tokens needs the tokens per optimizer step to size the warmup")
+    return warmup_steps_from_tokens(total_steps, tokens, tokens_per_step, schedule_cfg.min_warmup_steps)
+
+
+def _cosine(progress: float, floor: float) -> float:
+    """From 1 (progress 0) down to ``floor`` (progress 1) along half a cosine."""
+    return floor + (1.0 - floor) / 2.0 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1, *, kind: str = "cosine",
+              warmup_start: float = 0.0, stable_fraction: float = 0.8) -> float:
     """Multiplier of the peak LR for 0-based optimizer ``step`` of ``total_steps`` (H).
 
-    With s = step + 1 and W = warmup_steps: s / W while s <= W, else
-    floor + (1 - floor) / 2 * (1 + cos(pi * (s - W) / (H - W))). With floor 0.1 this is the
-    docs/contracts.md §6: 0.1 + 0.45 * (1 + cos(...)); the last step (s = H) lands exactly on the floor.
-    Steps past the end stay at the floor rather than climbing back up the cosine.
+    With s = step + 1 and W = warmup_steps:
+    - warmup (s <= W): warmup_start + (1 - warmup_start) * s / W, a line from ``warmup_start``
+      (before the first step) to 1 at the last warmup step; warmup_start 0 gives s / W.
+    - ``cosine``: floor + (1 - floor) / 2 * (1 + cos(pi * (s - W) / (H - W))). With floor 0.1 this
+      is docs/contracts.md §6: 0.1 + 0.45 * (1 + cos(...)).
+    - ``wsd`` (warmup-stable-decay): of the R = H - W post-warmup steps, the first
+      S = int(stable_fraction * R) stay at 1, the last R - S follow the same cosine over their own
+      length: floor + (1 - floor) / 2 * (1 + cos(pi * (s - W - S) / (R - S))).
+    Either way the last step (s = H) lands exactly on the floor, and steps past the end stay
+    there rather than climbing back up the cosine.
     """
+    if kind not in KINDS:
+        raise ValueError(f"schedule kind {kind!r} is not supported; allowed: {', '.join(KINDS)}")
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
@@ -46,23 +87,46 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1
         raise ValueError(f"step must be >= 0, got {step}")
     s = step + 1
     if s <= warmup_steps:
-        return s / warmup_steps
-    if s >= total_steps:  # also covers H == W, where the cosine has no length
+        return warmup_start + (1.0 - warmup_start) * s / warmup_steps
+    if s >= total_steps:  # also covers H == W, where the decay has no length
         return floor
-    progress = (s - warmup_steps) / (total_steps - warmup_steps)
-    return floor + (1.0 - floor) / 2.0 * (1.0 + math.cos(math.pi * progress))
+    after, remaining = s - warmup_steps, total_steps - warmup_steps  # after in [1, R)
+    if kind == "cosine":
+        return _cosine(after / remaining, floor)
+    stable = int(stable_fraction * remaining)
+    if after <= stable:
+        return 1.0
+    return _cosine((after - stable) / (remaining - stable), floor)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def describe_schedule(schedule_cfg: Any, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
+    """One line for the startup summary: the phases in steps, so a log shows the recipe it ran."""
+    warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
+    sized = (f"{schedule_cfg.warmup_tokens:,} tokens" if schedule_cfg.warmup_tokens is not None
+             else f"{schedule_cfg.fraction:g} of the run")
+    start = schedule_cfg.warmup_start_factor
+    text = f"{schedule_cfg.kind}: warmup {warmup:,} steps ({sized}){f' from {start:g} x peak' if start else ''}, peak {peak_lr:g}"
+    remaining = total_steps - warmup
+    floor = f"{schedule_cfg.floor:g} x peak at step {total_steps:,}"
+    if schedule_cfg.kind == "wsd":
+        stable = int(schedule_cfg.stable_fraction * remaining)
+        return f"{text} for {stable:,} more steps, then a cosine over {remaining - stable:,} steps to {floor}"
+    return f"{text}, then a cosine over {remaining:,} steps to {floor}"
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: Any,
+                    tokens_per_step: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over ``total_steps`` optimizer steps; DeepSpeed calls ``.step()`` after each.
 
-    ``schedule_cfg`` is the ``schedule`` section of the training config. The lambda is a
-    ``functools.partial`` of a module-level function, so the scheduler's state dict holds no
-    closure and ``load_state_dict`` restores the step exactly.
+    ``schedule_cfg`` is the ``schedule`` section of the training config; ``tokens_per_step``
+    (token positions of one optimizer step over all ranks) sizes a warmup given in tokens. The
+    lambda is a ``functools.partial`` of a module-level function, so the scheduler's state dict
+    holds no closure and ``load_state_dict`` restores the step exactly.
     """
-    if schedule_cfg.kind != "cosine":
-        raise ValueError(f"schedule.kind {schedule_cfg.kind!r} is not supported; allowed: cosine")
-    warmup = warmup_steps_for(total_steps, schedule_cfg.warmup_fraction, schedule_cfg.min_warmup_steps)
-    fn = functools.partial(lr_factor, total_steps=total_steps, warmup_steps=warmup, floor=schedule_cfg.floor)
+    if schedule_cfg.kind not in KINDS:
+        raise ValueError(f"schedule.kind {schedule_cfg.kind!r} is not supported; allowed: {', '.join(KINDS)}")
+    warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
+    fn = functools.partial(lr_factor, total_steps=total_steps, warmup_steps=warmup, floor=schedule_cfg.floor,
+                           kind=schedule_cfg.kind, warmup_start=schedule_cfg.warmup_start_factor,
+                           stable_fraction=schedule_cfg.stable_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn)
-

@@ -85,9 +85,15 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         shards_dir, tokenizer_dir = paths.shards_dir, paths.tokenizer_dir
     else:
         plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
-        if shards_dir is None:
-            raise tcfg.ConfigError(cfg.origin, "data.shards_dir", "required when data.plan is set")
     plan = load_plan(plan_path)
+    if shards_dir is None:
+        # null means the plan's own `dataset` at its `revision`; only local shard roots are read so far.
+        raise tcfg.ConfigError(
+            cfg.origin, "data.shards_dir",
+            f"null means the shards of the plan's own dataset {plan.doc.get('dataset')!r} (revision "
+            f"{plan.doc.get('revision')!r}, plan {plan_path}), and reading a dataset that is not a local directory "
+            "is not supported yet; download the corpus and set data.shards_dir to its directory "
+            "(--set data.shards_dir=DIR)")
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
                                f"{cfg.data.seq_len} differs from the plan's seq_len {plan.seq_len} ({plan_path})")

@@ -2,7 +2,7 @@
 
 Everything a reader of a log needs to tell two runs apart without opening their configs:
 model size (and what trains, LoRA included), the global batch and how it is cut for this world
-size, steps, precision, ZeRO stage, optimizer, kernels, activation checkpointing and the
+size, steps, precision, ZeRO stage, optimizer, the learning-rate schedule in steps, kernels, activation checkpointing and the
 DeepSpeed features the ``deepspeed:`` section turned on.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ds_trhash.training import deepspeed_config as dsc
+from ds_trhash.training.schedule import describe_schedule
 
 __all__ = ["parameter_counts", "startup_summary"]
 
@@ -43,6 +44,7 @@ def startup_summary(cfg, layout, *, model, total_steps: int, start_step: int, ds
         f"batch      {layout.describe()}",
         f"steps      {total_steps:,}" + (f", resuming after step {start_step:,}" if start_step else ""),
         f"precision  {cfg.precision}, ZeRO stage {cfg.zero.stage}, optimizer {optimizer}",
+        f"schedule   {describe_schedule(cfg.schedule, total_steps, layout.global_tokens, cfg.optimizer.lr)}",
         f"kernels    policy {cfg.kernels.policy}: {kern or 'not resolved'}",
         f"activation checkpointing  {ac}",
         f"deepspeed  {', '.join(features) if features else 'no optional features (deepspeed: section empty)'}",

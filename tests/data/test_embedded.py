@@ -37,7 +37,7 @@ def test_builds_quickly_from_python_docs_alone(built):
 def test_plans_replay_one_source_and_refinement_matches(built):
     paths, _ = built
     pre, ref = load_plan(paths.pretrain_plan), load_plan(paths.refine_plan)
-    assert [p["name"] for p in pre.phases] == ["unique_core", "replay_1"]
+    assert [p["name"] for p in pre.phases] == ["unique_core", "quality_replay_2"]
     assert set(pre.phases[1]["sources"]) == {"topics_a"}
     assert pre.trained_tokens > pre.unique_tokens == ref.trained_tokens
     validate_refinement(ref, pre)

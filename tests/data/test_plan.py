@@ -7,7 +7,6 @@ import pytest
 from ds_trhash.data.plan import (
     PLAN_FORMAT,
     PlanError,
-    build_plan,
     check_plan_unchanged,
     derive_refinement,
     load_plan,
@@ -15,6 +14,7 @@ from ds_trhash.data.plan import (
     validate_refinement,
     write_plan,
 )
+from ds_trhash.data.plan_build import build_plan
 
 L = 16
 
@@ -77,7 +77,7 @@ def test_default_weights_follow_available_tokens_and_per_source_budgets_work():
 def test_replay_phases_repeat_core_rows_and_trained_tokens_count_passes():
     doc = plan(source_weights={"web": 1, "code": 1}, budget=32 * L)
     names = [p["name"] for p in doc["phases"]]
-    assert names == ["unique_core", "replay_1", "replay_2"]
+    assert names == ["unique_core", "quality_replay_2", "quality_replay_3"]
     core = doc["phases"][0]["sources"]
     assert doc["phases"][1]["sources"] == core
     assert doc["phases"][2]["sources"] == {"code": core["code"]}
@@ -97,18 +97,18 @@ def test_replay_phases_repeat_core_rows_and_trained_tokens_count_passes():
         ({"source_passes": {"web": 0}}, "integer >= 1"),
         ({"source_weights": {"web": 1}}, "must name exactly the sources"),
         ({"seq_len": 32}, "disagree on seq_len"),
-        ({"selection_mode": "random"}, "not supported"),
+        ({"source_budgets": {"web": 16 * L, "nope": 8 * L}, "budget": None}, r"name \['nope'\]; the corpus holds"),
         ({"source_budgets": {"web": 16 * L, "code": 8 * L}}, "!= the per-source budgets' sum"),
     ],
 )
 def test_build_errors_name_the_problem(overrides, message):
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(ValueError, match=message):  # PlanError, or CorpusIndexError for the manifests
         plan(**overrides)
 
 
 def test_manifests_with_different_tokenizers_are_refused():
     mixed = {"web": MANIFESTS["web"], "code": manifest("code", [8], tokenizer="other")}
-    with pytest.raises(PlanError, match="disagree on tokenizer_sha256"):
+    with pytest.raises(ValueError, match="disagree on tokenizer_sha256"):
         build_plan(mixed, 16 * L, dataset="d", revision="r")
 
 
@@ -196,7 +196,7 @@ def test_write_once_then_load(tmp_path):
         (lambda d: d.pop("revision"), "lacks required keys revision"),
         (lambda d: d.update(trained_tokens=1), "trained_tokens 1 !="),
         (lambda d: d.update(unique_tokens=1), "unique_tokens 1 !="),
-        (lambda d: d["phases"].reverse(), "phase one is 'replay_2'"),
+        (lambda d: d["phases"].reverse(), "phase one is 'quality_replay_3'"),
         (lambda d: d["phases"][0]["sources"]["web"][0].update(rows=0), "positive int"),
         (lambda d: d["phases"][1].update(passes=0), "integer >= 1"),
         (lambda d: d.update(source_passes=[2, 3]), "source_passes must be an object"),

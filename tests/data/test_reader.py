@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ds_trhash.data.cache import ShardCache
-from ds_trhash.data.plan import build_plan, derive_refinement
+from ds_trhash.data.plan import derive_refinement
+from ds_trhash.data.plan_build import build_plan
 from ds_trhash.data.reader import ReaderError, ReplayReader, source_manifests
 from ds_trhash.data.shards import load_manifests, read_rows, write_shards
 
@@ -65,7 +66,7 @@ def test_order_covers_every_phase_row_once_per_pass(corpus):
     refs = reader.global_rows(0, reader.num_rows)
     assert len(set(refs[:35])) == 35  # the unique core: every row once
     assert Counter(r for r in refs if r[0] == "a") == Counter({r: 2 for r in refs[:35] if r[0] == "a"})
-    assert reader.phase_at(34) == "unique_core" and reader.phase_at(35) == "replay_1"
+    assert reader.phase_at(34) == "unique_core" and reader.phase_at(35) == "quality_replay_2"
     assert reader.global_rows(10, 7) == refs[10:17]
 
 

@@ -6,7 +6,7 @@ from ds_trhash.training import config as tcfg
 from ds_trhash.checkpoints import ResumeError, check_resume_compatible
 
 ROOT = "ds_configs"
-RELEASED_PLAN = {"trained_tokens": 129_995_112_448, "seq_len": 2048}
+RELEASED_PLAN = {"trained_tokens": 129_995_112_448, "seq_len": 1024}
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "refine"])
@@ -14,10 +14,10 @@ RELEASED_PLAN = {"trained_tokens": 129_995_112_448, "seq_len": 2048}
 def test_200m_configs_run_unchanged_on_every_listed_world_size(stage, world):
     cfg = tcfg.load_config(f"{ROOT}/200m/{stage}.yaml")
     layout = tcfg.batch_layout(cfg, world)
-    assert layout.global_tokens == 786_432 and layout.micro_batch == 8 and layout.grad_accum == 48 // world
+    assert layout.global_tokens == 786_432 and layout.micro_batch == 16 and layout.grad_accum == 48 // world
     ds = tcfg.to_deepspeed_dict(cfg, world)
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
-        (8, 48 // world, 384)
+        (16, 48 // world, 768)
     if stage == "pretrain":
         assert plan_steps(RELEASED_PLAN, tcfg.tokens_per_step(cfg, world)) == 165_297
 
@@ -36,19 +36,19 @@ def _refusal(overrides, world):
 
 
 def test_a_global_batch_that_does_not_divide_names_world_size_and_nearest_choices():
-    err = _refusal(["batch.micro_batch=16"], 16)
+    err = _refusal(["batch.micro_batch=32"], 16)
     assert err.key == "batch.micro_batch" and "world size 16" in err.problem
-    assert "micro_batch 8 (grad_accum 3)" in err.problem and "micro_batch 24 (grad_accum 1)" in err.problem
-    err = _refusal([], 5)  # 384 rows never split over 5 ranks
+    assert "micro_batch 16 (grad_accum 3)" in err.problem and "micro_batch 48 (grad_accum 1)" in err.problem
+    err = _refusal([], 5)  # 768 rows never split over 5 ranks
     assert err.key == "batch.global_tokens" and "world size 5" in err.problem
     assert "launch on 4 or 6 ranks" in err.problem and "737,280 or 819,200" in err.problem
 
 
 def test_global_batch_problems_found_at_load_whatever_the_world():
-    with pytest.raises(tcfg.ConfigError, match="batch.global_tokens: 786,000 is not a whole number of 2048-token "
-                                                "rows.*784,384 or 786,432"):
+    with pytest.raises(tcfg.ConfigError, match="batch.global_tokens: 786,000 is not a whole number of 1024-token "
+                                                "rows.*785,408 or 786,432"):
         tcfg.load_config(f"{ROOT}/200m/pretrain.yaml", ["batch.global_tokens=786000"])
-    with pytest.raises(tcfg.ConfigError, match="batch.micro_batch: 7 does not divide the 384 rows.*6, 8"):
+    with pytest.raises(tcfg.ConfigError, match="batch.micro_batch: 7 does not divide the 768 rows.*6, 8"):
         tcfg.load_config(f"{ROOT}/200m/pretrain.yaml", ["batch.micro_batch=7"])
     with pytest.raises(tcfg.ConfigError, match="batch.grad_accum: 5 disagrees"):
         tcfg.load_config(f"{ROOT}/200m/pretrain.yaml", ["batch.grad_accum=5"])

@@ -69,13 +69,12 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
                                         "is not supported; use kernels.compile none with parallel.ep_size > 1",
                      "parallel.ep_size")
     if cfg.model.preset != "tiny":
-        # null paths mean "the embedded demo corpus", which is sized for the tiny preset only.
+        # null paths mean "the embedded demo corpus", which is sized for the tiny preset only
+        # (a null data.shards_dir beside a plan means the plan's own dataset, stage_data.py).
         need = ("data.plan", cfg.data.plan) if cfg.data.kind == "pretrain" else ("data.sft_dir", cfg.data.sft_dir)
         if need[1] is None:
             raise b.fail(need[0], f"required for preset {cfg.model.preset}; null (the embedded demo corpus) "
                                   "is allowed only with preset tiny", "model.preset")
-        if cfg.data.kind == "pretrain" and cfg.data.shards_dir is None:
-            raise b.fail("data.shards_dir", f"required for preset {cfg.model.preset} with data.kind pretrain", "model.preset")
     num_experts, max_seq = _model_facts(cfg.model.preset)
     if num_experts % cfg.parallel.ep_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
@@ -84,6 +83,11 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if max_seq is not None and cfg.data.seq_len > max_seq:
         raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {max_seq}-token context of preset "
                                      f"{cfg.model.preset}; allowed: 1..{max_seq}", "model.preset")
+    sc = cfg.schedule
+    if sc.warmup_tokens is not None and sc.warmup_fraction is not None:
+        raise b.fail("schedule.warmup_tokens", f"{sc.warmup_tokens} and schedule.warmup_fraction "
+                                               f"{sc.warmup_fraction} both size the warmup; keep one of them "
+                                               "(set the other null)", "schedule.warmup_fraction")
     bt = cfg.batch
     problem = global_batch.check_static(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens)
     if problem:

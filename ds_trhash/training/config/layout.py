@@ -122,7 +122,7 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
         "optimizer.eps": o.eps,
         "optimizer.torch_adam": o.torch_adam,
         "schedule.kind": s.kind,
-        "schedule.warmup_fraction": s.warmup_fraction,
+        "schedule.warmup_fraction": s.fraction,
         "schedule.min_warmup_steps": s.min_warmup_steps,
         "schedule.floor": s.floor,
         "precision": cfg.precision,
@@ -133,6 +133,14 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
         "kernels.loss_chunk_tokens": cfg.kernels.loss_chunk_tokens,
         "lora.enabled": cfg.lora.enabled,
     }
+    # The newer schedule keys enter only when they change the schedule, so a checkpoint recorded
+    # before they existed still resumes under a config that leaves them at their defaults.
+    if s.warmup_tokens is not None:
+        crit["schedule.warmup_tokens"] = s.warmup_tokens
+    if s.warmup_start_factor != 0.0:
+        crit["schedule.warmup_start_factor"] = s.warmup_start_factor
+    if s.kind == "wsd":
+        crit["schedule.stable_fraction"] = s.stable_fraction
     if cfg.lora.enabled:
         crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
     crit.update(dsc.critical_items(cfg.deepspeed))

@@ -16,6 +16,8 @@ from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
 SFT = "supervised-finetuning"
+# docs/contracts.md §6: W = int(0.03 * H) unless a config says otherwise.
+DEFAULT_WARMUP_FRACTION = 0.03
 # LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
 # weights are switched by `lora.experts`.
 
@@ -129,10 +131,26 @@ class OptimizerSection:
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    kind: Literal["cosine"] = "cosine"
-    warmup_fraction: float = _f(0.03, check=_half_open_unit)
+    # cosine: warmup then one cosine to the floor; wsd: warmup, a stable peak, then a cosine over the
+    # last (1 - stable_fraction) of the post-warmup steps (ds_trhash.training.schedule).
+    kind: Literal["cosine", "wsd"] = "cosine"
+    # W = int(fraction * H); null means DEFAULT_WARMUP_FRACTION unless warmup_tokens is set.
+    warmup_fraction: float | None = _f(None, check=_optional(_half_open_unit))
+    # The warmup in tokens instead: W = ceil(warmup_tokens / tokens per step). Exclusive with
+    # warmup_fraction (checks.py), so a dumped config (both keys written) loads back.
+    warmup_tokens: int | None = _f(None, check=_optional(_positive))
+    # LR factor the warmup line starts from (0: the first step is at peak / W).
+    warmup_start_factor: float = _f(0.0, check=_half_open_unit)
+    stable_fraction: float = _f(0.8, check=_half_open_unit)
     min_warmup_steps: int = _f(1, check=_non_negative)
     floor: float = _f(0.1, check=_closed_unit)
+
+    @property
+    def fraction(self) -> float | None:
+        """The warmup fraction in force: None when the warmup is given in tokens."""
+        if self.warmup_tokens is not None:
+            return None
+        return DEFAULT_WARMUP_FRACTION if self.warmup_fraction is None else self.warmup_fraction
 
 
 @dataclass(frozen=True)
