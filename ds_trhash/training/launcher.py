@@ -37,7 +37,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="a bounded run: at most this many optimizer steps")
     p.add_argument("--init-checkpoint", "--checkpoint", dest="init_checkpoint", metavar="DIR",
                    help="weights-only initialisation: fresh optimizer, scheduler and step; DIR is a "
-                        "checkpoint, an export, or a run's --output-dir (its final complete checkpoint)")
+                        "checkpoint, an export (a finished stage's RUN/final), or a run's --output-dir (its "
+                        "final complete checkpoint)")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="exact continuation from DIR, or 'auto' for the newest complete checkpoint "
                         "in the output directory (also RESUME=auto)")
