@@ -10,12 +10,13 @@ One output directory, in order:
    checkpoint, exits without a traceback, and writes no final/ (it stopped early); its lock
    covers the ranks until they exit, even after the runner is gone;
 4. launch C resumes it (`--resume auto`) to the end: final/ (verified) and stage_complete.json,
-   then the watcher uploads final/, verifies everything and exits 0;
-5. the finished stage relaunched with `RESUME=auto` after final/ was lost exits 0 and writes it
-   again, identical.
+   then the watcher uploads final/, verifies everything and exits 0.
+
+A finished stage relaunched with `RESUME=auto` keeps its final/ and record unchanged
+(tests/training/test_sft_stage.py, whose digest covers them) and writes a missing or damaged one
+(test_final_export.py, in process).
 """
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -23,8 +24,6 @@ import time
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ds_trhash.checkpoints import list_checkpoints, run_lock, verify
 from ds_trhash.checkpoints.sync_guard import read_verified
@@ -35,7 +34,7 @@ from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.slow
 
-STEPS = 80
+STEPS = 60
 PREFIX = "runs/tiny-pretrain"
 REPO = "me/lifecycle"
 
@@ -57,7 +56,7 @@ def _wait(what, condition, proc=None, timeout=600):
 
 @pytest.fixture
 def server(monkeypatch):
-    with stand_in_hub(monkeypatch, deadline_s=1800) as srv:  # four launches: minutes on a loaded machine
+    with stand_in_hub(monkeypatch, deadline_s=1800) as srv:  # three launches: minutes on a loaded machine
         yield srv
 
 
@@ -117,14 +116,3 @@ def test_watched_run_lock_refusal_sighup_resume_to_final(tmp_path, server):
     files = server.repo(REPO).files
     assert f"{PREFIX}/{FINAL_DIR}/model.safetensors" in files and all(p.startswith(PREFIX + "/") for p in files)
     assert f"{PREFIX}/checkpoints/{last.name}/MANIFEST.json" in files
-
-    # 5: a finished stage relaunched with RESUME=auto writes a lost final/ again (the same tensors)
-    weights = load_file(out / FINAL_DIR / "model.safetensors")
-    shutil.rmtree(out / FINAL_DIR)
-    (out / COMPLETE_FILE).unlink()
-    d = L.single(_args(out), RESUME="auto")
-    assert d.returncode == 0, L.explain(d)
-    assert "already finished" in d.stdout + d.stderr
-    assert final_status(out, last.path) == (True, "ok") and read_completion(out)["step"] == STEPS
-    again = load_file(out / FINAL_DIR / "model.safetensors")
-    assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
