@@ -112,9 +112,13 @@ def acquire(output_dir: str | os.PathLike) -> RunLock:
     ``RunLocked`` naming the live holder."""
     out = Path(output_dir)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     existed = (out / RUN_LOCK).exists()
-    fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the run lock {out / RUN_LOCK}: {exc.strerror or exc}; choose a "
+                              "writable --output-dir") from None
     deadline = time.monotonic() + _SETTLE_S
     while not _try(fd, fcntl.LOCK_EX):
         if time.monotonic() >= deadline:

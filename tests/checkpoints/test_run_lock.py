@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from ds_trhash.checkpoints import run_lock
+from ds_trhash.checkpoints import CheckpointError, run_lock
 from ds_trhash.checkpoints.run_lock import RUN_LOCK, RunLocked
 
 
@@ -83,3 +83,11 @@ def test_a_launch_leaves_the_lock_file_as_it_found_it(tmp_path):
     assert run_lock.read_holder(existing)["pid"] == os.getpid()
     lock.release()
     assert (existing / RUN_LOCK).read_text() == '{"pid": 1}\n'
+
+
+def test_a_lock_that_cannot_be_created_is_a_message(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the output directory should be")
+    with pytest.raises(CheckpointError, match=f"cannot create the run lock {blocker / RUN_LOCK}"):
+        run_lock.acquire(blocker)
+    assert blocker.read_text() == "a file where the output directory should be"
