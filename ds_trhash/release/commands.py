@@ -53,7 +53,8 @@ def run_sync(args: argparse.Namespace) -> int:
         api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
         report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
                           dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                          lock_timeout=args.lock_timeout, path_in_repo=args.path_in_repo)
+                          lock_timeout=args.lock_timeout, path_in_repo=args.path_in_repo,
+                          incremental=args.incremental)
     except SyncError as err:
         code = _fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
@@ -106,6 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--repo-id", "--repo", dest="repo_id", required=True, metavar="OWNER/NAME")
     syn.add_argument("--path-in-repo", default="", metavar="PREFIX",
                      help="folder of the repository the units go under (default: its root)")
+    syn.add_argument("--incremental", action="store_true",
+                     help="skip units sync_verified.json records on this repository and prefix with their current "
+                          "manifest (what --watch passes do)")
     syn.add_argument("--every", type=float, default=60.0, help="--watch: seconds between passes (default 60)")
     syn.add_argument("--pass-timeout", type=float, default=3600.0,
                      help="--watch: a pass still running after this many seconds is killed and retried (default 3600)")

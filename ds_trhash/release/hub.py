@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
-from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, read_verified, update_verified
 from ds_trhash.errors import UserError
 from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
@@ -179,10 +179,22 @@ class _Plan:
     skipped: dict[str, str]
     prunable: bool  # an output directory (not a single unit) was given
     complete_steps: list[int]
+    recorded: list[str] = field(default_factory=list)  # verified by an earlier sync: left alone
 
 
-def discover(local_dir: str | os.PathLike) -> _Plan:
-    """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
+def recorded_as_verified(records: Mapping[str, Mapping[str, Any]], name: str, manifest: Path, repo_id: str,
+                         prefix: str) -> bool:
+    """Whether ``sync_verified.json`` (``records``) says unit ``name`` is on ``repo_id`` under
+    ``prefix`` with exactly the manifest it has now."""
+    entry = records.get(name)
+    return (entry is not None and entry.get("repo_id") == repo_id and entry.get("prefix", "") == prefix
+            and manifest.is_file() and entry.get("manifest_sha256") == sha256_file(manifest))
+
+
+def discover(local_dir: str | os.PathLike, known: Callable[[str, Path], bool] | None = None) -> _Plan:
+    """What ``local_dir`` holds: a run output directory, one checkpoint, or one export.
+    ``known(name, manifest)``: units of a run directory for which it is true are not hashed
+    again but listed in ``recorded`` (``sync(incremental=True)``)."""
 
     root = Path(local_dir)
     if not root.is_dir():
@@ -200,8 +212,12 @@ def discover(local_dir: str | os.PathLike) -> _Plan:
     units: list[Unit] = []
     skipped: dict[str, str] = {}
     complete_steps = []
+    recorded: list[str] = []
     for info in list_checkpoints(root):
         rel = f"{CHECKPOINTS}/{info.name}"
+        if known is not None and known(rel, info.path / MANIFEST):
+            recorded.append(rel)
+            continue
         unit = _checkpoint_unit(info.path, rel)
         if isinstance(unit, str):
             skipped[rel] = unit
@@ -216,14 +232,17 @@ def discover(local_dir: str | os.PathLike) -> _Plan:
         if path.name == CHECKPOINTS or path.name.startswith(".") or not _is_export(path):
             continue
         rel = path.relative_to(root).as_posix()
+        if known is not None and known(rel, path / EXPORT_MANIFEST):
+            recorded.append(rel)
+            continue
         unit = _export_unit(path, rel)
         if isinstance(unit, str):
             skipped[rel] = unit
         else:
             units.append(unit)
-    if not units and not skipped:
+    if not units and not skipped and not recorded:
         raise SyncError(f"{root} holds no checkpoints/step_* directory and no export; nothing to sync")
-    return _Plan(units, skipped, True, complete_steps)
+    return _Plan(units, skipped, True, complete_steps, recorded)
 
 
 # --------------------------------------------------------------------------- remote checks
@@ -352,6 +371,7 @@ def sync(
     revision: str | None = None,
     lock_timeout: float = 0.0,
     path_in_repo: str = "",
+    incremental: bool = False,
     log: Log = print,
 ) -> SyncReport:
     """Upload every complete checkpoint/export under ``local_dir``, verify it on the Hub, then
@@ -359,7 +379,9 @@ def sync(
 
     Raises ``SyncError`` (with ``.report``) on the first upload or verification failure; nothing
     is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing. ``path_in_repo``:
-    a folder of the repository under which the run's units go (``check_prefix``).
+    a folder of the repository under which the run's units go (``check_prefix``). ``incremental``
+    (the watcher's passes): units that ``sync_verified.json`` records on this repository and
+    prefix with their current manifest are trusted, neither hashed nor listed again.
     """
     if keep_last < 1:
         raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
@@ -368,10 +390,18 @@ def sync(
     report = SyncReport(repo_id=repo_id, dry_run=dry_run)
     root = Path(local_dir)
     lock_dir = discover_lock_dir(root)
+    if incremental and prune_local:
+        raise SyncError("--incremental trusts the record of earlier passes; --prune-local needs every unit "
+                        "verified now: use one of them")
     with sync_lock(lock_dir, lock_timeout):
-        plan = discover(root)
+        records = read_verified(lock_dir) if incremental else {}
+        plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, repo_id, prefix))
+                        if incremental else None)
         for unit in plan.units:
             unit.prefix = prefix
+        report.already_remote += plan.recorded
+        for name in plan.recorded:
+            say(f"{name}: verified on {repo_id} by an earlier sync (sync_verified.json); not checked again")
         if prune_local and not plan.prunable:
             raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
                             f"single {plan.units[0].kind} {root}")

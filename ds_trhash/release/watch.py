@@ -2,7 +2,9 @@
 
 Every ``every`` seconds the watcher runs one pass of the one-shot sync (``release.hub.sync``:
 complete checkpoints and exports only, one commit per unit, every remote hash checked, each
-verified unit recorded in ``sync_verified.json``) as a child process. A pass that runs longer
+verified unit recorded in ``sync_verified.json``) as a child process; a pass leaves alone what
+earlier passes recorded with its current manifest (``--incremental``), so a long run is not
+hashed again every interval. A pass that runs longer
 than ``pass_timeout`` (a stalled connection can leave the client waiting far longer than any
 socket timeout suggests) is killed with its whole process group, logged, and retried at the next
 interval. Killing a pass never damages what earlier passes verified: a Hub commit is all or
@@ -33,7 +35,6 @@ from typing import Any
 from ds_trhash.checkpoints import CHECKPOINTS, MANIFEST, list_checkpoints
 from ds_trhash.checkpoints.run_lock import RUN_LOCK, is_alive
 from ds_trhash.checkpoints.sync_guard import read_verified
-from ds_trhash.io import sha256_file
 from ds_trhash.release import hub
 from ds_trhash.release.cleanup import CleanupRefused, cleanup
 from ds_trhash.release.export import EXPORT_MANIFEST
@@ -101,9 +102,7 @@ def unverified(run_dir: Path, repo_id: str, prefix: str) -> list[str]:
     records = read_verified(run_dir)
 
     def done(name: str, manifest: Path) -> bool:
-        entry = records.get(name)
-        return (entry is not None and entry.get("repo_id") == repo_id and entry.get("prefix", "") == prefix
-                and manifest.is_file() and entry.get("manifest_sha256") == sha256_file(manifest))
+        return hub.recorded_as_verified(records, name, manifest, repo_id, prefix)
 
     missing = [f"{CHECKPOINTS}/{c.name}" for c in list_checkpoints(run_dir)
                if c.has_manifest and not done(f"{CHECKPOINTS}/{c.name}", c.path / MANIFEST)]
@@ -146,7 +145,7 @@ class Watcher:
 
     def pass_command(self) -> list[str]:
         cmd = [sys.executable, "-m", "ds_trhash.cli", "sync", "--local", str(self.run_dir), "--repo-id",
-               self.repo_id, "--lock-timeout", str(self.lock_timeout)]
+               self.repo_id, "--lock-timeout", str(self.lock_timeout), "--incremental"]
         if self.prefix:
             cmd += ["--path-in-repo", self.prefix]
         if self.repo_type:

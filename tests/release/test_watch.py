@@ -186,3 +186,15 @@ def test_the_shipped_backup_manifest_runs_training_and_the_watcher_side_by_side(
     assert args.watch == "runs/tiny-backup" and args.path_in_repo and args.pass_timeout > args.every
     assert f"--output-dir {args.watch}" in " ".join(train.argv) and "checkpoint.keep_unsynced=true" in train.argv
     assert "[program:backup]" in render_config(manifest, tmp_path)
+
+
+def test_a_pass_leaves_alone_what_earlier_passes_verified_here_and_checks_other_prefixes(tmp_path, finished, server):
+    run = copy_run(finished, tmp_path / "run")
+    hub.sync(run, REPO, hub.make_api(), path_in_repo=PREFIX, log=lambda _: None)
+    listings = server.counts.get("tree", 0)
+    report = hub.sync(run, REPO, hub.make_api(), path_in_repo=PREFIX, incremental=True, log=lambda _: None)
+    assert sorted(report.already_remote) == ["checkpoints/step_00000010", "checkpoints/step_00000020",
+                                             "checkpoints/step_00000030", FINAL_DIR]
+    assert server.counts.get("tree", 0) == listings and report.uploaded == []  # no request about them
+    other = hub.sync(run, REPO, hub.make_api(), path_in_repo="elsewhere", incremental=True, log=lambda _: None)
+    assert len(other.uploaded) == 4  # recorded for another prefix: not this one's
