@@ -79,21 +79,23 @@ def check_args(run_dir: str | os.PathLike, repo_id: str, prefix: str, every: flo
     return hub.check_prefix(prefix)
 
 
-def check_repo(api: Any, repo_id: str, repo_type: str | None, revision: str | None, create: bool) -> None:
+def check_repo(api: Any, repo_id: str, repo_type: str | None, revision: str | None, create: bool) -> str | None:
     """The repository must exist (or be created with ``create``): a typo in --repo is refused
-    before the run is waited for, instead of creating a stray repository."""
+    before the run is waited for, instead of creating a stray repository. A Hub that does not
+    answer is not a refusal (the passes retry): the warning is returned."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     try:
         api.repo_info(repo_id, repo_type=repo_type, revision=revision or "main")
-        return
+        return None
     except RepositoryNotFoundError:
         if not create:
             raise SyncError(f"repository {repo_id} does not exist on the Hub (or the token cannot see it): create it, "
                             "or pass --create-repo to create it private") from None
     except Exception as exc:  # network: the passes retry; only an unknown repository is final
-        raise SyncError(f"cannot reach the Hub to look up {repo_id}: {type(exc).__name__}: {exc}") from None
+        return f"cannot reach the Hub to look up {repo_id} ({type(exc).__name__}: {exc}); the passes retry"
     hub._call(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True, exist_ok=True)
+    return None
 
 
 def unverified(run_dir: Path, repo_id: str, prefix: str) -> list[str]:
@@ -213,7 +215,9 @@ def watch(run_dir: str | os.PathLike, repo_id: str, *, prefix: str = "", every: 
     """Check the arguments, the token and the repository, then watch until the run is backed up."""
     prefix = check_args(run_dir, repo_id, prefix, every, pass_timeout)
     api = hub.make_api(require_token=True)
-    check_repo(api, repo_id, repo_type, revision, create_repo)
+    warning = check_repo(api, repo_id, repo_type, revision, create_repo)
     watcher = Watcher(run_dir, repo_id, prefix=prefix, every=every, pass_timeout=pass_timeout, repo_type=repo_type,
                       revision=revision, log=log)
+    if warning:
+        watcher.say(f"warning: {warning}")
     return watcher.run(max_passes)
