@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,18 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ds_trhash.training.launch.command import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_once(config: str, steps: int, out: Path, tensorboard: bool) -> dict:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_port()), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--config", config, "--output-dir", str(out),
            "--max-steps", str(steps), "--set", "training.log_every=1", "--set", "checkpoint.packs=null",
            "--set", "checkpoint.every_steps=null", "--set", "checkpoint.keep_last=1"]

@@ -17,6 +17,7 @@ from ds_trhash.eval import commands as eval_commands
 from ds_trhash.ops import commands as ops_commands
 from ds_trhash.prelaunch import preflight, smoke
 from ds_trhash.release import commands as release_commands
+from ds_trhash.release import generate
 from ds_trhash.report import commands as report_commands
 
 
@@ -25,6 +26,7 @@ def _register_all(sub) -> None:
     sft_commands.register(sub)
     eval_commands.register(sub)
     release_commands.register(sub)
+    generate.register(sub)
     report_commands.register(sub)
     ops_commands.register(sub)
     demo.register(sub)

@@ -11,28 +11,13 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
 from ds_trhash.checkpoints import find_resumable
+from ds_trhash.training.launch.command import REPO, deepspeed_command
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "launch" / "train.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_command(config: str, nproc: int, extra: list[str]) -> list[str]:
-    """The CPU launch form: the deepspeed launcher with --num_gpus N starts N CPU processes
-    (gloo) on a machine without GPUs."""
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-    return [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            str(LAUNCH), "--config", config, *extra]
 
 
 def column(metrics_csv: Path, name: str) -> list[float]:

@@ -8,8 +8,7 @@ import ast
 from pathlib import Path
 
 from ds_trhash.eval.callbacks import HeldoutCallback, PiqaCallback
-from ds_trhash.release.lifecycle import StageEndCallback
-from ds_trhash.run import launch_parts
+from ds_trhash.run import StageEndCallback, launch_parts
 from ds_trhash.training.callbacks import (
     CheckpointCallback,
     FaultCallback,
@@ -29,10 +28,15 @@ FORBIDDEN = {
     "ops": ("ds_trhash.training", "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.checkpoints",
             "ds_trhash.data", "ds_trhash.model", "ds_trhash.run"),
     "report": ("ds_trhash.eval", "ds_trhash.run", "ds_trhash.ops"),
-    "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run"),
+    "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run", "ds_trhash.training"),  # selection: checkpoints
     "kernels": ("ds_trhash.",),
     "io.py": ("ds_trhash.",),
-    "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report"),
+    "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report", "ds_trhash.training.trainer"),
+    # the launch plan and the run's records sit below the trainer: both it and preflight import them
+    "training/launch": ("ds_trhash.training.trainer", "ds_trhash.training.launcher", "ds_trhash.training.loop",
+                        "ds_trhash.prelaunch"),
+    "training/records": ("ds_trhash.training.trainer", "ds_trhash.training.launcher", "ds_trhash.training.loop",
+                         "ds_trhash.training.launch", "ds_trhash.training.callbacks"),
 }
 
 
@@ -72,3 +76,13 @@ def test_eval_and_release_read_checkpoints_only_through_the_package():
             if part == "eval":
                 training = [n for n in _imports(path) if n.startswith("ds_trhash.training")]
                 assert all(n.startswith("ds_trhash.training.callbacks.base") for n in training), (path, training)
+
+
+def test_prelaunch_imports_no_private_name():
+    """preflight and smoke use the trainer's checks through their public names only."""
+    private = []
+    for path in sorted((PKG / "prelaunch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ds_trhash"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private

@@ -2,7 +2,8 @@
 
 Modules, by job:
 
-* ``state``   - file names, errors, ``TrainerState`` (what ``trainer_state.json`` records);
+* ``state``   - file names, errors, ``TrainerState`` and ``LaunchRecord`` (what ``trainer_state.json``
+  records), the hardware it names;
 * ``store``   - atomic publish, manifest, verify, list, rotation;
 * ``resume``  - choosing the checkpoint to continue from and what must match (the refusals);
 * ``reshard`` - universal conversion for a new world size, and restoring a DeepSpeed engine;
@@ -46,8 +47,10 @@ from ds_trhash.checkpoints.state import (
     MANIFEST_FORMAT,
     TRAINER_STATE,
     CheckpointError,
+    LaunchRecord,
     ResumeError,
     TrainerState,
+    describe_hardware,
     read_trainer_state,
 )
 from ds_trhash.checkpoints.store import (
@@ -71,8 +74,8 @@ from ds_trhash.checkpoints.weights import (
 __all__ = [
     "CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "REQUIRED_STATE_PARTS", "RESHARD_DIR",
     "RESHARD_LAYOUT_KEYS", "TRAINER_STATE", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "CheckpointError",
-    "CheckpointInfo", "ResumeError", "TrainerState", "check_output_dir_stage", "check_resume_compatible",
-    "checkpoints_root", "convert_to_universal", "find_resumable", "global_batch", "inspect_saved_parts",
+    "CheckpointInfo", "LaunchRecord", "ResumeError", "TrainerState", "check_output_dir_stage", "check_resume_compatible",
+    "checkpoints_root", "convert_to_universal", "describe_hardware", "find_resumable", "global_batch", "inspect_saved_parts",
     "is_reshard", "list_checkpoints", "load_engine_state", "load_merged_weights", "load_weights_only",
     "needs_universal", "read_source_metadata", "read_source_record", "read_trainer_state", "reseed_rng_for_reshard",
     "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",

@@ -2,19 +2,25 @@
 
 A checkpoint is ``<output_dir>/checkpoints/step_<N>/`` holding the DeepSpeed engine files under
 ``state/``, one RNG file per rank under ``rng/``, ``trainer_state.json`` (the typed
-``TrainerState`` plus whatever the trainer adds) and ``MANIFEST.json`` (size and SHA-256 of
-every other file, written last). See docs/contracts.md, "Checkpoints and resume".
+``TrainerState``, checked on every save and resume, within the full record that
+``LaunchRecord`` writes) and ``MANIFEST.json`` (size and SHA-256 of every other file, written
+last). See docs/contracts.md, "Checkpoints and resume".
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import platform
 import re
 import subprocess
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
@@ -59,6 +65,20 @@ def _framework_commit() -> str | None:
         return None
 
 
+def describe_hardware() -> str:
+    """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
+    # a broken CUDA install or an unreadable /proc must not stop a checkpoint or a report
+    with contextlib.suppress(RuntimeError):
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return f"{torch.cuda.device_count()} x " + " / ".join(names)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return "CPU: " + line.split(":", 1)[1].strip()
+    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
+
+
 @dataclass
 class TrainerState:
     """Everything besides tensors that an exact resume (or the stage guard) needs to know."""
@@ -93,6 +113,72 @@ class TrainerState:
             raise CheckpointError(f"{where} lacks {', '.join(missing)}; it was not written by this trainer "
                                   "version and cannot be resumed exactly")
         return cls(**{k: doc[k] for k in names if k in doc})
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """What every ``trainer_state.json`` of one launch says about the launch itself.
+
+    The stage guard of the next stage, an exact resume, export and the run record read these
+    fields; :meth:`trainer_state` adds what changes from one checkpoint to the next.
+    """
+
+    stage: str
+    family: str
+    world_size: int
+    training_critical: dict[str, Any]
+    plan_fingerprint: str | None
+    plan_sha256: str | None
+    plan_doc: dict[str, Any] | None
+    init_checkpoint: str | None
+    lora: bool
+    model_config: dict[str, Any]
+    tokenizer_dir: str | None
+    tokenizer_sha256: str | None
+    tokenizer_assumed: bool  # the data recorded no tokenizer: data.tokenizer was taken as its
+    sft_dir: str | None
+    sft_manifest_sha256: str | None
+    source_stage: str | None
+    hardware: str  # "<world> process(es); rank 0 on <describe_hardware()>"
+    pack_of: Mapping[int, int] = field(default_factory=dict)  # step -> token pack it closes
+
+    def trainer_state(self, *, step: int, epoch: int, total_steps: int, data_cursor: int, tokens_seen: int,
+                      supervised_seen: int, backends_used: dict[str, Any], reason: str, peak_memory: dict[str, Any],
+                      extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The ``trainer_state.json`` of the checkpoint at ``step``; ``extra`` (evaluation results,
+        the kernel path of the last training step) is added last and wins."""
+        return {
+            "stage": self.stage,
+            "family": self.family,
+            "step": step,
+            "epoch": epoch,  # epochs completed at this step, as in every other record
+            "total_steps": total_steps,
+            "data_cursor": data_cursor,
+            "tokens_seen": tokens_seen,
+            "supervised_seen": supervised_seen,
+            "world_size": self.world_size,
+            "training_critical": self.training_critical,
+            "plan_fingerprint": self.plan_fingerprint,
+            "plan_sha256": self.plan_sha256,
+            "plan_doc": self.plan_doc,
+            "init_checkpoint": self.init_checkpoint,
+            "lora": self.lora,
+            "backends_used": backends_used,
+            "model_config": self.model_config,
+            "tokenizer_dir": self.tokenizer_dir,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "tokenizer_assumed": self.tokenizer_assumed,  # the data recorded none: data.tokenizer was taken
+            "sft_dir": self.sft_dir,
+            "sft_manifest_sha256": self.sft_manifest_sha256,
+            "source_stage": self.source_stage,
+            "hardware": self.hardware,
+            "pack_index": self.pack_of.get(step),
+            "packs": len(self.pack_of) or None,
+            "reason": reason,
+            "save_started_unix": time.time(),  # the save took until MANIFEST.json appeared (ds-trhash smoke)
+            "peak_memory": peak_memory,
+            **(extra or {}),
+        }
 
 
 def read_trainer_state(ckpt_dir: str | os.PathLike) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from ds_trhash.checkpoints.state import (
 )
 from ds_trhash.checkpoints.sync_guard import LockHeld, is_verified, output_lock, read_verified
 from ds_trhash.io import fsync_path, fsync_tree, publish_dir, remove_dir, sha256_file, write_json
+from ds_trhash.safe_names import UnsafeNameError, relative_path
 
 def _files_under(root: Path) -> dict[str, Path]:
     """Every regular file below root keyed by its POSIX relative path, the manifest excluded."""
@@ -178,6 +179,13 @@ def verify(ckpt_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str
         listed = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         return False, f"corrupt ({MANIFEST} unreadable: {exc})"
+    if not isinstance(listed, dict) or not all(isinstance(e, dict) for e in listed.values()):
+        return False, f"corrupt ({MANIFEST} 'files' is not an object of {{size, sha256}} entries)"
+    for rel in listed:
+        try:  # names from the manifest stay inside the checkpoint (docs/contracts.md §2d)
+            relative_path(rel, str(ckpt / MANIFEST), "files")
+        except UnsafeNameError as exc:
+            return False, f"corrupt ({exc})"
     present = _files_under(ckpt)
     missing = sorted(set(listed) - set(present))
     extra = sorted(set(present) - set(listed))

@@ -1,4 +1,4 @@
-"""`ds-trhash data ...`: tokenizer, shards, replay plans, fingerprints, the demo corpus.
+"""`ds-trhash data ...`: tokenizer, shards (corpus_commands), replay plans, fingerprints, the demo corpus.
 
 Every handler returns an exit code. Expected failures (bad input, refused overwrite,
 inconsistent plans) print one line to stderr and return 2, never a traceback.
@@ -13,10 +13,10 @@ from typing import Callable, Optional, Sequence
 
 from .corpus_index import read_corpus_index
 from .embedded import build_embedded
+from .corpus_commands import add_corpus_commands
 from .plan import check_refinement, derive_refinement, load_plan, write_plan
 from .plan_build import build_plan
 from .plan_correct import build_corrective_plan
-from .shards import read_jsonl_texts, read_text_documents, tokenize_to_shards
 from .tokenizer import train_tokenizer
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
@@ -60,18 +60,6 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
 def _train_tokenizer(args: argparse.Namespace) -> int:
     path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
     print(path)
-    return 0
-
-
-def _tokenize(args: argparse.Namespace) -> int:
-    fmt = args.format
-    if fmt == "auto":
-        fmt = "jsonl" if all(str(p).endswith(".jsonl") for p in args.input) else "text"
-    texts = read_jsonl_texts(args.input, args.text_field) if fmt == "jsonl" else read_text_documents(args.input)
-    manifest = tokenize_to_shards(args.source, texts, args.tokenizer, args.seq_len, args.rows_per_shard,
-                                  args.out, args.vocab_size)
-    print(f"{Path(args.out) / args.source / 'manifest.json'}: {manifest['documents']} documents, "
-          f"{len(manifest['shards'])} shards, {manifest['total_rows']} rows, {manifest['dropped_tokens']} tokens dropped")
     return 0
 
 
@@ -157,18 +145,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
                    help="replace an existing tokenizer.json (data made with the old one no longer matches)")
     p.set_defaults(func=_guarded(_train_tokenizer))
 
-    p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    p.add_argument("--source", required=True, help="source name (directory and plan key)")
-    p.add_argument("--tokenizer", required=True, metavar="DIR", help="directory holding tokenizer.json, or the file")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--rows-per-shard", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, default=32000, help="model vocabulary; larger ids are errors (default 32000)")
-    p.add_argument("--out", required=True, metavar="DIR", help="shard root; writes DIR/SOURCE/")
-    p.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
-                   help="text: one document per blank-line-separated block; auto: jsonl for *.jsonl inputs")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
-    p.set_defaults(func=_guarded(_tokenize))
+    add_corpus_commands(sub, _guarded)
 
     p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
     p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",

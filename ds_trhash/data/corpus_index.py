@@ -3,9 +3,9 @@ order, and the corpus's seq_len (docs/contracts.md §2, §2b). Read from manifes
 
 A plan over 200B tokens is a selection of a few hundred shard names, so building one must never
 open a shard: this index is everything the builders (``plan_build``, ``plan_correct``) see. It is
-read from either layout: ours (``<root>/<source>/manifest.json``, format tr-hash-token-shards-v1)
-or the release's (``mixture_manifest.json`` + ``corpora/<source>/manifest.json``, format
-tr-hash-token-mixture-v1). ``read_corpus_index`` is the one entry point.
+read from either layout, ours (``<root>/<source>/manifest.json``) or the release's
+(``mixture_manifest.json`` + ``corpora/<source>/manifest.json``), through the manifests' one
+validation layer (``manifest``, ``corpus``). ``read_corpus_index`` is the one entry point.
 """
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from ds_trhash.errors import UserError
-from ds_trhash.io import read_json_object
 
+from .corpus import read_corpus
+from .manifest import MIXTURE_FILE as MIXTURE_MANIFEST
 from .shards import check_source_name, load_manifests
 from .tokenizer import PathLike
-
-MIXTURE_FORMAT = "tr-hash-token-mixture-v1"
-MIXTURE_MANIFEST = "mixture_manifest.json"
 
 
 class CorpusIndexError(UserError, ValueError):
@@ -66,37 +64,11 @@ def _shards(entries: object, where: str) -> tuple[ShardRows, ...]:
 
 
 def _release_index(root: Path) -> CorpusIndex:
-    """The release's layout: the mixture manifest names each source's manifest."""
-    mixture_path = root / MIXTURE_MANIFEST
-    mixture = read_json_object(mixture_path, CorpusIndexError)
-    if mixture.get("format") != MIXTURE_FORMAT:
-        raise CorpusIndexError(f"{mixture_path} has format {mixture.get('format')!r}, expected {MIXTURE_FORMAT!r}")
-    seq_len = mixture.get("seq_len")
-    if not _positive_int(seq_len):
-        raise CorpusIndexError(f"{mixture_path} has seq_len {seq_len!r}; expected a positive integer")
-    listed = mixture.get("sources")
-    if not isinstance(listed, list) or not listed:
-        raise CorpusIndexError(f"{mixture_path} lists no sources")
-    sources: dict[str, tuple[ShardRows, ...]] = {}
-    for item in listed:
-        name = item.get("name") if isinstance(item, Mapping) else None
-        if not isinstance(name, str) or name in sources:
-            raise CorpusIndexError(f"{mixture_path} has source entry {item!r}: each needs a distinct 'name'")
-        check_source_name(name)
-        path = root / str(item.get("manifest") or f"corpora/{name}/manifest.json")
-        manifest = read_json_object(path, CorpusIndexError, missing=f"{mixture_path} names it for source {name!r}")
-        if manifest.get("format") != MIXTURE_FORMAT or manifest.get("source", name) != name:
-            raise CorpusIndexError(f"{path} has format {manifest.get('format')!r} and source {manifest.get('source')!r}; "
-                                   f"expected {MIXTURE_FORMAT!r} and {name!r}")
-        if manifest.get("seq_len") != seq_len:
-            raise CorpusIndexError(f"{path} has seq_len {manifest.get('seq_len')!r}, the mixture {seq_len}")
-        shards = _shards(manifest.get("shards"), str(path))
-        total = sum(s.rows for s in shards)
-        if total != manifest.get("rows") or total != item.get("rows"):
-            raise CorpusIndexError(f"{path}: its shards hold {total} rows, the source manifest says "
-                                   f"{manifest.get('rows')!r} and {mixture_path} {item.get('rows')!r}")
-        sources[name] = shards
-    return CorpusIndex(seq_len, sources)
+    """The release's layout, read and validated by the one manifest layer (``corpus.read_corpus``:
+    the mixture, each source's manifest, and every rule between them)."""
+    corpus = read_corpus(root)
+    return CorpusIndex(corpus.seq_len, {name: tuple(ShardRows(s.file, s.rows) for s in m.shards)
+                                        for name, m in corpus.sources.items()})
 
 
 def index_of_manifests(manifests: Mapping[str, Mapping], seq_len: Optional[int] = None) -> CorpusIndex:

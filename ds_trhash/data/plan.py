@@ -15,27 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
-from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, sha256_file
 
+from .plan_schema import PLAN_FORMAT, REQUIRED_KEYS, PlanError, check_plan_fields  # noqa: F401 (re-exported)
 from .tokenizer import PathLike
 
-PLAN_FORMAT = "tr-hash-token-replay-plan-v1"
 UNIQUE_CORE = "unique_core"
-REQUIRED_KEYS = (
-    "format",
-    "seq_len",
-    "selection_mode",
-    "row_alignment",
-    "requested_unique_tokens",
-    "unique_tokens",
-    "trained_tokens",
-    "source_unique_tokens",
-    "source_passes",
-    "dataset",
-    "revision",
-    "phases",
-)
 FINGERPRINT_KEYS = (
     "format",
     "dataset",
@@ -49,14 +34,6 @@ FINGERPRINT_KEYS = (
 # Key under which the unique_core phase's sources enter the fingerprinted document. It is
 # `sources`, as in the released plans: any other name gives fingerprints that match none of them.
 FINGERPRINT_SOURCES_KEY = "sources"
-
-
-class PlanError(UserError, ValueError):
-    """A plan is malformed, inconsistent, changed, or breaks a refinement rule (``rule``)."""
-
-    def __init__(self, message: str, rule: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.rule = rule
 
 
 @dataclass(frozen=True)
@@ -126,44 +103,11 @@ def unique_core_fingerprint(doc: PlanLike) -> str:
     return hashlib.sha256(canonical_json(core)).hexdigest()
 
 
-def _check_phase(phase: object, index: int) -> None:
-    if not isinstance(phase, dict) or not isinstance(phase.get("name"), str):
-        raise PlanError(f"plan phase {index} must be an object with a string 'name'")
-    passes = phase.get("passes")
-    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-        raise PlanError(f"plan phase {phase['name']!r} has passes {passes!r}; it must be an integer >= 1")
-    sources = phase.get("sources")
-    if not isinstance(sources, dict) or not sources:
-        raise PlanError(f"plan phase {phase['name']!r} has no sources")
-    for source, entries in sources.items():
-        if not isinstance(entries, list) or not entries:
-            raise PlanError(f"plan phase {phase['name']!r} source {source!r} must list [{{file, rows}}, ...]")
-        for entry in entries:
-            if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
-                    and isinstance(entry.get("rows"), int) and entry["rows"] > 0):
-                raise PlanError(
-                    f"plan phase {phase['name']!r} source {source!r} has entry {entry!r}; "
-                    "each must be {\"file\": str, \"rows\": positive int}"
-                )
-
-
 def validate_plan_doc(doc: Mapping, where: str = "plan") -> None:
-    """Check format, required keys and that every total agrees with the listed rows."""
-    if not isinstance(doc, Mapping):
-        raise PlanError(f"{where} is not a JSON object")
-    if doc.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{where} has format {doc.get('format')!r}, expected {PLAN_FORMAT!r}")
-    missing = [key for key in REQUIRED_KEYS if key not in doc]
-    if missing:
-        raise PlanError(f"{where} lacks required keys {', '.join(missing)}; rebuild it with `ds-trhash data plan`")
+    """Check the fields (``plan_schema.check_plan_fields``: types, names) and that every total
+    agrees with the listed rows."""
+    check_plan_fields(doc, where)
     seq_len, alignment = doc["seq_len"], doc["row_alignment"]
-    if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(alignment, int) or alignment < 1:
-        raise PlanError(f"{where} needs positive integer seq_len and row_alignment, got {seq_len!r}, {alignment!r}")
-    for key in ("source_unique_tokens", "source_passes"):
-        if not isinstance(doc[key], Mapping):
-            raise PlanError(f"{where}: {key} must be an object mapping source -> number, got {doc[key]!r}")
-    for index, phase in enumerate(doc["phases"] if isinstance(doc["phases"], list) else []):
-        _check_phase(phase, index)
     core = _unique_core(doc)
     if core["passes"] != 1:
         raise PlanError(f"{where}: phase {UNIQUE_CORE!r} has passes {core['passes']}, must be 1")
@@ -256,13 +200,20 @@ def validate_refinement(ref: PlanLike, pre: PlanLike) -> None:
 
 def load_plan(path: PathLike) -> ReplayPlan:
     path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"replay plan {path} is a directory, not a plan file; point at the plan's .json file")
     if not path.is_file():
         raise PlanError(f"replay plan {path} does not exist; build one with `ds-trhash data plan`")
     raw = path.read_bytes()
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: line {line} holds a non-UTF-8 byte "
+                        f"(offset {exc.start}); restore the plan file") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"replay plan {path} is not valid UTF-8 JSON: line {exc.lineno} column {exc.colno}: "
+                        f"{exc.msg}; restore the plan file") from None
     validate_plan_doc(doc, where=f"replay plan {path}")
     return ReplayPlan(
         doc=doc,

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from .cache import ShardCache
+from .corpus import Corpus, read_corpus, sources_dir
 from .plan import PlanLike, plan_doc, validate_plan_doc
-from .shards import MANIFEST_FILE, load_manifest, read_rows
+from .shards import read_rows
 from .tokenizer import PathLike
 from ds_trhash.errors import UserError
 
@@ -121,33 +122,37 @@ class _Segment:
         return [self.sources[s].locate(k) for _, s, k in keyed]
 
 
-def source_manifests(shards_dir: PathLike, plan: PlanLike) -> dict[str, dict]:
-    """Manifests of every source a plan reads, checked against the plan before training.
+def plan_corpus(shards_dir: PathLike, plan: PlanLike, origin: str = "the plan") -> Corpus:
+    """The corpus at ``shards_dir`` (either layout, docs/contracts.md §2b) with the manifests of
+    every source the plan reads, checked against the plan before training.
 
     Fails when a planned shard is missing from its manifest, holds fewer rows than planned,
-    or was cut for another seq_len or tokenizer, so a run never starts on shards it cannot use.
-    """
+    or was cut for another seq_len or tokenizer, so a run never starts on shards it cannot use."""
     doc = plan_doc(plan)
-    manifests: dict[str, dict] = {}
+    names = list(dict.fromkeys(source for phase in doc["phases"] for source in phase["sources"]))
+    corpus = read_corpus(shards_dir, names, origin)
+    planned_tokenizer = doc.get("tokenizer_sha256")
+    for source, manifest in corpus.sources.items():
+        if manifest.seq_len != doc["seq_len"]:
+            raise ReaderError(f"source {source!r} shards have seq_len {manifest.seq_len}, the plan {doc['seq_len']}")
+        if planned_tokenizer and manifest.tokenizer_sha256 and manifest.tokenizer_sha256 != planned_tokenizer:
+            raise ReaderError(f"source {source!r} was tokenized with {manifest.tokenizer_sha256}, "
+                              f"the plan expects tokenizer {planned_tokenizer}")
     for phase in doc["phases"]:
         for source, entries in phase["sources"].items():
-            if source not in manifests:
-                manifest = load_manifest(Path(shards_dir) / source / MANIFEST_FILE)
-                if manifest["seq_len"] != doc["seq_len"]:
-                    raise ReaderError(f"source {source!r} shards have seq_len {manifest['seq_len']}, the plan {doc['seq_len']}")
-                planned_tokenizer = doc.get("tokenizer_sha256")
-                if planned_tokenizer and manifest["tokenizer_sha256"] != planned_tokenizer:
-                    raise ReaderError(f"source {source!r} was tokenized with {manifest['tokenizer_sha256']}, "
-                                      f"the plan expects tokenizer {planned_tokenizer}")
-                manifests[source] = manifest
-            rows = {shard["file"]: int(shard["rows"]) for shard in manifests[source]["shards"]}
+            rows = {shard.file: shard.rows for shard in corpus.sources[source].shards}
             for entry in entries:
                 if rows.get(entry["file"], -1) < entry["rows"]:
                     raise ReaderError(
                         f"plan phase {phase['name']!r} takes {entry['rows']} rows of {source}/{entry['file']}, "
                         f"its manifest lists {rows.get(entry['file'], 'no such shard')}; the plan and shards_dir disagree"
                     )
-    return manifests
+    return corpus
+
+
+def source_manifests(shards_dir: PathLike, plan: PlanLike) -> dict:
+    """The manifests of ``plan_corpus`` by source."""
+    return plan_corpus(shards_dir, plan).sources
 
 
 class ReplayReader:
@@ -169,7 +174,7 @@ class ReplayReader:
         self.seq_len = int(doc["seq_len"])
         self.seed = int(seed)
         self.shuffle_window = int(shuffle_window)
-        self.shards_dir = Path(shards_dir) if shards_dir is not None else None
+        self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[_Segment] = []
         start = 0

@@ -23,6 +23,7 @@ import torch
 
 from ds_trhash.data.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, PAD_ID, SUPERVISION_MODES
 from ds_trhash.errors import UserError
+from ds_trhash.safe_names import UnsafeNameError, resolve_under
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.io import sha256_file
 from ds_trhash.data.sft_build import (
@@ -137,7 +138,10 @@ def _check_manifest(root: Path, manifest: dict, expect_vocab: int, tokenizer_has
     if unlisted:
         raise SFTDataError(f"{where} does not list {', '.join(unlisted)}; {REBUILD}")
     for name, digest in files.items():
-        path = root / name
+        try:  # a name from the manifest never leads out of the set's folder (docs/contracts.md §2d)
+            path = resolve_under(root, name, where, f"files.{name}")
+        except UnsafeNameError as exc:
+            raise SFTDataError(f"{exc}; {REBUILD}") from None
         if not path.is_file():
             raise SFTDataError(f"{path} is listed in the manifest but missing; the set is incomplete: {REBUILD}")
         if sha256_file(path) != digest:

@@ -1,5 +1,10 @@
 """Text -> little-endian uint16 token shards, with a per-source manifest.
 
+The manifest we write is a superset of the release's source manifest (docs/contracts.md §2b):
+its format ``tr-hash-token-mixture-v1`` and fields, plus our tokenizer identity
+(``tokenizer_sha256``, ``vocab_size``) and the stream counts. Manifests written before
+(``tr-hash-token-shards-v1``) keep loading; ``data/manifest.py`` validates both.
+
 Stream layout (docs/contracts.md §2): documents are tokenized and joined into one stream, each followed
 by EOS (id 0). Shard k holds ``rows·L + 1`` tokens, stream positions
 ``[k·R·L, k·R·L + rows·L + 1)`` for R rows per shard: the stream advances by ``R·L`` per
@@ -25,21 +30,18 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ds_trhash.errors import UserError
 from ds_trhash.io import json_text, publish_dir
 
+from .corpus import load_any, read_source_manifest
+from .manifest import DTYPE, MIXTURE_FORMAT, SOURCE_MANIFEST, ShardError, SourceManifest
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_sha256
 
-SHARD_FORMAT = "tr-hash-token-shards-v1"
-MANIFEST_FILE = "manifest.json"
+SHARD_FORMAT = MIXTURE_FORMAT  # what the writer writes; LEGACY_FORMAT manifests still load
+MANIFEST_FILE = SOURCE_MANIFEST
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_TOKEN_ID = int(np.iinfo(np.uint16).max)
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _ENCODE_BATCH = 256
-
-
-class ShardError(UserError, ValueError):
-    """Shard data or a manifest is inconsistent with what the caller asked for."""
 
 
 def check_source_name(name: str) -> str:
@@ -160,18 +162,25 @@ def write_shards(
                 f"source {source_name!r} has {writer.stream_tokens} tokens, fewer than one row of "
                 f"{seq_len + 1}; add text or lower seq_len"
             )
+        total_rows = sum(shard["rows"] for shard in writer.shards)
         manifest = {
+            # the release's source-manifest fields ...
             "format": SHARD_FORMAT,
             "source": source_name,
+            "weight": 1.0,  # a mixture weight; one tokenized source on its own weighs 1
             "seq_len": seq_len,
+            "dtype": DTYPE,
+            "rows": total_rows,
+            "trained_tokens": total_rows * seq_len,
+            "source_tokens_consumed": writer.stream_tokens - dropped,
+            # ... and ours
             "vocab_size": vocab_size,
-            "dtype": TOKEN_DTYPE.str,
             "tokenizer_sha256": tokenizer_hash,
             "rows_per_shard": rows_per_shard,
             "documents": count,
             "stream_tokens": writer.stream_tokens,
             "dropped_tokens": dropped,
-            "total_rows": sum(shard["rows"] for shard in writer.shards),
+            "total_rows": total_rows,
             "shards": writer.shards,
         }
         (tmp_dir / MANIFEST_FILE).write_text(json_text(manifest), encoding="utf-8")
@@ -203,45 +212,15 @@ def tokenize_to_shards(
     )
 
 
-def load_manifest(path: PathLike) -> dict:
-    """Load a source manifest from its file or from the source directory holding it."""
-    file = Path(path)
-    if file.is_dir():
-        file = file / MANIFEST_FILE
-    if not file.is_file():
-        raise ShardError(f"no shard manifest at {file}; run `ds-trhash data tokenize` for that source first")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ShardError(f"shard manifest {file} is not valid JSON: {exc}") from exc
-    if manifest.get("format") != SHARD_FORMAT:
-        raise ShardError(f"{file} has format {manifest.get('format')!r}, expected {SHARD_FORMAT!r}")
-    for key in ("source", "seq_len", "vocab_size", "tokenizer_sha256", "shards"):
-        if key not in manifest:
-            raise ShardError(f"shard manifest {file} lacks {key!r}; regenerate it with `ds-trhash data tokenize`")
-    return manifest
+def load_manifest(path: PathLike) -> SourceManifest:
+    """A source manifest (either format, validated) from its file or the source folder holding it."""
+    return read_source_manifest(path)
 
 
-def load_manifests(paths: Sequence[PathLike]) -> dict[str, dict]:
-    """Manifests by source from manifest files, source directories, or shard roots.
-
-    A shard root is a directory whose subdirectories each hold one source's manifest.
-    """
-    found: dict[str, dict] = {}
-    for path in map(Path, paths):
-        if path.is_file() or (path / MANIFEST_FILE).is_file():
-            manifests = [load_manifest(path)]
-        elif path.is_dir():
-            manifests = [load_manifest(d) for d in sorted(path.iterdir()) if (d / MANIFEST_FILE).is_file()]
-            if not manifests:
-                raise ShardError(f"{path} holds no {MANIFEST_FILE} nor source directories with one")
-        else:
-            raise ShardError(f"manifest path {path} does not exist")
-        for manifest in manifests:
-            if manifest["source"] in found:
-                raise ShardError(f"source {manifest['source']!r} is given twice (again in {path})")
-            found[manifest["source"]] = manifest
-    return found
+def load_manifests(paths: Sequence[PathLike]) -> dict[str, SourceManifest]:
+    """Manifests by source from manifest files, source folders, or corpus roots of either layout
+    (ours: folders each holding one source's manifest; the release's: a mixture_manifest.json)."""
+    return load_any(paths)
 
 
 def read_jsonl_texts(paths: Sequence[PathLike], text_field: str = "text") -> Iterator[str]:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ds_trhash.training.stage_data import StageData, _embedded_root, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.launch.stage_data import StageData, embedded_root, prepare_pretrain_data, prepare_sft_data
 
 
 def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> tuple[StageData, str]:
     """(the launch's StageData, what was checked); raises the trainer's user errors when the data
     would refuse the launch. ``deep``: hash every planned shard (else sizes only)."""
     embedded = (cfg.data.plan if cfg.data.kind == "pretrain" else cfg.data.sft_dir) is None
-    where = f"embedded demo corpus (the launch builds it under {_embedded_root(cfg)}); " if embedded else ""
+    where = f"embedded demo corpus (the launch builds it under {embedded_root(cfg)}); " if embedded else ""
     data_cfg = dataclasses.replace(cfg, output_dir=str(Path(scratch) / "run")) if embedded else cfg
     if cfg.data.kind == "sft":
         data = prepare_sft_data(data_cfg, model_cfg, 0, world)
@@ -28,5 +28,7 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
     data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none")
     hashed = "sizes and SHA-256" if deep else "sizes (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
+    notes = "".join(f"; {note}" for note in data.notes)
     return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
-                  f"trained tokens, {data.total_steps} steps; every shard it reads matches its manifest's {hashed}")
+                  f"trained tokens, {data.total_steps} steps; every shard it reads matches its manifest's {hashed}"
+                  f"{notes}")

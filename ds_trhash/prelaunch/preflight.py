@@ -7,9 +7,10 @@ and kernels the profile resolves to, the data, the stage transition from the sou
 checkpoint, the output directory, memory against an estimate for the micro-batch, and the disk
 the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
 
-The verdicts are the trainer's own: its config validation, data checks, stage guard, output
-directory and resume checks, and the resource checks of ``training.resources``, which the
-trainer also runs at launch.
+The verdicts are the trainer's own: the checks ``training.launch.plan.plan_launch`` makes for a
+launch (config validation, data checks, stage guard, output directory and resume checks, the
+kernel choice), called one by one here so that each gets its line, and the resource checks of
+``training.launch.resources``, whose cheap part the trainer also runs at launch.
 """
 from __future__ import annotations
 
@@ -22,20 +23,22 @@ from typing import Callable, TypeVar
 import torch
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.errors import UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks
-from ds_trhash.training import resources as res
-from ds_trhash.training.engine import EngineError, check_runnable
-from ds_trhash.training.footprint import estimate
+from ds_trhash.training.engine import check_runnable
+from ds_trhash.training.launch import checks as launch_checks
+from ds_trhash.training.launch import resources as res
+from ds_trhash.training.launch.footprint import estimate
+from ds_trhash.training.launch.output import check_output_side, check_resume
+from ds_trhash.training.launch.plan import kernel_choice
+from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
+from ds_trhash.training.launch.stage_guard import guard_stage
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
-from ds_trhash.training.resources import FAIL, PASS, WARN, Check
-from ds_trhash.training.trainer import USER_ERRORS, check_output_side, check_resume, guard_stage, kernel_choice
 
 EXIT_FAILED = 2
-# what the launcher prints as one line besides the trainer's USER_ERRORS
-LAUNCH_ERRORS = (tcfg.ConfigError, StageError, EngineError, ckpt.CheckpointError, launch_checks.LaunchCheckError)
+# what the launcher prints as one line: every user error, and a file the launch names that is missing
+LAUNCH_ERRORS = (UserError, FileNotFoundError)
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 
@@ -59,7 +62,7 @@ class Report:
         """``fn`` returns (value, what passed); a user error it raises becomes a failed line."""
         try:
             value, detail = fn()
-        except USER_ERRORS + LAUNCH_ERRORS as exc:
+        except LAUNCH_ERRORS as exc:
             self.add(Check(name, FAIL, " ".join(str(exc).split())))
             return None
         self.add(Check(name, PASS, detail))

@@ -35,7 +35,7 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.reader import ReplayReader
-from ds_trhash.demo import deepspeed_command
+from ds_trhash.errors import UserError
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.eval.commands import load_model
 from ds_trhash.eval.heldout import heldout_loss
@@ -44,12 +44,11 @@ from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.release import commands as release_commands
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.footprint import estimate, gib
-from ds_trhash.training.launch_checks import LaunchCheckError
+from ds_trhash.training.display import format_duration
+from ds_trhash.training.launch.command import deepspeed_command
+from ds_trhash.training.launch.footprint import estimate, gib
+from ds_trhash.training.launch.resources import default_nproc, probe_devices
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
-from ds_trhash.training.progress import format_duration
-from ds_trhash.training.resources import default_nproc, probe_devices
-from ds_trhash.training.trainer import USER_ERRORS
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 OWNED = (("output_dir", "--output-dir"), ("resume", "--resume"), ("max_steps", "--max-steps"))
@@ -258,7 +257,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     except StepFailed as exc:
         print(f"smoke FAILED at step {exc.step}: {exc}\n(scratch directory kept: {workdir})", file=sys.stderr)
         return exc.code
-    except USER_ERRORS + (tcfg.ConfigError, ckpt.CheckpointError, LaunchCheckError, OSError) as exc:
+    except (UserError, OSError) as exc:  # FileNotFoundError is an OSError
         print(f"smoke FAILED at step {at['step']}: {' '.join(str(exc).split())}\n(scratch directory kept: {workdir})",
               file=sys.stderr)
         return EXIT_FAILED

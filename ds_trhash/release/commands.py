@@ -1,4 +1,5 @@
-"""`ds-trhash export`, `ds-trhash sync` (one pass or `--watch`), `ds-trhash cleanup` and `ds-trhash generate` (`ds-trhash report` lives in
+"""`ds-trhash export`, `ds-trhash sync` (one pass or `--watch`) and `ds-trhash cleanup`
+(`ds-trhash generate` is registered by ds_trhash.release.generate, `ds-trhash report` by
 ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
@@ -16,7 +17,7 @@ from ds_trhash.release.hub import SyncError, redact, summary
 EXIT_USER_ERROR = 2
 
 
-def _fail(err: BaseException | str) -> int:
+def fail(err: BaseException | str) -> int:
     text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
     print(f"error: {text}", file=sys.stderr)
     return EXIT_USER_ERROR
@@ -35,7 +36,7 @@ def run_export(args: argparse.Namespace) -> int:
         manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
                                      force_tokenizer=args.force_tokenizer)
     except (ExportError, OSError, ValueError) as err:
-        return _fail(err)
+        return fail(err)
     w = manifest["weights"]
     print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
           f"sha256 {w['sha256']}, stage {manifest['stage']}")
@@ -46,7 +47,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_sync(args: argparse.Namespace) -> int:
     if (args.local is None) == (args.watch is None):
-        return _fail("pass either --local DIR (one pass) or --watch RUN_DIR (back a run up while it trains)")
+        return fail("pass either --local DIR (one pass) or --watch RUN_DIR (back a run up while it trains)")
     if args.watch is not None:
         return run_watch(args)
     try:
@@ -56,26 +57,26 @@ def run_sync(args: argparse.Namespace) -> int:
                           lock_timeout=args.lock_timeout, path_in_repo=args.path_in_repo,
                           incremental=args.incremental)
     except SyncError as err:
-        code = _fail(err)
+        code = fail(err)
         for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
             print(line, file=sys.stderr)
         return code
     except OSError as err:
-        return _fail(err)
+        return fail(err)
     print(summary(report))
     return 0
 
 
 def run_watch(args: argparse.Namespace) -> int:
     if args.prune_local or args.dry_run:
-        return _fail("--watch never prunes and always uploads: drop --prune-local / --dry-run (cleanup after "
+        return fail("--watch never prunes and always uploads: drop --prune-local / --dry-run (cleanup after "
                      "success is training.cleanup_after_success or `ds-trhash cleanup`)")
     try:
         return watch.watch(args.watch, args.repo_id, prefix=args.path_in_repo, every=args.every,
                            pass_timeout=args.pass_timeout, repo_type=args.repo_type, revision=args.revision,
                            create_repo=args.create_repo, log=lambda line: print(line, flush=True))
     except SyncError as err:
-        return _fail(err)
+        return fail(err)
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
@@ -83,7 +84,7 @@ def run_cleanup(args: argparse.Namespace) -> int:
         report = cleanup.cleanup(args.run_dir, f"keep_{args.keep}", dry_run=args.dry_run,
                                  lock_timeout=args.lock_timeout, log=lambda line: print(line, flush=True))
     except (cleanup.CleanupRefused, OSError) as err:
-        return _fail(err)
+        return fail(err)
     print(f"cleanup {args.run_dir} (keep {args.keep}){' (dry run)' if args.dry_run else ''}: "
           f"removed {len(report.removed)}, kept {len(report.kept)} numbered checkpoint(s)")
     return 0
@@ -134,11 +135,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cln.add_argument("--lock-timeout", type=float, default=0.0,
                      help="seconds to wait for a sync holding the output directory's lock (default: fail at once)")
     cln.set_defaults(func=run_cleanup)
-
-    from ds_trhash.release import generate
-
-    generate.register(subparsers)
-
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (tests); the project CLI calls ``register`` instead."""

@@ -24,9 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
+from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
+from ds_trhash.model.attention import rope_inv_freq
+from ds_trhash.model.config import TRHashConfig as NativeConfig
+from ds_trhash.release.commands import fail
+from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
 
 
 class GenerateError(UserError, ValueError):
@@ -49,10 +57,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _hf_tokenizer(tokenizer_json: Path, max_len: int):
     """A PreTrainedTokenizerFast over a run's tokenizer.json, set up as an export's would be."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers (seconds), as in load()
 
-    from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
-    from ds_trhash.release.hf.bundle import SPECIAL_TOKENS
 
     return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), model_max_length=max_len,
                                    chat_template=CHAT_TEMPLATE_JINJA, clean_up_tokenization_spaces=False,
@@ -62,6 +68,7 @@ def _hf_tokenizer(tokenizer_json: Path, max_len: int):
 def _load_export(root: Path) -> Loaded:
     # PreTrainedTokenizerFast directly: transformers 5's AutoTokenizer reads config.json first and
     # would ask whether to trust the export's code just to build a tokenizer.
+    # lazy: transformers (seconds), as in load(); the export's model code imports it at its top
     from transformers import PreTrainedTokenizerFast
 
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
@@ -88,8 +95,6 @@ def _recorded(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _tokenizer_path(root: Path, state: dict[str, Any], override: str | None) -> Path:
-    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
-
     where = override or ((root / "tokenizer.json") if (root / "tokenizer.json").is_file() else state.get("tokenizer_dir"))
     if where is None:
         raise GenerateError(f"{root} records no tokenizer; pass --tokenizer DIR")
@@ -105,9 +110,7 @@ def _tokenizer_path(root: Path, state: dict[str, Any], override: str | None) -> 
 
 
 def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
-    from ds_trhash.model.attention import rope_inv_freq
-    from ds_trhash.model.config import TRHashConfig as NativeConfig
-    from ds_trhash.release.hf.bundle import hf_config
+    # lazy: the export's model code imports transformers (seconds) at its top, as in load()
     from ds_trhash.release.hf.configuration_tr_hash_moe import TRHashConfig
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
     config, state = _recorded(root)
@@ -133,7 +136,7 @@ def _load_checkpoint(root: Path, tokenizer_override: str | None) -> Loaded:
 
 
 def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu") -> Loaded:
-    import torch
+    # lazy: transformers takes seconds to import; only a generation needs it (the argument checks do not)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "loaded ..." line says it; no bars in the terminal
@@ -177,8 +180,6 @@ def read_messages(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def check_conversation(messages: list[dict[str, Any]]) -> None:
     """What the SFT builder would refuse, with its messages, plus a conversation that is already answered."""
-    from ds_trhash.data.chat import ChatError, normalize
-
     try:
         turns = normalize(messages)
     except ChatError as exc:
@@ -208,8 +209,7 @@ class Result:
 def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stream: bool = True) -> Result:
     """Generate after ``text`` with the KV cache; tokens are printed to stdout as they come."""
-    import torch
-    from transformers import TextStreamer
+    from transformers import TextStreamer  # lazy: transformers (seconds), as in load()
 
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
@@ -238,8 +238,6 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
 
 def run(args) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
-    from ds_trhash.release.commands import _fail as fail
-
     if args.prompt == "":
         return fail("--prompt is empty; give some text to continue")
     if args.max_new_tokens < 1:

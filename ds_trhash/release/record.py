@@ -16,13 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.checkpoints import MANIFEST, describe_hardware, list_checkpoints, verify
 from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
-from ds_trhash.training.engine import describe_hardware
-from ds_trhash.training.selection import RULES as SELECTION_RULES
-from ds_trhash.training.selection import Candidate, choose
+from ds_trhash.checkpoints.selection import RULES as SELECTION_RULES
+from ds_trhash.checkpoints.selection import Candidate, choose
 
 RECORD_FORMAT = "ds-trhash-run-record-v1"
 RECORD_FIELDS = (
@@ -161,7 +160,7 @@ def _tokenizer_hash(state: Mapping[str, Any], export: Mapping[str, Any] | None) 
 
 
 def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
-    """The trainer's own selection rule (training.selection) over the recorded checkpoints."""
+    """The trainer's own selection rule (checkpoints.selection) over the recorded checkpoints."""
 
     candidates = [Candidate(epoch=c.get("epoch"), step=c["step"], checkpoint=c["name"],
                             eval_loss=c["metrics"].get("eval_loss"), eval_ppl=None, eval_tokens=None,

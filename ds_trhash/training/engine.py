@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import platform
 from dataclasses import dataclass
 
 import torch
@@ -215,17 +214,3 @@ def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int,
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )
     return Engine(engine=engine, optimizer=ds_opt, scheduler=ds_sched, device=device)
-
-
-def describe_hardware() -> str:
-    """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
-    # a broken CUDA install or an unreadable /proc must not stop a checkpoint or a report
-    with contextlib.suppress(RuntimeError):
-        if torch.cuda.is_available():
-            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-            return f"{torch.cuda.device_count()} x " + " / ".join(names)
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return "CPU: " + line.split(":", 1)[1].strip()
-    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")

@@ -19,8 +19,9 @@ from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import EngineError, init_distributed
-from ds_trhash.training.launch_checks import LaunchCheckError
-from ds_trhash.training.trainer import USER_ERRORS, check_output_side, run_stage
+from ds_trhash.training.launch.checks import LaunchCheckError
+from ds_trhash.training.launch.output import check_output_side
+from ds_trhash.training.trainer import USER_ERRORS, run_stage
 
 log = logging.getLogger("ds_trhash")
 

@@ -13,6 +13,7 @@ which removes the ``world_size`` again.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.training.callbacks.base import Callback
+
+log = logging.getLogger("ds_trhash.loop")
 
 
 
@@ -195,7 +198,39 @@ def run(
     lr_of: Callable[[], float],
     vocab_size: int | None = None,
 ) -> TrainState:
-    """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested)."""
+    """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested).
+
+    Whatever happens, every callback's ``close`` runs, in call order. An exception from a step
+    or a hook is first passed to every ``on_error``, then re-raised; a ``close`` that fails
+    meanwhile is logged and does not hide it. After a stage that ended, the first failed
+    ``close`` is raised once every other callback is closed."""
+    failed = False
+    try:
+        return _train(engine, batches, state, callbacks, device, world_size, lr_of, vocab_size)
+    except BaseException as exc:
+        failed = True
+        for cb in callbacks:
+            cb.on_error(exc)
+        raise
+    finally:
+        _close_all(callbacks, raise_first=not failed)
+
+
+def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
+    errors = []
+    for cb in callbacks:
+        try:
+            cb.close()
+        except Exception as exc:  # every other callback still releases what it holds
+            errors.append(exc)
+            log.error("closing %s failed", type(cb).__name__, exc_info=exc)
+    if errors and raise_first:
+        raise errors[0]
+
+
+def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Callback], device: torch.device,
+           world_size: int, lr_of: Callable[[], float], vocab_size: int | None) -> TrainState:
+    """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)

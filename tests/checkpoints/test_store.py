@@ -128,6 +128,18 @@ def test_verify_detects_every_kind_of_damage(tmp_path):
     assert verify(path) == (False, "incomplete (MANIFEST.json missing)")
 
 
+def test_verify_refuses_a_manifest_naming_files_outside_the_checkpoint(tmp_path):
+    path = save(tmp_path, 1)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    for name, needle in (("../../victim.pt", "'..' part"), ("/etc/passwd", "absolute path")):
+        changed = dict(manifest, files={**manifest["files"], name: {"size": 1, "sha256": "0" * 64}})
+        (path / "MANIFEST.json").write_text(json.dumps(changed))
+        ok, reason = verify(path)
+        assert not ok and reason.startswith("corrupt (") and needle in reason and "field 'files'" in reason
+    (path / "MANIFEST.json").write_text(json.dumps(dict(manifest, files={"trainer_state.json": "12 bytes"})))
+    assert verify(path) == (False, "corrupt (MANIFEST.json 'files' is not an object of {size, sha256} entries)")
+
+
 def test_find_resumable_skips_truncated_and_manifestless_newer_ones(tmp_path):
     for step in (10, 20, 30, 40):
         save(tmp_path, step)

@@ -1,7 +1,6 @@
 """The weights loader (weights only, LoRA merge) and a real DeepSpeed save / exact resume."""
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch
 from ds_trhash import checkpoints as ck
 from ds_trhash.checkpoints import CheckpointError, inspect_saved_parts, load_weights_only, verify
 from ds_trhash.checkpoints.stages import Stage
+from ds_trhash.training.launch.command import free_port
 from tests.checkpoints.helpers import save
 
 
@@ -41,18 +41,12 @@ def test_weights_only_refuses_unknown_or_damaged_sources(tmp_path):
 # --------------------------------------------------------------------------- real DeepSpeed
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deepspeed_env():
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     yield
     for k, v in saved.items():
         if v is None:

@@ -73,7 +73,7 @@ def test_tokenizer_shards_plan_refinement_fingerprint_end_to_end(inputs, capsys)
           "--revision", "r", "--out", "{tmp}/p.json"], "but its shards hold"),
         (["data", "fingerprint", "{tmp}/missing.json"], "does not exist"),
         (["data", "tokenize", "--input", "{tmp}/missing.txt", "--source", "x", "--tokenizer", "{tok}", "--seq-len", "16",
-          "--rows-per-shard", "4", "--out", "{tmp}/s2"], "No such file"),
+          "--rows-per-shard", "4", "--out", "{tmp}/s2"], "missing.txt does not exist or is not a file"),
     ],
 )
 def test_errors_exit_2_with_one_line(inputs, capsys, argv, message):

@@ -192,15 +192,15 @@ def test_write_once_then_load(tmp_path):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(format="v0"), "has format 'v0'"),
+        (lambda d: d.update(format="v0"), "field 'format' is 'v0'"),
         (lambda d: d.pop("revision"), "lacks required keys revision"),
         (lambda d: d.update(trained_tokens=1), "trained_tokens 1 !="),
         (lambda d: d.update(unique_tokens=1), "unique_tokens 1 !="),
         (lambda d: d["phases"].reverse(), "phase one is 'quality_replay_3'"),
-        (lambda d: d["phases"][0]["sources"]["web"][0].update(rows=0), "positive int"),
-        (lambda d: d["phases"][1].update(passes=0), "integer >= 1"),
-        (lambda d: d.update(source_passes=[2, 3]), "source_passes must be an object"),
-        (lambda d: d.update(phases={}), "has no phases"),
+        (lambda d: d["phases"][0]["sources"]["web"][0].update(rows=0), r"'phases\[0\].sources.web\[0\].rows' is 0"),
+        (lambda d: d["phases"][1].update(passes=0), r"'phases\[1\].passes' is 0; it must be >= 1"),
+        (lambda d: d.update(source_passes=[2, 3]), "field 'source_passes' is a list; it must be an object"),
+        (lambda d: d.update(phases={}), "field 'phases' is an object; it must be a list"),
     ],
 )
 def test_load_rejects_malformed_plans(tmp_path, mutate, message):

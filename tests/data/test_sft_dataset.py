@@ -1,5 +1,6 @@
 """Opening an SFT set fail-closed, packing, per-epoch order and per-rank batches."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -77,6 +78,20 @@ def test_missing_manifest_or_listed_file_is_refused(copy):
     (copy / "manifest.json").unlink()
     with pytest.raises(SFTDataError, match="manifest.json is missing"):
         open_sft(copy, VOCAB_SIZE, SEQ)
+
+
+@pytest.mark.parametrize("name, needle", [("../victim.bin", "'..' part"), ("/etc/passwd", "absolute path"),
+                                           ("link.bin", "outside")])
+def test_a_manifest_naming_a_file_outside_the_set_is_refused_and_nothing_is_read(copy, tmp_path, name, needle):
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"not the set's")
+    (copy / "link.bin").symlink_to(victim)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"][name] = sha256_file(victim)  # the hash made to match
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SFTDataError, match=f"field 'files.{re.escape(name)}'") as info:
+        open_sft(copy, VOCAB_SIZE, SEQ)
+    assert needle in str(info.value) and "sft build" in str(info.value)
 
 
 def _rehash(root):

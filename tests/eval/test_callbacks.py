@@ -10,7 +10,7 @@ from ds_trhash.eval import callbacks as evcb
 from ds_trhash.eval.piqa import PiqaDataError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.training.loop import TrainState
-from ds_trhash.training.metrics import MetricsWriter
+from ds_trhash.training.records.metrics_csv import MetricsWriter
 from tests.training.callbacks import fakes
 
 

@@ -18,9 +18,9 @@ from ds_trhash.release.final_export import (
     read_completion,
     write_final,
 )
-from ds_trhash.release.lifecycle import StageEndCallback
+from ds_trhash.run import StageEndCallback
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch_checks import resolve_init_checkpoint
+from ds_trhash.training.launch.checks import resolve_init_checkpoint
 from tests.release.run_fixtures import TOTAL, make_run, tiny_state, tree_digest, write_step
 
 REPO = Path(__file__).resolve().parents[2]

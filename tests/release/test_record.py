@@ -7,7 +7,7 @@ from ds_trhash.cli import main as cli
 from ds_trhash.io import sha256_file
 from ds_trhash.release.record import RECORD_FIELDS, RecordError, build_run_record, write_run_record
 from ds_trhash.checkpoints import save_checkpoint
-from ds_trhash.training.metrics import MetricsWriter
+from ds_trhash.training.records.metrics_csv import MetricsWriter
 from ds_trhash.checkpoints.rng import save_rng_state
 
 CRITICAL = {"optimizer.lr": 2e-5, "optimizer.betas": [0.9, 0.95], "optimizer.weight_decay": 0.1,

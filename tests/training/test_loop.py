@@ -228,3 +228,117 @@ def test_a_step_reads_nothing_back_from_the_device_until_a_callback_logs(monkeyp
     # one read (loss and grad norm together) for the one logged step, none per layer
     assert len(counter.calls) == 1, counter.calls
     assert all(isinstance(r[1], float) and r[2] > 1 for r in log.rows)
+
+
+# ----------------------------------------------------------------------------- the callbacks' lifecycle
+
+
+def _open_files() -> set[str]:
+    """Paths this process holds open (Linux /proc)."""
+    import os
+
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return found
+
+
+class FailingBatches(ListBatches):
+    """A shard that cannot be read at ``fail_at``: the step raises, as a real reader would."""
+
+    def __init__(self, steps, per_epoch, fail_at):
+        super().__init__(steps, per_epoch)
+        self.fail_at = fail_at
+
+    def micro_batches(self, step):
+        if step == self.fail_at:
+            raise OSError(f"shard of step {step} is unreadable")
+        return super().micro_batches(step)
+
+
+class Lifecycle(loop.Callback):
+    """Records on_error and close; ``raise_in`` makes one hook fail."""
+
+    def __init__(self, log, name, raise_in=None):
+        self.log, self.name, self.raise_in = log, name, raise_in
+
+    def on_step_end(self, state, metrics):
+        if self.raise_in == "on_step_end" and state.step == 2:
+            raise RuntimeError("a callback bug")
+
+    def on_error(self, exc):
+        self.log.append((self.name, "on_error", type(exc).__name__))
+
+    def close(self):
+        self.log.append((self.name, "close"))
+        if self.raise_in == "close":
+            raise RuntimeError("close failed")
+
+
+class Cache:
+    def __init__(self):
+        self.closed = False
+
+    def stats(self):
+        return {"bytes": 0, "max_bytes": 2**20, "files": 0}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("failure", ["step", "hook"])
+def test_an_exception_in_the_loop_still_closes_every_callback(tmp_path, failure):
+    """Records flushed and closed, the live display stopped, the shard cache closed, and every
+    callback told through on_error, whether the step or a callback's hook raised."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from ds_trhash.training.callbacks import MetricsCallback, ProgressCallback, make_callbacks
+    from ds_trhash.training.display import Progress
+    from ds_trhash.training.records.expert_load import ExpertLoadWriter
+    from ds_trhash.training.records.metrics_csv import MetricsWriter
+    from tests.training.callbacks import fakes
+
+    class Model(fakes.Model):
+        def take_expert_load(self):
+            return None  # nothing counted: the expert-load file keeps its header only
+
+    events = []
+    progress = Progress("pretraining", 5, rank=0, every=1, console=Console(file=io.StringIO(), force_terminal=True))
+    assert progress.live
+    cache = Cache()
+    run = fakes.run(tmp_path, cfg=fakes.config(log_every=1), model=Model(), progress=progress,
+                    batches=SimpleNamespace(reader=SimpleNamespace(cache=cache), epoch_of=lambda s: 0),
+                    writer=MetricsWriter(tmp_path / "metrics.csv", rank=0),
+                    expert_load=ExpertLoadWriter(tmp_path / "expert_load.csv", num_experts=2, rank=0))
+    callbacks = make_callbacks([
+        lambda r: Lifecycle(events, "first", raise_in="on_step_end" if failure == "hook" else None),
+        MetricsCallback.from_run, ProgressCallback.from_run, lambda r: Lifecycle(events, "last", raise_in="close"),
+    ], run)
+    batches = FailingBatches(5, 100, fail_at=2 if failure == "step" else None)
+    expected = OSError if failure == "step" else RuntimeError
+    with pytest.raises(expected, match="unreadable" if failure == "step" else "a callback bug"):
+        loop.run(FakeEngine(TokenModel()), batches, loop.TrainState(step=0, total_steps=5), callbacks,
+                 torch.device("cpu"), 1, lr_of=lambda: 0.1)
+
+    name = expected.__name__
+    assert events == [("first", "on_error", name), ("last", "on_error", name), ("first", "close"), ("last", "close")]
+    assert not progress.live and cache.closed  # the display stopped, the cache's worker gone
+    assert not {str(tmp_path / "metrics.csv"), str(tmp_path / "expert_load.csv")} & _open_files()
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    # every row written before the failure is on disk (the hook failed in step 2 before its row)
+    assert [r.split(",")[0] for r in rows[1:]] == (["1", "2"] if failure == "step" else ["1"])
+
+
+def test_a_failing_close_does_not_keep_the_others_open(tmp_path):
+    events = []
+    callbacks = [Lifecycle(events, "a", raise_in="close"), Lifecycle(events, "b")]
+    with pytest.raises(RuntimeError, match="close failed"):
+        loop.run(FakeEngine(TokenModel()), ListBatches(2, 100), loop.TrainState(step=0, total_steps=2), callbacks,
+                 torch.device("cpu"), 1, lr_of=lambda: 0.1)
+    assert events == [("a", "close"), ("b", "close")]  # no on_error: the stage itself ended

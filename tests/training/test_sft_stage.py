@@ -156,7 +156,7 @@ def test_resume_auto_of_a_finished_stage_exits_0_and_completes_only_its_missing_
 def test_resume_auto_after_a_stop_between_the_last_checkpoint_and_best_publishes_it(sft, stages, tmp_path):
     """SFT stopped after writing its last epoch checkpoint, before selecting best/: RESUME=auto
     adds that epoch's candidate from the checkpoint's record, republishes best/, exits 0."""
-    from ds_trhash.training.selection import Candidate, publish
+    from ds_trhash.checkpoints.selection import Candidate, publish
 
     out, _ = sft
     run = tmp_path / "sft"

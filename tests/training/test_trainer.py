@@ -1,40 +1,41 @@
-"""Pieces of the stage runner that decide before the model exists."""
+"""The steps of a stage after its plan, in process: the model the plan asks for, and the
+trainer-state record every checkpoint of the launch writes. (The whole stage runs through the
+launcher in test_launch.py.)"""
+from __future__ import annotations
 
 import pytest
 
-from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.training.callbacks.faults import FaultInjection
-from ds_trhash.training.trainer import StageData, check_tokenizer_identity
+from ds_trhash.training import loop
+from ds_trhash.training.launch.plan import plan_launch
+from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 
 
-def _data(tok):
-    return StageData(batches=None, total_steps=1, tokenizer_sha256=tok)
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    args = build_arg_parser().parse_args(
+        ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(root / "run"), "--max-steps", "4"])
+    plan = plan_launch(config_from_args(args), args, rank=0, world=1)
+    start_writing(plan, rank=0)  # the shard cache and the plan's reader
+    return plan, build_model(plan, rank=0)
 
 
-def test_next_stage_data_must_use_the_checkpoints_tokenizer():
-    check_tokenizer_identity({"tokenizer_sha256": "a" * 64}, _data("a" * 64), "ckpt")
-    check_tokenizer_identity({}, _data("a" * 64), "ckpt")  # an export that records none
-    with pytest.raises(StageError, match="rebuild the data with the checkpoint's tokenizer"):
-        check_tokenizer_identity({"tokenizer_sha256": "a" * 64}, _data("b" * 64), "ckpt")
+def test_the_model_runs_the_planned_kernels(planned):
+    plan, model = planned
+    assert model.config == plan.model_config and next(model.parameters()).device.type == plan.device.type
+    assert not hasattr(model, "kernels_requested")  # the plan says which kernels; nothing is attached to the model
+    assert {engine.backend for engine in model.engines()} == {plan.kernels.experts}
+    assert model.loss_backend == plan.kernels.loss
 
 
-@pytest.mark.parametrize("spec", ["kill_after:3", "kill_after_step:x", "explode:1"])
-def test_fault_injection_rejects_unknown_specs(spec):
-    with pytest.raises(ValueError, match="kill_after_step:N or kill_during_save:N"):
-        FaultInjection(spec)
-
-
-def test_fault_injection_is_inert_unless_asked():
-    faults = FaultInjection(None)
-    faults.maybe_kill("kill_after_step", 0)  # returns: nothing configured
-    assert FaultInjection("kill_during_save:4").step == 4
-
-
-def test_fresh_output_dir_check(tmp_path):
-    from ds_trhash.training.launch_checks import LaunchCheckError, check_fresh_output_dir
-
-    check_fresh_output_dir(tmp_path / "new")  # nothing there
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "metrics.csv").write_text("step\n")
-    with pytest.raises(LaunchCheckError, match="already holds a run"):
-        check_fresh_output_dir(tmp_path / "old")
+def test_trainer_state_records_the_plan_and_the_step(planned):
+    plan, model = planned
+    record = state_recorder(plan, model)
+    st = loop.TrainState(step=2, total_steps=4, epochs_done=0, tokens_seen=2048, supervised_seen=2000)
+    doc = record(st, "token pack", {"eval": None})
+    assert doc["step"] == 2 and doc["total_steps"] == 4 and doc["reason"] == "token pack" and doc["eval"] is None
+    assert doc["data_cursor"] == plan.data.batches.cursor(2) and doc["pack_index"] == plan.checkpoints.pack_of.get(2)
+    assert doc["model_config"] == plan.model_config.to_dict() and doc["init_checkpoint"] is None
+    assert doc["backends_used"] == model.backends_used()
+    assert isinstance(doc["peak_memory"], dict) and doc["hardware"].startswith("1 process(es); rank 0 on ")

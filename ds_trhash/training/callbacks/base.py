@@ -19,32 +19,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:  # type names only: the loop imports this module
-    from ds_trhash.training.loop import TrainState
+if TYPE_CHECKING:  # type names only: the loop imports this module, and these import much more
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_trhash.data.sft_dataset import SFTBatches
+    from ds_trhash.model.config import TRHashConfig
+    from ds_trhash.model.transformer import TRHashForCausalLM
+    from ds_trhash.training.callbacks.faults import FaultInjection
+    from ds_trhash.training.callbacks.stop import StopAgreement
+    from ds_trhash.training.config import TrainConfig
+    from ds_trhash.training.display import Progress
+    from ds_trhash.training.loop import StepBatches, TrainState
+    from ds_trhash.training.records.expert_load import ExpertLoadWriter
+    from ds_trhash.training.records.metrics_csv import MetricsWriter
+    from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
 
 
 class Callback:
-    """Hooks; each returns nothing and may set ``state.stop_requested``."""
+    """Hooks; each returns nothing and may set ``state.stop_requested``.
+
+    The loop calls ``on_start``, then ``on_step_end`` / ``on_epoch_end`` per step, ``on_end`` when
+    the stage ends or stops; ``on_error(exc)`` when any hook or step raised, on every callback;
+    and ``close()`` on every callback in any case, last. A callback that owns a resource (an open
+    file, a display, a worker thread) releases it in ``close``, so an exception never leaves one
+    behind. ``before_save`` is called on every rank right before each checkpoint is written
+    (collectives allowed), so that what a checkpoint's step covers is on disk with it.
+    """
 
     @classmethod
-    def prepare(cls, cfg: Any) -> Builder | None:
+    def prepare(cls, cfg: TrainConfig) -> Builder | None:
         """Before the model: check inputs, return a builder (default: ``from_run``)."""
         return cls.from_run
 
     @classmethod
-    def from_run(cls, run: "RunContext") -> "Callback | None":
+    def from_run(cls, run: RunContext) -> Callback | None:
         """The callback for this launch, or None when its config leaves it off."""
         raise NotImplementedError(f"{cls.__name__} is built by its own prepare()")
 
-    def on_start(self, state: "TrainState") -> None: ...
+    def on_start(self, state: TrainState) -> None: ...
 
-    def on_step_end(self, state: "TrainState", metrics: dict) -> None: ...
+    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
 
-    def on_epoch_end(self, state: "TrainState") -> None: ...
+    def on_epoch_end(self, state: TrainState) -> None: ...
 
-    def on_end(self, state: "TrainState") -> None: ...
+    def before_save(self, state: TrainState) -> None: ...
+
+    def on_end(self, state: TrainState) -> None: ...
+
+    def on_error(self, exc: BaseException) -> None:
+        """The stage failed with ``exc`` (re-raised after every callback was told); must not raise."""
+
+    def close(self) -> None:
+        """Release what this callback owns; called once, after ``on_end`` or ``on_error``."""
 
 
 @dataclass
@@ -53,45 +82,47 @@ class RunContext:
 
     ``results`` is where evaluation callbacks leave their numbers, by kind and step
     (``results["eval"][step]``, ``results["piqa"][step]``), for the checkpoint record and the
-    selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote.
+    selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote;
+    ``callbacks`` the launch's callbacks in call order (``make_callbacks`` fills it in).
     """
 
-    cfg: Any  # TrainConfig
+    cfg: TrainConfig
     rank: int
     world: int
     output_dir: Path
-    device: Any  # torch.device
-    engine: Any  # the DeepSpeed engine (forward, save_checkpoint)
-    model: Any  # the module inside it (backends_used)
-    model_config: Any  # TRHashConfig
-    batches: Any  # loop.StepBatches
-    progress: Any  # training.progress.Progress
-    writer: Any  # training.metrics.MetricsWriter
-    trainer_state: Callable[[Any, str, dict], dict]  # (state, reason, extra) -> trainer_state.json
-    eval_batches: Any = None  # SFTBatches over the held-out partition, when configured
+    device: torch.device
+    engine: DeepSpeedEngine  # forward, save_checkpoint
+    model: TRHashForCausalLM  # the module inside it (backends_used)
+    model_config: TRHashConfig
+    batches: StepBatches
+    progress: Progress
+    writer: MetricsWriter  # metrics.csv
+    trainer_state: Callable[[TrainState, str, dict], dict]  # (state, reason, extra) -> trainer_state.json
+    eval_batches: SFTBatches | None = None  # over the held-out partition, when configured
     tokenizer_dir: str | None = None
     protect_steps: set[int] = field(default_factory=set)  # never rotated away
-    stop: Any = None  # callbacks.stop.StopAgreement, asked once per step on every rank
-    faults: Any = None  # callbacks.faults.FaultInjection
+    stop: StopAgreement | None = None  # asked once per step on every rank
+    faults: FaultInjection | None = None
     barrier: Callable[[], Any] = lambda: None
-    monitor: Any = None  # training.monitor.MonitorSink: DeepSpeed's monitors (TensorBoard, CSV, W&B)
-    expert_load: Any = None  # training.expert_load.ExpertLoadWriter: expert_load.csv
-    # called with the state on every rank right before each checkpoint is written (collectives allowed)
-    before_save: list[Callable[[Any], Any]] = field(default_factory=list)
+    monitor: MonitorSink | None = None  # DeepSpeed's monitors (TensorBoard, CSV, W&B)
+    expert_load: ExpertLoadWriter | None = None  # expert_load.csv
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
     last_checkpoint: Path | None = None
+    callbacks: list[Callback] = field(default_factory=list)
 
 
-def is_epoch_end(batches: Any, step: int) -> bool:
-    """Whether optimizer step ``step`` (> 0) completes an epoch of ``batches`` (loop.StepBatches)."""
+def is_epoch_end(batches: StepBatches, step: int) -> bool:
+    """Whether optimizer step ``step`` (> 0) completes an epoch of ``batches``."""
     return step > 0 and batches.epoch_of(step) != batches.epoch_of(step - 1)
 
 
-def build_callbacks(parts: list[type[Callback]], cfg: Any) -> list[Builder]:
+def build_callbacks(parts: list[type[Callback]], cfg: TrainConfig) -> list[Builder]:
     """``prepare`` of every part, in order, before the model: the builders of those the config asks for."""
     return [b for b in (part.prepare(cfg) for part in parts) if b is not None]
 
 
 def make_callbacks(builders: list[Builder], run: RunContext) -> list[Callback]:
-    """The launch's callbacks, in the order of ``builders`` (the loop calls them in this order)."""
-    return [cb for cb in (b(run) for b in builders) if cb is not None]
+    """The launch's callbacks, in the order of ``builders`` (the loop calls them in this order);
+    also ``run.callbacks``, for the hooks one callback calls on all (``before_save``)."""
+    run.callbacks[:] = [cb for cb in (b(run) for b in builders) if cb is not None]
+    return list(run.callbacks)

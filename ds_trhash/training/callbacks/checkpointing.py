@@ -36,8 +36,8 @@ class CheckpointCallback(Callback):
         if state.step == self.last_saved:
             return
         run = self.run
-        for hook in run.before_save:  # e.g. the expert load counted so far goes to its file first
-            hook(state)
+        for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first
+            cb.before_save(state)
         t0 = time.perf_counter()
 
         def write_engine_state(tmp):

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from ds_trhash.model.flops import train_flops_per_token
 from ds_trhash.training.callbacks.base import Callback, RunContext
-from ds_trhash.training.expert_load import gather_expert_load, load_shares
-from ds_trhash.training.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
+from ds_trhash.training.records.expert_load import gather_expert_load, load_shares
+from ds_trhash.training.records.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
 
 
 class MetricsCallback(Callback):
     def __init__(self, writer, model, every: int, monitor=None, device=None, mfu=None, expert_load=None):
         self.writer, self.model, self.every = writer, model, every
         self.monitor, self.device, self.mfu = monitor, device, mfu  # mfu: tokens/s -> fraction or None
-        self.expert_load = expert_load  # training.expert_load.ExpertLoadWriter (None: not counted)
+        self.expert_load = expert_load  # training.records.expert_load.ExpertLoadWriter (None: not counted)
         self.interval = IntervalMean()
         self.logged_step = 0  # the step of the previous row: the start of the expert-load interval
 
@@ -29,10 +29,8 @@ class MetricsCallback(Callback):
         if run.monitor is not None and run.monitor.enabled:
             flops = train_flops_per_token(run.model_config, cfg.data.seq_len)
             mfu = lambda tok_s: model_flops_utilisation(tok_s, flops, run.world, cfg.precision, run.device)  # noqa: E731
-        cb = cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu,
-                 expert_load=run.expert_load)
-        run.before_save.append(cb.flush_expert_load)
-        return cb
+        return cls(run.writer, run.model, cfg.training.log_every, monitor=run.monitor, device=run.device, mfu=mfu,
+                   expert_load=run.expert_load)
 
     def flush_expert_load(self, state):
         """The routes counted since the previous row, summed over the ranks (a collective: every
@@ -49,6 +47,11 @@ class MetricsCallback(Callback):
 
     def on_start(self, state):
         self.logged_step = state.step
+
+    def before_save(self, state):
+        """The expert load counted so far goes to its file first: a resume from any checkpoint
+        finds every route up to its step recorded."""
+        self.flush_expert_load(state)
 
     def on_step_end(self, state, metrics):
         self.interval.add(loss=metrics["loss"])
@@ -74,3 +77,11 @@ class MetricsCallback(Callback):
             if self.mfu is not None:
                 events["Train/mfu"] = self.mfu(metrics["tok_s"])
             self.monitor.write(state.step, events)
+
+    def close(self):
+        """The run's record files, flushed and closed; DeepSpeed's monitors flushed."""
+        self.writer.close()
+        if self.expert_load is not None:
+            self.expert_load.close()
+        if self.monitor is not None:
+            self.monitor.close()

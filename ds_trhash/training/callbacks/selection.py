@@ -5,7 +5,7 @@ import json
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
-from ds_trhash.training.selection import Candidate, publish
+from ds_trhash.checkpoints.selection import Candidate, publish
 
 
 class SelectionCallback(Callback):

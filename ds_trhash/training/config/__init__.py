@@ -7,7 +7,7 @@ is loaded: unknown keys, types, enum values, ranges and combinations that cannot
 one exception is ``source_stage``, which the CLI may still supply after loading; see
 :func:`require_source_stage`.
 
-The package is split by job; every name is re-exported here, so ``tcfg.X`` works unchanged:
+The package is split by job; its public names are re-exported here (``tcfg.X``):
 - ``schema``: the section dataclasses (field names are the YAML keys), their value checks,
   ``TrainConfig``, ``ConfigError``, ``dump_config``;
 - ``reading``: YAML loading (duplicate keys refused), ``--set`` overrides and the typed builder
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
-from .checks import _check_combinations, _check_deepspeed_section, _model_facts, check_device, require_source_stage
+from .checks import check_device, require_source_stage
 from .layout import (
-    _check_world,
-    _generated_deepspeed,
     batch_layout,
     for_world,
     model_config,
@@ -36,12 +34,6 @@ from .layout import (
 from .reading import (
     REMOVED_KEYS,
     DuplicateKeyError,
-    _Builder,
-    _deep_copy,
-    _deep_merge,
-    _Loader,
-    _set_path,
-    _yaml_load,
     config_from_dict,
     load_config,
 )
@@ -63,7 +55,6 @@ from .schema import (
     TrainConfig,
     TrainingSection,
     ZeroSection,
-    _plain,
     dump_config,
 )
 
@@ -84,6 +75,9 @@ __all__ = [
     "CheckpointSection",
     "EvalSection",
     "STAGES",
+    "SFT",
+    "REMOVED_KEYS",
+    "DuplicateKeyError",
     "LORA_TARGETS",
     "load_config",
     "config_from_dict",

@@ -2,7 +2,7 @@
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.sync_guard import output_lock, update_verified
 from ds_trhash.io import sha256_file
-from ds_trhash.training.callbacks import CheckpointCallback
+from ds_trhash.training.callbacks import Callback, CheckpointCallback, make_callbacks
 from ds_trhash.training.loop import TrainState
 from tests.training.callbacks import fakes
 
@@ -81,11 +81,15 @@ def test_rotation_waits_while_a_sync_holds_the_lock_and_keeps_what_no_sync_verif
 
 def test_a_resume_at_the_last_step_saves_nothing_and_hooks_run_before_each_save(tmp_path):
     """A finished run resumed (RESUME=auto after its end) does not write its last checkpoint
-    again; every save is preceded by the run's before_save hooks (expert load flushed first)."""
+    again; every save is preceded by every callback's before_save hook (expert load flushed first)."""
     run = fakes.run(tmp_path, cfg=fakes.config(every_steps=2), batches=fakes.Batches(per_epoch=3))
     seen = []
-    run.before_save.append(lambda st: seen.append((st.step, _steps(tmp_path))))
-    cb = CheckpointCallback.from_run(run)
+
+    class Watcher(Callback):
+        def before_save(self, st):
+            seen.append((st.step, _steps(tmp_path)))
+
+    cb = make_callbacks([CheckpointCallback.from_run, lambda run: Watcher()], run)[0]  # fills run.callbacks
     state = TrainState(step=0, total_steps=3)
     cb.on_start(state)
     for step in (1, 2, 3):

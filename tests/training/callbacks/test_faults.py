@@ -34,3 +34,9 @@ def test_from_env(monkeypatch):
     assert (f.kind, f.step) == ("kill_during_save", 7)
     monkeypatch.delenv(faults.FAULT_ENV)
     assert faults.FaultInjection.from_env().kind is None
+
+
+def test_fault_injection_is_inert_unless_asked():
+    injected = faults.FaultInjection(None)
+    injected.maybe_kill("kill_after_step", 0)  # returns: nothing configured
+    assert faults.FaultInjection("kill_during_save:4").step == 4

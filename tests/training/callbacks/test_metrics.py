@@ -4,9 +4,9 @@ import csv
 import torch
 
 from ds_trhash.training.callbacks import MetricsCallback
-from ds_trhash.training.expert_load import ExpertLoadWriter
+from ds_trhash.training.records.expert_load import ExpertLoadWriter
 from ds_trhash.training.loop import TrainState
-from ds_trhash.training.metrics import MetricsWriter
+from ds_trhash.training.records.metrics_csv import MetricsWriter
 from tests.training.callbacks import fakes
 
 
@@ -59,9 +59,8 @@ def test_expert_load_rows_cover_the_steps_since_the_previous_row(tmp_path):
             state.step, state.stop_requested = step, step == stop
             cb.on_step_end(state, fakes.metrics(step))
             if step in checkpoints or step == stop:
-                for hook in run.before_save:  # what CheckpointCallback.save does first
-                    hook(state)
-        run.expert_load.close()
+                cb.before_save(state)  # what CheckpointCallback.save calls on every callback first
+        cb.close()
 
     train(0, 8, checkpoints=(3, 6))  # dies after logging step 8
     train(6, 10, stop=9)  # resumed from the checkpoint at step 6; a stop at 9

@@ -1,4 +1,5 @@
-"""ProgressCallback: one update per step with the model's backends, the shard cache when there is one."""
+"""ProgressCallback: one update per step with the model's backends, the shard cache when there is one;
+closing it stops the display and the cache."""
 from types import SimpleNamespace
 
 from ds_trhash.training.callbacks import ProgressCallback
@@ -7,6 +8,11 @@ from tests.training.callbacks import fakes
 
 
 class Cache:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
     def stats(self):
         return {"bytes": 3 * 2**20, "max_bytes": 8 * 2**20, "files": 2, "hits": 5, "misses": 2, "evictions": 1}
 
@@ -21,7 +27,9 @@ def test_updates_carry_loss_lr_backends_and_the_cache_state(tmp_path):
     assert backends["experts"] == "pytorch"
     assert extra == {"cache": "3.0/8 MiB 2 shards hit 5 miss 2 evict 1"}
     cb.on_end(TrainState(step=10, total_steps=10))
-    assert cb.progress.closed
+    assert not cb.progress.closed  # the display stays up for what other callbacks' on_end report
+    cb.close()
+    assert cb.progress.closed and batches.reader.cache.closed
 
 
 def test_no_cache_no_extra(tmp_path):

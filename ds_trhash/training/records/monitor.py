@@ -45,6 +45,13 @@ class MonitorSink:
         if batch:
             self.monitor.write_events(batch)
 
+    def close(self) -> None:
+        """Flush what DeepSpeed's TensorBoard writer holds; later writes go nowhere."""
+        tensorboard = getattr(self.monitor, "tb_monitor", None)
+        if tensorboard is not None:
+            tensorboard.flush()
+        self.monitor = None
+
     def row(self, step: int, row: Mapping[str, Any]) -> None:
         """A metrics.csv row (``MetricsWriter(on_row=...)``)."""
         self.write(step, {EVENT_NAMES[k]: v for k, v in row.items() if k in EVENT_NAMES})

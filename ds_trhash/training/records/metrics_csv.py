@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_trhash.training.csv_log import CsvLog, MetricsError
+from ds_trhash.training.records.csv_log import CsvLog, MetricsError
 
 __all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
 
@@ -61,7 +61,7 @@ class MetricsWriter:
                  on_row: Callable[[int, dict], None] | None = None):
         self.path = Path(path)
         self.rank = rank
-        self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.monitor)
+        self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.records.monitor)
         self._log = CsvLog(self.path, COLUMNS, rank, resume_step)
 
     def write(self, step: int, **values: Any) -> None:

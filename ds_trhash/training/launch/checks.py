@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.data.corpus import sources_dir
 from ds_trhash.errors import UserError
+from ds_trhash.safe_names import UnsafeNameError, resolve_under
 from ds_trhash.io import sha256_file
 
 Log = Callable[[str], None]
@@ -180,11 +182,17 @@ def shard_problems(shards_dir: Path, plan_doc: Mapping, manifests: Mapping[str, 
             for entry in entries:
                 needed[(source, entry["file"])] = None
     problems = []
+    base = sources_dir(shards_dir)  # either corpus layout (docs/contracts.md §2b)
+    listed = {source: {s["file"]: s for s in manifests[source]["shards"]} for source, _ in needed}
     for index, (source, name) in enumerate(needed):
-        shard = next((s for s in manifests[source]["shards"] if s["file"] == name), None)
-        path = Path(shards_dir) / source / name
+        shard = listed[source].get(name)
         if shard is None:
             problems.append(f"{source}/{name} is not in its manifest")
+            continue
+        try:
+            path = resolve_under(base, f"{source}/{name}", "the plan", f"{source}/{name}")
+        except UnsafeNameError as exc:
+            problems.append(str(exc))
             continue
         try:
             size = path.stat().st_size

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ds_trhash.training.selection import Candidate, choose, publish
+from ds_trhash.checkpoints.selection import Candidate, choose, publish
 
 
 def _cand(tmp_path, epoch, step, loss):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.training.expert_load import ExpertLoadWriter, columns, gather_expert_load, load_shares
-from ds_trhash.training.metrics import MetricsError
+from ds_trhash.training.records.expert_load import ExpertLoadWriter, columns, gather_expert_load, load_shares
+from ds_trhash.training.records.metrics_csv import MetricsError
 
 CFG = TRHashConfig.from_preset("tiny")  # 4 layers, 4 experts
 

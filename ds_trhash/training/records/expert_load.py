@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_trhash.training.csv_log import CsvLog
+from ds_trhash.training.records.csv_log import CsvLog
 
 __all__ = ["EXPERT_LOAD_FILE", "ExpertLoadWriter", "columns", "gather_expert_load", "load_shares"]
 

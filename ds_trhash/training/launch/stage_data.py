@@ -19,17 +19,18 @@ from ds_trhash.data.budget import check_target_tokens, plan_steps
 from ds_trhash.data.cache import ShardCache, cache_bytes_from
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plan import load_plan
-from ds_trhash.data.reader import ReplayReader, source_manifests
+from ds_trhash.data.reader import ReplayReader, plan_corpus
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.tokenizer import tokenizer_sha256
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import launch_checks
+from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -38,7 +39,7 @@ def _rank0_first(rank: int, fn):
     """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
     made once and only read by the other ranks."""
     result = fn() if rank == 0 else None
-    _barrier()
+    barrier()
     if rank != 0:
         result = fn()
     return result
@@ -55,12 +56,15 @@ class StageData:
     sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
     sft_manifest_sha256: str | None = None  # identity of that set, compared on --resume
     shards_dir: str | None = None  # where the plan's shards are (pretraining, refinement)
+    tokenizer_assumed: bool = False  # the data records no tokenizer: the configured one is taken as its
+    notes: tuple[str, ...] = ()  # said once by rank 0 (e.g. that the corpus records no tokenizer)
     describe: str = ""
     # Creates what reading needs on disk (the shard cache); called once every check has passed.
     start: Callable[[], None] | None = None
 
 
-def _embedded_root(cfg: tcfg.TrainConfig) -> Path:
+def embedded_root(cfg: tcfg.TrainConfig) -> Path:
+    """Where a launch builds the embedded demo corpus: beside its output directory, shared by runs."""
     return Path(cfg.output_dir).resolve().parent / "embedded"
 
 
@@ -69,11 +73,28 @@ def _embedded(cfg: tcfg.TrainConfig, rank: int):
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
                                "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
 
-    return _rank0_first(rank, lambda: build_embedded(_embedded_root(cfg), seq_len=cfg.data.seq_len))
+    return _rank0_first(rank, lambda: build_embedded(embedded_root(cfg), seq_len=cfg.data.seq_len))
 
 
 def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
+
+
+def _tokenizer_identity(recorded: dict, tokenizer_dir, shards_dir) -> tuple[str | None, bool, tuple[str, ...]]:
+    """(the tokenizer identity of the data, whether it was assumed, what to say once).
+
+    The data's own record wins (``check_tokenizer_matches`` already compared it with
+    data.tokenizer). A corpus that records none (the release's manifests never do) is taken to
+    be tokenized with the configured data.tokenizer, and the launch says so."""
+    known = next((h for h in recorded.values() if h), None)
+    if known is not None:
+        return known, False, ()
+    if tokenizer_dir is None:
+        return None, False, (f"the corpus at {shards_dir} and its plan record no tokenizer identity and data.tokenizer "
+                             "is not set: this run records no tokenizer",)
+    actual = tokenizer_sha256(tokenizer_dir)
+    return actual, True, (f"the corpus at {shards_dir} and its plan record no tokenizer identity; assuming "
+                          f"data.tokenizer {tokenizer_dir} (sha256 {actual[:12]}…), recorded as this run's tokenizer",)
 
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "split") -> StageData:
@@ -104,10 +125,12 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
-    manifests = source_manifests(shards_dir, plan)
-    launch_checks.check_tokenizer_matches(tokenizer_dir, {
-        f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
-        **{f"the {source} shard manifest": m.get("tokenizer_sha256") for source, m in manifests.items()}})
+    corpus = plan_corpus(shards_dir, plan, origin=f"replay plan {plan_path}")
+    manifests = corpus.sources
+    recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
+                **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in manifests.items()}}
+    launch_checks.check_tokenizer_matches(tokenizer_dir, recorded)
+    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, shards_dir)
     # Before the model and engine: every planned shard present, sized and hashed as planned.
     if shard_hashes == "split":
         launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, rank, world)
@@ -115,14 +138,14 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         launch_checks.check_shards(Path(shards_dir), plan.doc, manifests, hashes=shard_hashes == "all")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=plan.doc.get("tokenizer_sha256"), shards_dir=str(shards_dir),
-                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}")
+                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes, shards_dir=str(shards_dir),
+                     describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]} ({corpus.layout} layout)")
 
     def start() -> None:
         # Every shard is read through the bounded cache, which verifies its SHA-256 against the
         # manifest again as it copies it (one cache folder per rank).
         cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache") / f"rank_{rank}"
-        cache = ShardCache(shards_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), manifests)
+        cache = ShardCache(corpus.sources_dir, cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ), manifests)
         reader = ReplayReader(plan, shards_dir, cfg.seed, cache=cache)
         data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
 

@@ -135,8 +135,9 @@ class Progress:
         self._live.refresh()
 
     def message(self, text: str) -> None:
-        """A one-off rank-0 notice (evaluation result, checkpoint written, cache state)."""
-        if self.rank != 0 or self._closed:
+        """A one-off rank-0 notice (evaluation result, checkpoint written, cache state); also after
+        ``close`` (the stage's last checkpoint and its end are reported once the display stopped)."""
+        if self.rank != 0:
             return
         if self._console is not None:
             self._console.print(text, markup=False, highlight=False)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from ds_trhash.training.launch_checks import (
+from ds_trhash.training.launch.checks import (
     LaunchCheckError,
+    check_fresh_output_dir,
     check_sft_manifest_unchanged,
     check_tokenizer_matches,
     resolve_init_checkpoint,
@@ -31,3 +32,11 @@ def test_a_run_without_a_complete_checkpoint_is_not_an_init_source(tmp_path):
     (tmp_path / "run" / "checkpoints" / "step_00000003").mkdir(parents=True)
     with pytest.raises(LaunchCheckError, match="without a complete checkpoint .*step_00000003 is incomplete"):
         resolve_init_checkpoint(tmp_path / "run")
+
+
+def test_fresh_output_dir_check(tmp_path):
+    check_fresh_output_dir(tmp_path / "new")  # nothing there
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.csv").write_text("step\n")
+    with pytest.raises(LaunchCheckError, match="already holds a run"):
+        check_fresh_output_dir(tmp_path / "old")

@@ -26,7 +26,7 @@ from ds_trhash.data.cache import cache_bytes_from
 from ds_trhash.errors import UserError
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.footprint import GIB, Footprint, estimate, gib
+from ds_trhash.training.launch.footprint import GIB, Footprint, estimate, gib
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DISK_FREE_ENV = "DS_TRHASH_TEST_DISK_FREE"

@@ -4,7 +4,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ds_trhash.training.progress import Progress, eta_seconds, format_duration
+from ds_trhash.training.display import Progress, eta_seconds, format_duration
 
 
 class Clock:
@@ -114,3 +114,21 @@ def test_a_lazy_loss_is_read_only_for_the_steps_shown():
     p.close()
     assert asked == [3, 6, 7]
     assert stream.getvalue().count("loss 2.5000") == 3
+
+
+def test_notices_still_print_once_the_display_is_closed():
+    """The callbacks close the display when the loop ends; the final checkpoint and the end of the
+    stage are reported after that, as plain lines or on the rich console."""
+    out, clock = io.StringIO(), Clock()
+    p = Progress("pretraining", 2, rank=0, stream=out, every=1, clock=clock)
+    run(p, clock, [1, 2])
+    p.close()
+    run(p, clock, [3])  # no step line after close
+    p.message("pretraining finished at step 2/2")
+    assert out.getvalue().splitlines()[-1] == "[pretraining] pretraining finished at step 2/2"
+    assert "3/2" not in out.getvalue()
+    console_out = io.StringIO()
+    live = Progress("pretraining", 2, rank=0, every=1, console=Console(file=console_out, force_terminal=True))
+    live.close()
+    live.message("checkpoint step_00000002 (final, 0.1s)")
+    assert not live.live and "checkpoint step_00000002 (final, 0.1s)" in console_out.getvalue()

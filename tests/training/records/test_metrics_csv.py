@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ds_trhash.training.metrics import COLUMNS, MetricsError, MetricsWriter, perplexity
+from ds_trhash.training.records.metrics_csv import COLUMNS, MetricsError, MetricsWriter, perplexity
 
 
 def rows(path):

@@ -1,0 +1,76 @@
+"""The output side of a launch: what ``--resume`` / ``RESUME``, ``--init-checkpoint`` and the
+output directory decide, and whether a resume continues the saved run exactly.
+
+The launcher runs :func:`check_output_side` before the process group exists (a refused launch
+fails in its first seconds); ``ds-trhash preflight`` runs both checks read-only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.training import config as tcfg
+from ds_trhash.training.launch import checks as launch_checks
+from ds_trhash.training.launch.stage_data import StageData
+
+log = logging.getLogger("ds_trhash.trainer")
+
+
+@dataclass(frozen=True)
+class OutputSide:
+    """What the command line and the output directory decided, before anything was written."""
+
+    resume_dir: ckpt.CheckpointInfo | None  # the checkpoint a resume continues from
+    saved: dict[str, Any] | None  # its trainer_state.json
+    init_dir: str | None  # --init-checkpoint, or the one the resumed run was initialised from
+    damaged: list  # (name, why) of checkpoints set aside by --allow-fresh-over-damaged
+
+
+def requested_resume(args) -> str | None:
+    """``--resume`` or else ``RESUME`` ("auto", a checkpoint directory), None for neither."""
+    return args.resume or os.environ.get("RESUME") or None
+
+
+def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+    """Refusals that need only the command line and the output directory. The launcher runs
+    them before the process group exists (a refused launch fails in its first seconds), and
+    nothing is written until all of them and the data checks pass."""
+    output_dir = Path(cfg.output_dir)
+    say = log.info if rank == 0 else (lambda *_: None)
+    resume_choice = requested_resume(args)
+    damaged: list = []
+    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
+        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    if resume_choice == "auto":
+        resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
+    else:
+        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
+    if resume_dir is not None and resume_choice != "auto":
+        launch_checks.check_resume_source(resume_dir.path, output_dir, args.fork)
+    saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
+    init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    if saved is not None and init_dir is None:
+        init_dir = saved.get("init_checkpoint")
+    if not damaged:
+        ckpt.check_output_dir_stage(output_dir, cfg.stage)
+    if saved is None and resume_choice is None:
+        launch_checks.check_fresh_output_dir(output_dir)
+    launch_checks.probe_writable(output_dir)
+    return OutputSide(resume_dir, saved, init_dir, damaged)
+
+
+def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
+    """An exact resume continues the saved run: every training-critical setting, the world size
+    (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
+    ckpt.check_resume_compatible(
+        saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
+        total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
+        plan_sha256=data.plan.sha256 if data.plan is not None else None,
+        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=requested_resume(args) == "auto",
+    )
+    launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
+    return ckpt.is_reshard(saved, world, args.reshard)

@@ -1,0 +1,153 @@
+"""The plan of one launch: everything decided before the model exists, as one typed record.
+
+:func:`plan_launch` makes every check that can refuse a launch, in this order: the config on
+this world size, the output side (resume or fresh, from which checkpoint), the stage's data,
+the stage guard, every callback's own inputs, an exact resume's compatibility, the machine's
+resources, and the kernels (the policy resolved for the device, each fused kernel run once
+against PyTorch). It writes nothing, so a wrong launch costs seconds. The trainer builds the
+model and the engine from the plan; ``ds-trhash preflight`` makes the same checks one by one
+(``check_output_side``, ``check_resume``, ``guard_stage``, ``kernel_choice``, the resource
+checks), printing a line for each.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.model import backend, selfcheck
+from ds_trhash.model.config import TRHashConfig
+from ds_trhash.training import config as tcfg
+from ds_trhash.training.callbacks import Callback, build_callbacks, training_parts
+from ds_trhash.training.callbacks.base import Builder
+from ds_trhash.training.checkpoint_plan import CheckpointPlan
+from ds_trhash.training.engine import check_runnable, compute_dtype
+from ds_trhash.training.global_batch import BatchLayout
+from ds_trhash.training.launch import resources
+from ds_trhash.training.launch.output import OutputSide, check_output_side, check_resume
+from ds_trhash.training.launch.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.launch.stage_guard import guard_stage
+
+log = logging.getLogger("ds_trhash.trainer")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of one stage, decided: what it resumes or initialises from, what it trains on,
+    with which kernels and batch layout, and where it writes."""
+
+    cfg: tcfg.TrainConfig  # for this world size (batch.grad_accum derived)
+    loaded: tcfg.TrainConfig  # as loaded: what config.json records
+    world: int
+    model_config: TRHashConfig
+    output: OutputSide  # resume or fresh, from which checkpoint; damaged checkpoints to set aside
+    data: StageData
+    source: SourceRecord | None  # the stage guard's verdict: the checkpoint this stage starts from
+    resharding: bool  # --reshard onto another world size: universal load, re-seeded RNG
+    critical: dict[str, Any]  # the training-critical settings a resume must match
+    layout: BatchLayout
+    checkpoints: CheckpointPlan  # cadence, token-pack boundaries, epoch ends
+    device: torch.device
+    kernels: backend.KernelChoice
+    builders: tuple[Builder, ...]  # the callbacks the config asks for, inputs checked
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def resuming(self) -> bool:
+        return self.output.saved is not None
+
+    @property
+    def start_step(self) -> int:
+        return int(self.output.saved["step"]) if self.resuming else 0
+
+    @property
+    def init_weights(self) -> str | None:
+        """The checkpoint whose weights initialise the model (a resume restores the engine instead)."""
+        return None if self.resuming else self.output.init_dir
+
+    def record(self) -> ckpt.LaunchRecord:
+        """What every trainer_state.json of this launch records about it."""
+        cfg, data = self.cfg, self.data
+        return ckpt.LaunchRecord(
+            stage=cfg.stage, family=cfg.model.family, world_size=self.world, training_critical=self.critical,
+            plan_fingerprint=data.plan.fingerprint if data.plan is not None else None,
+            plan_sha256=data.plan.sha256 if data.plan is not None else None,
+            plan_doc=data.plan.doc if data.plan is not None else None,
+            init_checkpoint=str(self.output.init_dir) if self.output.init_dir else None, lora=cfg.lora.enabled,
+            model_config=self.model_config.to_dict(), tokenizer_dir=data.tokenizer_dir,
+            tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
+            sft_manifest_sha256=data.sft_manifest_sha256,
+            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
+            pack_of=dict(self.checkpoints.pack_of))
+
+
+def launch_device() -> torch.device:
+    """This rank's device: its current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def kernel_choice(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, device: torch.device) -> backend.KernelChoice:
+    """The kernels this launch runs: the policy resolved for the device, then every selected fused
+    kernel run once against PyTorch on it (``ds-trhash preflight`` makes the same two calls)."""
+    choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
+    return selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                            require_liger=cfg.kernels.require_liger)
+
+
+def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageData, world: int, rank: int,
+                   output: OutputSide) -> None:
+    """The cheap part of ``ds-trhash preflight``: refuse an output filesystem that cannot hold one
+    more checkpoint; log a warning when it cannot hold every checkpoint the run keeps, or when
+    the memory estimate does not fit this rank's device (or the host, on CPU)."""
+    output_dir, saved = Path(cfg.output_dir), output.saved
+    devices = resources.probe_devices(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    local = 1 if devices.kind == "cuda" else resources.local_processes(world)
+    existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if saved is not None else []
+    for warning in resources.check_at_launch(
+            cfg, model_cfg, world, local, devices, data.total_steps, getattr(data.batches, "steps_per_epoch", None),
+            after=int(saved["step"]) if saved is not None else 0, existing=existing,
+            output_free=resources.shared_free_bytes(output_dir)):
+        if rank == 0:
+            log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
+
+
+def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
+                checked: OutputSide | None = None) -> LaunchPlan:
+    """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
+    the callback classes of the launch (default ``training_parts()``); ``checked``: what
+    ``check_output_side`` decided before the process group existed."""
+    tcfg.require_source_stage(cfg)
+    check_runnable(cfg, world)
+    loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
+    model_cfg = tcfg.model_config(cfg)
+    output = checked if checked is not None else check_output_side(cfg, args, rank)
+    # the data: plan, budgets, tokenizer identity, every shard's hash (reads only; the
+    # embedded demo corpus is built once into its own content-named folder, shared by runs)
+    data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
+            else prepare_pretrain_data(cfg, rank, world))
+    for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
+        if rank == 0:
+            log.info(note)
+    source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
+    # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
+    builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
+    resharding = False
+    if output.saved is not None:
+        resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
+    warn_resources(cfg, model_cfg, data, world, rank, output)
+    device = launch_device()
+    choice = kernel_choice(cfg, model_cfg, device)
+    return LaunchPlan(
+        cfg=cfg, loaded=loaded, world=world, model_config=model_cfg, output=output, data=data, source=source,
+        resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(loaded, world),
+        checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None)),
+        device=device, kernels=choice, builders=tuple(builders))
