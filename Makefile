@@ -6,15 +6,18 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_BUILD_OPS := 0
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# torch comes from pip's configured index unless this names another, e.g. the CPU-only wheels:
+# make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
 install: $(STAMP)
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -r requirements-cpu.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
@@ -27,6 +30,11 @@ demo: $(STAMP)
 # single-threaded launches, and CI's two cores are otherwise half idle.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The inner loop: every in-process test, no training launch (those carry the `launch` marker,
+# pytest.ini); the same two workers. `make test` is still what CI runs.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not launch" tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -15,9 +15,11 @@ from ds_trhash.data import commands as data_commands
 from ds_trhash.data import sft_commands
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.ops import commands as ops_commands
+from ds_trhash.errors import UserError
 from ds_trhash.prelaunch import preflight, smoke
 from ds_trhash.release import commands as release_commands
 from ds_trhash.release import generate
+from ds_trhash.release.hub import redact
 from ds_trhash.report import commands as report_commands
 
 
@@ -45,10 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_user_error(exc: UserError, label: str | None = None) -> int:
+    """The one place a command's refusal becomes output: ``[LABEL: ]error: <message>`` on
+    stderr (any access token in it redacted), its detail lines below, and the exit code."""
+    first, *details = (redact(line) for line in exc.message_lines())
+    print(f"{label}: error: {first}" if label else f"error: {first}", file=sys.stderr)
+    for line in details:
+        print(line, file=sys.stderr)
+    return exc.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user error (``ds_trhash.errors.UserError``) prints one line and
+    returns its exit code; any other exception is a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        # ``error_label``: the command groups whose lines name the subcommand ("ds-trhash data plan")
+        return report_user_error(exc, getattr(args, "error_label", None))
 
 
 if __name__ == "__main__":

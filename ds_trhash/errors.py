@@ -2,9 +2,13 @@
 
 A user error is a launch, a command or an input that cannot be carried out as given: a bad
 config key, a plan that fails its checks, a checkpoint that does not match. It is reported as a
-single line naming what is wrong and how to fix it, and exits with status 2. Any other exception
-is a bug and keeps its traceback. This module imports nothing of ours, so every package can
-derive its errors from it.
+single line naming what is wrong and how to fix it, and exits with status ``exit_code`` (2
+unless the class says otherwise). Any other exception is a bug and keeps its traceback.
+
+Two places turn a user error into its message and exit code: ``ds_trhash.cli.main`` for every
+``ds-trhash`` command and ``ds_trhash.training.launcher.main`` for a training launch. Code below
+them raises; it never prints an error and returns 2 itself. This module imports nothing of ours,
+so every package can derive its errors from it.
 """
 
 from __future__ import annotations
@@ -16,3 +20,9 @@ class UserError(Exception):
     """An expected refusal: printed as one line, exit status `exit_code`."""
 
     exit_code: int = EXIT_USER_ERROR
+
+    def message_lines(self) -> list[str]:
+        """What the handler prints after ``error:``: the message on one line (a message built
+        over several lines is joined). A class with details to list (one line per differing file)
+        returns them after the first."""
+        return [" ".join(str(self).split())]

@@ -15,6 +15,7 @@ Nothing here knows about checkpoints or models; it imports only the standard lib
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,6 +26,24 @@ from typing import Any
 
 PathLike = str | os.PathLike
 HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
+
+
+class os_errors_as(contextlib.ContextDecorator):
+    """An ``OSError`` about a path (it names a file: missing, unreadable, unwritable, a file where
+    a folder belongs) becomes ``error`` with the operating system's own message, so the one
+    error handler of the command line prints it as a line; an OSError naming no file (a bug, a
+    broken socket) keeps its traceback. A decorator for a command's handler, or a ``with``."""
+
+    def __init__(self, error: type[Exception]):
+        self.error = error
+
+    def __enter__(self) -> "os_errors_as":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise self.error(str(exc)) from exc
+        return False
 
 
 def sha256_file(path: PathLike, chunk_bytes: int = HASH_CHUNK) -> str:

@@ -7,9 +7,7 @@ and is what ``launch/train.py`` runs.
 """
 from __future__ import annotations
 
-from ds_trhash.eval.callbacks import EVAL_CALLBACKS, EVAL_USER_ERRORS
-from ds_trhash.release.cleanup import CleanupRefused
-from ds_trhash.release.export import ExportError
+from ds_trhash.eval.callbacks import EVAL_CALLBACKS
 from ds_trhash.release.lifecycle import finish_stage
 from ds_trhash.training import launcher
 from ds_trhash.training.callbacks import Callback, RunContext, training_parts
@@ -49,4 +47,4 @@ def launch_parts() -> list[type[Callback]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launcher.main(argv, parts=launch_parts(), user_errors=(*EVAL_USER_ERRORS, ExportError, CleanupRefused))
+    return launcher.main(argv, parts=launch_parts())

@@ -1,6 +1,8 @@
 """Test-wide set-up that must happen before triton is imported anywhere."""
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 # Triton kernels (ours and Liger's) run on CPU only in the interpreter, and the switch is read
 # when triton is first imported, so it is set here, before any test module imports it.
@@ -38,15 +40,59 @@ def _signal_handlers_restored():
 @pytest.fixture(scope="session")
 def shared_launches(tmp_path_factory):
     """Reference launches shared across modules (the 2-process ZeRO-1 run that exact resume and
-    --reshard both compare against is launched once, not once per module)."""
+    --reshard both compare against is launched once, not once per module or per xdist worker)."""
     from tests.training.launch_utils import SharedLaunches
 
-    return SharedLaunches(tmp_path_factory.mktemp("shared-launches"))
+    return SharedLaunches(shared_session_dir(tmp_path_factory) / "shared-launches")
+
+
+def shared_session_dir(tmp_path_factory) -> Path:
+    """A folder of this test session that every xdist worker sees: the controller's base
+    temporary directory, which holds each worker's own (popen-gw0, popen-gw1, ...)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+# ----------------------------------------------------------------------------- the launch marker
+# `make test-fast` runs `-m "not launch"`: every test that starts a training launch must carry
+# @pytest.mark.launch (pytest.ini), or the fast loop would start one. So that the marker stays
+# true, a test without it (and the fixtures it sets up) cannot start one: any process whose
+# command line is a launch fails the test, in every run of the suite.
+
+_LAUNCH_MARKED = {"now": True}  # whether the test being set up, run or torn down carries the marker
+
+
+def starts_a_launch(argv) -> bool:
+    """Whether a command line starts training: the deepspeed launcher, launch/train.py, or a
+    ds-trhash command that launches (smoke, jobs up)."""
+    words = [str(argv)] if isinstance(argv, (str, bytes, os.PathLike)) else [str(a) for a in argv]
+    if len(words) == 1:
+        words = words[0].split()
+    names = [os.path.basename(w) for w in words]
+    if "deepspeed" in names or any(w.endswith(os.path.join("launch", "train.py")) for w in words):
+        return True
+    cli = "ds-trhash" in names or "ds_trhash.cli" in words
+    return cli and ("smoke" in words or ("jobs" in words and "up" in words))
+
+
+def _guarded_popen_init(original):
+    def init(self, args, *rest, **kwargs):
+        if not _LAUNCH_MARKED["now"] and starts_a_launch(args):
+            raise AssertionError(f"this test starts a training launch ({' '.join(map(str, args))[:200]}) but is not "
+                                 "marked @pytest.mark.launch (make test-fast would run it)")
+        original(self, args, *rest, **kwargs)
+
+    return init
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU")
-    config.addinivalue_line("markers", "slow: launches processes (deepspeed launcher); still in the default suite")
+    subprocess.Popen.__init__ = _guarded_popen_init(subprocess.Popen.__init__)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before the item's fixtures are set up: a module or session fixture that launches belongs to it
+    _LAUNCH_MARKED["now"] = item.get_closest_marker("launch") is not None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,3 +20,33 @@ def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
+
+
+def test_a_refusal_is_one_line_from_the_one_handler_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    from ds_trhash.data import commands as data_commands
+    from ds_trhash.release import hub
+
+    # an OSError about a path the user named: one line, exit 2 (here --out lies below a regular file)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code = main(["data", "embedded", "--out", str(blocker / "demo")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("ds-trhash data embedded: error: ")
+    assert str(blocker) in err and not (blocker.parent / "demo").exists()
+
+    # a token in any refusal is redacted by the handler; a SyncError lists its differences below
+    monkeypatch.setattr(data_commands, "load_plan", lambda path: (_ for _ in ()).throw(
+        data_commands.CommandError("the plan came with hf_abcdefghijklmnop in it")))
+    assert main(["data", "fingerprint", str(tmp_path / "plan.json")]) == 2
+    assert capsys.readouterr().err == "ds-trhash data fingerprint: error: the plan came with hf_<redacted> in it\n"
+    monkeypatch.setattr(hub, "sync", lambda *a, **k: (_ for _ in ()).throw(
+        hub.SyncError("verification failed for 1 file\n  a.bin: differs")))
+    assert main(["sync", "--local", str(tmp_path), "--repo-id", "me/x", "--dry-run"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: verification failed for 1 file", "  a.bin: differs"]
+
+    # anything else is a bug: it propagates with its traceback, also when it is a ValueError or an
+    # OSError that names no file
+    for bug in (ValueError("a bug"), OSError("a bug")):
+        monkeypatch.setattr(data_commands, "load_plan", lambda path, bug=bug: (_ for _ in ()).throw(bug))
+        with pytest.raises(type(bug), match="a bug"):
+            main(["data", "fingerprint", str(tmp_path / "plan.json")])

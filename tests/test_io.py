@@ -88,3 +88,20 @@ def test_remove_dir_goes_through_a_tmp_name(tmp_path):
     (target / "sub" / "f").write_text("x")
     io.remove_dir(target)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_os_errors_as_turns_a_path_error_into_the_given_refusal_and_leaves_others_alone(tmp_path):
+    class Refused(Exception):
+        pass
+
+    @io.os_errors_as(Refused)
+    def read(path):
+        return open(path).read()
+
+    with pytest.raises(Refused, match="No such file or directory") as caught:
+        read(tmp_path / "missing.txt")
+    assert str(tmp_path / "missing.txt") in str(caught.value)
+    with pytest.raises(OSError, match="no path here"), io.os_errors_as(Refused):
+        raise OSError("no path here")  # names no file: not about the user's input, keeps its type
+    with pytest.raises(ValueError), io.os_errors_as(Refused):
+        raise ValueError("a bug")

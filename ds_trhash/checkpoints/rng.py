@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from ds_trhash.errors import UserError
 
 

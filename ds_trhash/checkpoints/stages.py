@@ -14,6 +14,7 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
 from ds_trhash.errors import UserError
 
 
@@ -176,7 +177,7 @@ def _check_same_corpus(
         )
     try:
         validate_refinement(target_plan_doc, source_plan_doc)
-    except Exception as exc:  # the plan module's own error type; re-raised as a stage refusal
+    except UserError as exc:  # the plan module's own refusal (PlanError); a bug keeps its traceback
         raise StageError(f"the refinement plan is not a valid refinement of the pretraining plan: "
                          f"{type(exc).__name__}: {exc}") from exc
 

@@ -117,11 +117,18 @@ def save_checkpoint(
     root = checkpoints_root(output_dir)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
+    refused: OSError | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+            tmp.mkdir()
+        except OSError as exc:  # a full or read-only disk: every rank fails here, not at the barrier
+            refused = exc
     barrier()
+    if refused is not None:
+        raise refused
+    tmp.mkdir(parents=True, exist_ok=True)  # exists (rank 0 made it); else this rank's own OSError
     write_engine_state(tmp)
     save_rng_state(tmp, rank, rng_state)
     barrier()

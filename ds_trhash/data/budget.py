@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from .plan import PlanLike, plan_doc
 from ds_trhash.errors import UserError
+
+from .plan import PlanLike, plan_doc
 
 
 DEFAULT_PACKS = 40

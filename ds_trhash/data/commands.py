@@ -1,15 +1,18 @@
 """`ds-trhash data ...`: tokenizer, shards (corpus_commands), replay plans, fingerprints, the demo corpus.
 
 Every handler returns an exit code. Expected failures (bad input, refused overwrite,
-inconsistent plans) print one line to stderr and return 2, never a traceback.
+inconsistent plans) raise a ``UserError``, which ``ds_trhash.cli`` prints as one line naming the
+subcommand (exit 2); anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from ds_trhash.errors import EXIT_USER_ERROR, UserError
+from ds_trhash.io import os_errors_as, read_json_object
 
 from .corpus_index import read_corpus_index
 from .embedded import build_embedded
@@ -18,27 +21,10 @@ from .plan import check_refinement, derive_refinement, load_plan, write_plan
 from .plan_build import build_plan
 from .plan_correct import build_corrective_plan
 from .tokenizer import train_tokenizer
-from ds_trhash.errors import UserError
-from ds_trhash.io import read_json_object
-
-
-EXIT_ERROR = 2
 
 
 class CommandError(UserError, ValueError):
     """Arguments that argparse alone cannot reject (combinations, key=value pairs)."""
-
-
-def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except (ValueError, OSError) as exc:
-            message = " ".join(str(exc).split())
-            print(f"ds-trhash data {args.data_command}: error: {message}", file=sys.stderr)
-            return EXIT_ERROR
-
-    return run
 
 
 def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str], object]) -> Optional[dict]:
@@ -57,12 +43,14 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
     return out
 
 
+@os_errors_as(CommandError)
 def _train_tokenizer(args: argparse.Namespace) -> int:
     path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
     print(path)
     return 0
 
 
+@os_errors_as(CommandError)
 def _plan(args: argparse.Namespace) -> int:
     build_options = [args.manifest, args.unique_tokens, args.passes, args.weights, args.source_tokens,
                      args.dataset, args.revision, args.quality_scores]
@@ -103,17 +91,20 @@ def _write(doc: dict, out: str) -> int:
     return 0
 
 
+@os_errors_as(CommandError)
 def _correct_plan(args: argparse.Namespace) -> int:
     counts = _pairs(args.double_exposed, "--double-exposed", int)
     doc = build_corrective_plan(load_plan(args.plan), counts, read_corpus_index(args.manifest))
     return _write(doc, args.out)
 
 
+@os_errors_as(CommandError)
 def _fingerprint(args: argparse.Namespace) -> int:
     print(load_plan(args.plan).fingerprint)
     return 0
 
 
+@os_errors_as(CommandError)
 def _check_refinement(args: argparse.Namespace) -> int:
     """The same rules the refinement launch applies, each one's result printed."""
     ref, pre = load_plan(args.plan), load_plan(args.pretraining)
@@ -123,9 +114,10 @@ def _check_refinement(args: argparse.Namespace) -> int:
     print(f"{verdict}: {ref.path} {'is' if valid else 'is not'} a refinement of {pre.path}")
     for r in results:
         print(f"  {'ok  ' if r.ok else 'FAIL'} {r.rule}: {r.detail if not r.ok or r.rule == 'fingerprint' else 'holds'}")
-    return 0 if valid else EXIT_ERROR
+    return 0 if valid else EXIT_USER_ERROR
 
 
+@os_errors_as(CommandError)
 def _embedded(args: argparse.Namespace) -> int:
     paths = build_embedded(args.out, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed)
     print(json.dumps({name: str(value) for name, value in vars(paths).items()}, indent=2))
@@ -143,9 +135,9 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing tokenizer.json (data made with the old one no longer matches)")
-    p.set_defaults(func=_guarded(_train_tokenizer))
+    p.set_defaults(func=_train_tokenizer, error_label=p.prog)
 
-    add_corpus_commands(sub, _guarded)
+    add_corpus_commands(sub, os_errors_as(CommandError))
 
     p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
     p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",
@@ -163,7 +155,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
                    help="JSON object corpora/<source>/<file> -> score: best-scored shards of each source first")
     p.add_argument("--refinement-of", metavar="PLAN", help="derive the refinement plan of a pretraining plan")
     p.add_argument("--out", required=True, metavar="PLAN.json")
-    p.set_defaults(func=_guarded(_plan))
+    p.set_defaults(func=_plan, error_label=p.prog)
 
     p = sub.add_parser("correct-plan", help="replay phases without shards already trained twice (unique core kept)")
     p.add_argument("plan", metavar="PLAN", help="the uncorrected plan")
@@ -172,21 +164,21 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--manifest", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="the corpus the plan selects from (its manifests only)")
     p.add_argument("--out", required=True, metavar="NEW.json")
-    p.set_defaults(func=_guarded(_correct_plan))
+    p.set_defaults(func=_correct_plan, error_label=p.prog)
 
     p = sub.add_parser("fingerprint", help="print a plan's unique-core fingerprint")
     p.add_argument("plan", metavar="PLAN")
-    p.set_defaults(func=_guarded(_fingerprint))
+    p.set_defaults(func=_fingerprint, error_label=p.prog)
 
     p = sub.add_parser("check-refinement", help="is PLAN a valid refinement of --pretraining? (the launch's check)")
     p.add_argument("plan", metavar="REF", help="the refinement plan")
     p.add_argument("--pretraining", required=True, metavar="PRE", help="the pretraining plan it refines")
-    p.set_defaults(func=_guarded(_check_refinement))
+    p.set_defaults(func=_check_refinement, error_label=p.prog)
 
     p = sub.add_parser("embedded", help="build the offline demo corpus from pydoc_data.topics")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_guarded(_embedded))
+    p.set_defaults(func=_embedded, error_label=p.prog)
     return data

@@ -1,7 +1,8 @@
 """`ds-trhash data tokenize | merge-parts | publish`: building a corpus and putting it on the Hub.
 
-The handlers return exit codes; ``commands`` wraps them so that an expected failure prints one
-line and exits 2.
+The handlers return exit codes; an expected failure raises a ``UserError``, which
+``ds_trhash.cli`` prints as one line (exit 2); ``commands`` wraps them so that an OSError about a
+path they were given becomes such a refusal too.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) -> None:
-    """Register the three commands; ``guarded`` turns a handler's expected errors into exit 2."""
+    """Register the three commands; ``guarded`` (``io.os_errors_as(CommandError)``) turns an
+    OSError about a path a handler was given into the group's refusal."""
     p = sub.add_parser("tokenize", help="tokenize one source into uint16 shards + manifest (parallel, resumable)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--input", nargs="+", metavar="FILE", help="text, JSONL, JSONL.gz or Parquet files")

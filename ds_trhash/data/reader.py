@@ -29,12 +29,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ds_trhash.errors import UserError
+
 from .cache import ShardCache
 from .corpus import Corpus, read_corpus, sources_dir
 from .plan import PlanLike, plan_doc, validate_plan_doc
 from .shards import read_rows
 from .tokenizer import PathLike
-from ds_trhash.errors import UserError
 
 
 DEFAULT_SHUFFLE_WINDOW = 4096

@@ -1,18 +1,16 @@
 """`ds-trhash sft build` and `ds-trhash sft validate`.
 
 Registered into the single CLI with `register(subparsers)`; each subcommand sets
-`func(args) -> int` as its handler. Data errors are the user's to fix, so they print as one
-clear message on stderr with exit code 2 instead of a traceback.
+`func(args) -> int` as its handler. Data errors are the user's to fix: they raise a ``UserError``,
+which ``ds_trhash.cli`` prints as one clear message on stderr with exit code 2.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ds_trhash.data.sft_build import SFTBuildError, build_sft_dataset, load_tokenizer_identity
-from ds_trhash.data.sft_dataset import SFTDataError, open_sft
-
-EXIT_DATA_ERROR = 2
+from ds_trhash.data.sft_dataset import open_sft
+from ds_trhash.io import os_errors_as
 
 
 def _summary(counts: dict[str, dict]) -> str:
@@ -22,18 +20,11 @@ def _summary(counts: dict[str, dict]) -> str:
     )
 
 
-def _fail(err: Exception) -> int:
-    print(f"error: {err}", file=sys.stderr)
-    return EXIT_DATA_ERROR
-
-
+@os_errors_as(SFTBuildError)
 def run_build(args: argparse.Namespace) -> int:
-    try:
-        manifest = build_sft_dataset(args.input, args.eval_input, args.tokenizer, args.seq_len, args.out,
-                                     drop_invalid=args.drop_invalid, source_name=args.source_name,
-                                     revision=args.revision, vocab_size=args.vocab_size)
-    except (SFTBuildError, OSError) as err:
-        return _fail(err)
+    manifest = build_sft_dataset(args.input, args.eval_input, args.tokenizer, args.seq_len, args.out,
+                                 drop_invalid=args.drop_invalid, source_name=args.source_name,
+                                 revision=args.revision, vocab_size=args.vocab_size)
     dropped = manifest["dropped"]
     print(f"built SFT set {args.out} ({manifest['chat_template']}, seq_len {manifest['seq_len']}, vocab {manifest['vocab_size']})")
     print(_summary(manifest["partitions"]))
@@ -42,12 +33,10 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(SFTBuildError)
 def run_validate(args: argparse.Namespace) -> int:
-    try:
-        tokenizer_hash = load_tokenizer_identity(args.tokenizer)[1] if args.tokenizer else None
-        data = open_sft(args.dir, args.vocab_size, args.seq_len, tokenizer_hash=tokenizer_hash)
-    except (SFTBuildError, SFTDataError, OSError) as err:
-        return _fail(err)
+    tokenizer_hash = load_tokenizer_identity(args.tokenizer)[1] if args.tokenizer else None
+    data = open_sft(args.dir, args.vocab_size, args.seq_len, tokenizer_hash=tokenizer_hash)
     checked = "tokenizer identity checked" if tokenizer_hash else "tokenizer identity not checked (pass --tokenizer)"
     print(f"SFT set {args.dir} is valid for vocab {args.vocab_size}, seq_len {args.seq_len}; {checked}")
     print(_summary(data.manifest["partitions"]))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ds_trhash.data.tokenizer import load_tokenizer
 from ds_trhash.eval.heldout import heldout_loss
-from ds_trhash.eval.piqa import PiqaCountWarning, PiqaDataError, evaluate_piqa, read_piqa
+from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
 
@@ -141,5 +141,3 @@ class PiqaCallback(Callback):
 
 
 EVAL_CALLBACKS = (HeldoutCallback, PiqaCallback)
-# Errors of the evaluation inputs that describe a wrong launch (exit 2, one line).
-EVAL_USER_ERRORS = (PiqaDataError,)

@@ -3,8 +3,8 @@
 Both run in one process (no torch.distributed). The model is rebuilt from the config the
 checkpoint records (``trainer_state.json`` ``model_config`` of a training checkpoint,
 ``config.json`` of an export), or from ``--preset`` when it records none, and its weights
-come from ``load_weights_only``. Every handler returns an exit code; expected failures print
-one ``error:`` line on stderr and return 2.
+come from ``load_weights_only``. Every handler returns an exit code; expected failures raise a
+``UserError``, which ``ds_trhash.cli`` prints as one ``error:`` line naming the subcommand (exit 2).
 """
 from __future__ import annotations
 
@@ -14,20 +14,19 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ds_trhash.checkpoints import CheckpointError, load_merged_weights
+from ds_trhash.checkpoints import load_merged_weights
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.errors import UserError
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa
-from ds_trhash.io import read_json_object, sha256_file, write_json_atomic
+from ds_trhash.io import os_errors_as, read_json_object, sha256_file, write_json_atomic
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 
-EXIT_ERROR = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -158,6 +157,7 @@ def _write_out(path: str | None, doc: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- handlers
 
 
+@os_errors_as(EvalCommandError)
 def _piqa(args: argparse.Namespace) -> int:
     examples = read_piqa(args.data, args.labels)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -185,6 +185,7 @@ def _piqa(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(EvalCommandError)
 def _heldout(args: argparse.Namespace) -> int:
     config, source = resolve_config(args.checkpoint, args.preset)
     sft_dir = Path(args.sft_dir)
@@ -214,18 +215,6 @@ def _heldout(args: argparse.Namespace) -> int:
         "examples": len(partition), "windows": len(packs), "tokenizer_checked": tokenizer_hash is not None,
         "device": str(device), "dtype": dtype, **result})
     return 0
-
-
-def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except (ValueError, OSError, CheckpointError) as exc:
-            message = " ".join(str(exc).split())
-            print(f"ds-trhash eval {args.eval_command}: error: {message}", file=sys.stderr)
-            return EXIT_ERROR
-
-    return run
 
 
 def _positive(text: str) -> int:
@@ -258,7 +247,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--max-len", type=_positive, default=2048, help="model context; longer inputs lose their oldest context tokens")
     p.add_argument("--batch-size", type=_positive, default=16)
     p.add_argument("--per-example", action="store_true", help="include every example's scores in --out")
-    p.set_defaults(func=_guarded(_piqa))
+    p.set_defaults(func=_piqa, error_label=p.prog)
 
     p = sub.add_parser("heldout", help="held-out loss over the packed eval partition of an SFT set (docs/contracts.md §8)")
     _model_options(p, "auto: float32")
@@ -267,5 +256,5 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--micro-batch", type=_positive, default=16)
     p.add_argument("--policy", choices=("cross_document", "per_document"), default=None,
                    help="packing policy (default: the one the checkpoint was trained with; a different one warns)")
-    p.set_defaults(func=_guarded(_heldout))
+    p.set_defaults(func=_heldout, error_label=p.prog)
     return group

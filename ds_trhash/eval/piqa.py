@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
+
 from ds_trhash.errors import UserError
 
 

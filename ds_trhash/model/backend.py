@@ -40,11 +40,12 @@ from typing import Any, Optional
 
 import torch
 
+from ds_trhash.errors import UserError
+
 from .attention import ROPE_BACKENDS
 from .experts import EXPERT_BACKENDS
 from .loss import LOSS_BACKENDS
 from .norms import NORM_BACKENDS
-from ds_trhash.errors import UserError
 
 
 logger = logging.getLogger(__name__)

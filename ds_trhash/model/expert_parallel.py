@@ -56,8 +56,9 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from .experts import routed_experts_pytorch
 from ds_trhash.errors import UserError
+
+from .experts import routed_experts_pytorch
 
 
 # torch 2.13 marks the autograd all_to_all of torch.distributed.nn.functional deprecated (in

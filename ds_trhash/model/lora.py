@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer import TRHashForCausalLM, TRHashMoEEngine
 from ds_trhash.errors import UserError
+
+from .transformer import TRHashForCausalLM, TRHashMoEEngine
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from itertools import combinations
 
 import numpy as np
 import torch
+
 from ds_trhash.errors import UserError
 
 

@@ -1,49 +1,39 @@
 """`ds-trhash jobs render|up|status|stop FILE`: supervised long-running jobs from a TOML manifest.
 
-User errors (a bad manifest, a missing inherited variable, a supervisord already up) print one
-line on stderr and exit 2; `status` exits 3 when the manifest's supervisord is not running.
+User errors (a bad manifest, a missing inherited variable, a supervisord already up) raise a
+``UserError`` that ``ds_trhash.cli`` prints as one line (exit 2; a job that fails to start or stop,
+``JobsError``, exits 1); `status` exits 3 when the manifest's supervisord is not running.
 """
 from __future__ import annotations
 
 import argparse
-import sys
-import xmlrpc.client
 from pathlib import Path
 
+from ds_trhash.io import os_errors_as
 from ds_trhash.ops import jobs
 from ds_trhash.ops.manifest import ManifestError, load_manifest
 from ds_trhash.ops.render import write_config
 
-EXIT_USER_ERROR = 2
 EXIT_NOT_RUNNING = 3
 
 
-def _fail(err: BaseException, code: int = EXIT_USER_ERROR) -> int:
-    print(f"error: {err}", file=sys.stderr)
-    return code
-
-
+@os_errors_as(ManifestError)
 def run_jobs(args: argparse.Namespace) -> int:
-    try:
-        manifest = load_manifest(args.manifest)
-        if args.action == "render":
-            print(f"wrote {write_config(manifest, Path(args.out))}")
-        elif args.action == "up":
-            jobs.up(manifest)
-            for info in jobs.status(manifest):
-                print(jobs.describe(info))
-        elif args.action == "status":
-            if not jobs.is_running(manifest.jobs_dir):
-                print(f"supervisord for {manifest.path} is not running")
-                return EXIT_NOT_RUNNING
-            for info in jobs.status(manifest):
-                print(jobs.describe(info))
-        else:
-            jobs.stop(manifest, grace=not args.now)
-    except (ManifestError, OSError) as err:
-        return _fail(err)
-    except (jobs.JobsError, xmlrpc.client.Error) as err:
-        return _fail(err, 1)
+    manifest = load_manifest(args.manifest)
+    if args.action == "render":
+        print(f"wrote {write_config(manifest, Path(args.out))}")
+    elif args.action == "up":
+        jobs.up(manifest)
+        for info in jobs.status(manifest):
+            print(jobs.describe(info))
+    elif args.action == "status":
+        if not jobs.is_running(manifest.jobs_dir):
+            print(f"supervisord for {manifest.path} is not running")
+            return EXIT_NOT_RUNNING
+        for info in jobs.status(manifest):
+            print(jobs.describe(info))
+    else:
+        jobs.stop(manifest, grace=not args.now)
     return 0
 
 

@@ -6,19 +6,22 @@ Everything talks to it through supervisor's XML-RPC interface over that socket.
 
 Stopping is gentle for training jobs: the ranks (the processes of the job that carry ``RANK``
 in their environment) get one SIGTERM, finish their step, write a checkpoint and exit 0, which
-supervisord treats as a normal end. Signalling the whole process group instead would hand each
-rank a second SIGTERM through the deepspeed launcher, which the trainer takes as "stop now,
-without a checkpoint".
+supervisord treats as a normal end. Signalling the whole process group instead would reach the
+deepspeed launcher too, which then terminates each rank's process tree in turn and SIGKILLs a
+rank still running after its grace period: a rank in a long step or save would die without its
+checkpoint. (The trainer itself only records signals, a second SIGTERM included; the stop
+lands at the next step boundary.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import xmlrpc.client
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import psutil
@@ -33,7 +36,19 @@ START_TIMEOUT_S = 30.0
 
 
 class JobsError(UserError, RuntimeError):
-    """supervisord did not do what was asked (did not start, did not stop everything)."""
+    """supervisord did not do what was asked (did not start, did not stop everything, answered
+    a call with a fault): the jobs failed rather than the manifest, so exit status 1."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def answering(jobs_dir: Path) -> Iterator[None]:
+    """Calls to the manifest's supervisord: a fault or a broken answer becomes a JobsError."""
+    try:
+        yield
+    except xmlrpc.client.Error as exc:
+        raise JobsError(f"supervisord on {Path(jobs_dir) / SOCKET_NAME}: {exc}") from exc
 
 
 def rpc(jobs_dir: Path) -> xmlrpc.client.ServerProxy:
@@ -82,13 +97,15 @@ def up(manifest: Manifest, environ: Mapping[str, str] | None = None, log: Log = 
             raise JobsError(f"supervisord did not answer on {jobs_dir / SOCKET_NAME} within {START_TIMEOUT_S:.0f} s; "
                             f"see {jobs_dir / 'supervisord.log'}")
         time.sleep(0.1)
-    log(f"supervisord running (pid {rpc(jobs_dir).supervisor.getPID()}), configuration {config}")
+    with answering(jobs_dir):
+        log(f"supervisord running (pid {rpc(jobs_dir).supervisor.getPID()}), configuration {config}")
     return config
 
 
 def status(manifest: Manifest) -> list[dict]:
     """supervisor's process info for every job of the manifest, in manifest order."""
-    infos = {i["name"]: i for i in rpc(manifest.jobs_dir).supervisor.getAllProcessInfo()}
+    with answering(manifest.jobs_dir):
+        infos = {i["name"]: i for i in rpc(manifest.jobs_dir).supervisor.getAllProcessInfo()}
     return [infos[j.name] for j in manifest.jobs if j.name in infos]
 
 
@@ -132,6 +149,11 @@ def stop(manifest: Manifest, log: Log = print, grace: bool = True) -> None:
     if not is_running(jobs_dir):
         log(f"supervisord for {manifest.path} is not running")
         return
+    with answering(jobs_dir):
+        _stop(manifest, jobs_dir, log, grace)
+
+
+def _stop(manifest: Manifest, jobs_dir: Path, log: Log, grace: bool) -> None:
     server = rpc(jobs_dir)
     watched = process_tree(server.supervisor.getPID())
     infos = {i["name"]: i for i in server.supervisor.getAllProcessInfo()}

@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+
 from ds_trhash.errors import UserError
 from ds_trhash.safe_names import UnsafeNameError, bare_name
 

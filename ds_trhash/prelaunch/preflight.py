@@ -23,7 +23,7 @@ from typing import Callable, TypeVar
 import torch
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.errors import UserError
+from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import check_runnable
@@ -36,9 +36,6 @@ from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
 from ds_trhash.training.launch.stage_guard import guard_stage
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 
-EXIT_FAILED = 2
-# what the launcher prints as one line: every user error, and a file the launch names that is missing
-LAUNCH_ERRORS = (UserError, FileNotFoundError)
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 
@@ -59,11 +56,12 @@ class Report:
         return check
 
     def run(self, name: str, fn: Callable[[], tuple[T, str]]) -> T | None:
-        """``fn`` returns (value, what passed); a user error it raises becomes a failed line."""
+        """``fn`` returns (value, what passed); a user error it raises (the refusal the launch
+        would print) becomes a failed line; any other exception is a bug and propagates."""
         try:
             value, detail = fn()
-        except LAUNCH_ERRORS as exc:
-            self.add(Check(name, FAIL, " ".join(str(exc).split())))
+        except UserError as exc:
+            self.add(Check(name, FAIL, exc.message_lines()[0]))
             return None
         self.add(Check(name, PASS, detail))
         return value
@@ -77,7 +75,7 @@ class Report:
         verdict = "ready to launch" if not failed else "fix the failed checks before launching"
         print(f"preflight: {len(self.checks) - failed - warned} passed, {warned} warning(s), {failed} failed: "
               f"{verdict}", file=self.stream, flush=True)
-        return EXIT_FAILED if failed else 0
+        return EXIT_USER_ERROR if failed else 0
 
 
 # ----------------------------------------------------------------------------- launch state

@@ -35,9 +35,10 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.data.reader import ReplayReader
-from ds_trhash.errors import UserError
+from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.eval.commands import load_model
+from ds_trhash.io import os_errors_as
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.prelaunch import smoke_figures as fig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
@@ -50,14 +51,20 @@ from ds_trhash.training.launch.footprint import estimate, gib
 from ds_trhash.training.launch.resources import default_nproc, probe_devices
 from ds_trhash.training.launcher import build_arg_parser, config_from_args
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
+EXIT_FAILED = 1  # a step of the smoke failed (a refusal of its own arguments exits EXIT_USER_ERROR)
 OWNED = (("output_dir", "--output-dir"), ("resume", "--resume"), ("max_steps", "--max-steps"))
 
 
-class StepFailed(RuntimeError):
+class SmokeArgumentError(UserError, ValueError):
+    """Arguments the smoke cannot take (it chooses them itself, or they leave nothing to resume)."""
+
+
+class StepFailed(UserError, RuntimeError):
+    """A step of the smoke failed: exit 1, or 2 when the launch refused its arguments."""
+
     def __init__(self, step: str, message: str, code: int = EXIT_FAILED):
         super().__init__(message)
-        self.step, self.code = step, code
+        self.step, self.exit_code = step, code
 
 
 def _say(step: str, text: str) -> None:
@@ -102,7 +109,7 @@ def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
     if code != 0:
         tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:])
         raise StepFailed(step, f"the launch exited {code}; last lines of {log}:\n{tail}",
-                         EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED)
+                         EXIT_USER_ERROR if code == EXIT_USER_ERROR else EXIT_FAILED)
 
 
 def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
@@ -117,8 +124,8 @@ def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
 
 
 def _command(register, argv: list[str]) -> int:
-    """A ``ds-trhash`` subcommand in this process: its own ``register`` and handler, as the
-    console script runs them."""
+    """A ``ds-trhash`` subcommand in this process: its own ``register`` and handler. A refusal
+    it raises propagates (the smoke reports it as the failed step)."""
     parser = argparse.ArgumentParser(prog="ds-trhash")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
@@ -133,7 +140,7 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
             "eval", "heldout", "--checkpoint", str(ckpt), "--sft-dir", state["sft_dir"], "--out", str(out),
             "--seq-len", str(cfg.data.seq_len), "--micro-batch", str(cfg.batch.micro_batch),
             "--policy", cfg.data.packing.policy])
-        if code:
+        if code:  # a refusal raises (and fails the step with its message); this is any other exit
             raise StepFailed("evaluate", f"ds-trhash eval heldout exited {code}")
         result = json.loads(out.read_text(encoding="utf-8"))
         return result["eval_loss"], f"held-out loss over the SFT eval set ({result['eval_tokens']:,} tokens)"
@@ -160,6 +167,7 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
 # ----------------------------------------------------------------------------- the run
 
 
+@os_errors_as(fig.FiguresError)  # a scratch file that cannot be read or written fails the step
 def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -> dict:
     """The five steps and the projection; ``at["step"]`` names the one running (for a failure)."""
     n, half = args.steps, max(1, args.steps // 2)
@@ -212,7 +220,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -
 
     at["step"], t0 = "export", time.perf_counter()
     if _command(release_commands.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
-        raise StepFailed("export", "ds-trhash export failed (its error is above)")
+        raise StepFailed("export", "ds-trhash export failed (its output is above)")
     report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
     _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
 
@@ -231,36 +239,29 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -
 def run_smoke(args: argparse.Namespace) -> int:
     given = [flag for attr, flag in OWNED if getattr(args, attr) not in (None, [])]
     if given:
-        print(f"error: the smoke chooses {', '.join(given)} itself (a scratch directory, --steps); drop them",
-              file=sys.stderr)
-        return EXIT_USAGE
+        raise SmokeArgumentError(f"the smoke chooses {', '.join(given)} itself (a scratch directory, --steps); "
+                                 "drop them")
     if args.steps < 2:
-        print(f"error: --steps must be at least 2 (save, then resume from the middle), got {args.steps}", file=sys.stderr)
-        return EXIT_USAGE
+        raise SmokeArgumentError(f"--steps must be at least 2 (save, then resume from the middle), got {args.steps}")
     world = args.nproc or default_nproc(probe_devices())
-    try:
-        cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
-    except tcfg.ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
     if args.workdir:
         workdir = Path(args.workdir).resolve()
         if workdir.exists() and any(workdir.iterdir()):
-            print(f"error: --workdir {workdir} is not empty; give the smoke an empty or new directory", file=sys.stderr)
-            return EXIT_USAGE
+            raise SmokeArgumentError(f"--workdir {workdir} is not empty; give the smoke an empty or new directory")
         workdir.mkdir(parents=True, exist_ok=True)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="ds-trhash-smoke-"))
     at = {"step": "train"}
     try:
         report = _smoke(args, cfg, world, workdir, at)
-    except StepFailed as exc:
-        print(f"smoke FAILED at step {exc.step}: {exc}\n(scratch directory kept: {workdir})", file=sys.stderr)
-        return exc.code
-    except (UserError, OSError) as exc:  # FileNotFoundError is an OSError
-        print(f"smoke FAILED at step {at['step']}: {' '.join(str(exc).split())}\n(scratch directory kept: {workdir})",
-              file=sys.stderr)
-        return EXIT_FAILED
+    except UserError as exc:  # the smoke's verdict: the step that failed, and where its logs are
+        if isinstance(exc, StepFailed):
+            step, text, code = exc.step, str(exc), exc.exit_code
+        else:  # a refusal inside a step (the evaluation's, the export's) fails that step
+            step, text, code = at["step"], exc.message_lines()[0], EXIT_FAILED
+        print(f"smoke FAILED at step {step}: {text}\n(scratch directory kept: {workdir})", file=sys.stderr)
+        return code
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if args.keep or args.workdir:

@@ -8,6 +8,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 from ds_trhash.errors import UserError
 
 

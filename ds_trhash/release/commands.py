@@ -3,24 +3,18 @@
 ds_trhash.report.commands).
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
-``func(args) -> int``. User errors print one line on stderr and return 2.
+``func(args) -> int``. User errors raise a ``UserError``; ``ds_trhash.cli`` prints it as one line
+on stderr, any token redacted, and returns 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.io import os_errors_as
 from ds_trhash.release import cleanup, hub, watch
-from ds_trhash.release.hub import SyncError, redact, summary
-
-EXIT_USER_ERROR = 2
-
-
-def fail(err: BaseException | str) -> int:
-    text = " ".join(redact(str(err)).split("\n")[:1]) if not isinstance(err, str) else redact(err)
-    print(f"error: {text}", file=sys.stderr)
-    return EXIT_USER_ERROR
+from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release.hub import SyncError, summary
 
 
 class _RefuseToken(argparse.Action):
@@ -31,12 +25,10 @@ class _RefuseToken(argparse.Action):
                                            "environment instead (the value given was not echoed)")
 
 
+@os_errors_as(ExportError)
 def run_export(args: argparse.Namespace) -> int:
-    try:
-        manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
-                                     force_tokenizer=args.force_tokenizer)
-    except (ExportError, OSError, ValueError) as err:
-        return fail(err)
+    manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
+                                 force_tokenizer=args.force_tokenizer)
     w = manifest["weights"]
     print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
           f"sha256 {w['sha256']}, stage {manifest['stage']}")
@@ -45,46 +37,33 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@os_errors_as(SyncError)
 def run_sync(args: argparse.Namespace) -> int:
     if (args.local is None) == (args.watch is None):
-        return fail("pass either --local DIR (one pass) or --watch RUN_DIR (back a run up while it trains)")
+        raise SyncError("pass either --local DIR (one pass) or --watch RUN_DIR (back a run up while it trains)")
     if args.watch is not None:
         return run_watch(args)
-    try:
-        api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
-        report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
-                          dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
-                          lock_timeout=args.lock_timeout, path_in_repo=args.path_in_repo,
-                          incremental=args.incremental)
-    except SyncError as err:
-        code = fail(err)
-        for line in str(err).splitlines()[1:]:  # the per-file differences, when verification failed
-            print(line, file=sys.stderr)
-        return code
-    except OSError as err:
-        return fail(err)
+    api = hub.make_api(require_token=not args.dry_run)  # looked up at call time (tests swap it)
+    report = hub.sync(args.local, args.repo_id, api, prune_local=args.prune_local, keep_last=args.keep_last,
+                      dry_run=args.dry_run, repo_type=args.repo_type, revision=args.revision,
+                      lock_timeout=args.lock_timeout, path_in_repo=args.path_in_repo, incremental=args.incremental)
     print(summary(report))
     return 0
 
 
 def run_watch(args: argparse.Namespace) -> int:
     if args.prune_local or args.dry_run:
-        return fail("--watch never prunes and always uploads: drop --prune-local / --dry-run (cleanup after "
-                     "success is training.cleanup_after_success or `ds-trhash cleanup`)")
-    try:
-        return watch.watch(args.watch, args.repo_id, prefix=args.path_in_repo, every=args.every,
-                           pass_timeout=args.pass_timeout, repo_type=args.repo_type, revision=args.revision,
-                           create_repo=args.create_repo, log=lambda line: print(line, flush=True))
-    except SyncError as err:
-        return fail(err)
+        raise SyncError("--watch never prunes and always uploads: drop --prune-local / --dry-run (cleanup after "
+                        "success is training.cleanup_after_success or `ds-trhash cleanup`)")
+    return watch.watch(args.watch, args.repo_id, prefix=args.path_in_repo, every=args.every,
+                       pass_timeout=args.pass_timeout, repo_type=args.repo_type, revision=args.revision,
+                       create_repo=args.create_repo, log=lambda line: print(line, flush=True))
 
 
+@os_errors_as(cleanup.CleanupRefused)
 def run_cleanup(args: argparse.Namespace) -> int:
-    try:
-        report = cleanup.cleanup(args.run_dir, f"keep_{args.keep}", dry_run=args.dry_run,
-                                 lock_timeout=args.lock_timeout, log=lambda line: print(line, flush=True))
-    except (cleanup.CleanupRefused, OSError) as err:
-        return fail(err)
+    report = cleanup.cleanup(args.run_dir, f"keep_{args.keep}", dry_run=args.dry_run,
+                             lock_timeout=args.lock_timeout, log=lambda line: print(line, flush=True))
     print(f"cleanup {args.run_dir} (keep {args.keep}){' (dry run)' if args.dry_run else ''}: "
           f"removed {len(report.removed)}, kept {len(report.kept)} numbered checkpoint(s)")
     return 0
@@ -136,13 +115,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="seconds to wait for a sync holding the output directory's lock (default: fail at once)")
     cln.set_defaults(func=run_cleanup)
 
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (tests); the project CLI calls ``register`` instead."""
-    parser = argparse.ArgumentParser(prog="ds-trhash")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

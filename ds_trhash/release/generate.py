@@ -30,10 +30,9 @@ from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_we
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
 from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 from ds_trhash.errors import UserError
-from ds_trhash.io import read_json_object
+from ds_trhash.io import os_errors_as, read_json_object
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.model.config import TRHashConfig as NativeConfig
-from ds_trhash.release.commands import fail
 from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
 
 
@@ -236,37 +235,35 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
     return Result(ids.shape[1], new, bool(new) and new[-1] == eos, time.perf_counter() - started)
 
 
+@os_errors_as(GenerateError)
 def run(args) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
     if args.prompt == "":
-        return fail("--prompt is empty; give some text to continue")
+        raise GenerateError("--prompt is empty; give some text to continue")
     if args.max_new_tokens < 1:
-        return fail("--max-new-tokens must be at least 1")
+        raise GenerateError("--max-new-tokens must be at least 1")
     if args.temperature < 0:
-        return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        raise GenerateError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
-        return fail(f"--top-p must be in (0, 1], got {args.top_p}")
-    try:
-        if args.system is not None and args.chat is None:
-            return fail("--system goes with --chat (a --messages file carries its own system turn)")
-        if args.messages is not None:
-            messages = read_messages(args.messages)
-        elif args.chat is not None:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.chat}]
-        else:
-            messages = None
-        if messages is not None:
-            check_conversation(messages)
-        # stdout carries only the generated text: libraries' loading chatter goes to stderr
-        with contextlib.redirect_stdout(sys.stderr):
-            loaded = load(args.model, args.tokenizer, args.device)
-        text = chat_prompt(loaded.tokenizer, messages) if messages is not None else args.prompt
-        print(f"loaded {loaded.source}", file=sys.stderr, flush=True)
-        result = generate(loaded, text, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed)
-    except (GenerateError, OSError) as err:
-        return fail(err)
+        raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.system is not None and args.chat is None:
+        raise GenerateError("--system goes with --chat (a --messages file carries its own system turn)")
+    if args.messages is not None:
+        messages = read_messages(args.messages)
+    elif args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+    else:
+        messages = None
+    if messages is not None:
+        check_conversation(messages)
+    # stdout carries only the generated text: libraries' loading chatter goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        loaded = load(args.model, args.tokenizer, args.device)
+    text = chat_prompt(loaded.tokenizer, messages) if messages is not None else args.prompt
+    print(f"loaded {loaded.source}", file=sys.stderr, flush=True)
+    result = generate(loaded, text, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, seed=args.seed)
     why = "stopped at EOS" if result.stopped_at_eos else f"reached --max-new-tokens {args.max_new_tokens}"
     rate = len(result.new_ids) / result.seconds if result.seconds > 0 else float("inf")
     print(f"[{len(result.new_ids)} new tokens after a {result.prompt_tokens}-token prompt, {why}; "

@@ -55,6 +55,10 @@ class SyncError(UserError, RuntimeError):
         super().__init__(redact(message))
         self.report = report
 
+    def message_lines(self) -> list[str]:
+        """The first line, then the per-file differences when verification failed."""
+        return str(self).splitlines() or [""]
+
 
 # --------------------------------------------------------------------------- token handling
 

@@ -2,35 +2,29 @@
 
 ``--out`` ending in ``.json`` with one ``--run`` keeps the original form (run_record.json and
 run_record.md beside it); several runs or any other ``--out`` write a directory with
-index.html, plots/ and records/ (ds_trhash.report.index). User errors exit 2.
+index.html, plots/ and records/ (ds_trhash.report.index). User errors raise (``ds_trhash.cli`` prints them, exit 2).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from ds_trhash.io import os_errors_as
 from ds_trhash.release.record import RecordError, write_run_record
 from ds_trhash.report.index import is_directory_output, write_report
-from ds_trhash.report.series import NotARunError
-
-EXIT_USER_ERROR = 2
 
 
+@os_errors_as(RecordError)
 def run_report(args: argparse.Namespace) -> int:
     fields = {"selection_rule": args.selection_rule, "selected_checkpoint": args.selected_checkpoint,
               "known_limitations": args.limitation or None}
-    try:
-        if is_directory_output(args.out, len(args.run)):
-            out = Path(args.out)
-            index = write_report([Path(r) for r in args.run], out, last_fields=fields,
-                                 export_dir=Path(args.export) if args.export else None)
-            print(f"wrote {index} (plots in {out / 'plots'}, run records in {out / 'records'})")
-            return 0
-        doc = write_run_record(args.out, run_dir=args.run[0], export_dir=args.export, **fields)
-    except (RecordError, NotARunError, OSError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    if is_directory_output(args.out, len(args.run)):
+        out = Path(args.out)
+        index = write_report([Path(r) for r in args.run], out, last_fields=fields,
+                             export_dir=Path(args.export) if args.export else None)
+        print(f"wrote {index} (plots in {out / 'plots'}, run records in {out / 'records'})")
+        return 0
+    doc = write_run_record(args.out, run_dir=args.run[0], export_dir=args.export, **fields)
     print(f"wrote {args.out} (and run_record.md beside it); unknown: {', '.join(doc['unknown']) or 'none'}")
     return 0
 

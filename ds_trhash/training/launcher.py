@@ -1,4 +1,4 @@
-"""Command line of `deepspeed launch/train.py`: arguments, distributed start, user-facing errors."""
+"""Command line of `deepspeed launch/train.py`: arguments, distributed start, the one handler of its errors."""
 
 from __future__ import annotations
 
@@ -6,22 +6,23 @@ import argparse
 import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.serialization
 
-from ds_trhash import checkpoints as ckpt
-from ds_trhash.training import config as tcfg
 from ds_trhash.checkpoints import run_lock
-from ds_trhash.checkpoints.stages import StageError
+from ds_trhash.errors import UserError
+from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
-from ds_trhash.training.engine import EngineError, init_distributed
+from ds_trhash.training.engine import init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
 from ds_trhash.training.launch.output import check_output_side
-from ds_trhash.training.trainer import USER_ERRORS, run_stage
+from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
 
@@ -81,39 +82,41 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     return cfg
 
 
-_OS_CAUSES = {
+# The errno values of an output side that cannot take the run's files any more: the run fails (exit 1).
+_DISK_CAUSES = {
     errno.EROFS: "the file system is read-only",
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "the disk quota is exceeded",
+    errno.EIO: "an I/O error on the device",
+    errno.EFBIG: "the file grew beyond the size limit",
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
-    errno.EFBIG: "the file grew beyond the size limit",
 }
 
 
 def describe_os_error(e: OSError) -> str:
     """One line naming the cause and the path, for the errors a full or read-only disk raises."""
-    cause = _OS_CAUSES.get(e.errno or -1, e.strerror or str(e))
+    cause = _DISK_CAUSES.get(e.errno or -1, e.strerror or str(e))
     where = f" writing {e.filename}" if e.filename else ""
     return f"{cause}{where}"
 
 
-# How torch.save's C++ writer reports a failed write (it raises RuntimeError, not OSError).
-_TORCH_WRITE_FAILURES = ("file write failed", "PytorchStreamWriter", "unexpected pos", "iostream error")
+def _raised_in(e: BaseException, module: object) -> bool:
+    """Whether the innermost Python frame of ``e``'s traceback lies in ``module``'s package: a
+    C++ error (torch.save's writer, a gloo collective) surfaces as a RuntimeError raised in the
+    Python wrapper that called it."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    source = Path(module.__file__).resolve()
+    return where == source or (source.name == "__init__.py" and where.is_relative_to(source.parent))
 
 
-def disk_failure(e: BaseException, output_dir: str) -> str | None:
-    """The cause, when ``e`` is a failed write to disk: an OSError, or torch.save's own
-    RuntimeError ("file write failed"), whose cause is then read from the file system."""
-    if isinstance(e, OSError):
-        return describe_os_error(e)
-    chain, seen = [], e
-    while seen is not None and len(chain) < 5:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    texts = " ".join(str(x) for x in chain)
-    if not isinstance(e, RuntimeError) or not any(s in texts for s in _TORCH_WRITE_FAILURES):
-        return None
+def _filesystem_cause(output_dir: str) -> str:
+    """Why a write under ``output_dir`` failed, read from its file system (read-only, full)."""
     target = Path(output_dir)
     while not target.exists() and target != target.parent:
         target = target.parent
@@ -128,11 +131,61 @@ def disk_failure(e: BaseException, output_dir: str) -> str | None:
     return f"a checkpoint file could not be written under {output_dir}"
 
 
-def peer_lost(e: BaseException) -> bool:
-    """A collective failed because another rank exited (it reports its own cause)."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
+def disk_failure(e: BaseException, output_dir: str) -> str | None:
+    """The cause, when ``e`` is a failed write to disk: an OSError whose errno says the disk is
+    full, read-only or failing, or a RuntimeError raised by torch.save's C++ writer (inside
+    ``torch.serialization``), whose cause is then read from the file system. Recognised from the
+    exception's type, errno and origin, never from its text."""
+    for seen in _causes(e):
+        if isinstance(seen, OSError) and seen.errno in _DISK_CAUSES:
+            return describe_os_error(seen)
+        if isinstance(seen, RuntimeError) and _raised_in(seen, torch.serialization):
+            return _filesystem_cause(output_dir)
+    return None
+
+
+def peer_lost(e: BaseException, world: int) -> bool:
+    """A collective failed because another rank exited (that rank reports its own cause):
+    torch.distributed's own error types, or, on more than one rank, a RuntimeError raised out
+    of torch.distributed (gloo reports a closed peer connection as a plain RuntimeError)."""
+    return any(isinstance(seen, dist.DistError)
+               or (world > 1 and isinstance(seen, RuntimeError) and _raised_in(seen, dist))
+               for seen in _causes(e))
+
+
+def _causes(e: BaseException, depth: int = 5) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or during (a few levels)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = e
+    while seen is not None and len(chain) < depth:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def port_in_use(addr: str, port: int) -> bool:
+    """Whether another process listens on ``addr:port`` (binding it fails with EADDRINUSE)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((addr, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def start_process_group() -> tuple[int, int]:
+    """``init_distributed``; a master port another process holds (two launches on one host with
+    the same ``--master_port``) is refused with the port and how to choose another."""
+    try:
+        return init_distributed()
+    except dist.DistNetworkError:
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "")
+        if port.isdigit() and port_in_use(addr, int(port)):
+            raise LaunchCheckError(
+                f"the master port {port} on {addr} is already in use (another launch on this host?); choose a "
+                f"free one with `deepspeed --master_port PORT ...` (torchrun: --master-port), "
+                f"or stop the process that holds it") from None
+        raise
 
 
 def launch_rank_and_world() -> tuple[int, int]:
@@ -153,44 +206,35 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
-         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
-    them with evaluation); ``user_errors``: further exception types that describe a wrong launch
-    (printed as one line, exit 2) from the packages that supplied parts."""
+    them with evaluation).
+
+    The one place a launch's refusal becomes output: a ``UserError`` (raised by the config, the
+    data, the checkpoints, any part) prints ``error: <message>`` on rank 0 and exits with its
+    code (2). A disk that fails under the run or a rank that is lost ends it with one line per
+    rank and exit 1. Anything else is a bug and keeps its traceback."""
     # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
     install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
-    env_rank, env_world = launch_rank_and_world()
+    rank, world = launch_rank_and_world()
     logging.basicConfig(
-        level=logging.INFO if env_rank == 0 else logging.WARNING,
+        level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    output_dir = lock = None
     try:
         cfg = config_from_args(args)
-        tcfg.batch_layout(cfg, env_world)  # a global batch this world cannot split: refused now
+        output_dir = cfg.output_dir
+        tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
-        checked = check_output_side(cfg, args, env_rank)
+        checked = check_output_side(cfg, args, rank)
         # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
-        lock = run_lock.acquire(cfg.output_dir) if env_rank == 0 else run_lock.check_peer(cfg.output_dir)
-    except (tcfg.ConfigError, ckpt.ResumeError, ckpt.CheckpointError, LaunchCheckError) as e:
-        if env_rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _train(cfg, args, parts, user_errors, checked)
-    finally:
-        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
-            lock.release()
-
-
-def _train(cfg, args, parts, user_errors, checked) -> int:
-    """The launch once its output side is checked and its directory is locked."""
-    rank, world = init_distributed()
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
+        lock = run_lock.acquire(cfg.output_dir) if rank == 0 else run_lock.check_peer(cfg.output_dir)
+        rank, world = start_process_group()
+        for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         state = run_stage(cfg, args, rank, world, parts, checked)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
@@ -198,21 +242,16 @@ def _train(cfg, args, parts, user_errors, checked) -> int:
             # One line per rank, so the operator (and the tests) see every rank stop at the same step.
             rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
                       f"checkpoint ({state.stop_reason}); exiting 0")
-    except (tcfg.ConfigError, StageError, EngineError, ckpt.ResumeError, ckpt.CheckpointError,
-            LaunchCheckError) as e:
+    except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # data-layer errors carry their own types; all are user-facing here
-        if isinstance(e, USER_ERRORS + tuple(user_errors)):
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-            return 2
-        cause = disk_failure(e, cfg.output_dir)
+        return e.exit_code
+    except Exception as e:
+        cause = disk_failure(e, output_dir) if output_dir is not None else None
         if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
             rank_line(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept")
             return 1
-        if peer_lost(e):
+        if peer_lost(e, world):
             rank_line(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
                       "why); exiting")
             return 1
@@ -220,4 +259,6 @@ def _train(cfg, args, parts, user_errors, checked) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
+            lock.release()
     return 0

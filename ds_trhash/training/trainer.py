@@ -15,22 +15,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.checkpoints.rng import RNGStateError, load_rng_state, restore_rng_state
-from ds_trhash.data.budget import BudgetError
-from ds_trhash.data.cache import CacheError
-from ds_trhash.data.embedded import EmbeddedError
-from ds_trhash.data.plan import PlanError
-from ds_trhash.data.reader import ReaderError
-from ds_trhash.data.sft_build import SFTBuildError
-from ds_trhash.data.sft_dataset import SFTDataError
-from ds_trhash.data.shards import ShardError
-from ds_trhash.data.tokenizer import TokenizerError
+from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 from ds_trhash.model import TRHashForCausalLM, backend
-from ds_trhash.model.backend import BackendError
 from ds_trhash.model.compile import compile_model
-from ds_trhash.model.lora import LoRAError, apply_lora
-from ds_trhash.model.routing import RouteTableError
-from ds_trhash.safe_names import UnsafeNameError
+from ds_trhash.model.lora import apply_lora
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks import (
@@ -50,19 +38,13 @@ from ds_trhash.training.launch.output import OutputSide
 from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
 from ds_trhash.training.launch.stage_data import barrier
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
-from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsError, MetricsWriter
+from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
 from ds_trhash.training.records.monitor import MonitorSink
 from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")
 
 
-# Errors that describe a wrong launch (bad data, config, checkpoint): the launcher prints them
-# as one line and exits 2 instead of a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    PlanError, SFTDataError, BackendError, RouteTableError, FileNotFoundError, loop.LabelError, BudgetError,
-    CacheError, EmbeddedError, ReaderError, ShardError, SFTBuildError, TokenizerError, LoRAError, MetricsError,
-    RNGStateError, resources.ResourceError, UnsafeNameError)
 
 
 # ----------------------------------------------------------------------------- the steps of a stage

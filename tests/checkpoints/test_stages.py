@@ -12,12 +12,13 @@ from ds_trhash.checkpoints.stages import (
     StageError,
     check_launch,
 )
+from ds_trhash.errors import UserError
 
 PRE, REF, SFT = Stage.PRETRAINING, Stage.REFINEMENT, Stage.SUPERVISED_FINETUNING
 
 
-class PlanProblem(ValueError):
-    pass
+class PlanProblem(UserError, ValueError):
+    """Stands for the plan module's refusal (PlanError): a user error."""
 
 
 def fingerprint(doc):
@@ -111,6 +112,14 @@ def test_refinement_validator_error_is_wrapped_and_named():
     with pytest.raises(StageError, match="not a valid refinement.*PlanProblem.*2 phases") as info:
         launch(REF, record(PRE), validate=reject)
     assert isinstance(info.value.__cause__, PlanProblem)
+
+
+def test_a_bug_in_the_refinement_validator_keeps_its_traceback():
+    def broken(ref, pre):
+        raise KeyError("phases")  # not a refusal: the stage guard must not dress it up as one
+
+    with pytest.raises(KeyError):
+        launch(REF, record(PRE), validate=broken)
 
 
 def test_validator_receives_refinement_then_pretraining_plan():

@@ -73,7 +73,6 @@ def _train_step(engine):
     engine.step()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_real_deepspeed_checkpoint_weights_only_and_exact_resume(tmp_path, deepspeed_env, zero_stage):
     engine = _engine(zero_stage)

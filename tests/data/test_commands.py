@@ -1,20 +1,16 @@
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from ds_trhash.data.commands import register
+from ds_trhash.cli import main
 from ds_trhash.data.plan import load_plan, validate_refinement
 from ds_trhash.data.shards import load_manifest
 from ds_trhash.data.tokenizer import tokenizer_sha256
 
 
 def cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="ds-trhash")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
+    code = main(argv)  # the real command line: its one handler prints a refusal and returns 2
     out, err = capsys.readouterr()
     return code, out, err
 

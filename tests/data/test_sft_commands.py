@@ -1,17 +1,9 @@
 """The `sft build` / `sft validate` subcommands as the single CLI will run them."""
-import argparse
 import json
 
 from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
-from ds_trhash.data.sft_commands import register
-
-
-def _run(argv):
-    parser = argparse.ArgumentParser(prog="ds-trhash")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+from ds_trhash.cli import main as _run  # the real command line: its one handler prints a refusal
 
 
 def _inputs(tmp_path, bad=()):

@@ -1,5 +1,4 @@
 """`ds-trhash eval piqa` / `eval heldout`, in-process, on a SafeTensors export of a fresh tiny model."""
-import argparse
 import json
 import warnings
 
@@ -9,6 +8,7 @@ import torch
 from tests.data.sft_fixtures import VOCAB_SIZE, build_test_tokenizer, conversation, write_jsonl
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+from ds_trhash.cli import main
 from ds_trhash.data.tokenizer import load_tokenizer
 from ds_trhash.eval import commands
 from ds_trhash.eval.heldout import heldout_loss
@@ -41,10 +41,7 @@ def setup(tmp_path_factory):
 
 
 def _run(argv):
-    parser = argparse.ArgumentParser(prog="ds-trhash")
-    commands.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return main(argv)  # the real command line: its one handler prints a refusal and returns 2
 
 
 def test_eval_piqa_writes_json_matching_the_library(setup, tmp_path, capsys):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_trhash.kernels import routed_experts as rk
+from ds_trhash.model import experts as model_experts
 from ds_trhash.kernels.routed_experts import routed_experts_triton
 
 ON_CUDA = torch.cuda.is_available()
@@ -88,10 +89,9 @@ def test_unequal_route_weights():
 
 def test_matches_pytorch_backend_of_model():
     """Same contract as ds_trhash.model.experts.routed_experts(backend="pytorch")."""
-    experts = pytest.importorskip("ds_trhash.model.experts")
     x, routes, gate, up, down = make_case(23, 16, 8, 4, seed=3)
     y = routed_experts_triton(x, routes, gate, up, down, (0.5, 0.5))
-    y_ref = experts.routed_experts(x, routes, gate, up, down, (0.5, 0.5), backend="pytorch")
+    y_ref = model_experts.routed_experts(x, routes, gate, up, down, (0.5, 0.5), backend="pytorch")
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
     dy = torch.randn_like(y)
     for a, b in zip(torch.autograd.grad(y, (x, gate, up, down), dy),

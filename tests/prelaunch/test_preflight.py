@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+# every case reads the session's runs (tests/prelaunch/runs.py), which launch the smoke
+pytestmark = pytest.mark.launch
+
 CHECKS = ("config", "devices", "precision", "package deepspeed", "kernels", "deepspeed ops", "data", "output",
           "stage", "memory", "disk")
 

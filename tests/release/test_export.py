@@ -9,7 +9,7 @@ from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release import export as export_mod
-from ds_trhash.release.commands import main as cli
+from ds_trhash.cli import main as cli
 from ds_trhash.checkpoints import load_weights_only
 from ds_trhash.io import sha256_file
 from ds_trhash.release.export import ExportError, export_checkpoint, export_safetensors, verify_export

@@ -16,7 +16,8 @@ from huggingface_hub import CommitOperationAdd
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, rotate_unless_syncing, save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
 from ds_trhash.io import sha256_file
-from ds_trhash.release import commands, hub
+from ds_trhash import cli as commands
+from ds_trhash.release import hub
 from ds_trhash.release.hub import SyncError, sync, sync_lock
 
 from tests.release.conftest import TOKEN

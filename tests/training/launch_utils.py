@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from ds_trhash.training.launch.command import free_port  # noqa: F401  (tests import it from here)
 
@@ -92,24 +96,32 @@ def single(args: list[str], timeout: int = 300, **env: str) -> subprocess.Comple
 
 class SharedLaunches:
     """Uninterrupted launches that several test modules compare against with the same arguments,
-    run once per session (the session fixture `shared_launches` in tests/conftest.py).
+    run once per test session (the session fixture `shared_launches` in tests/conftest.py).
 
-    A run is keyed by its process count and its arguments (with the output folder left out), and
-    the tests only read it: they copy a checkpoint before changing anything."""
+    Under `make test` each xdist worker has its own session fixtures, so the runs live in a
+    folder every worker of the session shares, and each is made under a file lock: the first
+    worker to ask launches it, the others wait and read its output. A run is keyed by its
+    process count and its arguments (with the output folder left out); its ``.done`` file is
+    written after it succeeded, so a launch cut short is redone, never read. The tests only
+    read a run: they copy a checkpoint before changing anything."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, launch=None):
         self.root = root
-        self._runs: dict[tuple, Path] = {}
+        self.launch = launch or (lambda nproc, args: single(args) if nproc == 1 else deepspeed(nproc, args))
 
     def get(self, nproc: int, args_for) -> Path:
         """The output folder of ``args_for(out)`` launched on ``nproc`` processes (1: one plain one)."""
-        key = (nproc, tuple(args_for(Path("<out>"))))
-        if key not in self._runs:
-            out = self.root / f"run{len(self._runs)}-{nproc}p"
-            proc = single(args_for(out)) if nproc == 1 else deepspeed(nproc, args_for(out))
-            assert proc.returncode == 0, explain(proc)
-            self._runs[key] = out
-        return self._runs[key]
+        key = json.dumps([nproc, [str(a) for a in args_for(Path("<out>"))]])
+        out = self.root / f"run-{nproc}p-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        done = out.with_name(out.name + ".done")
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(out) + ".lock"):
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)  # a launch cut short by an earlier failure
+                proc = self.launch(nproc, args_for(out))
+                assert proc.returncode == 0, explain(proc)
+                done.write_text(key + "\n")
+        return out
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -117,8 +129,12 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 def was_killed(proc: subprocess.CompletedProcess) -> bool:
-    """A SIGKILLed rank: -9 for a plain process; the deepspeed launcher exits non-zero."""
-    return proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or proc.returncode != 0
+    """A SIGKILLed rank, not any failure: -9 for a plain process; the deepspeed launcher logs
+    the rank's return code -9 and exits with it (sys.exit(-9), status 247)."""
+    if proc.returncode == -signal.SIGKILL:
+        return True
+    logged = f"exits with return code = {-signal.SIGKILL}" in proc.stdout + proc.stderr
+    return proc.returncode == 256 - signal.SIGKILL and logged
 
 
 def metrics(output_dir: Path) -> list[dict]:

@@ -10,10 +10,11 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_a_compiled_engine_run_resumes_bit_identically_with_unchanged_names(root
     assert L.train_losses(resumed) == L.train_losses(compiled_run)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton experts on CPU need the interpreter")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton experts need CUDA or, on CPU, the interpreter")
 def test_a_kernel_failing_its_self_check_fails_policy_triton_with_exit_2(root):
     out = root / "faulty"
     proc = L.single(_args(out, "kernels.policy=triton", "kernels.compile=none"), DS_TRHASH_FAULTY_KERNEL="experts")

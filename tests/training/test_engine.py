@@ -88,6 +88,7 @@ PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("kill", [False, True], ids=["clean-exit", "rank-killed"])
 def test_two_rank_launch_leaves_no_shared_memory_segment(tmp_path, kill):
     script = tmp_path / "probe.py"

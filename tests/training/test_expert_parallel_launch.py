@@ -57,7 +57,7 @@ def _consolidated_matches(out, ref, step):
 # so it finds no scheduler state and refuses the resume.
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path):
     ref = tmp_path / "ep1"
     proc = L.deepspeed(2, _args(ref))

@@ -11,7 +11,7 @@ import pytest
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 STEPS = 4
 STOP = 2  # the two-node run stops here; the one-node resume trains the rest

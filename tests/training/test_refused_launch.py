@@ -5,7 +5,7 @@ import pytest
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 
 def _tree(root):

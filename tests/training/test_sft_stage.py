@@ -14,7 +14,7 @@ import torch
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 
 def _ok(proc):

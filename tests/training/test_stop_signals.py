@@ -25,7 +25,7 @@ from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 STEPS = 150  # of the 157 the embedded plan holds at this batch: every launch ends by its signal
 STOP_LINE = re.compile(r"rank (\d)/2: stopped at step (\d+) of \d+ after a complete checkpoint \((.*)\); exiting 0")

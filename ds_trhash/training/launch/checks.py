@@ -31,6 +31,20 @@ class LaunchCheckError(UserError, ValueError):
 # ----------------------------------------------------------------------------- output directory
 
 
+def check_output_location(output_dir: Path) -> None:
+    """A run writes checkpoints/, metrics.csv, config.json and its locks straight into its
+    output directory, and a later --resume auto reads the folder as a run: the filesystem root
+    or the home directory (not empty, yet holding no run) would be written among other files."""
+    where = Path(output_dir).expanduser().resolve()
+    if where == Path(where.anchor):
+        raise LaunchCheckError(f"--output-dir {output_dir} is the filesystem root; give the run a directory of its "
+                               "own, e.g. --output-dir runs/NAME")
+    home = Path.home().resolve()
+    if where == home:
+        raise LaunchCheckError(f"--output-dir {output_dir} is the home directory {home}; give the run a directory of "
+                               f"its own, e.g. --output-dir {home / 'runs' / 'NAME'}")
+
+
 def check_fresh_output_dir(output_dir: Path) -> None:
     """A fresh start never writes over a run: its checkpoints and metrics would be mixed with
     the new ones. Continuing that run is an explicit --resume."""
@@ -156,11 +170,11 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
     (plan, each source's shard manifest) must equal the file's SHA-256."""
     if tokenizer is None:
         return
-    from ds_trhash.data.tokenizer import tokenizer_file, tokenizer_sha256
+    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 
     try:
         actual = tokenizer_sha256(tokenizer)
-    except (OSError, ValueError) as exc:
+    except (OSError, TokenizerError) as exc:  # unreadable, or not a tokenizer: a bug keeps its traceback
         raise LaunchCheckError(f"data.tokenizer {tokenizer}: {exc}") from None
     wrong = {what: h for what, h in recorded.items() if h and h != actual}
     if wrong:

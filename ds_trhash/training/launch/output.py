@@ -40,6 +40,7 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     them before the process group exists (a refused launch fails in its first seconds), and
     nothing is written until all of them and the data checks pass."""
     output_dir = Path(cfg.output_dir)
+    launch_checks.check_output_location(output_dir)
     say = log.info if rank == 0 else (lambda *_: None)
     resume_choice = requested_resume(args)
     damaged: list = []

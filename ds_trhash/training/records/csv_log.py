@@ -13,6 +13,7 @@ import io
 import os
 from pathlib import Path
 from typing import Sequence
+
 from ds_trhash.errors import UserError
 
 
