@@ -32,7 +32,7 @@ from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR, final_statu
 from tests.release.conftest import stand_in_hub
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launch
 
 STEPS = 60
 PREFIX = "runs/tiny-pretrain"
