@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 from ds_trhash.eval.callbacks import HeldoutCallback, PiqaCallback
-from ds_trhash.run import launch_parts
+from ds_trhash.run import StageEndCallback, launch_parts
 from ds_trhash.training.callbacks import (
     CheckpointCallback,
     FaultCallback,
@@ -83,8 +83,9 @@ def _broken(part: str, path: Path, text: str | None = None) -> list[str]:
 
 
 def test_launch_calls_the_parts_in_order():
+    # the end of a completed stage (final/, stage_complete.json, cleanup) runs after every checkpoint and best/
     assert launch_parts() == [StopCallback, FaultCallback, HeldoutCallback, PiqaCallback, MetricsCallback,
-                              ProgressCallback, CheckpointCallback, SelectionCallback]
+                              ProgressCallback, CheckpointCallback, SelectionCallback, StageEndCallback]
 
 
 def test_no_package_imports_above_itself():

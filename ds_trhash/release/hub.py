@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
-from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, update_verified
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, LockHeld, output_lock, read_verified, update_verified
 from ds_trhash.errors import UserError
 from ds_trhash.io import remove_dir, sha256_file
 from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
@@ -125,13 +125,20 @@ class Unit:
     path_in_repo: str  # "" = repository root
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "size"}
     step: int | None = None
+    prefix: str = ""  # --path-in-repo: the folder of the repository that mirrors the run
 
     @property
     def name(self) -> str:
+        """The unit's name in the run directory (and in sync_verified.json), whatever the prefix."""
         return self.path_in_repo or self.path.name
 
+    @property
+    def folder(self) -> str:
+        """The unit's folder in the repository ("" = the root)."""
+        return "/".join(p for p in (self.prefix, self.path_in_repo) if p)
+
     def remote(self, rel: str) -> str:
-        return f"{self.path_in_repo}/{rel}" if self.path_in_repo else rel
+        return f"{self.folder}/{rel}" if self.folder else rel
 
 
 @dataclass
@@ -189,10 +196,22 @@ class _Plan:
     skipped: dict[str, str]
     prunable: bool  # an output directory (not a single unit) was given
     complete_steps: list[int]
+    recorded: list[str] = field(default_factory=list)  # verified by an earlier sync: left alone
 
 
-def discover(local_dir: str | os.PathLike) -> _Plan:
-    """What ``local_dir`` holds: a run output directory, one checkpoint, or one export."""
+def recorded_as_verified(records: Mapping[str, Mapping[str, Any]], name: str, manifest: Path, repo_id: str,
+                         prefix: str) -> bool:
+    """Whether ``sync_verified.json`` (``records``) says unit ``name`` is on ``repo_id`` under
+    ``prefix`` with exactly the manifest it has now."""
+    entry = records.get(name)
+    return (entry is not None and entry.get("repo_id") == repo_id and entry.get("prefix", "") == prefix
+            and manifest.is_file() and entry.get("manifest_sha256") == sha256_file(manifest))
+
+
+def discover(local_dir: str | os.PathLike, known: Callable[[str, Path], bool] | None = None) -> _Plan:
+    """What ``local_dir`` holds: a run output directory, one checkpoint, or one export.
+    ``known(name, manifest)``: units of a run directory for which it is true are not hashed
+    again but listed in ``recorded`` (``sync(incremental=True)``)."""
 
     root = Path(local_dir)
     if not root.is_dir():
@@ -210,8 +229,12 @@ def discover(local_dir: str | os.PathLike) -> _Plan:
     units: list[Unit] = []
     skipped: dict[str, str] = {}
     complete_steps = []
+    recorded: list[str] = []
     for info in list_checkpoints(root):
         rel = f"{CHECKPOINTS}/{info.name}"
+        if known is not None and known(rel, info.path / MANIFEST):
+            recorded.append(rel)
+            continue
         unit = _checkpoint_unit(info.path, rel)
         if isinstance(unit, str):
             skipped[rel] = unit
@@ -222,17 +245,21 @@ def discover(local_dir: str | os.PathLike) -> _Plan:
     if (root / "exports").is_dir():
         candidates += [p for p in sorted((root / "exports").iterdir()) if p.is_dir()]
     for path in candidates:
-        if path.name == CHECKPOINTS or not _is_export(path):
+        # hidden: an export being written (``.final.tmp-*``), renamed into place only when complete
+        if path.name == CHECKPOINTS or path.name.startswith(".") or not _is_export(path):
             continue
         rel = path.relative_to(root).as_posix()
+        if known is not None and known(rel, path / EXPORT_MANIFEST):
+            recorded.append(rel)
+            continue
         unit = _export_unit(path, rel)
         if isinstance(unit, str):
             skipped[rel] = unit
         else:
             units.append(unit)
-    if not units and not skipped:
+    if not units and not skipped and not recorded:
         raise SyncError(f"{root} holds no checkpoints/step_* directory and no export; nothing to sync")
-    return _Plan(units, skipped, True, complete_steps)
+    return _Plan(units, skipped, True, complete_steps, recorded)
 
 
 # --------------------------------------------------------------------------- remote checks
@@ -281,12 +308,12 @@ def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = 
 
     def listing() -> list[Any]:
         try:
-            return list(api.list_repo_tree(repo_id, path_in_repo=unit.path_in_repo or None, recursive=True,
+            return list(api.list_repo_tree(repo_id, path_in_repo=unit.folder or None, recursive=True,
                                            repo_type=repo_type, revision=revision))
         except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):  # not on the Hub yet
             return []
 
-    entries = _call(f"listing {unit.path_in_repo or 'the root'} of {repo_id}", listing)
+    entries = _call(f"listing {unit.folder or 'the root'} of {repo_id}", listing)
     return {entry.path: entry for entry in entries if hasattr(entry, "blob_id")}
 
 
@@ -294,7 +321,7 @@ def stale_remote_files(unit: Unit, remote: Mapping[str, Any]) -> list[str]:
     """Files on the Hub inside a unit's own folder that its manifest does not list (left there by
     an earlier run with another layout). A root unit (an export synced alone) owns no folder, so
     nothing beside it counts as stale."""
-    if not unit.path_in_repo:
+    if not unit.folder:
         return []
     wanted = {unit.remote(rel) for rel in unit.files}
     return sorted(path for path in remote if path not in wanted)
@@ -343,10 +370,13 @@ def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str
 
 
 def _mark_verified(lock_dir: Path, unit: Unit, repo_id: str) -> None:
-    """Tell the trainer's rotation (``checkpoint.keep_unsynced``) this checkpoint is on the Hub."""
-    if unit.kind == "checkpoint":
-        update_verified(lock_dir, add={unit.name: {"manifest_sha256": unit.files[MANIFEST]["sha256"],
-                                                   "repo_id": repo_id}})
+    """Tell the trainer's rotation (``checkpoint.keep_unsynced``), cleanup and the watcher that
+    this unit is on the Hub, with exactly this manifest (and where: repository and prefix)."""
+    manifest = MANIFEST if unit.kind == "checkpoint" else EXPORT_MANIFEST
+    entry = {"manifest_sha256": unit.files[manifest]["sha256"], "repo_id": repo_id}
+    if unit.prefix:
+        entry["prefix"] = unit.prefix
+    update_verified(lock_dir, add={unit.name: entry})
 
 
 def _prune_candidates(plan: _Plan, verified: set[str], keep_last: int) -> tuple[list[Unit], list[Unit]]:
@@ -373,23 +403,39 @@ def sync(
     repo_type: str | None = None,
     revision: str | None = None,
     lock_timeout: float = 0.0,
+    path_in_repo: str = "",
+    incremental: bool = False,
     log: Log = print,
 ) -> SyncReport:
     """Upload every complete checkpoint/export under ``local_dir``, verify it on the Hub, then
     (with ``prune_local``) delete verified local checkpoints beyond the newest ``keep_last``.
 
     Raises ``SyncError`` (with ``.report``) on the first upload or verification failure; nothing
-    is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing.
+    is pruned then. ``dry_run`` reads the Hub but writes and deletes nothing. ``path_in_repo``:
+    a folder of the repository under which the run's units go (``check_prefix``). ``incremental``
+    (the watcher's passes): units that ``sync_verified.json`` records on this repository and
+    prefix with their current manifest are trusted, neither hashed nor listed again.
     """
     if keep_last < 1:
         raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
+    prefix = check_prefix(path_in_repo)
     say: Log = lambda line: log(redact(line))  # noqa: E731
     check_repo_id(repo_id)
     report = SyncReport(repo_id=repo_id, dry_run=dry_run)
     root = Path(local_dir)
     lock_dir = discover_lock_dir(root)
+    if incremental and prune_local:
+        raise SyncError("--incremental trusts the record of earlier passes; --prune-local needs every unit "
+                        "verified now: use one of them")
     with sync_lock(lock_dir, lock_timeout):
-        plan = discover(root)
+        records = read_verified(lock_dir) if incremental else {}
+        plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, repo_id, prefix))
+                        if incremental else None)
+        for unit in plan.units:
+            unit.prefix = prefix
+        report.already_remote += plan.recorded
+        for name in plan.recorded:
+            say(f"{name}: verified on {repo_id} by an earlier sync (sync_verified.json); not checked again")
         if prune_local and not plan.prunable:
             raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
                             f"single {plan.units[0].kind} {root}")
@@ -447,6 +493,21 @@ def sync(
                 report.pruned.append(unit.name)
                 say(f"pruned local {unit.name} (verified on {repo_id})")
     return report
+
+
+def check_prefix(prefix: str | None) -> str:
+    """A repository folder given by the user: relative, '/'-separated, no '.' or '..' part, no
+    empty part; returned without surrounding slashes ("" = the repository root)."""
+    text = (prefix or "").strip()
+    if not text:
+        return ""
+    parts = text.split("/")
+    bad = (text.startswith("/") or "\\" in text or any(p in ("", ".", "..") for p in parts)
+           or any(ord(c) < 32 for c in text))
+    if bad:
+        raise SyncError(f"--path-in-repo {prefix!r} is not a folder of the repository: give a relative path such "
+                        "as runs/pretrain (no leading '/', no '.' or '..' part, no empty part, no backslash)")
+    return text
 
 
 def discover_lock_dir(root: Path) -> Path:

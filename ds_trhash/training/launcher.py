@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.serialization
 
+from ds_trhash.checkpoints import run_lock
 from ds_trhash.errors import UserError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
@@ -38,7 +39,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="a bounded run: at most this many optimizer steps")
     p.add_argument("--init-checkpoint", "--checkpoint", dest="init_checkpoint", metavar="DIR",
                    help="weights-only initialisation: fresh optimizer, scheduler and step; DIR is a "
-                        "checkpoint, an export, or a run's --output-dir (its final complete checkpoint)")
+                        "checkpoint, an export (a finished stage's RUN/final), or a run's --output-dir (its "
+                        "final complete checkpoint)")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="exact continuation from DIR, or 'auto' for the newest complete checkpoint "
                         "in the output directory (also RESUME=auto)")
@@ -223,13 +225,15 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    output_dir = None
+    output_dir = lock = None
     try:
         cfg = config_from_args(args)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         # Output directory, --resume, --init-checkpoint: refused before the process group exists.
         checked = check_output_side(cfg, args, rank)
+        # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
+        lock = run_lock.acquire(cfg.output_dir) if rank == 0 else run_lock.check_peer(cfg.output_dir)
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -257,4 +261,6 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
+            lock.release()
     return 0

@@ -1,15 +1,22 @@
-"""One tiny model exported once for the transformers-export, chat-template and generate tests."""
+"""One tiny model exported once for the transformers-export, chat-template and generate tests;
+the stand-in Hub for the sync, watch and cleanup tests."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants
 
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.routing import expert_pairs, pair_codes
 from tests.data.sft_fixtures import VOCAB_SIZE
+from tests.release.hub_server import HubServer
+
+TOKEN = "hf_FAKEtokenVALUE0123456789abcd"
 
 
 @dataclass
@@ -54,3 +61,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def stand_in_hub(monkeypatch, deadline_s: float = 120.0) -> Iterator[HubServer]:
+    """The stand-in Hub, with HF_ENDPOINT / HF_TOKEN / HF_HUB_DISABLE_XET set as a user would.
+    huggingface_hub reads the endpoint and the Xet switch once, at import, and this process
+    imported it already, so its constants are pointed at the server too."""
+    with HubServer(TOKEN, deadline_s=deadline_s) as srv:
+        for key, value in {"HF_ENDPOINT": srv.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(constants, "ENDPOINT", srv.url)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        yield srv
+
+
+@pytest.fixture
+def server(monkeypatch):
+    with stand_in_hub(monkeypatch) as srv:
+        yield srv

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from huggingface_hub import CommitOperationAdd, constants
+from huggingface_hub import CommitOperationAdd
 
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, rotate_unless_syncing, save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
@@ -19,24 +19,10 @@ from ds_trhash.io import sha256_file
 from ds_trhash import cli as commands
 from ds_trhash.release import hub
 from ds_trhash.release.hub import SyncError, sync, sync_lock
-from tests.release.hub_server import HubServer
 
-TOKEN = "hf_FAKEtokenVALUE0123456789abcd"
+from tests.release.conftest import TOKEN
 REPO = "me/run"
 UNITS = ["checkpoints/step_00000010", "checkpoints/step_00000020", "checkpoints/step_00000030", "export"]
-
-
-@pytest.fixture
-def server(monkeypatch):
-    """The stand-in Hub, with HF_ENDPOINT / HF_TOKEN / HF_HUB_DISABLE_XET set as a user would.
-    huggingface_hub reads the endpoint and the Xet switch once, at import, and this process
-    imported it already, so its constants are pointed at the server too."""
-    with HubServer(TOKEN) as srv:
-        for key, value in {"HF_ENDPOINT": srv.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setattr(constants, "ENDPOINT", srv.url)
-        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-        yield srv
 
 
 def _state(step):
@@ -101,8 +87,10 @@ def test_upload_verify_then_prune_and_a_second_pass_uploads_nothing(tmp_path, se
     assert report.uploaded == UNITS and report.verified == UNITS
     assert report.pruned == UNITS[:2] and report.kept == [UNITS[2]]
     assert _steps(out) == [30] and (out / "export" / "model.safetensors").is_file()
-    # what rotation (checkpoint.keep_unsynced) reads: the verified checkpoints still on disk
+    # what rotation (checkpoint.keep_unsynced), cleanup and the watcher read: the verified units still on disk
     assert read_verified(out) == {UNITS[2]: {"manifest_sha256": sha256_file(out / UNITS[2] / MANIFEST),
+                                             "repo_id": REPO},
+                                  UNITS[3]: {"manifest_sha256": sha256_file(out / UNITS[3] / "export_manifest.json"),
                                              "repo_id": REPO}}
     repo = server.repo(REPO)
     assert repo.private and len(repo.commits) == 4  # created private, one commit per unit
@@ -147,7 +135,7 @@ def test_a_dropped_upload_prunes_nothing_and_the_next_pass_completes(tmp_path, s
 
     report = sync(out, REPO, hub.make_api(), prune_local=True, keep_last=1, log=_quiet)
     assert report.already_remote == [UNITS[0]] and report.uploaded == UNITS[1:]
-    assert report.pruned == UNITS[:2] and _steps(out) == [30] and list(read_verified(out)) == [UNITS[2]]
+    assert report.pruned == UNITS[:2] and _steps(out) == [30] and list(read_verified(out)) == UNITS[2:]
     # step 20's weights reached the LFS store before the drop; the retry commits them without a new PUT
     assert server.counts["lfs_upload"] == len(server.lfs_store)
 

@@ -11,6 +11,9 @@ How the DeepSpeed 0.19 launcher delivers a stop decides the design:
 - SIGTERM to the ``deepspeed`` runner kills the runner alone (it installs no handler on one
   node), leaving ``launch.py`` and the ranks running as orphans.
 - A signal to one rank reaches that rank only.
+- A terminal that closes sends SIGHUP to its foreground process group: the runner and
+  ``launch.py`` (no handler for it) die at once, the ranks record it like SIGTERM (and see
+  ``launch.py`` gone), write their stop checkpoint and exit 0.
 
 So a signal handler here only records the request (it never raises and does no I/O), and once
 per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
@@ -32,7 +35,8 @@ from typing import Any
 
 from ds_trhash.training.callbacks.base import Callback, RunContext
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: a terminal that closes stops the run with a checkpoint, as SIGTERM does, instead of killing it
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
 DUPLICATE_WINDOW_S = 2.0
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.

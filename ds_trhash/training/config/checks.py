@@ -62,6 +62,12 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if stage == SFT and cfg.eval.select == "min_eval_loss" and not cfg.eval.heldout:
         raise b.fail("eval.select", "min_eval_loss picks best/ by held-out loss, which eval.heldout false "
                                     "never computes; set eval.heldout true or eval.select last", "eval.heldout")
+    export_final = cfg.training.export_final if cfg.training.export_final is not None else stage != SFT
+    if cfg.training.cleanup_after_success != "off" and not export_final:
+        raise b.fail("training.cleanup_after_success", "cleanup deletes checkpoints only after a verified final/ "
+                                                       "export, which this stage does not write; set "
+                                                       "training.export_final true or cleanup_after_success off",
+                     "training.export_final")
     if cfg.kernels.require_liger and cfg.kernels.policy == "pytorch":
         raise b.fail("kernels.require_liger", "kernels.policy pytorch never selects Liger; use policy auto "
                                               "or triton, or require_liger false", "kernels.policy")

@@ -171,6 +171,12 @@ class TrainingSection:
     # a non-finite loss or gradient norm: stop the run (no checkpoint of it), or skip such steps
     nonfinite: Literal["stop", "skip_step"] = "stop"
     nonfinite_max_skips: int = _f(3, check=_positive)  # skip_step: this many in a row stop the run
+    # a completed stage writes <output_dir>/final/ (verified export); null: on for pretraining and
+    # refinement, off for SFT (which keeps best/)
+    export_final: bool | None = None
+    # after a verified final/: delete numbered checkpoints (release/cleanup.py); packs and best/ kept
+    # by keep_packs, only final/ and best/ by keep_final
+    cleanup_after_success: Literal["keep_final", "keep_packs", "off"] = "off"
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,16 @@ def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
     requests.handle(signal.SIGTERM)
     cb.on_step_end(state, {})
     assert state.stop_requested and state.stop_reason == "stop requested here: SIGTERM"
+
+
+def test_a_closing_terminal_sighup_is_a_stop_request_like_sigterm():
+    before = signal.getsignal(signal.SIGHUP)
+    requests = StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)  # the process would have died of it without the handler
+        time.sleep(0.05)
+        stop = StopAgreement(requests)
+        assert stop() and stop.describe() == "stop requested here: SIGHUP"
+    finally:
+        requests.uninstall()
+    assert signal.getsignal(signal.SIGHUP) is before

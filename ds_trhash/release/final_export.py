@@ -1,0 +1,131 @@
+"""The end of a completed stage: ``<output_dir>/final/`` and the completion record.
+
+A stage that ran every planned step writes, on rank 0 and before the launch reports success:
+
+- ``final/``: the same verified export ``ds-trhash export`` writes (docs/contracts.md §9), of the
+  stage's last checkpoint. It is built in a hidden temporary directory and renamed into place
+  (``export.export_safetensors``), so ``final/`` is either absent or complete; a temporary
+  directory left by a crash is removed by the next attempt.
+- ``stage_complete.json``: the stage, the step, the checkpoint ``final/`` came from and the
+  SHA-256 of ``final/export_manifest.json``. It is written last, atomically; the Hub watcher
+  (``release.watch``) and cleanup (``release.cleanup``) take it as "the stage completed".
+
+Both are idempotent: a finished stage relaunched with ``RESUME=auto`` writes what is missing and
+keeps what verifies. A ``final/`` that does not verify, or that was exported from another
+checkpoint, is renamed aside (never deleted) and written again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.io import sha256_file, write_json_atomic
+from ds_trhash.release.export import EXPORT_MANIFEST, RUN, ExportError, export_checkpoint, verify_export
+
+FINAL_DIR = "final"
+COMPLETE_FILE = "stage_complete.json"
+COMPLETE_FORMAT = "ds-trhash-stage-complete-v1"
+
+Log = Callable[[str], None]
+
+
+def export_final_enabled(cfg: Any) -> bool:
+    """``training.export_final``; unset means on for pretraining and refinement, off for SFT."""
+    explicit = cfg.training.export_final
+    return explicit if explicit is not None else cfg.data.kind != "sft"
+
+
+def final_checkpoint(output_dir: str | os.PathLike, step: int) -> Path:
+    """The complete checkpoint of ``step`` (the stage's last), verified."""
+    for info in list_checkpoints(output_dir):
+        if info.step == step:
+            ok, why = verify(info.path)
+            if ok:
+                return info.path
+            raise ExportError(f"{info.path} is {why}; the final export needs the stage's last checkpoint complete")
+    raise ExportError(f"{output_dir} holds no checkpoint of step {step}; the final export needs the stage's last "
+                      "checkpoint")
+
+
+def final_status(output_dir: str | os.PathLike, source: Path | None = None) -> tuple[bool, str]:
+    """(ok, reason): ``final/`` exists, verifies against its manifest and, when ``source`` is
+    given, was exported from exactly that checkpoint (its MANIFEST.json's SHA-256)."""
+    final = Path(output_dir) / FINAL_DIR
+    if not final.is_dir():
+        return False, f"{final} does not exist"
+    ok, why = verify_export(final, deep=True)
+    if not ok:
+        return False, f"{final} is {why}"
+    if source is not None:
+        try:
+            run_doc = json.loads((final / RUN).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return False, f"{final}/{RUN} is unreadable ({exc})"
+        if run_doc.get("source_manifest_sha256") != sha256_file(source / MANIFEST):
+            return False, f"{final} was exported from {run_doc.get('source_checkpoint')}, not from {source}"
+    return True, "ok"
+
+
+def _set_aside(path: Path, log: Log) -> None:
+    aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    log(f"set {path.name}/ aside as {aside.name}/ (kept for inspection) before writing it again")
+
+
+def write_final(output_dir: str | os.PathLike, source: Path, log: Log = print) -> dict[str, Any]:
+    """Export ``source`` to ``<output_dir>/final/`` unless a verified export of it is there;
+    returns the export's manifest."""
+    out = Path(output_dir)
+    final = out / FINAL_DIR
+    for leftover in out.glob(f".{FINAL_DIR}.tmp-*"):  # an export killed half-way (never renamed in)
+        shutil.rmtree(leftover, ignore_errors=True)
+    if final.exists():
+        ok, why = final_status(out, source)
+        if ok:
+            log(f"{final} already holds the verified export of {source.name}; kept")
+            return json.loads((final / EXPORT_MANIFEST).read_text(encoding="utf-8"))
+        log(f"{why}")
+        _set_aside(final, log)
+    manifest = export_checkpoint(source, final)
+    log(f"final export of {source.name} -> {final}: {manifest['weights']['tensors']} tensors, "
+        f"sha256 {manifest['weights']['sha256']} (tensor round trip verified)")
+    return manifest
+
+
+def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, total_steps: int, source: Path,
+                     exported: bool) -> dict[str, Any]:
+    """Record that the stage completed (after ``final/``, when it is exported)."""
+    out = Path(output_dir)
+    final_manifest = out / FINAL_DIR / EXPORT_MANIFEST
+    doc = {
+        "format": COMPLETE_FORMAT,
+        "stage": stage,
+        "step": step,
+        "total_steps": total_steps,
+        "checkpoint": source.relative_to(out).as_posix() if source.is_relative_to(out) else str(source),
+        "final": FINAL_DIR if exported else None,
+        "final_manifest_sha256": sha256_file(final_manifest) if exported else None,
+    }
+    earlier = read_completion(out)
+    if earlier is not None and {k: earlier.get(k) for k in doc} == doc:
+        return earlier  # a finished stage relaunched: the record stands as it was
+    doc["completed_unix"] = time.time()
+    write_json_atomic(out / COMPLETE_FILE, doc)
+    return doc
+
+
+def read_completion(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The completion record, or None when the stage has not completed (absent or unreadable)."""
+    try:
+        doc = json.loads((Path(output_dir) / COMPLETE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != COMPLETE_FORMAT or not isinstance(doc.get("step"), int):
+        return None
+    return doc

@@ -1,0 +1,93 @@
+"""One running launch per output directory (checkpoints/run_lock.py): rank 0 holds the lock, a
+peer rank of the same launch passes its probe, any rank of another launch is refused naming the
+holder, and the kernel frees the lock when the holder dies. Through real launches:
+tests/release/test_lifecycle.py."""
+import os
+import signal
+import socket
+
+import pytest
+
+from ds_trhash.checkpoints import CheckpointError, run_lock
+from ds_trhash.checkpoints.run_lock import RUN_LOCK, RunLocked
+
+
+def _hold_in_child(out, env):
+    """A forked process that takes the lock as rank 0 of a launch with ``env`` and waits."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.environ.update(env)
+            run_lock.acquire(out)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(0)
+    assert os.read(ready_r, 1) == b"1"
+    return pid
+
+
+def _kill(pid):
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def test_a_second_rank_0_is_refused_naming_the_holder_until_it_dies(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(run_lock, "_SETTLE_S", 0.2)
+    pid = _hold_in_child(out, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "1"})
+    try:
+        assert run_lock.is_alive(out)["pid"] == pid
+        with pytest.raises(RunLocked, match=f"pid {pid} on host {socket.gethostname()}.*127.0.0.1:29500"):
+            run_lock.acquire(out)
+    finally:
+        _kill(pid)
+    assert run_lock.is_alive(out) is None  # released by the kernel: no stale lock after kill -9
+    lock = run_lock.acquire(out)
+    assert run_lock.read_holder(out)["pid"] == os.getpid() and run_lock.is_alive(out)["pid"] == os.getpid()
+    lock.release()
+    assert run_lock.is_alive(out) is None
+
+
+def test_a_peer_rank_passes_for_its_own_launch_and_is_refused_for_another(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(run_lock, "_SETTLE_S", 0.2)
+    ours = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600", "WORLD_SIZE": "2"}
+    run_lock.check_peer(out)  # no lock file yet: rank 0 has not started; nothing is created
+    assert not out.exists()
+    pid = _hold_in_child(out, ours)  # our rank 0
+    try:
+        for key, value in ours.items():
+            monkeypatch.setenv(key, value)
+        run_lock.check_peer(out)
+        monkeypatch.setenv("MASTER_PORT", "29601")  # a rank of another launch
+        with pytest.raises(RunLocked, match=f"is in use by a running launch: pid {pid}"):
+            run_lock.check_peer(out)
+    finally:
+        _kill(pid)
+    run_lock.check_peer(out)  # the holder is gone
+
+
+def test_a_launch_leaves_the_lock_file_as_it_found_it(tmp_path):
+    out = tmp_path / "new"
+    run_lock.acquire(out).release()
+    assert not out.exists()  # created for the lock only: taken away with it
+    existing = tmp_path / "run"
+    existing.mkdir()
+    (existing / "metrics.csv").write_text("step\n")
+    run_lock.acquire(existing).release()
+    assert sorted(p.name for p in existing.iterdir()) == ["metrics.csv"]
+    (existing / RUN_LOCK).write_text('{"pid": 1}\n')  # left by a launch killed with -9
+    lock = run_lock.acquire(existing)
+    assert run_lock.read_holder(existing)["pid"] == os.getpid()
+    lock.release()
+    assert (existing / RUN_LOCK).read_text() == '{"pid": 1}\n'
+
+
+def test_a_lock_that_cannot_be_created_is_a_message(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the output directory should be")
+    with pytest.raises(CheckpointError, match=f"cannot create the run lock {blocker / RUN_LOCK}"):
+        run_lock.acquire(blocker)
+    assert blocker.read_text() == "a file where the output directory should be"
