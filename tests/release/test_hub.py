@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from huggingface_hub import CommitOperationAdd
+from huggingface_hub import CommitOperationAdd, constants
 
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, rotate_unless_syncing, save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE, read_verified
