@@ -18,7 +18,7 @@ from typing import Any
 from ds_trhash.checkpoints import CHECKPOINTS, MANIFEST
 from ds_trhash.checkpoints.sync_guard import LockHeld, output_lock, update_verified
 from ds_trhash.io import sha256_file
-from ds_trhash.release.export import EXPORT_MANIFEST
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST
 from ds_trhash.release.hub_client import SyncError
 from ds_trhash.release.hub_units import Unit, is_checkpoint_dir, is_export_dir
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
 from ds_trhash.io import sha256_file
-from ds_trhash.release.export import EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest, verify_export
+from ds_trhash.release.export_manifest import (EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest,
+                                               verify_export)
 from ds_trhash.release.hub_client import SyncError, call_hub
 
 

@@ -37,7 +37,7 @@ from ds_trhash.checkpoints.run_lock import RUN_LOCK, is_alive
 from ds_trhash.checkpoints.sync_guard import read_verified
 from ds_trhash.release import hub, hub_client
 from ds_trhash.release.cleanup import CleanupRefused, cleanup
-from ds_trhash.release.export import EXPORT_MANIFEST
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST
 from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR, read_completion
 from ds_trhash.release.hub import SyncError
 
