@@ -27,7 +27,8 @@ from torch import nn
 
 from ds_trhash.errors import UserError
 
-from .transformer import TRHashForCausalLM, TRHashMoEEngine
+from .decoder import TRHashMoEEngine
+from .transformer import TRHashForCausalLM
 
 
 __all__ = [

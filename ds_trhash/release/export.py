@@ -1,29 +1,12 @@
 """SafeTensors export of a trained model, loadable by transformers (docs/contracts.md §9).
 
-An export directory holds::
-
-    model.safetensors       every tensor; float weights in one dtype, route buffers in their
-                            integer dtypes (int64 / uint8 / int32), each layer's
-                            self_attn.rotary_emb.inv_freq in fp32, all vocabulary rows
-    config.json             Hugging Face config (model_type tr_hash_moe, auto_map); converts
-                            back with TRHashConfig.from_saved
-    configuration_tr_hash_moe.py, modeling_tr_hash_moe.py
-                            the transformers code (trust_remote_code), see release/hf/
-    generation_config.json  eos / pad / bos ids
-    run.json                {"stage": ..., "lora": false, ...}: what --init-checkpoint reads
-    tokenizer.json          copied from the run's tokenizer directory (when known), with
-    tokenizer_config.json,  special_tokens_map.json  (bos/eos/pad/unk, chat_template)
-    chat_template.jinja     the chat template (complexity-chat-v2 unless another is given)
-    export_manifest.json    written last: weights SHA-256 / size / dtype / tensor count and
-                            the SHA-256 and size of every other file
-
-It is built in a hidden temporary directory beside ``out_dir``, the weights are read back from
-disk and compared tensor by tensor with what was meant to be written, and only then is the
-directory renamed into place. A failed export leaves nothing at ``out_dir``.
+This module writes an export: the files ``export_manifest`` lists (that module also reads and
+verifies one). It is built in a hidden temporary directory beside ``out_dir``, the weights are
+read back from disk and compared tensor by tensor with what was meant to be written, and only
+then is the directory renamed into place. A failed export leaves nothing at ``out_dir``.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -38,18 +21,17 @@ from ds_trhash import outputs
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
 from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
-from ds_trhash.errors import UserError
-from ds_trhash.io import fsync_path, publish_dir, read_json_object, sha256_file, write_json
+from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
+from ds_trhash.release.export_manifest import (CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, RUN, TOKENIZER, WEIGHTS,
+                                               ExportError, export_files, read_export_manifest, verify_export)
 from ds_trhash.release.hf import bundle as hf_bundle
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-RUN = "run.json"
-TOKENIZER = "tokenizer.json"
-EXPORT_MANIFEST = "export_manifest.json"
-EXPORT_FORMAT = "ds-trhash-export-v1"
+# the export directory's names and its check, importable from here as before
+__all__ = ["CONFIG", "EXPORT_FORMAT", "EXPORT_MANIFEST", "FLOAT_DTYPES", "ROTARY_SUFFIX", "ROUTE_BUFFER_DTYPES", "RUN",
+           "TOKENIZER", "WEIGHTS", "ExportError", "export_checkpoint", "export_files", "export_safetensors",
+           "parse_dtype", "read_export_manifest", "verify_export"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,10 +47,6 @@ ROUTE_BUFFER_DTYPES: dict[str, torch.dtype] = {
 # Persisted for transformers (which leaves a buffer absent from the checkpoint uninitialised),
 # always fp32: bf16 frequencies would shift RoPE angles by radians at long positions.
 ROTARY_SUFFIX = ".self_attn.rotary_emb.inv_freq"
-
-
-class ExportError(UserError, RuntimeError):
-    """An export that cannot be written or trusted; nothing is left at the destination."""
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -296,41 +274,6 @@ def export_safetensors(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-# --------------------------------------------------------------------------- verification
-
-
-def read_export_manifest(export_dir: str | os.PathLike) -> dict[str, Any]:
-    return read_json_object(Path(export_dir) / EXPORT_MANIFEST, ExportError,
-                            missing=f"{export_dir} is not a complete export")
-
-
-def export_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every file the manifest vouches for (the weights included), name -> {sha256, size}."""
-    weights = manifest["weights"]
-    return {weights["file"]: {"sha256": weights["sha256"], "size": weights["size"]}, **manifest["files"]}
-
-
-def verify_export(export_dir: str | os.PathLike, *, deep: bool = True) -> tuple[bool, str]:
-    """(ok, reason): the manifest lists exactly the files present, with their sizes and hashes."""
-    root = Path(export_dir)
-    try:
-        manifest = read_export_manifest(root)
-        listed = export_files(manifest)
-    except (ExportError, KeyError, TypeError) as exc:
-        return False, f"incomplete ({exc})"
-    present = {p.name for p in root.iterdir() if p.is_file() and p.name != EXPORT_MANIFEST}
-    if set(listed) != present:
-        return False, (f"corrupt (files differ from {EXPORT_MANIFEST}: missing {sorted(set(listed) - present)}, "
-                       f"unlisted {sorted(present - set(listed))})")
-    for name, entry in listed.items():
-        path = root / name
-        if path.stat().st_size != entry["size"]:
-            return False, f"corrupt ({name} has {path.stat().st_size} bytes, the manifest says {entry['size']})"
-        if deep and sha256_file(path) != entry["sha256"]:
-            return False, f"corrupt ({name} SHA-256 differs from {EXPORT_MANIFEST})"
-    return True, "ok"
 
 
 # --------------------------------------------------------------------------- from a checkpoint

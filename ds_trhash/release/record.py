@@ -19,7 +19,7 @@ from typing import Any
 from ds_trhash.checkpoints import MANIFEST, describe_hardware, list_checkpoints, verify
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_utf8, sha256_file, utf8_lines, write_json_atomic
-from ds_trhash.release.export import EXPORT_MANIFEST, TOKENIZER
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST, TOKENIZER
 from ds_trhash.checkpoints.selection import RULES as SELECTION_RULES
 from ds_trhash.checkpoints.selection import Candidate, choose
 

@@ -35,9 +35,9 @@ from typing import Any
 from ds_trhash.checkpoints import CHECKPOINTS, MANIFEST, list_checkpoints
 from ds_trhash.checkpoints.run_lock import RUN_LOCK, is_alive
 from ds_trhash.checkpoints.sync_guard import read_verified
-from ds_trhash.release import hub
+from ds_trhash.release import hub, hub_client
 from ds_trhash.release.cleanup import CleanupRefused, cleanup
-from ds_trhash.release.export import EXPORT_MANIFEST
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST
 from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR, read_completion
 from ds_trhash.release.hub import SyncError
 
@@ -94,7 +94,8 @@ def check_repo(api: Any, repo_id: str, repo_type: str | None, revision: str | No
                             "or pass --create-repo to create it private") from None
     except Exception as exc:  # network: the passes retry; only an unknown repository is final
         return f"cannot reach the Hub to look up {repo_id} ({type(exc).__name__}: {exc}); the passes retry"
-    hub._call(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True, exist_ok=True)
+    hub_client.call_hub(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True,
+                        exist_ok=True)
     return None
 
 
