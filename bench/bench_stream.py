@@ -1,7 +1,7 @@
 """Shard streaming figures (not a test): rows/s delivered from the loopback Hub against local disk,
 and the launch's data check over a 1,000-shard corpus before and after the store.
 
-    .venv/bin/python bench/bench_stream.py [--shards 40] [--rows 2048] [--seq-len 128] [--check-shards 1000]
+    .venv/bin/python bench/bench_stream.py [--shards 40] [--rows 2048] [--seq-len 128] [--check-shards 1000] [--repeat 3]
 
 1. A synthetic corpus (two sources, ``--shards`` shards of ``--rows`` rows each) is written once,
    served by the loopback Hub stand-in (``tests/release/hub_server.py``, the real
@@ -9,6 +9,9 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    straight from the directory (no cache), through the node cache filled from the directory, and
    through the node cache filled from the Hub (cold: every shard downloaded on the way, with
    prefetch). The server runs in this process, so it competes with the reader for one interpreter.
+   The three passes run ``--repeat`` rounds, each round in a rotated order, and the medians are
+   printed: run one after the other once, the pass that ran under the heaviest load (or first,
+   before the page cache was warm) decided the comparison.
 2. The launch's data check for a plan over a ``--check-shards``-shard corpus: before (every planned
    shard hashed, as the launch did) and after (one listing and the manifests), from the directory
    and from the Hub, at two shard sizes: the "after" time should not grow with the corpus bytes.
@@ -16,6 +19,7 @@ and the launch's data check over a 1,000-shard corpus before and after the store
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +58,13 @@ def rows_per_s(reader: ReplayReader, rows: int, micro: int = 8) -> float:
     return (rows // micro * micro) / (time.perf_counter() - started)
 
 
+def cached_pass(plan: dict, corpus, cache_dir: Path, n: int) -> tuple[float, float]:
+    """Rows/s through a fresh (cold) node cache, and the seconds the reads waited for downloads."""
+    with corpus.open_cache(cache_dir, 2**40) as cache:
+        rate = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
+        return rate, cache.stats()["waited_s"]
+
+
 def timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -66,6 +77,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--check-shards", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of the three read passes, each in another order")
     args = ap.parse_args()
     import os
 
@@ -77,18 +89,29 @@ def main() -> None:
         n = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
         size = sum(len(b) for b in corpus_files(root).values())
         print(f"corpus: {n:,} rows of {args.seq_len} tokens, {2 * args.shards} shards, {size / 2**20:.1f} MiB")
-        direct = rows_per_s(ReplayReader(plan, root, 0), n)
-        local = open_corpus(plan, str(root))
-        with local.open_cache(Path(tmp) / "cache-local", 2**40) as cache:
-            via_local = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
-        remote = open_corpus(plan, None, store=HubStore("bench/corpus"))
-        with remote.open_cache(Path(tmp) / "cache-hub", 2**40) as cache:
-            via_hub = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
-            waited = cache.stats()["waited_s"]
+        passes = {"direct": lambda i: rows_per_s(ReplayReader(plan, root, 0), n),
+                  "local": lambda i: cached_pass(plan, open_corpus(plan, str(root)), Path(tmp) / f"cache-local-{i}", n),
+                  "hub": lambda i: cached_pass(plan, open_corpus(plan, None, store=HubStore("bench/corpus")),
+                                               Path(tmp) / f"cache-hub-{i}", n)}
+        rates: dict[str, list[float]] = {name: [] for name in passes}
+        waited = []
+        names = list(passes)
+        for i in range(args.repeat):  # each round in another order: no pass always runs first or last
+            for name in names[i % 3:] + names[: i % 3]:
+                result = passes[name](i)
+                rate, wait = result if isinstance(result, tuple) else (result, None)
+                rates[name].append(rate)
+                if name == "hub":
+                    waited.append(wait)
+        direct, via_local, via_hub = (statistics.median(rates[k]) for k in names)
+        print(f"read passes: {args.repeat} rounds of (direct, local cache, Hub cache), rotated; medians")
         print(f"rows/s  local dir, no cache: {direct:,.0f}")
         print(f"rows/s  node cache from the local dir (cold): {via_local:,.0f}")
         print(f"rows/s  node cache from the loopback Hub (cold): {via_hub:,.0f} = {via_hub / via_local:.3f} of the "
-              f"local cache, {via_hub / direct:.3f} of direct reads; reads waited {waited:.2f} s for downloads")
+              f"local cache, {via_hub / direct:.3f} of direct reads; reads waited {statistics.median(waited):.2f} s "
+              "for downloads")
+        for name in names:
+            print(f"  {name:6s} per round: " + ", ".join(f"{r:,.0f}" for r in rates[name]))
 
         for rows in (16, 256):
             big = Path(tmp) / f"check-{rows}"

@@ -3,7 +3,8 @@ function of the optimizer step, so an exact resume only needs the step number.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,14 +18,17 @@ class PretrainBatches:
     grad_accum: int
     rank: int
     world_size: int
+    data_s: float = field(default=0.0, compare=False)  # this process's seconds reading its batches
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        started = time.perf_counter()
         out = []
         for m in range(self.grad_accum):
             inputs, labels = self.reader.batch(
                 step, m, self.rank, self.world_size, self.micro_batch, self.grad_accum
             )
             out.append({"input_ids": inputs, "labels": labels})
+        self.data_s += time.perf_counter() - started
         return out
 
     def epoch_of(self, step: int) -> int:
@@ -64,3 +68,20 @@ class SFTStepBatches:
 
     def cursor(self, step: int) -> int:
         return step * self.grad_accum
+
+
+def data_wait_line(batches: object, step_seconds: float, steps: int) -> str | None:
+    """How much of this process's step time went to reading its batches, and how much of that to
+    waiting for shard downloads (the node cache's ``waited_s``): the figure that says whether the
+    data keeps up with the model. None for batches that are not read from shards."""
+    data_s = getattr(batches, "data_s", None)
+    if data_s is None or steps < 1:
+        return None
+    share = 100.0 * data_s / step_seconds if step_seconds > 0 else 0.0
+    line = f"data wait on rank {batches.rank}: {data_s:.3f} s of {step_seconds:.3f} s in {steps} step(s) ({share:.1f} %) reading batches"
+    cache = getattr(getattr(batches, "reader", None), "cache", None)
+    if cache is not None:
+        c = cache.stats()
+        line += (f"; {c['waited_s']:.3f} s of it waiting for shards ({c['misses']} fetched on demand, "
+                 f"{c['prefetched']} prefetched, {c['hits']} cache hits)")
+    return line

@@ -53,6 +53,8 @@ class TrainState:
     stop_requested: bool = False
     stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     last: dict = field(default_factory=dict)  # metrics of the last step
+    step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
+    steps_timed: int = 0
 
 
 _HOST_GROUP = None
@@ -272,6 +274,8 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
                            skip_nonfinite=guard is not None and guard.skips)
         dt = time.perf_counter() - t0
         state.step += 1
+        state.step_seconds += dt
+        state.steps_timed += 1
         if guard is not None:
             if guard.skips:
                 guard.skipped_step(state.step, stats["skipped"])

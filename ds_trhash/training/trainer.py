@@ -29,6 +29,7 @@ from ds_trhash.training.callbacks import (
     StopAgreement,
     make_callbacks,
 )
+from ds_trhash.training.batches import data_wait_line
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.display import Progress
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
@@ -200,4 +201,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
+        wait = data_wait_line(data.batches, state.step_seconds, state.steps_timed)
+        if wait:
+            progress.message(wait)
     return state

@@ -9,7 +9,10 @@ from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 from ds_trhash.data.sft_build import build_sft_dataset
 from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.training.batches import SFTStepBatches
+from ds_trhash.data.reader import ReplayReader
+from ds_trhash.data.stream import open_corpus
+from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, data_wait_line
+from tests.data.hub_corpus import REPO, hub_corpus  # noqa: F401  (the fixture)
 
 SEQ = 128
 
@@ -82,3 +85,21 @@ def test_steps_follow_epochs_and_grad_accumulation(partition):
     second = steps.micro_batches(spe + 1)
     assert len(second) == 2
     assert torch.equal(second[1]["input_ids"], inner.batch(1, 3)["input_ids"])
+
+
+def test_data_wait_line_reports_the_share_of_step_time_spent_reading_and_waiting_for_shards(hub_corpus, tmp_path):
+    """The stage-end line: seconds reading batches against step seconds, and of those the seconds
+    waiting for downloads through the node cache (counts from the cache itself)."""
+    hub, _, doc = hub_corpus
+    corpus = open_corpus(doc, f"hf://datasets/{REPO}")
+    with corpus.open_cache(tmp_path / "cache", 2**30, prefetch=0) as cache:
+        batches = PretrainBatches(ReplayReader(doc, None, 0, cache=cache), micro_batch=2, grad_accum=2, rank=0,
+                                  world_size=1)
+        batches.micro_batches(0)
+        line = data_wait_line(batches, 10.0, 1)
+        stats = cache.stats()
+    assert batches.data_s > 0 and line.startswith(f"data wait on rank 0: {batches.data_s:.3f} s of 10.000 s in 1 step(s)")
+    waited = float(line.split("; ")[1].split(" s of it")[0])
+    assert 0 < waited <= batches.data_s and stats["misses"] >= 1, line
+    assert f"{stats['misses']} fetched on demand, 0 prefetched, {stats['hits']} cache hits)" in line, line
+    assert data_wait_line(SFTStepBatches(None, 1, "cross_document"), 10.0, 1) is None  # not read from shards

@@ -4,17 +4,28 @@ their checkpoint resumes on one node with --reshard (and with activation checkpo
 on, which is not training-critical). The two-node run also has TensorBoard and the CSV monitor on:
 observers, so its losses still equal the reference, and its event files are read back with
 TensorBoard's own reader.
+
+The two-node run streams its shards from the loopback Hub stand-in through the real client, each
+node with its own cache, while the one-node reference reads the same plan from the local corpus:
+equal losses are then bit-identity of the streamed read; each shard is downloaded once per node
+and the token is in no file written.
 """
 import csv
+import json
+import re
 
 import pytest
 
+from ds_trhash.data.embedded import build_embedded
+from tests.data.hub_corpus import TOKEN, corpus_files
+from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.launch
 
 STEPS = 4
 STOP = 2  # the two-node run stops here; the one-node resume trains the rest
+REPO = "team/embedded-multinode"
 
 
 def _args(out, steps, *extra):
@@ -26,28 +37,48 @@ def _args(out, steps, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(root, both launchers' results, the Hub's complete shard GETs after the two-node run, the
+    Hub and its client environment); the Hub stays up for the module (the resume reads from it)."""
     root = tmp_path_factory.mktemp("multinode")
-    single = L.deepspeed(2, _args(root / "one-node", STEPS))
+    single = L.deepspeed(2, _args(root / "one-node", STEPS))  # the embedded corpus, from local disk
     assert single.returncode == 0, L.explain(single)
-    nodes = L.two_nodes(_args(root / "two-nodes", STEPS, "--set", "deepspeed.tensorboard.enabled=true",
-                              "--set", "deepspeed.csv_monitor.enabled=true"), root)
-    for proc in nodes:
-        assert proc.returncode == 0, L.explain(proc)
-    return root, nodes
+    paths = build_embedded(root / "embedded", seq_len=128)  # the corpus that run built: read, not rebuilt
+    with HubServer(TOKEN, deadline_s=900) as hub:
+        seed_dataset(hub, REPO, corpus_files(paths.shards_dir))
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60")
+        streamed = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+                    "--set", f"data.tokenizer={paths.tokenizer_dir}"]
+        nodes = L.two_nodes(_args(root / "two-nodes", STEPS, "--set", "deepspeed.tensorboard.enabled=true",
+                                  "--set", "deepspeed.csv_monitor.enabled=true", *streamed), root,
+                            node_args=lambda node: ["--set", f"data.cache_dir={root / f'cache-node{node}'}"], **env)
+        for proc in nodes:
+            assert proc.returncode == 0, L.explain(proc)
+        served = {p: n for p, n in hub.served.items() if p.endswith(".bin")}
+        yield root, nodes, served, (streamed, env)
+
+
+def _cached(cache_dir):
+    """The shards one node's cache holds (``<source>/<file>``), verified entries only."""
+    return {p.relative_to(p.parents[1]).as_posix() for p in cache_dir.glob("*/*/*.bin")}
 
 
 def test_two_nodes_match_two_processes_on_one_node_step_by_step(runs):
-    root, nodes = runs
+    root, nodes, _, _ = runs
     one, two = L.train_losses(root / "one-node"), L.train_losses(root / "two-nodes")
     assert len(one) == STEPS and two == one  # bit-identical losses, every step
     assert "2 process(es)" in nodes[0].stderr + nodes[0].stdout
     assert "startup summary" not in nodes[1].stdout + nodes[1].stderr  # rank 0 reports, on node 0
+    wait = re.search(r"data wait on rank 0: [\d.]+ s of [\d.]+ s in 4 step\(s\) \([\d.]+ %\) reading batches; "
+                     r"[\d.]+ s of it waiting for shards \((\d+) fetched on demand, (\d+) prefetched",
+                     nodes[0].stdout + nodes[0].stderr)
+    assert wait and int(wait[1]) + int(wait[2]) >= 1, L.explain(nodes[0])  # node 0 downloaded what it read
+    assert "data wait on rank" not in nodes[1].stdout + nodes[1].stderr
 
 
 def test_expert_load_is_summed_over_both_nodes(runs):
     """expert_load.csv counts every rank's routes: two nodes write what one node with two
     processes writes, and each layer's routes are two per token of the step (top-2)."""
-    root, _ = runs
+    root = runs[0]
     text = (root / "two-nodes" / "expert_load.csv").read_text()
     assert text == (root / "one-node" / "expert_load.csv").read_text()
     with open(root / "two-nodes" / "expert_load.csv", newline="") as f:
@@ -62,7 +93,7 @@ def test_expert_load_is_summed_over_both_nodes(runs):
 def test_monitor_event_files_read_back_with_tensorboards_reader(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    root, _ = runs
+    root = runs[0]
     mon = root / "two-nodes" / "monitors" / "pretraining"
     acc = EventAccumulator(str(mon))
     acc.Reload()
@@ -86,8 +117,19 @@ def test_monitor_event_files_read_back_with_tensorboards_reader(runs):
     assert [float(r["grad_norm"]) for r in rows] == pytest.approx([float(r["grad_norm"]) for r in metrics], rel=1e-6)
 
 
+def test_each_shard_is_downloaded_once_per_node_and_the_token_is_in_no_file(runs):
+    root, nodes, served, (_, env) = runs
+    caches = [_cached(root / f"cache-node{node}") for node in (0, 1)]
+    assert caches[0] and caches[1], caches  # both nodes streamed (neither read the other's cache)
+    assert served == {p: (p in caches[0]) + (p in caches[1]) for p in caches[0] | caches[1]}
+    state = json.loads((root / "two-nodes" / "checkpoints" / f"step_{STOP:08d}" / "trainer_state.json").read_text())
+    assert state["data_source"]["store"] == f"hf:{env['HF_ENDPOINT']}/datasets/{REPO}"
+    written = [p for p in root.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if TOKEN.encode() in p.read_bytes()]
+
+
 def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
-    root, _ = runs
+    root, _, _, (streamed, env) = runs
     out = tmp_path / "resumed"
     # the two-node run's checkpoint at STOP, as if that run had been stopped there
     import shutil
@@ -97,7 +139,8 @@ def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
     with open(root / "two-nodes" / "metrics.csv", newline="") as f:
         rows = f.read().splitlines()
     (out / "metrics.csv").write_text("\n".join(rows[: STOP + 1]) + "\n")
-    proc = L.single(_args(out, STEPS, "--set", "model.activation_checkpointing=full", "--resume", "auto", "--reshard"))
+    proc = L.single(_args(out, STEPS, "--set", "model.activation_checkpointing=full", "--resume", "auto", "--reshard", *streamed),
+                    **env)  # the recorded commit, from the Hub still up
     assert proc.returncode == 0, L.explain(proc)
     assert "--reshard: step 2 of a 2-rank run resumed on 1 rank(s)" in proc.stderr, L.explain(proc)
     assert "activation checkpointing  full: 4 of 4 decoder layers" in proc.stdout, L.explain(proc)

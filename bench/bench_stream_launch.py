@@ -1,0 +1,71 @@
+"""Data wait in a tiny 2-rank launch (not a test): the share of step time each launch spends
+reading its batches, streamed from the loopback Hub against the same plan read from local disk.
+
+    .venv/bin/python bench/bench_stream_launch.py [--steps 30] [--repeat 2]
+
+The tiny pretraining config on the embedded demo corpus (built once), 2 CPU ranks through the
+`deepspeed` launcher, no checkpoints until the last step. Each launch prints at the end of its
+stage, on rank 0, ``data wait on rank 0: D s of S s in N step(s) (P %) reading batches`` (and, for
+a node cache, how much of D waited for shard downloads): this script runs the local and the Hub
+launch ``--repeat`` times each, alternating (local, hub, local, hub...) so that the machine's load
+at one moment does not decide the comparison, and prints every launch's line and the medians.
+The Hub run starts with an empty cache each time (every shard downloaded during the run, with
+prefetch), which is the cold worst case; the server runs in this script's process.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ds_trhash.data.embedded import build_embedded  # noqa: E402
+from tests.data.hub_corpus import corpus_files  # noqa: E402
+from tests.release.hub_server import HubServer, seed_dataset  # noqa: E402
+from tests.training import launch_utils as L  # noqa: E402
+
+TOKEN = "hf_benchstreamlaunchtoken"
+HUB_REPO = "bench/embedded"
+LINE = re.compile(r"data wait on rank 0: ([\d.]+) s of ([\d.]+) s in (\d+) step\(s\) \(([\d.]+) %\)[^\n]*")
+
+
+def launch(out: Path, steps: int, extra: list[str], **env: str) -> tuple[float, str]:
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(steps),
+            "--set", f"training.max_steps={steps}", "--set", "training.log_every=10", "--set", "checkpoint.packs=null",
+            "--set", f"checkpoint.every_steps={steps}", "--set", "checkpoint.keep_last=null", *extra]
+    proc = L.deepspeed(2, args, timeout=900, **env)
+    found = LINE.search(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not found:
+        sys.exit(f"launch in {out} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return float(found.group(4)), found.group(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, HubServer(TOKEN, deadline_s=7200) as hub:
+        paths = build_embedded(Path(tmp) / "embedded", seq_len=128)
+        seed_dataset(hub, HUB_REPO, corpus_files(paths.shards_dir))
+        common = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.tokenizer={paths.tokenizer_dir}"]
+        sources = {"local": (common + ["--set", f"data.shards_dir={paths.shards_dir}"], {}),
+                   "hub": (common + ["--set", f"data.shards_dir=hf://datasets/{HUB_REPO}"],
+                           dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1"))}
+        shares: dict[str, list[float]] = {name: [] for name in sources}
+        for i in range(args.repeat):
+            for name, (extra, env) in sources.items():
+                share, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra, **env)
+                shares[name].append(share)
+                print(f"{name:5s} pass {i + 1}: {line}", flush=True)
+        for name, values in shares.items():
+            print(f"data wait, {name}: median {statistics.median(values):.1f} % of step time over {len(values)} launch(es)")
+
+
+if __name__ == "__main__":
+    main()
