@@ -13,6 +13,11 @@ if shutil.which("nvidia-smi") is None:
 # imported, avoids oversubscription (about 28 % faster for the in-process model and data tests).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the real Hugging Face Hub: a test that wants a Hub points HF_ENDPOINT at the
+# loopback stand-in (tests/release/hub_server.py); anything else meets a closed loopback port and
+# fails at once instead of waiting on the network. Set before huggingface_hub is imported.
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ.pop("HF_TOKEN", None)
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_REPO, ".venv", "torch_extensions"))
 # DeepSpeed JIT-builds a small CPU op with ninja; the build is reused only when the same ninja

@@ -164,7 +164,7 @@ def test_the_new_schedule_keys_are_resume_critical_and_absent_at_their_defaults(
     assert tcfg.training_critical(implicit)["schedule.warmup_fraction"] == 0.03  # the default, as before
 
 
-def test_preflight_of_the_200m_pretrain_config_names_the_dataset_it_cannot_read_yet(tmp_path):
+def test_preflight_of_the_200m_pretrain_config_without_network_names_the_dataset_and_the_endpoint(tmp_path):
     before = tree_digest(ROOT / "ds_configs")
     proc = ds_trhash("preflight", "--config", "ds_configs/200m/pretrain.yaml",
                      "--set", f"output_dir={tmp_path / 'run'}")
@@ -173,8 +173,10 @@ def test_preflight_of_the_200m_pretrain_config_names_the_dataset_it_cannot_read_
     # (the memory check's verdict depends on this machine's free RAM, so only the data line is judged)
     fail = [line for line in out.splitlines() if line.startswith("FAIL  data: ")]
     assert len(fail) == 1, out[-3000:]
-    for needle in ("data.shards_dir", "hf://datasets/Pacific-i64/data-32k-200b-tokens", "revision 'main'",
-                   "tr_hash_70b_quality_replay.json", "--set data.shards_dir=DIR"):
+    # with no network (tests/conftest.py points HF_ENDPOINT at a closed loopback port) the data line
+    # says plainly that the Hub cannot be reached, naming the plan's dataset and the endpoint tried
+    for needle in ("hf://datasets/Pacific-i64/data-32k-200b-tokens", "revision 'main'",
+                   "from the Hub at http://127.0.0.1:9", "check the network, HF_ENDPOINT"):
         assert needle in fail[0], fail[0]
     assert "PASS  config:" in out and "786,432 tokens per optimizer step" in out
     assert tree_digest(ROOT / "ds_configs") == before and not (tmp_path / "run").exists()
