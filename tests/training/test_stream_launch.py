@@ -55,11 +55,13 @@ def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launch
     seen, stop = [], threading.Event()
     with HubServer(TOKEN, deadline_s=900) as hub:
         first = seed_dataset(hub, REPO, files)
-        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60",
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="540",
                    TOKENIZED_CACHE_GB=repr(bound / GIB))
         hub.file_faults.update({"topics_b/shard-00000.bin": ["503"], "topics_a/shard-00004.bin": ["drop"],
                                 "topics_b/shard-00001.bin": ["corrupt"], STALLED: ["stall"]})
-        hub.stall_s = 600  # the first run is killed while this transfer hangs
+        # the first run is killed while this transfer hangs: its stall timeout (540 s) outlasts the wait
+        # below (400 s), so a slow machine cannot retry the transfer and finish it before the kill
+        hub.stall_s = 600
         sampler = threading.Thread(target=_sampler, args=(out / "shard_cache", seen, stop), daemon=True)
         sampler.start()
         port = L.free_port()
