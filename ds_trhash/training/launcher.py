@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         stream=sys.stderr,
     )
     output_dir = lock = None
+    started = False  # whether this launch made the process group (only then does it tear it down)
     try:
         cfg = config_from_args(args)
         output_dir = cfg.output_dir
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         checked = check_output_side(cfg, args, rank)
         # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
         lock = run_lock.acquire(cfg.output_dir) if rank == 0 else run_lock.check_peer(cfg.output_dir)
+        started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             return 1
         raise
     finally:
-        if dist.is_initialized():
+        if started and dist.is_initialized():
             dist.destroy_process_group()
         if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
             lock.release()
