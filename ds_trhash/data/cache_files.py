@@ -139,14 +139,15 @@ def is_stale_partial(path: Path) -> bool:
     return True
 
 
-def scan(cache_dir: Path) -> tuple[int, list[tuple[float, Path]]]:
+def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
     """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
-    entries); stale partials are deleted on the way (they count no more)."""
+    entries); stale partials are deleted on the way (they count no more) unless ``prune`` is
+    false: an observer that only measures (it then counts them, and takes no download's lock)."""
     used, entries = 0, []
     for folder, _, names in os.walk(cache_dir):
         for name in names:
             path = Path(folder) / name
-            if PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(path):
+            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(path):
                 path.unlink(missing_ok=True)
                 continue
             if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
