@@ -27,14 +27,16 @@ demo: $(STAMP)
 	$(PY) -m ds_trhash.cli demo
 
 # Two workers, whole files each (module fixtures share their launches): the suite has many
-# single-threaded launches, and CI's two cores are otherwise half idle.
+# single-threaded launches, and CI's two cores are otherwise half idle. The work units (files,
+# or files sharing a session fixture) and the order they start in: tests/schedule.py.
+DIST := -n 2 --dist loadgroup --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q $(DIST) tests
 
 # The inner loop: every in-process test, no training launch (those carry the `launch` marker,
 # pytest.ini); the same two workers. `make test` is still what CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not launch" tests
+	$(PY) -m pytest -q $(DIST) -m "not launch" tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

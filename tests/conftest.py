@@ -103,12 +103,26 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    _schedule(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _schedule(config, items) -> None:
+    """Each test's xdist work unit (``--dist loadgroup``) and the order units start in
+    (tests/schedule.py). Runs in every worker alike, before xdist reads the groups."""
+    from tests.schedule import rank, unit_of
+
+    root = Path(str(config.rootpath))
+    units = {}
+    for item in items:
+        units[item] = unit_of(Path(str(item.path)).relative_to(root).as_posix())
+        item.add_marker(pytest.mark.xdist_group(units[item]))
+    items.sort(key=lambda item: rank(units[item]))  # stable: within a unit, collection order
 
 
 def pytest_sessionstart(session):

@@ -126,6 +126,13 @@ class SharedLaunches:
         return out
 
 
+def tiny_pretraining(out: Path) -> list[str]:
+    """The arguments of the 30-step tiny pretraining (every step logged) that the SFT stage tests
+    start from and the loss-falls test reads: one shared launch (``SharedLaunches.get(1, ...)``)."""
+    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "30",
+            "--set", "training.log_every=1"]
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 

@@ -23,10 +23,10 @@ def _ok(proc):
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory):
+def stages(tmp_path_factory, shared_launches):
     root = tmp_path_factory.mktemp("stages")
-    pre, ref = root / "pre", root / "ref"
-    _ok(L.single(["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(pre), "--max-steps", "30"]))
+    ref = root / "ref"
+    pre = shared_launches.get(1, L.tiny_pretraining)  # also test_launch's loss-falls run: read only
     pre_ckpt = pre / "checkpoints" / f"step_{30:08d}"
     _ok(L.single(["--config", "ds_configs/tiny/refine.yaml", "--output-dir", str(ref), "--max-steps", "10",
                   "--init-checkpoint", str(pre_ckpt)]))
