@@ -29,7 +29,7 @@ demo: $(STAMP)
 # Two workers, whole files each (module fixtures share their launches): the suite has many
 # single-threaded launches, and CI's two cores are otherwise half idle. The work units (files,
 # or files sharing a session fixture) and the order they start in: tests/schedule.py.
-DIST := -n 2 --dist loadgroup --no-loadscope-reorder
+DIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
 	$(PY) -m pytest -q $(DIST) tests
 

@@ -112,17 +112,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _schedule(config, items) -> None:
-    """Each test's xdist work unit (``--dist loadgroup``) and the order units start in
-    (tests/schedule.py). Runs in every worker alike, before xdist reads the groups."""
-    from tests.schedule import rank, unit_of
+def _unit(root: Path, path) -> str:
+    from tests.schedule import unit_of
 
-    root = Path(str(config.rootpath))
-    units = {}
-    for item in items:
-        units[item] = unit_of(Path(str(item.path)).relative_to(root).as_posix())
-        item.add_marker(pytest.mark.xdist_group(units[item]))
-    items.sort(key=lambda item: rank(units[item]))  # stable: within a unit, collection order
+    return unit_of(Path(str(path)).resolve().relative_to(root).as_posix())
+
+
+def _schedule(config, items) -> None:
+    """Units in the order they start (tests/schedule.py): the collection order every worker
+    reports, which xdist's scheduler keeps under ``--no-loadscope-reorder``."""
+    from tests.schedule import rank
+
+    root = Path(str(config.rootpath)).resolve()
+    items.sort(key=lambda item: rank(_unit(root, item.path)))  # stable: within a unit, collection order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``, a work unit is tests/schedule.py's unit: a whole file, or the
+    files that read one launching session fixture. (xdist's own ``loadgroup`` would need a
+    mark per test and does not group here: the test ids it suffixes are rebuilt by pytest.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(str(config.rootpath)).resolve()
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(root, root / nodeid.split("::", 1)[0])
+
+    return UnitScheduling(config, log)
 
 
 def pytest_sessionstart(session):

@@ -1,4 +1,5 @@
-"""How `make test` spreads the suite over its two xdist workers (``--dist loadgroup``).
+"""How `make test` spreads the suite over its two xdist workers (``--dist loadfile``, with the
+scheduler of tests/conftest.py).
 
 A work unit is a group of whole test files: one file by default (its module fixtures run once),
 or several files that read one session fixture (so that it is made on one worker, not on both).
