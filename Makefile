@@ -28,8 +28,8 @@ demo: $(STAMP)
 
 # Two workers, whole files each (module fixtures share their launches): the suite has many
 # single-threaded launches, and CI's two cores are otherwise half idle. The work units (files,
-# or files sharing a session fixture) and the order they start in: tests/schedule.py.
-DIST := -n 2 --dist loadfile --no-loadscope-reorder
+# or files sharing a launching session fixture): tests/schedule.py.
+DIST := -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q $(DIST) tests
 

@@ -103,7 +103,6 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    _schedule(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -116,15 +115,6 @@ def _unit(root: Path, path) -> str:
     from tests.schedule import unit_of
 
     return unit_of(Path(str(path)).resolve().relative_to(root).as_posix())
-
-
-def _schedule(config, items) -> None:
-    """Units in the order they start (tests/schedule.py): the collection order every worker
-    reports, which xdist's scheduler keeps under ``--no-loadscope-reorder``."""
-    from tests.schedule import rank
-
-    root = Path(str(config.rootpath)).resolve()
-    items.sort(key=lambda item: rank(_unit(root, item.path)))  # stable: within a unit, collection order
 
 
 def pytest_xdist_make_scheduler(config, log):
