@@ -50,3 +50,16 @@ def test_scan_counts_entries_and_partials_and_drops_stale_partials(tmp_path):
         used, entries = cf.scan(tmp_path)
     assert used == 15 and [p.name for _, p in entries] == ["a.bin"]
     assert not (tmp_path / "s" / "b.bin.partial-99-1").exists()
+
+
+def test_a_measuring_scan_counts_a_stale_partial_and_leaves_it(tmp_path):
+    """prune=False (an observer sampling the bound) deletes nothing and takes no download lock:
+    it must not remove what a killed run left before a later run has looked at it."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "a.bin").write_bytes(b"x" * 10)
+    stale = tmp_path / "s" / "b.bin.partial-99-1"
+    stale.write_bytes(b"y" * 7)
+    used, entries = cf.scan(tmp_path, prune=False)
+    assert used == 17 and [p.name for _, p in entries] == ["a.bin"] and stale.exists()
+    assert not (tmp_path / "s" / "b.bin.lock").exists()  # no lock was taken (nor created) for it
+    assert cf.scan(tmp_path)[0] == 10 and not stale.exists()
