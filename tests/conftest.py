@@ -111,12 +111,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _unit(root: Path, path) -> str:
-    from tests.schedule import unit_of
-
-    return unit_of(Path(str(path)).resolve().relative_to(root).as_posix())
-
-
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile``, a work unit is tests/schedule.py's unit: a whole file, or the
     files that read one launching session fixture. (xdist's own ``loadgroup`` would need a
@@ -125,11 +119,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    root = Path(str(config.rootpath)).resolve()
+    from tests.schedule import unit_of
 
     class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _unit(root, root / nodeid.split("::", 1)[0])
+            return unit_of(nodeid.split("::", 1)[0])  # a test id starts with its file, from the root
 
     return UnitScheduling(config, log)
 
