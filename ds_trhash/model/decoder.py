@@ -185,7 +185,6 @@ class TRHashMoE(nn.Module):
         return self.engine(x.reshape(b * t, h), input_ids.reshape(b * t)).view(b, t, h)
 
 
-
 class TRHashDecoderLayer(nn.Module):
     """Pre-norm residual layer: x + attention(norm(x)), then + MoE(norm(x)), on [B, T, H]."""
 
