@@ -3,8 +3,10 @@
 Modules, by job:
 
 * ``state``   - file names, errors, ``TrainerState`` and ``LaunchRecord`` (what ``trainer_state.json``
-  records), the hardware it names;
-* ``store``   - atomic publish, manifest, verify, list, rotation;
+  records);
+* ``hardware`` - the accelerator or CPU a checkpoint and a run record name (asks torch);
+* ``store``   - manifest, verify, list, rotation;
+* ``save``    - writing a checkpoint that is visible only when complete (atomic publish);
 * ``resume``  - choosing the checkpoint to continue from and what must match (the refusals);
 * ``reshard`` - universal conversion for a new world size, and restoring a DeepSpeed engine;
 * ``weights`` - weights-only load, LoRA merge, expert-parallel consolidation: the loader that
@@ -14,70 +16,43 @@ Modules, by job:
 * ``sync_guard`` - the lock rotation and Hub sync share, and the record of what a sync verified.
 
 The names below are the package's public surface; ``from ds_trhash import checkpoints as ckpt``
-then ``ckpt.save_checkpoint(...)``. This package imports ``ds_trhash.io`` and (lazily, for
-merging and consolidation) ``ds_trhash.model``; never training, eval or release.
+then ``ckpt.save_checkpoint(...)``. Each is loaded from its module when first used (PEP 562), so
+a command that only lists, verifies or prunes checkpoints (``state``, ``store``, ``sync_guard``,
+``run_lock``: no torch) starts without importing torch. This package imports ``ds_trhash.io``
+and (lazily, for merging and consolidation) ``ds_trhash.model``; never training, eval or release.
 """
-from ds_trhash.checkpoints.reshard import (
-    RESHARD_DIR,
-    UNIVERSAL_FORMAT,
-    UNIVERSAL_RECORD,
-    convert_to_universal,
-    load_engine_state,
-    needs_universal,
-    reseed_rng_for_reshard,
-    reshard_report,
-    reshard_rng_seed,
-    universal_dir_for,
-)
-from ds_trhash.checkpoints.resume import (
-    REQUIRED_STATE_PARTS,
-    RESHARD_LAYOUT_KEYS,
-    check_output_dir_stage,
-    check_resume_compatible,
-    find_resumable,
-    global_batch,
-    inspect_saved_parts,
-    is_reshard,
-    resolve_resume,
-)
-from ds_trhash.checkpoints.state import (
-    CHECKPOINTS,
-    ENGINE_TAG,
-    MANIFEST,
-    MANIFEST_FORMAT,
-    TRAINER_STATE,
-    CheckpointError,
-    LaunchRecord,
-    ResumeError,
-    TrainerState,
-    describe_hardware,
-    read_trainer_state,
-)
-from ds_trhash.checkpoints.store import (
-    CheckpointInfo,
-    checkpoints_root,
-    list_checkpoints,
-    rotate,
-    rotate_unless_syncing,
-    rotation_survivors,
-    save_checkpoint,
-    step_dir_name,
-    verify,
-)
-from ds_trhash.checkpoints.weights import (
-    load_merged_weights,
-    load_weights_only,
-    read_source_metadata,
-    read_source_record,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "REQUIRED_STATE_PARTS", "RESHARD_DIR",
-    "RESHARD_LAYOUT_KEYS", "TRAINER_STATE", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "CheckpointError",
-    "CheckpointInfo", "LaunchRecord", "ResumeError", "TrainerState", "check_output_dir_stage", "check_resume_compatible",
-    "checkpoints_root", "convert_to_universal", "describe_hardware", "find_resumable", "global_batch", "inspect_saved_parts",
-    "is_reshard", "list_checkpoints", "load_engine_state", "load_merged_weights", "load_weights_only",
-    "needs_universal", "read_source_metadata", "read_source_record", "read_trainer_state", "reseed_rng_for_reshard",
-    "reshard_report", "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",
-    "save_checkpoint", "step_dir_name", "universal_dir_for", "verify",
-]
+# public name -> the module of this package that defines it
+_MODULES = {
+    "state": ("CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "TRAINER_STATE", "CheckpointError",
+              "LaunchRecord", "ResumeError", "TrainerState", "read_trainer_state"),
+    "hardware": ("describe_hardware",),
+    "store": ("CheckpointInfo", "checkpoints_root", "list_checkpoints", "rotate", "rotate_unless_syncing",
+              "rotation_survivors", "step_dir_name", "verify"),
+    "save": ("save_checkpoint",),
+    "resume": ("REQUIRED_STATE_PARTS", "RESHARD_LAYOUT_KEYS", "check_output_dir_stage", "check_resume_compatible",
+               "find_resumable", "global_batch", "inspect_saved_parts", "is_reshard", "resolve_resume"),
+    "reshard": ("RESHARD_DIR", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "convert_to_universal", "load_engine_state",
+                "needs_universal", "reseed_rng_for_reshard", "reshard_report", "reshard_rng_seed",
+                "universal_dir_for"),
+    "weights": ("load_merged_weights", "load_weights_only", "read_source_metadata", "read_source_record"),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+__all__ = sorted(_WHERE)

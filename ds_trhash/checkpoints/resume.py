@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints.rng import rng_path
+from ds_trhash.checkpoints.state import rng_path
 from ds_trhash.checkpoints.state import (
     ENGINE_TAG,
     TRAINER_STATE,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ds_trhash.checkpoints.state import rng_path
 from ds_trhash.errors import UserError
 
 
@@ -84,10 +85,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.random.set_rng_state(state["torch_cpu"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_path(ckpt_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(ckpt_dir) / "rng" / f"rank_{rank}.pt"
 
 
 def save_rng_state(ckpt_dir: str | os.PathLike, rank: int, state: dict[str, Any] | None = None) -> Path:

@@ -8,10 +8,8 @@ last). See docs/contracts.md, "Checkpoints and resume".
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import platform
 import re
 import subprocess
 import time
@@ -19,8 +17,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object
@@ -33,6 +29,11 @@ MANIFEST_FORMAT = "ds-trhash-checkpoint-manifest-v1"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 Log = Callable[[str], None]
+
+
+def rng_path(ckpt_dir: str | os.PathLike, rank: int) -> Path:
+    """Where a checkpoint keeps rank ``rank``'s generators (written by ``rng.save_rng_state``)."""
+    return Path(ckpt_dir) / "rng" / f"rank_{rank}.pt"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -63,20 +64,6 @@ def _framework_commit() -> str | None:
         return out.stdout.strip() or None
     except Exception:
         return None
-
-
-def describe_hardware() -> str:
-    """The accelerator of this machine, else its CPU model (for checkpoints and run records)."""
-    # a broken CUDA install or an unreadable /proc must not stop a checkpoint or a report
-    with contextlib.suppress(RuntimeError):
-        if torch.cuda.is_available():
-            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-            return f"{torch.cuda.device_count()} x " + " / ".join(names)
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return "CPU: " + line.split(":", 1)[1].strip()
-    return "CPU: " + (platform.processor() or platform.machine() or "unknown model")
 
 
 @dataclass

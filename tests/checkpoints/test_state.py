@@ -1,5 +1,5 @@
 """What a checkpoint records besides tensors: the trainer state and the machine it ran on."""
-from ds_trhash.checkpoints.state import describe_hardware
+from ds_trhash.checkpoints.hardware import describe_hardware
 
 
 def test_hardware_is_described_from_the_machine():
