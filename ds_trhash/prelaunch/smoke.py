@@ -44,7 +44,7 @@ from ds_trhash.io import os_errors_as
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.prelaunch import smoke_figures as fig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
-from ds_trhash.release import commands as release_commands
+from ds_trhash.release import export_command
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.display import format_duration
@@ -221,7 +221,7 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -
     _say("evaluate", f"{what}: {loss:.4f} in {report['evaluate']['seconds']:.1f} s")
 
     at["step"], t0 = "export", time.perf_counter()
-    if _command(release_commands.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
+    if _command(export_command.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
         raise StepFailed("export", "ds-trhash export failed (its output is above)")
     report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
     _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")

@@ -1,6 +1,9 @@
-"""`ds-trhash export`, `ds-trhash sync` (one pass or `--watch`) and `ds-trhash cleanup`
-(`ds-trhash generate` is registered by ds_trhash.release.generate, `ds-trhash report` by
-ds_trhash.report.commands).
+"""`ds-trhash sync` (one pass or `--watch`) and `ds-trhash cleanup` (`ds-trhash export` is
+registered by ds_trhash.release.export_command, `ds-trhash generate` by ds_trhash.release.generate,
+`ds-trhash report` by ds_trhash.report.commands).
+
+Nothing this module imports loads torch: a sync, each pass of a watcher (a new process every
+``--every`` seconds beside a training run) and a cleanup start in a fraction of a second.
 
 Registered into the single CLI with ``register(subparsers)``; each subcommand sets
 ``func(args) -> int``. User errors raise a ``UserError``; ``ds_trhash.cli`` prints it as one line
@@ -9,12 +12,10 @@ on stderr, any token redacted, and returns 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.io import os_errors_as
 from ds_trhash.release import cleanup, hub, watch
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
 from ds_trhash.release.hub import SyncError, summary
 
 
@@ -24,18 +25,6 @@ class _RefuseToken(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         raise argparse.ArgumentError(self, "access tokens are never accepted as arguments; set HF_TOKEN in the "
                                            "environment instead (the value given was not echoed)")
-
-
-@os_errors_as(ExportError)
-def run_export(args: argparse.Namespace) -> int:
-    manifest = export_checkpoint(args.checkpoint, args.out, args.dtype, tokenizer_dir=args.tokenizer,
-                                 force_tokenizer=args.force_tokenizer)
-    w = manifest["weights"]
-    print(f"exported {args.checkpoint} -> {args.out}: {w['tensors']} tensors, {w['dtype']}, {w['size']} bytes, "
-          f"sha256 {w['sha256']}, stage {manifest['stage']}")
-    if manifest.get("tokenizer") is None:
-        print("warning: no tokenizer was copied (the checkpoint records none); pass --tokenizer DIR", file=sys.stderr)
-    return 0
 
 
 @os_errors_as(SyncError)
@@ -72,15 +61,6 @@ def run_cleanup(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    exp = subparsers.add_parser("export", help="export a checkpoint as verified SafeTensors")
-    exp.add_argument("--checkpoint", required=True, help="checkpoints/step_<N> directory")
-    exp.add_argument("--out", required=True, help="new (or empty) export directory")
-    exp.add_argument("--dtype", default="float32", choices=sorted(FLOAT_DTYPES))
-    exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run recorded)")
-    exp.add_argument("--force-tokenizer", action="store_true",
-                     help="copy --tokenizer even though its hash differs from the run's (recorded in run.json)")
-    exp.set_defaults(func=run_export)
-
     syn = subparsers.add_parser("sync", help="upload complete checkpoints/exports to the Hub, verify, prune")
     syn.add_argument("--local", help="run output directory, one checkpoint, or one export (one pass)")
     syn.add_argument("--watch", metavar="RUN_DIR",

@@ -12,13 +12,15 @@ A stage that ran every planned step writes, on rank 0 and before the launch repo
 
 Both are idempotent: a finished stage relaunched with ``RESUME=auto`` writes what is missing and
 keeps what verifies. A ``final/`` that does not verify, or that was exported from another
-checkpoint, is renamed aside (never deleted) and written again.
+checkpoint, is renamed aside (never deleted) and written again (``lifecycle.write_final``).
+
+This module holds the names, the checks and the completion record, and imports no torch: the
+watcher and cleanup read them on every pass. Writing ``final/`` (the exporter) is in ``lifecycle``.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
 from ds_trhash.io import sha256_file, write_json_atomic
-from ds_trhash.release.export import EXPORT_MANIFEST, RUN, ExportError, export_checkpoint, verify_export
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST, RUN, ExportError, verify_export
 
 FINAL_DIR = "final"
 COMPLETE_FILE = "stage_complete.json"
@@ -70,32 +72,6 @@ def final_status(output_dir: str | os.PathLike, source: Path | None = None) -> t
         if run_doc.get("source_manifest_sha256") != sha256_file(source / MANIFEST):
             return False, f"{final} was exported from {run_doc.get('source_checkpoint')}, not from {source}"
     return True, "ok"
-
-
-def _set_aside(path: Path, log: Log) -> None:
-    aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.replace(path, aside)
-    log(f"set {path.name}/ aside as {aside.name}/ (kept for inspection) before writing it again")
-
-
-def write_final(output_dir: str | os.PathLike, source: Path, log: Log = print) -> dict[str, Any]:
-    """Export ``source`` to ``<output_dir>/final/`` unless a verified export of it is there;
-    returns the export's manifest."""
-    out = Path(output_dir)
-    final = out / FINAL_DIR
-    for leftover in out.glob(f".{FINAL_DIR}.tmp-*"):  # an export killed half-way (never renamed in)
-        shutil.rmtree(leftover, ignore_errors=True)
-    if final.exists():
-        ok, why = final_status(out, source)
-        if ok:
-            log(f"{final} already holds the verified export of {source.name}; kept")
-            return json.loads((final / EXPORT_MANIFEST).read_text(encoding="utf-8"))
-        log(f"{why}")
-        _set_aside(final, log)
-    manifest = export_checkpoint(source, final)
-    log(f"final export of {source.name} -> {final}: {manifest['weights']['tensors']} tensors, "
-        f"sha256 {manifest['weights']['sha256']} (tensor round trip verified)")
-    return manifest
 
 
 def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, total_steps: int, source: Path,

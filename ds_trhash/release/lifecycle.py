@@ -12,12 +12,45 @@ when it has verified everything, and ``ds-trhash cleanup`` runs it by hand.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ds_trhash.release.cleanup import CleanupRefused, cleanup
-from ds_trhash.release.final_export import export_final_enabled, final_checkpoint, write_completion, write_final
+from ds_trhash.release.export import export_checkpoint
+from ds_trhash.release.export_manifest import EXPORT_MANIFEST
+from ds_trhash.release.final_export import (FINAL_DIR, Log, export_final_enabled, final_checkpoint, final_status,
+                                            write_completion)
+
+
+def _set_aside(path: Path, log: Log) -> None:
+    aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    log(f"set {path.name}/ aside as {aside.name}/ (kept for inspection) before writing it again")
+
+
+def write_final(output_dir: str | os.PathLike, source: Path, log: Log = print) -> dict[str, Any]:
+    """Export ``source`` to ``<output_dir>/final/`` unless a verified export of it is there;
+    returns the export's manifest."""
+    out = Path(output_dir)
+    final = out / FINAL_DIR
+    for leftover in out.glob(f".{FINAL_DIR}.tmp-*"):  # an export killed half-way (never renamed in)
+        shutil.rmtree(leftover, ignore_errors=True)
+    if final.exists():
+        ok, why = final_status(out, source)
+        if ok:
+            log(f"{final} already holds the verified export of {source.name}; kept")
+            return json.loads((final / EXPORT_MANIFEST).read_text(encoding="utf-8"))
+        log(f"{why}")
+        _set_aside(final, log)
+    manifest = export_checkpoint(source, final)
+    log(f"final export of {source.name} -> {final}: {manifest['weights']['tensors']} tensors, "
+        f"sha256 {manifest['weights']['sha256']} (tensor round trip verified)")
+    return manifest
 
 
 def finish_stage(cfg: Any, output_dir: Path, step: int, total_steps: int, log: Callable[[str], None]) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints import MANIFEST, describe_hardware, list_checkpoints, verify
+from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_utf8, sha256_file, utf8_lines, write_json_atomic
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST, TOKENIZER
@@ -314,7 +315,7 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
             prov["framework_commit"] = "git rev-parse HEAD where the record was written (the run recorded none)"
             limitations.append("framework commit is the checkout that wrote this record; the run did not record one")
     if "hardware" not in collected:
-        collected["hardware"] = describe_hardware()
+        collected["hardware"] = ckpt.describe_hardware()  # loads torch, only for a run that recorded none
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
     if "selection_rule" in collected and "selected_checkpoint" not in collected:

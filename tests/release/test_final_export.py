@@ -16,8 +16,8 @@ from ds_trhash.release.final_export import (
     export_final_enabled,
     final_status,
     read_completion,
-    write_final,
 )
+from ds_trhash.release.lifecycle import write_final
 from ds_trhash.run import StageEndCallback
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.launch.checks import resolve_init_checkpoint
