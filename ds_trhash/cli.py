@@ -8,42 +8,49 @@ or publish results.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from ds_trhash import demo
-from ds_trhash.data import commands as data_commands
-from ds_trhash.data import sft_commands
-from ds_trhash.eval import commands as eval_commands
-from ds_trhash.ops import commands as ops_commands
 from ds_trhash.errors import UserError
-from ds_trhash.prelaunch import preflight, smoke
-from ds_trhash.release import commands as release_commands
-from ds_trhash.release import generate
-from ds_trhash.release.hub import redact
-from ds_trhash.report import commands as report_commands
+from ds_trhash.release.hub_client import redact
+
+# The module that registers each command (``register(subparsers)``), in the order help lists them.
+# A command line imports only its own command's module: `ds-trhash jobs status` or `ds-trhash
+# data fingerprint` starts without torch. Help, or a name that is no command, registers them all.
+COMMANDS = {
+    "data": "ds_trhash.data.commands",
+    "sft": "ds_trhash.data.sft_commands",
+    "eval": "ds_trhash.eval.commands",
+    "export": "ds_trhash.release.export_command",
+    "sync": "ds_trhash.release.commands",
+    "cleanup": "ds_trhash.release.commands",
+    "generate": "ds_trhash.release.generate",
+    "report": "ds_trhash.report.commands",
+    "jobs": "ds_trhash.ops.commands",
+    "demo": "ds_trhash.demo",
+    "preflight": "ds_trhash.prelaunch.preflight",
+    "smoke": "ds_trhash.prelaunch.smoke",
+}
 
 
-def _register_all(sub) -> None:
-    data_commands.register(sub)
-    sft_commands.register(sub)
-    eval_commands.register(sub)
-    release_commands.register(sub)
-    generate.register(sub)
-    report_commands.register(sub)
-    ops_commands.register(sub)
-    demo.register(sub)
-    preflight.register(sub)
-    smoke.register(sub)
+def _register(sub, argv: list[str] | None) -> None:
+    """Register the module of the command ``argv`` names, or every module when it names none (the
+    top level has no option but --help, so a command is always the first argument)."""
+    command = argv[0] if argv else None
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        importlib.import_module(name).register(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or (given the command line ``argv``) of the one it names."""
     parser = argparse.ArgumentParser(
         prog="ds-trhash",
         description="DeepSpeed trainer for TR-HASH hash-routed MoE language models.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    _register_all(sub)
+    _register(sub, argv)
     return parser
 
 
@@ -60,8 +67,8 @@ def report_user_error(exc: UserError, label: str | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A user error (``ds_trhash.errors.UserError``) prints one line and
     returns its exit code; any other exception is a bug and keeps its traceback."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

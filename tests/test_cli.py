@@ -50,3 +50,31 @@ def test_a_refusal_is_one_line_from_the_one_handler_and_a_bug_keeps_its_tracebac
         monkeypatch.setattr(data_commands, "load_plan", lambda path, bug=bug: (_ for _ in ()).throw(bug))
         with pytest.raises(type(bug), match="a bug"):
             main(["data", "fingerprint", str(tmp_path / "plan.json")])
+
+
+def test_the_commands_that_only_read_files_start_without_torch(tmp_path):
+    """A command line imports only its own command's module: `sync` (and so each pass of a
+    watcher, a new process every --every seconds beside training), `cleanup`, `jobs` and `data`
+    never import torch, here through the console script's own entry point in a fresh process."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from ds_trhash.cli import build_parser, main
+for argv in (["sync", "--local", "x", "--repo-id", "me/x"], ["jobs", "status", "x.toml"], ["data", "fingerprint", "x"]):
+    build_parser(argv).parse_args(argv)
+assert main(["cleanup", {str(tmp_path)!r}, "--dry-run"]) == 2  # no final/ yet: refused, after the imports it needs
+assert main(["data", "fingerprint", {str(tmp_path / "missing.json")!r}]) == 2
+print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout + proc.stderr
+    assert "error:" in proc.stderr  # the refusals were printed by the one handler
+
+
+def test_help_lists_every_command_in_one_order():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == ["data", "sft", "eval", "export", "sync", "cleanup", "generate", "report", "jobs",
+                                 "demo", "preflight", "smoke"]
