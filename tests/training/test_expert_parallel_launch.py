@@ -1,7 +1,8 @@
 """Expert parallelism in real launches: two CPU processes, parallel.ep_size 2, ZeRO 1.
 
-One run with ep_size 1 is the reference; the ep_size 2 run is killed after step 4 (last
-checkpoint: step 2) and resumed to the end. Its per-expert DeepSpeed files consolidate to the
+The session's 2-process reference (ep_size 1, shared with the exact-resume tests) is the
+reference; the ep_size 2 run with the same arguments is killed after step 5 (last checkpoint:
+step 3) and resumed to the end. Its per-expert DeepSpeed files consolidate to the
 released-layout state dict, and it trains like the ep_size 1 run."""
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import EngineError, check_runnable
 from tests.training import launch_utils as L
+from tests.training.test_resume_equivalence import STEPS
+from tests.training.test_resume_equivalence import _args as _reference_args
 
-STEPS = 6
+KILL_AFTER, SAVED = 5, 3  # checkpoints every 3 steps: the resume recomputes step 4
 
 
 def _args(out, *sets):
-    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
-            "--set", "checkpoint.every_steps=2", "--set", "training.log_every=1", "--set", "zero.stage=1",
-            "--set", "batch.micro_batch=4"]
+    """The 2-process reference's arguments (12 steps, a checkpoint every 3, ZeRO 1, micro_batch 4)
+    plus ``sets``; with none, they are the session's shared reference launch."""
+    args = _reference_args(out, micro=4)
     for s in sets:
         args += ["--set", s]
     return args
@@ -58,29 +61,27 @@ def _consolidated_matches(out, ref, step):
 
 
 @pytest.mark.launch
-def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path):
-    ref = tmp_path / "ep1"
-    proc = L.deepspeed(2, _args(ref))
-    assert proc.returncode == 0, L.explain(proc)
+def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path, shared_launches):
+    ref = shared_launches.get(2, _args)  # read only
     ref_losses = L.train_losses(ref)
 
     out = tmp_path / "ep2"
-    proc = L.deepspeed(2, _args(out, "parallel.ep_size=2"), DS_TRHASH_FAULT="kill_after_step:4")
+    proc = L.deepspeed(2, _args(out, "parallel.ep_size=2"), DS_TRHASH_FAULT=f"kill_after_step:{KILL_AFTER}")
     assert L.was_killed(proc)
-    assert L.checkpoint_steps(out) == [2]
+    assert L.checkpoint_steps(out) == [SAVED]
     killed_losses = L.train_losses(out)
-    assert len(killed_losses) == 3
-    assert killed_losses == pytest.approx(ref_losses[:3], rel=1e-5)
-    _consolidated_matches(out, ref, 2)
+    assert len(killed_losses) == KILL_AFTER - 1
+    assert killed_losses == pytest.approx(ref_losses[:KILL_AFTER - 1], rel=1e-5)
+    _consolidated_matches(out, ref, SAVED)
 
     proc = L.deepspeed(2, _args(out, "parallel.ep_size=2"), RESUME="auto")
     assert proc.returncode == 0, L.explain(proc)
-    assert "resuming at step 2" in proc.stdout + proc.stderr
+    assert f"resuming at step {SAVED}" in proc.stdout + proc.stderr
     rows = L.metrics(out)
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["experts_backend"] == "pytorch"
     losses = L.train_losses(out)
-    assert losses[:3] == killed_losses  # step 3 recomputed after the resume: the same loss
+    assert losses[:KILL_AFTER - 1] == killed_losses  # step 4 recomputed after the resume: the same loss
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _consolidated_matches(out, ref, STEPS)
 
