@@ -9,12 +9,27 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .base import ShardStore, StoreError, StoreFile, StoreUnavailable, relative_name
-from .hub import HF_PREFIX, HubStore, parse_hf_url
+from .base import HF_PREFIX, ShardStore, StoreError, StoreFile, StoreUnavailable, parse_hf_url, relative_name
 from .local import LOCAL_COMMIT, LocalStore
 
 __all__ = ["HubStore", "LocalStore", "LOCAL_COMMIT", "ShardStore", "StoreError", "StoreFile", "StoreUnavailable",
            "open_store", "relative_name"]
+
+
+def __getattr__(name: str):
+    # lazy: ``hub`` imports huggingface_hub and its HTTP client (~0.3 s of every launch's start);
+    # only a launch that reads from the Hub needs it
+    if name == "HubStore":
+        from .hub import HubStore
+
+        return HubStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _hub_store(repo_id: str, revision: str) -> ShardStore:
+    from .hub import HubStore  # lazy, as above
+
+    return HubStore(repo_id, revision)
 
 
 def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str) -> ShardStore:
@@ -25,8 +40,8 @@ def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str) -> Sha
             raise StoreError(f"{origin}: data.shards_dir is null and the plan's dataset {dataset!r} is not an "
                              "hf://datasets/OWNER/REPO repository; set data.shards_dir to the shards' directory")
         repo, pinned = parse_hf_url(dataset, f"the plan's dataset")
-        return HubStore(repo, pinned or str(revision))
+        return _hub_store(repo, pinned or str(revision))
     if shards_dir.startswith("hf://"):
         repo, revision = parse_hf_url(shards_dir, f"{origin}: data.shards_dir")
-        return HubStore(repo, revision or "main")  # a mirror has its own branches
+        return _hub_store(repo, revision or "main")  # a mirror has its own branches
     return LocalStore(shards_dir)

@@ -8,11 +8,16 @@ another kind of store (``s3://``, ``gs://`` through fsspec) only has to implemen
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from ds_trhash.errors import UserError
+
+
+HF_PREFIX = "hf://datasets/"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 class StoreError(UserError, ValueError):
@@ -38,6 +43,15 @@ def relative_name(path: str, origin: str) -> str:
     if path.startswith("/") or norm != path or norm == "." or norm.split("/")[0] == "..":
         raise StoreError(f"{origin}: {path!r} is not a plain relative file name (no '/', '..' or absolute parts)")
     return path
+
+
+def parse_hf_url(url: str, origin: str) -> tuple[str, Optional[str]]:
+    """``hf://datasets/OWNER/REPO[@REVISION]`` -> (repo id, revision or None)."""
+    rest = url[len(HF_PREFIX):] if url.startswith(HF_PREFIX) else None
+    repo, _, revision = (rest or "").partition("@")
+    if rest is None or not _REPO_ID.match(repo) or (rest.count("@") and not revision):
+        raise StoreError(f"{origin}: {url!r} is not hf://datasets/OWNER/REPO[@REVISION]")
+    return repo, revision or None
 
 
 class ShardStore(Protocol):

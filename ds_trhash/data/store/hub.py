@@ -27,20 +27,9 @@ from huggingface_hub.utils import build_hf_headers
 
 from .base import StoreError, StoreFile, StoreUnavailable, relative_name
 
-HF_PREFIX = "hf://datasets/"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CHUNK = 1 << 20
 T = TypeVar("T")
-
-
-def parse_hf_url(url: str, origin: str) -> tuple[str, Optional[str]]:
-    """``hf://datasets/OWNER/REPO[@REVISION]`` -> (repo id, revision or None)."""
-    rest = url[len(HF_PREFIX):] if url.startswith(HF_PREFIX) else None
-    repo, _, revision = (rest or "").partition("@")
-    if rest is None or not _REPO_ID.match(repo) or (rest.count("@") and not revision):
-        raise StoreError(f"{origin}: {url!r} is not hf://datasets/OWNER/REPO[@REVISION]")
-    return repo, revision or None
 
 
 def _status(exc: BaseException) -> Optional[int]:
