@@ -54,15 +54,16 @@ def test_a_refusal_is_one_line_from_the_one_handler_and_a_bug_keeps_its_tracebac
 
 def test_the_commands_that_only_read_files_start_without_torch(tmp_path):
     """A command line imports only its own command's module: `sync` (and so each pass of a
-    watcher, a new process every --every seconds beside training), `cleanup`, `jobs` and `data`
-    never import torch, here through the console script's own entry point in a fresh process."""
+    watcher, a new process every --every seconds beside training), `cleanup`, `jobs`, `data` and
+    `report` never import torch, here through the console script's own entry point in a fresh process."""
     import subprocess
     import sys
 
     code = f"""
 import sys
 from ds_trhash.cli import build_parser, main
-for argv in (["sync", "--local", "x", "--repo-id", "me/x"], ["jobs", "status", "x.toml"], ["data", "fingerprint", "x"]):
+for argv in (["sync", "--local", "x", "--repo-id", "me/x"], ["jobs", "status", "x.toml"], ["data", "fingerprint", "x"],
+             ["report", "--run", "x", "--out", "y.json"]):
     build_parser(argv).parse_args(argv)
 assert main(["cleanup", {str(tmp_path)!r}, "--dry-run"]) == 2  # no final/ yet: refused, after the imports it needs
 assert main(["data", "fingerprint", {str(tmp_path / "missing.json")!r}]) == 2

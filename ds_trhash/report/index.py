@@ -19,7 +19,7 @@ from ds_trhash.release.record import build_run_record, render_markdown
 from ds_trhash.report import expert_plots
 from ds_trhash.report.plots import PLOTS, colour, has_data, render_plot
 from ds_trhash.report.series import StageSeries, read_stages
-from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE
+from ds_trhash.training.records.files import EXPERT_LOAD_FILE
 
 INDEX = "index.html"
 NOT_RECORDED = "not recorded"

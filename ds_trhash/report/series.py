@@ -18,8 +18,7 @@ import numpy as np
 from ds_trhash.checkpoints import CHECKPOINTS, CheckpointError, list_checkpoints, read_trainer_state
 from ds_trhash.errors import UserError
 from ds_trhash.io import utf8_lines
-from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE
-from ds_trhash.training.records.metrics_csv import METRICS_FILE
+from ds_trhash.training.records.files import EXPERT_LOAD_FILE, METRICS_FILE
 
 COLUMNS = ("train_loss", "eval_loss", "lr", "tok_s", "grad_norm", "tokens_seen")
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.training.records.csv_log import CsvLog
+from ds_trhash.training.records.files import EXPERT_LOAD_FILE
 
 __all__ = ["EXPERT_LOAD_FILE", "ExpertLoadWriter", "columns", "gather_expert_load", "load_shares"]
 
-EXPERT_LOAD_FILE = "expert_load.csv"
 
 
 def columns(num_experts: int) -> tuple[str, ...]:

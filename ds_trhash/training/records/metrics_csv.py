@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_trhash.training.records.csv_log import CsvLog, MetricsError
+from ds_trhash.training.records.files import METRICS_FILE
 
 __all__ = ["COLUMNS", "METRICS_FILE", "MetricsError", "MetricsWriter", "perplexity"]
 
-METRICS_FILE = "metrics.csv"
 COLUMNS = (
     "step", "epoch", "train_loss", "train_ppl", "lr", "tok_s", "tokens_seen", "supervised_tokens",
     "eval_loss", "eval_ppl", "eval_tokens", "label_valid", "label_ignored", "label_out_of_range",
