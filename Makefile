@@ -13,13 +13,10 @@ TORCH_INDEX ?=
 .PHONY: install demo test test-fast clean
 
 # pip byte-compiles what it installs one file at a time (most of an install's time); this does the
-# same on every core: torch's files (most of site-packages) while pip, on one core, installs the
-# rest, then everything not compiled yet.
-# Like pip's own step, it leaves a file that is not Python 3.11 uncompiled (torch ships one
-# written for 3.12), hence the `|| true`.
-SITE := $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-BYTECODE_OF = $(PY) -m compileall -q -j 0 $(SITE)/$(1) >/dev/null || true
-SITE_BYTECODE := $(call BYTECODE_OF,)
+# same on every core, once, after the last package. Like pip's own step, it leaves a file that is
+# not Python 3.11 uncompiled (torch ships one written for 3.12), hence the `|| true`.
+SITE_BYTECODE := $(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	>/dev/null || true
 
 install: $(STAMP)
 
@@ -27,8 +24,7 @@ $(STAMP): setup.py requirements-cpu.txt
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --upgrade pip setuptools wheel
 	$(PY) -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(call BYTECODE_OF,torch) & compiling=$$!; \
-	$(PY) -m pip install -q --no-compile -r requirements-cpu.txt; installed=$$?; wait $$compiling; exit $$installed
+	$(PY) -m pip install -q --no-compile -r requirements-cpu.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	$(SITE_BYTECODE)
