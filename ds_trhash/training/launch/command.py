@@ -5,6 +5,7 @@ the way a user does, through the ``deepspeed`` launcher, on a free loopback port
 """
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import sys
@@ -14,9 +15,33 @@ REPO = Path(__file__).resolve().parents[3]
 LAUNCH = REPO / "launch" / "train.py"
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (source ports of outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous port of a launch)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous port of a launch).
+
+    It is drawn below the kernel's ephemeral range: a launch binds its port seconds after it was
+    chosen (minutes, while DeepSpeed first compiles its CPU op), and a port in that range can be
+    taken meanwhile as the source port of any outgoing connection (gloo opens several per rank).
+    Only an explicit bind competes for the ports below it."""
+    top = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(256):
+        port = draw.randrange(max(1024, top - 16384), top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (or in TIME_WAIT): draw again
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
