@@ -3,7 +3,6 @@ PY_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_BUILD_OPS := 0
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # torch comes from pip's configured index unless this names another, e.g. the CPU-only wheels:

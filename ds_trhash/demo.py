@@ -72,7 +72,6 @@ def latest_checkpoint(output_dir: Path) -> Path:
 
 def run_demo(root: Path, nproc: int, configs: Path) -> int:
     env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env.setdefault("PYTHONUNBUFFERED", "1")
     check_demo_targets(root, configs)
     summary = []

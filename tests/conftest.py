@@ -19,9 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 os.environ.pop("HF_TOKEN", None)
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_REPO, ".venv", "torch_extensions"))
-# DeepSpeed JIT-builds a small CPU op with ninja; the build is reused only when the same ninja
-# (the one in .venv) runs it every time, so the venv's bin comes first on PATH.
+# The venv's bin comes first on PATH: the `deepspeed` launcher and the `ds-trhash` commands the
+# tests start are the venv's.
 _VENV_BIN = os.path.dirname(os.path.abspath(__import__("sys").executable))
 if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
@@ -132,8 +131,8 @@ def pytest_sessionstart(session):
     """Say up front when earlier DeepSpeed launches left shared-memory segments in /dev/shm.
 
     They are RAM that nothing frees; enough of them swap the machine to a halt and the suite then
-    times out with no error to read. The trainer unlinks its own (engine.init_distributed), so
-    these come from launches outside it or from before that fix."""
+    times out with no error to read. The trainer makes none (it starts DeepSpeed without its
+    shared-memory op: engine.without_shared_memory_op), so these come from launches outside it."""
     import glob
 
     stale = glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")

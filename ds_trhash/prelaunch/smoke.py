@@ -92,7 +92,6 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
     """One deepspeed launch, its own process group (killed whole on timeout), output to ``log``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     for name in ("RESUME", "DS_TRHASH_FAULT"):
         env.pop(name, None)
     log.parent.mkdir(parents=True, exist_ok=True)

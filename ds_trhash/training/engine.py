@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -148,42 +149,35 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
+    with without_shared_memory_op():
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    release_shm_segment_name(rank, world)
-    return rank, world
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-SHM_DIR = "/dev/shm"
+@contextlib.contextmanager
+def without_shared_memory_op():
+    """Start DeepSpeed's CPU communication on plain gloo, without its shared-memory op.
 
-
-def shm_segment_path(rank: int) -> str:
-    """Where DeepSpeed's CPU shared-memory all-reduce puts this rank's segment (its naming:
-    prefix, uid, MASTER_ADDR, MASTER_PORT, rank)."""
-    addr = os.environ.get("MASTER_ADDR", "")
-    port = os.environ.get("MASTER_PORT", "")
-    return os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
-
-
-def release_shm_segment_name(rank: int, world: int) -> None:
-    """Unlink this rank's DeepSpeed shared-memory segment once every rank has mapped it.
-
-    On CPU, when the launcher sets LOCAL_SIZE to the world size, DeepSpeed creates a named
-    segment of about 64 MiB per rank under /dev/shm and never unlinks it, so every launch,
-    killed or not, left one behind per rank until /dev/shm (RAM) filled and the machine
-    swapped to a halt. DeepSpeed's initialisation maps every peer's segment before it returns,
-    so after a barrier the names are no longer needed: unlinking them keeps the mappings valid
-    for this run and lets the kernel free the memory when the last rank exits, however it exits.
+    On CPU, DeepSpeed's backend builds a C++ op at start-up (a 30-65 s compile in a fresh
+    environment, which needs a C++ compiler and ninja) and gives every rank a ~64 MiB segment in
+    /dev/shm that it never removes, so each launch, killed or not, left RAM behind. The op serves
+    only ``inference_all_reduce`` (tensor-parallel inference), which training never calls; without
+    it that call falls back to gloo's all_reduce, and every collective training makes is the same
+    gloo call as before. GPUs are untouched (NCCL; DeepSpeed builds no such op there).
     """
-    if torch.cuda.is_available() or not os.path.isdir(SHM_DIR):
+    # the module itself: the name ``deepspeed.comm.torch`` as an attribute is torch (a star import)
+    ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(ds_torch_backend, "build_shm_op", None)
+    if torch.cuda.is_available() or build is None:
+        yield
         return
-    if world > 1:
-        torch.distributed.barrier()  # every rank has returned from DeepSpeed's shm initialise
-    # absent when LOCAL_SIZE is unset or the run spans nodes: DeepSpeed then made no segment
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(shm_segment_path(rank))
+    ds_torch_backend.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_backend.build_shm_op = build
 
 
 @dataclass

@@ -22,9 +22,8 @@ SMOKE = ["--device", "cpu", "--preset", "tiny", "--seq-len", "64", "--micro-batc
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    # 300 s: the first DeepSpeed import of a fresh clone compiles its CPU comm op (30-65 s).
-    # base_env: the venv's bin first on PATH, TORCH_EXTENSIONS_DIR=<repo>/.venv/torch_extensions,
-    # OMP_NUM_THREADS=1. One in-process DeepSpeed rank, as the script sets up by default.
+    # base_env: the venv's bin first on PATH, OMP_NUM_THREADS=1. One in-process DeepSpeed rank,
+    # as the script sets up by default.
     env = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
     # tests/conftest.py turns the Triton interpreter on for this process; a user's smoke run

@@ -24,7 +24,6 @@ VENV_BIN = Path(sys.executable).parent
 def base_env(**extra: str) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env.pop("RESUME", None)

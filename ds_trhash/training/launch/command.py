@@ -28,7 +28,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous port of a launch).
 
     It is drawn below the kernel's ephemeral range: a launch binds its port seconds after it was
-    chosen (minutes, while DeepSpeed first compiles its CPU op), and a port in that range can be
+    chosen (the imports of every rank; longer on a loaded machine), and a port in that range can be
     taken meanwhile as the source port of any outgoing connection (gloo opens several per rank).
     Only an explicit bind competes for the ports below it."""
     top = _ephemeral_low()

@@ -18,8 +18,8 @@ def test_free_port_is_free_on_loopback():
 
 
 def test_free_port_lies_below_the_ephemeral_range_so_no_outgoing_connection_takes_it(monkeypatch):
-    """Between the choice and the launch's bind (its imports; minutes while DeepSpeed compiles its
-    CPU op) a port in the ephemeral range can become an outgoing connection's source port."""
+    """Between the choice and the launch's bind (the imports of every
+    rank; longer on a loaded machine) a port in the ephemeral range can become an outgoing connection's source port."""
     from ds_trhash.training.launch import command
 
     low = command._ephemeral_low()
