@@ -11,11 +11,15 @@ TORCH_INDEX ?=
 
 .PHONY: install demo test test-fast clean
 
-# pip byte-compiles what it installs one file at a time (most of an install's time); this does the
-# same on every core, once, after the last package. Like pip's own step, it leaves a file that is
-# not Python 3.11 uncompiled (torch ships one written for 3.12), hence the `|| true`.
-SITE_BYTECODE := $(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
-	>/dev/null || true
+# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (it is on the machines this project is built on),
+# every process of a demo or of the suite (hundreds of them) would compile each module it imports
+# from source again: the processes make starts write the caches instead. pip would byte-compile
+# every file it installs (14,000, one at a time; most are never imported here), so the install
+# skips that and imports what every launch and test process imports, once, writing their caches
+# (about 3,300 files); a module first imported later is cached by the process that imports it.
+export PYTHONDONTWRITEBYTECODE :=
+WARM_IMPORTS := torch._dynamo, deepspeed, transformers, datasets, pyarrow, huggingface_hub, tokenizers, \
+	safetensors, rich, yaml, triton, liger_kernel, matplotlib.pyplot, tensorboard, pytest, xdist, ds_trhash.cli
 
 install: $(STAMP)
 
@@ -26,16 +30,10 @@ $(STAMP): setup.py requirements-cpu.txt
 	$(PY) -m pip install -q --no-compile -r requirements-cpu.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
-	$(SITE_BYTECODE)
+	$(PY) -c 'import $(WARM_IMPORTS)' >/dev/null
 	touch $(STAMP)
 
-# Byte-compile the package before the many processes a demo or the suite starts: where
-# PYTHONDONTWRITEBYTECODE is set (it is on the machines this project is built on), every process
-# would otherwise compile all of it from source again (~0.3 s of CPU each). The cache is ignored by git (__pycache__/).
-BYTECODE := $(PY) -m compileall -q -j 0 ds_trhash kernels launch >/dev/null
-
 demo: $(STAMP)
-	$(BYTECODE)
 	$(PY) -m ds_trhash.cli demo
 
 # Three workers on CI's two cores, whole files each (module fixtures share their launches): many
@@ -45,13 +43,11 @@ demo: $(STAMP)
 # tests/schedule.py.
 DIST := -n 3 --dist loadfile
 test: $(STAMP)
-	$(BYTECODE)
 	$(PY) -m pytest -q $(DIST) tests
 
 # The inner loop: every in-process test, no training launch (those carry the `launch` marker,
 # pytest.ini); the same workers. `make test` is still what CI runs.
 test-fast: $(STAMP)
-	$(BYTECODE)
 	$(PY) -m pytest -q $(DIST) -m "not launch" tests
 
 clean:

@@ -51,7 +51,9 @@ def corpus_only_cases(root: Path, corpus) -> dict[str, tuple[list, dict]]:
         "wrong_hash": ([PRETRAIN, *fresh, *_plan(plan, corrupt), "--deep"], {}),
         "target_tokens": ([PRETRAIN, *fresh, *_plan(plan, paths.shards_dir)], {"TARGET_TOKENS": "123456"}),
         "disk": ([PRETRAIN, *fresh, *_plan(plan, paths.shards_dir)], {"DS_TRHASH_TEST_DISK_FREE": "1000"}),
-        "package": ([PRETRAIN, *fresh, *_plan(plan, paths.shards_dir)], {"PYTHONPATH": str(root / "shadow")}),
+        # (importing the shadow package would otherwise write its bytecode cache into the tree digested)
+        "package": ([PRETRAIN, *fresh, *_plan(plan, paths.shards_dir)],
+                    {"PYTHONPATH": str(root / "shadow"), "PYTHONDONTWRITEBYTECODE": "1"}),
         # shards on a Hub that cannot be reached (nothing listens on the discard port)
         "no_network": ([PRETRAIN, *fresh, *_plan(plan, "hf://datasets/team/corpus")],
                        {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_notatoken"}),
