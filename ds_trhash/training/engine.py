@@ -204,7 +204,8 @@ def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int,
     # token positions of one optimizer step over all ranks: sizes a warmup given in tokens
     tokens_per_step = int(ds_config["train_batch_size"]) * cfg.data.seq_len
     scheduler = build_scheduler(optimizer, total_steps, cfg.schedule, tokens_per_step)
-    engine, ds_opt, _, ds_sched = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
-    )
+    with without_shared_memory_op():  # DeepSpeed starts its communication here when init_distributed did not
+        engine, ds_opt, _, ds_sched = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        )
     return Engine(engine=engine, optimizer=ds_opt, scheduler=ds_sched, device=device)

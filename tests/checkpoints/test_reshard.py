@@ -18,7 +18,7 @@ from ds_trhash.checkpoints import CheckpointError, ResumeError
 from tests.training import launch_utils as L
 
 
-STEPS = 12
+STEPS = L.REFERENCE_STEPS
 STOP = 6
 GLOBAL = 8  # rows per optimizer step in every layout below
 
@@ -29,10 +29,7 @@ def root(tmp_path_factory):
 
 
 def _args(out, micro, zero=1, extra=()):
-    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
-            "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
-            "--set", "training.log_every=1", "--set", f"batch.micro_batch={micro}", "--set", f"zero.stage={zero}",
-            *extra]
+    return L.reference_run(out, micro, zero, extra)
 
 
 def _step_dir(out, step):
@@ -42,7 +39,8 @@ def _step_dir(out, step):
 @pytest.fixture(scope="module")
 def two_rank_run(shared_launches):
     """Uninterrupted 2-process runs (micro_batch 4), one per ZeRO stage, launched once per session
-    (the ZeRO-1 one is also the exact-resume tests' 2-process reference)."""
+    (the ZeRO-1 one is also the exact-resume tests' 2-process reference, the ZeRO-2 one
+    tests/training/test_launch.py's two-process launch)."""
     return lambda zero: shared_launches.get(2, lambda o: _args(o, micro=4, zero=zero))
 
 

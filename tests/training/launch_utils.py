@@ -125,6 +125,20 @@ class SharedLaunches:
         return out
 
 
+REFERENCE_STEPS = 12
+
+
+def reference_run(out: Path, micro: int = 8, zero: int = 1, extra=()) -> list[str]:
+    """The arguments of the 12-step tiny pretraining (a checkpoint every 3 steps, all kept, every
+    step logged) that the exact-resume, reshard, expert-parallel, streaming and launch tests
+    compare against or read. With micro_batch 8 // nproc every layout trains the same 8 rows a
+    step; each (process count, ZeRO stage) is one shared launch (``SharedLaunches.get``)."""
+    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(REFERENCE_STEPS),
+            "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
+            "--set", "training.log_every=1", "--set", f"batch.micro_batch={micro}", "--set", f"zero.stage={zero}",
+            *extra]
+
+
 def tiny_pretraining(out: Path) -> list[str]:
     """The arguments of the 30-step tiny pretraining (every step logged) that the SFT stage tests
     start from and the loss-falls test reads: one shared launch (``SharedLaunches.get(1, ...)``)."""

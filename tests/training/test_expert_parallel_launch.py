@@ -14,16 +14,15 @@ from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import EngineError, check_runnable
 from tests.training import launch_utils as L
-from tests.training.test_resume_equivalence import STEPS
-from tests.training.test_resume_equivalence import _args as _reference_args
 
+STEPS = L.REFERENCE_STEPS
 KILL_AFTER, SAVED = 5, 3  # checkpoints every 3 steps: the resume recomputes step 4
 
 
 def _args(out, *sets):
     """The 2-process reference's arguments (12 steps, a checkpoint every 3, ZeRO 1, micro_batch 4)
     plus ``sets``; with none, they are the session's shared reference launch."""
-    args = _reference_args(out, micro=4)
+    args = L.reference_run(out, micro=4)
     for s in sets:
         args += ["--set", s]
     return args

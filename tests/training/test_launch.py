@@ -33,10 +33,10 @@ def one_process(root):
 
 
 @pytest.fixture(scope="module")
-def two_processes(root):
-    """The two-process deepspeed launch over gloo (ZeRO-2, 6 steps): (output dir, launcher result)."""
-    out = root / "two"
-    return out, L.deepspeed(2, _args(out, 6, "zero.stage=2", "batch.micro_batch=4"))
+def two_processes(shared_launches):
+    """The two-process deepspeed launch over gloo (ZeRO-2, 12 steps): the session's shared ZeRO-2
+    reference (also tests/checkpoints/test_reshard.py's), which succeeded or was not returned."""
+    return shared_launches.get(2, lambda o: L.reference_run(o, micro=4, zero=2))
 
 
 def test_one_process_deepspeed_launch_trains_writes_metrics_and_checkpoint(one_process):
@@ -50,9 +50,8 @@ def test_one_process_deepspeed_launch_trains_writes_metrics_and_checkpoint(one_p
 
 
 def test_two_process_deepspeed_launch_trains_on_gloo(two_processes):
-    out, proc = two_processes
-    assert proc.returncode == 0, L.explain(proc)
-    assert len(L.metrics(out)) == 6
+    out = two_processes
+    assert len(L.metrics(out)) == L.REFERENCE_STEPS
     state = (out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text()
     assert '"world_size": 2' in state
     # ZeRO-2 over two ranks: one optimizer partition per rank
@@ -63,13 +62,15 @@ def test_two_process_deepspeed_launch_trains_on_gloo(two_processes):
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_each_zero_stage_trains(request, zero):
     """Each stage the config allows trains, in a run this module makes anyway: stage 0 is the
-    shared 30-step pretraining (one plain process), 1 the one-process and 2 the two-process launch
-    above. DeepSpeed's own record of the stage it ran is read back from the last checkpoint."""
+    shared 30-step pretraining (one plain process), 1 the one-process launch above and 2 the
+    two-process one (the shared ZeRO-2 reference). DeepSpeed's own record of the stage it ran is read back from the last checkpoint."""
     if zero == 0:
         out = request.getfixturevalue("shared_launches").get(1, L.tiny_pretraining)
-    else:
-        out, proc = request.getfixturevalue("one_process" if zero == 1 else "two_processes")
+    elif zero == 1:
+        out, proc = request.getfixturevalue("one_process")
         assert proc.returncode == 0, L.explain(proc)
+    else:
+        out = request.getfixturevalue("two_processes")
     losses = L.train_losses(out)
     assert losses and all(math.isfinite(l) for l in losses)
     last = out / "checkpoints" / f"step_{L.checkpoint_steps(out)[-1]:08d}" / "state" / "mp_rank_00_model_states.pt"

@@ -14,7 +14,7 @@ from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.launch
 
-STEPS = 12
+STEPS = L.REFERENCE_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,7 @@ def root(tmp_path_factory):
 
 
 def _args(out, micro=8):
-    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
-            "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
-            "--set", "training.log_every=1", "--set", f"batch.micro_batch={micro}", "--set", "zero.stage=1"]
+    return L.reference_run(out, micro)
 
 
 def _launch(nproc, args, **env):
@@ -34,8 +32,8 @@ def _launch(nproc, args, **env):
 
 @pytest.fixture(scope="module")
 def reference(shared_launches):
-    """Uninterrupted runs, one per world size, computed once (the 2-process one is also
-    tests/checkpoints/test_reshard.py's ZeRO-1 reference: the same arguments, one launch)."""
+    """Uninterrupted runs, one per world size, computed once (the 2-process one is also the
+    ZeRO-1 reference of the reshard, expert-parallel and streaming tests: one launch)."""
     cache = {}
 
     def get(nproc):

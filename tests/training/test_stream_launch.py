@@ -21,10 +21,10 @@ from ds_trhash.data.plan import load_plan
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
-from tests.training.test_resume_equivalence import STEPS, _args
 
 pytestmark = pytest.mark.launch
 
+STEPS = L.REFERENCE_STEPS
 REPO = "team/embedded"
 STALLED = "topics_a/shard-00001.bin"  # first read at step 5, after the checkpoint of step 3
 GIB = 1024**3
@@ -43,14 +43,14 @@ def _sampler(cache_dir, seen, stop):
 
 
 def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launches, tmp_path):
-    ref = shared_launches.get(2, lambda o: _args(o, micro=4))
+    ref = shared_launches.get(2, lambda o: L.reference_run(o, micro=4))
     paths = build_embedded(ref.parent / "embedded", seq_len=128)  # the reference's corpus (already built)
     plan = load_plan(paths.pretrain_plan)
     planned = {f"{s}/{e['file']}" for ph in plan.doc["phases"] for s, es in ph["sources"].items() for e in es}
     files = corpus_files(paths.shards_dir)
     bound = sum(len(files[p]) for p in planned)  # exactly the planned shards: nothing to spare
     out = tmp_path / "run"
-    args = _args(out, micro=4) + ["--set", f"data.plan={paths.pretrain_plan}", "--set",
+    args = L.reference_run(out, micro=4) + ["--set", f"data.plan={paths.pretrain_plan}", "--set",
                                   f"data.shards_dir=hf://datasets/{REPO}", "--set", f"data.tokenizer={paths.tokenizer_dir}"]
     seen, stop = [], threading.Event()
     with HubServer(TOKEN, deadline_s=900) as hub:
