@@ -23,32 +23,32 @@ from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.launch
 
-STEPS = 4
-STOP = 2  # the two-node run stops here; the one-node resume trains the rest
+STEPS = L.REFERENCE_STEPS
+STOP = 6  # the two-node run's checkpoint resumed on one node, which trains the rest
 REPO = "team/embedded-multinode"
 
 
-def _args(out, steps, *extra):
-    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
-            "--set", "training.log_every=1", "--set", "checkpoint.packs=null", "--set", "checkpoint.every_steps=1",
-            "--set", "checkpoint.keep_last=null", "--set", "zero.stage=1", *extra] + \
-        (["--set", f"training.max_steps={steps}"] if steps != STEPS else [])
+def _args(out, *extra):
+    """The session's 2-process reference run (12 steps, micro_batch 4, ZeRO 1, a checkpoint
+    every 3 steps, every step logged) plus ``extra``."""
+    return L.reference_run(out, micro=4, extra=extra)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_launches):
     """(root, both launchers' results, the Hub's complete shard GETs after the two-node run, the
-    Hub and its client environment); the Hub stays up for the module (the resume reads from it)."""
+    Hub and its client environment); the Hub stays up for the module (the resume reads from it).
+    ``root / "one-node"`` is the session's shared 2-process reference, read only."""
     root = tmp_path_factory.mktemp("multinode")
-    single = L.deepspeed(2, _args(root / "one-node", STEPS))  # the embedded corpus, from local disk
-    assert single.returncode == 0, L.explain(single)
-    paths = build_embedded(root / "embedded", seq_len=128)  # the corpus that run built: read, not rebuilt
+    one_node = shared_launches.get(2, _args)  # the embedded corpus, from local disk
+    (root / "one-node").symlink_to(one_node, target_is_directory=True)
+    paths = build_embedded(one_node.parent / "embedded", seq_len=128)  # the corpus that run built: read, not rebuilt
     with HubServer(TOKEN, deadline_s=900) as hub:
         seed_dataset(hub, REPO, corpus_files(paths.shards_dir))
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60")
         streamed = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
                     "--set", f"data.tokenizer={paths.tokenizer_dir}"]
-        nodes = L.two_nodes(_args(root / "two-nodes", STEPS, "--set", "deepspeed.tensorboard.enabled=true",
+        nodes = L.two_nodes(_args(root / "two-nodes", "--set", "deepspeed.tensorboard.enabled=true",
                                   "--set", "deepspeed.csv_monitor.enabled=true", *streamed), root,
                             node_args=lambda node: ["--set", f"data.cache_dir={root / f'cache-node{node}'}"], **env)
         for proc in nodes:
@@ -68,7 +68,7 @@ def test_two_nodes_match_two_processes_on_one_node_step_by_step(runs):
     assert len(one) == STEPS and two == one  # bit-identical losses, every step
     assert "2 process(es)" in nodes[0].stderr + nodes[0].stdout
     assert "startup summary" not in nodes[1].stdout + nodes[1].stderr  # rank 0 reports, on node 0
-    wait = re.search(r"data wait on rank 0: [\d.]+ s of [\d.]+ s in 4 step\(s\) \([\d.]+ %\) reading batches; "
+    wait = re.search(rf"data wait on rank 0: [\d.]+ s of [\d.]+ s in {STEPS} step\(s\) \([\d.]+ %\) reading batches; "
                      r"[\d.]+ s of it waiting for shards \((\d+) fetched on demand, (\d+) prefetched",
                      nodes[0].stdout + nodes[0].stderr)
     assert wait and int(wait[1]) + int(wait[2]) >= 1, L.explain(nodes[0])  # node 0 downloaded what it read
@@ -139,10 +139,10 @@ def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
     with open(root / "two-nodes" / "metrics.csv", newline="") as f:
         rows = f.read().splitlines()
     (out / "metrics.csv").write_text("\n".join(rows[: STOP + 1]) + "\n")
-    proc = L.single(_args(out, STEPS, "--set", "model.activation_checkpointing=full", "--resume", "auto", "--reshard", *streamed),
+    proc = L.single(_args(out, "--set", "model.activation_checkpointing=full", "--resume", "auto", "--reshard", *streamed),
                     **env)  # the recorded commit, from the Hub still up
     assert proc.returncode == 0, L.explain(proc)
-    assert "--reshard: step 2 of a 2-rank run resumed on 1 rank(s)" in proc.stderr, L.explain(proc)
+    assert f"--reshard: step {STOP} of a 2-rank run resumed on 1 rank(s)" in proc.stderr, L.explain(proc)
     assert "activation checkpointing  full: 4 of 4 decoder layers" in proc.stdout, L.explain(proc)
     reference = L.train_losses(root / "one-node")
     resumed = L.train_losses(out)
