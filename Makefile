@@ -18,19 +18,31 @@ TORCH_INDEX ?=
 # skips that and imports what every launch and test process imports, once, writing their caches
 # (about 3,300 files); a module first imported later is cached by the process that imports it.
 export PYTHONDONTWRITEBYTECODE :=
-WARM_IMPORTS := torch._dynamo, deepspeed, transformers, datasets, pyarrow, huggingface_hub, tokenizers, \
-	safetensors, rich, yaml, triton, liger_kernel, matplotlib.pyplot, tensorboard, pytest, xdist, ds_trhash.cli
+WARM_IMPORTS := torch._dynamo, transformers, datasets, pyarrow, huggingface_hub, tokenizers, safetensors, rich, \
+	yaml, triton, liger_kernel, matplotlib.pyplot, tensorboard, pytest, xdist
+
+PIP := $(PY) -m pip install -q --no-compile
+# The install keeps both cores busy: pip unpacks one package at a time, so three sets that share
+# no package install side by side (torch, the Triton compiler, everything else that needs
+# neither); then one resolution over the whole list adds torch's own requirements and
+# liger-kernel (and checks the set). DeepSpeed builds from its source distribution while the
+# common imports write their bytecode.
+REST := $(VENV)/requirements-without-torch.txt
 
 install: $(STAMP)
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip setuptools wheel
-	$(PY) -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q --no-compile -r requirements-cpu.txt
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8
-	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
-	$(PY) -c 'import $(WARM_IMPORTS)' >/dev/null
+	$(PIP) --upgrade pip setuptools wheel
+	grep -v -E '^(triton|liger-kernel)\b' requirements-cpu.txt > $(REST)
+	$(PIP) --no-deps torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) & torch=$$!; \
+	$(PIP) --no-deps $$(grep -E '^triton\b' requirements-cpu.txt) & triton=$$!; \
+	$(PIP) -r $(REST); rest=$$?; wait $$torch && wait $$triton && test $$rest -eq 0
+	$(PIP) torch==2.13.0 -r requirements-cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8 & ds=$$!; \
+	$(PY) -c 'import $(WARM_IMPORTS)' >/dev/null; warm=$$?; wait $$ds && test $$warm -eq 0
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(PY) -c 'import deepspeed, ds_trhash.cli' >/dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)
