@@ -118,11 +118,18 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    from tests.schedule import unit_of
+    from tests.schedule import FIRST, unit_of
 
     class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid.split("::", 1)[0])  # a test id starts with its file, from the root
+
+        def _assign_work_unit(self, node) -> None:
+            # the next unit a worker takes: the first of FIRST still waiting, else xdist's next
+            waiting = next((unit for unit in FIRST if unit in self.workqueue), None)
+            if waiting is not None:
+                self.workqueue.move_to_end(waiting, last=False)
+            super()._assign_work_unit(node)
 
     return UnitScheduling(config, log)
 

@@ -1,12 +1,13 @@
-"""How `make test` spreads the suite over its two xdist workers (``--dist loadfile``, with the
+"""How `make test` spreads the suite over its xdist workers (``--dist loadfile``, with the
 scheduler of tests/conftest.py).
 
 A work unit is a group of whole test files: one file by default (its module fixtures run once),
-or several files that read one session fixture (so that it is made on one worker, not on both).
-Units start in xdist's order (most tests first). Starting the longest launch files first was
-tried and was no faster: 974 s of pytest, against 978 s for this order a little later and
-850 s for it earlier the same day (the machine's load moves the suite's time by more than the
-order does), so the simpler order stays.
+or several files that read one session fixture (so that it is made on one worker, not on each).
+xdist starts the units with the most tests first; that left the long launch files with one or
+two tests for the end, where the last of them ran alone on a core for a minute and more
+(measured: the cores 66-85 % busy over the last 90 s of the suite). The units in ``FIRST`` start
+before every other, longest first, so that the suite ends on the many short files, which fill
+both cores until the last.
 """
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ SHARED = {
     "tests/ops/test_jobs.py": "ops-supervised",  # supervised (tests/ops/conftest.py)
     "tests/ops/test_report.py": "ops-supervised",
 }
+
+
+# the longest units, longest first (wall seconds of each under the suite's load, 2-core machine);
+# the long launch files with one or two tests would otherwise come last
+FIRST = (
+    "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
+    "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
+    "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
+    "tests/training/test_stop_signals.py",  # ~130 s: 4 signalled 2-process launches
+    "tests/training/test_multinode.py",  # ~100 s: two launchers, then a resume on one
+    "tests/training/test_disk_failures.py",  # ~90 s
+    "tests/release/test_lifecycle.py",  # ~90 s: a watched run through SIGHUP to its final export
+    "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
+    "tests/training/test_expert_parallel_launch.py",  # ~50 s: ep_size 2, killed and resumed
+    "tests/training/test_release_layout_launch.py",  # ~40 s
+)
 
 
 def unit_of(path: str) -> str:

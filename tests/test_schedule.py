@@ -11,8 +11,11 @@ from tests import schedule
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_grouped_file_exists():
+def test_every_grouped_or_first_file_exists():
     assert all((REPO / path).is_file() for path in schedule.SHARED)
+    assert all((REPO / path).is_file() for path in schedule.FIRST)
+    assert len(set(schedule.FIRST)) == len(schedule.FIRST)
+    assert all(schedule.unit_of(path) == path for path in schedule.FIRST)  # whole units, not grouped files
 
 
 def _readers(fixture: str) -> set[str]:
