@@ -28,8 +28,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("reshard")
 
 
-def _args(out, micro, zero=1, extra=()):
-    return L.reference_run(out, micro, zero, extra)
+_args = L.reference_run
 
 
 def _step_dir(out, step):

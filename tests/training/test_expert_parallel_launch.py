@@ -22,10 +22,7 @@ KILL_AFTER, SAVED = 5, 3  # checkpoints every 3 steps: the resume recomputes ste
 def _args(out, *sets):
     """The 2-process reference's arguments (12 steps, a checkpoint every 3, ZeRO 1, micro_batch 4)
     plus ``sets``; with none, they are the session's shared reference launch."""
-    args = L.reference_run(out, micro=4)
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return L.reference_run(out, micro=4, extra=[a for s in sets for a in ("--set", s)])
 
 
 def _state(out, step):

@@ -63,7 +63,8 @@ def test_two_process_deepspeed_launch_trains_on_gloo(two_processes):
 def test_each_zero_stage_trains(request, zero):
     """Each stage the config allows trains, in a run this module makes anyway: stage 0 is the
     shared 30-step pretraining (one plain process), 1 the one-process launch above and 2 the
-    two-process one (the shared ZeRO-2 reference). DeepSpeed's own record of the stage it ran is read back from the last checkpoint."""
+    two-process one (the shared ZeRO-2 reference). DeepSpeed's own record of the stage it ran is
+    read back from the last checkpoint."""
     if zero == 0:
         out = request.getfixturevalue("shared_launches").get(1, L.tiny_pretraining)
     elif zero == 1:
