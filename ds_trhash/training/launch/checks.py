@@ -223,7 +223,7 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
     (plan, each source's shard manifest) must equal the file's SHA-256."""
     if tokenizer is None:
         return
-    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
+    from ds_trhash.data.formats.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 
     try:
         actual = tokenizer_sha256(tokenizer)

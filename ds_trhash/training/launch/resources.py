@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.cache import cache_bytes_from
+from ds_trhash.data.stream.cache import cache_bytes_from
 from ds_trhash.errors import UserError
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan

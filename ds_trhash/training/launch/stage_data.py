@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_trhash.data.budget import check_target_tokens, plan_steps
-from ds_trhash.data.cache import CACHE_ENV, cache_bytes_from
-from ds_trhash.data.stream import resume_commit, shared_corpus
+from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
+from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
+from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.plan import load_plan
-from ds_trhash.data.reader import ReplayReader
-from ds_trhash.data.sft_build import build_sft_dataset
-from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
-from ds_trhash.data.tokenizer import tokenizer_sha256
+from ds_trhash.data.plans.plan import load_plan
+from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.sft.build import build_sft_dataset
+from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.launch import checks as launch_checks

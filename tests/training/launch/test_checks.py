@@ -20,7 +20,7 @@ def test_an_sft_set_rebuilt_in_place_is_refused_on_resume():
 
 def test_tokenizer_identity_names_every_disagreeing_record(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
-    from ds_trhash.data.tokenizer import tokenizer_sha256
+    from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 
     ours = tokenizer_sha256(tmp_path)
     check_tokenizer_matches(tmp_path, {"the plan": ours, "the web shard manifest": None})
