@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -31,6 +30,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from ds_trhash.io import json_text, publish_dir
+from ds_trhash.safe_names import UnsafeNameError, bare_name
 
 from ds_trhash.data.formats.layout import load_any, read_source_manifest
 from ds_trhash.data.formats.manifest import DTYPE, MIXTURE_FORMAT, SOURCE_MANIFEST, ShardError, SourceManifest
@@ -40,15 +40,16 @@ SHARD_FORMAT = MIXTURE_FORMAT  # what the writer writes; LEGACY_FORMAT manifests
 MANIFEST_FILE = SOURCE_MANIFEST
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_TOKEN_ID = int(np.iinfo(np.uint16).max)
-_SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _ENCODE_BATCH = 256
 
 
 def check_source_name(name: str) -> str:
-    """Source names become directory names and plan keys, so they must be plain."""
-    if not _SOURCE_NAME.match(name or ""):
-        raise ShardError(f"source name {name!r} is not allowed; use letters, digits, '_', '-', '.' (not leading '.')")
-    return name
+    """Source names become directory names and plan keys, so they must be plain (the one rule of
+    ``safe_names.bare_name``)."""
+    try:
+        return bare_name(name, "source name")
+    except UnsafeNameError as exc:
+        raise ShardError(f"{exc}; use letters, digits, '_', '-', '.' (not leading '.')") from None
 
 
 class _ShardWriter:

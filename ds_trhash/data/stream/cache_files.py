@@ -28,12 +28,12 @@ from typing import Iterator, Optional
 from filelock import FileLock, Timeout
 
 from ds_trhash.errors import UserError
+from ds_trhash.safe_names import UnsafeNameError, bare_name
 
 MARKER = ".verified.json"
 PARTIAL = ".partial-"
 LOCK, PIN = ".lock", ".pin"
 EVICT_LOCK = ".evict.lock"
-_BARE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _SIDE = (MARKER, LOCK, PIN)
 
 
@@ -44,9 +44,11 @@ class CacheError(UserError, ValueError):
 def entry_path(root: Path, source: str, file: str) -> Path:
     """``root/source/file`` for bare names only; refuses anything that would land elsewhere."""
     for what, name in (("source", source), ("file", file)):
-        if not isinstance(name, str) or not _BARE.match(name) or PARTIAL in name or name.endswith(_SIDE):
+        try:
+            bare_name(name, f"shard {what} name")
+        except UnsafeNameError as exc:
             raise CacheError(f"shard {what} name {name!r} is not a bare file name; the plan or manifest naming it "
-                             "is malformed (names may hold letters, digits, '_', '-', '.', not a leading '.')")
+                             f"is malformed ({exc})") from None
     path = root / source / file
     if not path.resolve().is_relative_to(root.resolve()):
         raise CacheError(f"cache entry {path} would lie outside the cache directory {root}")

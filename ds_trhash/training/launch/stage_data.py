@@ -26,9 +26,10 @@ from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
+from ds_trhash.data.formats.tokenizer_check import check_tokenizer_matches, data_tokenizer_identity
+from ds_trhash.ranks import ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 
 
@@ -84,23 +85,6 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def _tokenizer_identity(recorded: dict, tokenizer_dir, shards_dir) -> tuple[str | None, bool, tuple[str, ...]]:
-    """(the tokenizer identity of the data, whether it was assumed, what to say once).
-
-    The data's own record wins (``check_tokenizer_matches`` already compared it with
-    data.tokenizer). A corpus that records none (the release's manifests never do) is taken to
-    be tokenized with the configured data.tokenizer, and the launch says so."""
-    known = next((h for h in recorded.values() if h), None)
-    if known is not None:
-        return known, False, ()
-    if tokenizer_dir is None:
-        return None, False, (f"the corpus at {shards_dir} and its plan record no tokenizer identity and data.tokenizer "
-                             "is not set: this run records no tokenizer",)
-    actual = tokenizer_sha256(tokenizer_dir)
-    return actual, True, (f"the corpus at {shards_dir} and its plan record no tokenizer identity; assuming "
-                          f"data.tokenizer {tokenizer_dir} (sha256 {actual[:12]}…), recorded as this run's tokenizer",)
-
-
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
                           saved_source: dict | None = None) -> StageData:
     """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
@@ -134,11 +118,10 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
-    launch_checks.check_tokenizer_matches(tokenizer_dir, recorded)
-    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
+    check_tokenizer_matches(tokenizer_dir, recorded)
+    identity, assumed, notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
-    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-    corpus.check_cache_bound(max_bytes, ranks_on_node, f"data.cache_gb / {CACHE_ENV}")
+    corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes,

@@ -7,13 +7,13 @@ another kind of store (``s3://``, ``gs://`` through fsspec) only has to implemen
 """
 from __future__ import annotations
 
-import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from ds_trhash.errors import UserError
+from ds_trhash.safe_names import UnsafeNameError, relative_path
 
 
 HF_PREFIX = "hf://datasets/"
@@ -36,13 +36,11 @@ class StoreFile:
 
 
 def relative_name(path: str, origin: str) -> str:
-    """A store path from an untrusted listing or manifest: relative, no ``..``, no empty part."""
-    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
-        raise StoreError(f"{origin}: {path!r} is not a plain relative file name")
-    norm = posixpath.normpath(path)
-    if path.startswith("/") or norm != path or norm == "." or norm.split("/")[0] == "..":
-        raise StoreError(f"{origin}: {path!r} is not a plain relative file name (no '/', '..' or absolute parts)")
-    return path
+    """A store path from an untrusted listing or manifest, by ``safe_names.relative_path``."""
+    try:
+        return relative_path(path, origin)
+    except UnsafeNameError as exc:
+        raise StoreError(f"{origin}: {path!r} is not a plain relative file name ({exc})") from None
 
 
 def parse_hf_url(url: str, origin: str) -> tuple[str, Optional[str]]:
