@@ -28,7 +28,9 @@ LAYOUT_RELEASE = "release"
 
 
 @dataclass(frozen=True)
-class Corpus:
+class CorpusDir:
+    """A local corpus directory of either layout, read from its manifests (``stream.opening.Corpus``
+    is a corpus opened for training from any store, local or Hub)."""
     root: Path
     layout: str  # LAYOUT_OURS or LAYOUT_RELEASE
     sources_dir: Path  # holds <source>/manifest.json and <source>/<file>
@@ -93,7 +95,7 @@ def _check_seq_lens(sources: Mapping[str, SourceManifest]) -> None:
                             "re-tokenize the odd ones or keep them in another corpus")
 
 
-def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin: str = "the plan") -> Corpus:
+def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin: str = "the plan") -> CorpusDir:
     """The corpus at ``root`` (either layout), its manifests validated. ``sources``: read only
     these (a plan's), each name checked as a bare name taken from ``origin``."""
     root = Path(root)
@@ -116,7 +118,7 @@ def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin:
                 raise ManifestError(f"{path} is missing, but {root / MIXTURE_FILE} lists source {name!r}; {FIX}")
             found[name] = read_source_manifest(path, name, mixture.seq_len)
         check_against_mixture(mixture, found)
-        corpus = Corpus(root, LAYOUT_RELEASE, root / CORPORA_DIR, found, mixture)
+        corpus = CorpusDir(root, LAYOUT_RELEASE, root / CORPORA_DIR, found, mixture)
     else:
         if wanted is None:
             names = [d.name for d in sorted(root.iterdir()) if (d / SOURCE_MANIFEST).is_file()]
@@ -126,7 +128,7 @@ def read_corpus(root: PathLike, sources: Optional[Iterable[str]] = None, origin:
             names = wanted
         found = {name: read_source_manifest(resolve_under(root, f"{name}/{SOURCE_MANIFEST}", origin, "source"), name)
                  for name in names}
-        corpus = Corpus(root, LAYOUT_OURS, root, found)
+        corpus = CorpusDir(root, LAYOUT_OURS, root, found)
     _check_seq_lens(corpus.sources)
     return corpus
 

@@ -41,7 +41,7 @@ CACHE_ENV = "TOKENIZED_CACHE_GB"
 ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
 
 Key = tuple[str, str]
-__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "Shard", "cache_bytes_from", "GIB", "CACHE_ENV"]
+__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard", "cache_bytes_from", "GIB", "CACHE_ENV"]
 
 
 class ShardIntegrityError(CacheError):
@@ -49,7 +49,9 @@ class ShardIntegrityError(CacheError):
 
 
 @dataclass(frozen=True)
-class Shard:
+class ExpectedShard:
+    """What the plan's manifest promises of one shard; the cache checks the bytes it fetches against it
+    (``formats.manifest.Shard`` is the manifest's own entry, rows and tokens included)."""
     path: str  # in the store
     sha256: str
     size: int
@@ -81,7 +83,7 @@ def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
 
 
 class ShardCache:
-    def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, Shard],
+    def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, ExpectedShard],
                  commit: str = "local", prefetch: int = 2) -> None:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
@@ -101,7 +103,7 @@ class ShardCache:
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------
-    def _expected(self, key: Key) -> Shard:
+    def _expected(self, key: Key) -> ExpectedShard:
         shard = self._shards.get(key)
         if shard is None:
             raise CacheError(f"shard {key[0]}/{key[1]} is not in that source's manifest; the plan and the shards disagree")
@@ -140,7 +142,7 @@ class ShardCache:
                                  f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
             time.sleep(0.05)
 
-    def _fill(self, key: Key, path: Path, shard: Shard, wait: bool) -> bool:
+    def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
         """Download and verify ``key`` into ``path``; the caller holds its download lock and pin."""
         seen = []
         for attempt in range(2):

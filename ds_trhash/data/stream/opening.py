@@ -23,7 +23,7 @@ from ds_trhash.io import sha256_file
 
 from ds_trhash.safe_names import bare_name
 
-from ds_trhash.data.stream.cache import GIB, CACHE_ENV, CacheError, Shard, ShardCache
+from ds_trhash.data.stream.cache import GIB, CACHE_ENV, CacheError, ExpectedShard, ShardCache
 from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)
@@ -110,7 +110,7 @@ class Corpus:
     commit: str
     manifests: dict[str, SourceManifest]
     layout: str = LAYOUT_OURS
-    shards: dict[Key, Shard] = field(default_factory=dict)  # the planned ones
+    shards: dict[Key, ExpectedShard] = field(default_factory=dict)  # the planned ones
 
     @property
     def record(self) -> dict:
@@ -138,7 +138,7 @@ def _shown(problems: list[str]) -> str:
     return "; ".join(problems[:_SHOWN]) + more
 
 
-def _hash_problems(store: ShardStore, shards: Mapping[Key, Shard]) -> list[str]:
+def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> list[str]:
     """``--deep``: the bytes of every planned shard (local in place, remote through a temp file)."""
     problems = []
     with tempfile.TemporaryDirectory(prefix="ds-trhash-deep-") as tmp:
@@ -183,7 +183,7 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
     shards, problems = {}, []
     for source, file in planned_shards(doc):
         entry = next(s for s in manifests[source].shards if s.file == file)
-        shard = Shard(shard_store_path(layout, source, file), entry.sha256, entry.bytes)
+        shard = ExpectedShard(shard_store_path(layout, source, file), entry.sha256, entry.bytes)
         size = entry.bytes
         shards[(source, file)] = shard
         found = listing.get(shard.path) if listing is not None else shard

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ds_trhash.data.stream import cache_files as cf
-from ds_trhash.data.stream.cache import GIB, CacheError, Shard, ShardCache, ShardIntegrityError, cache_bytes_from
+from ds_trhash.data.stream.cache import GIB, CacheError, ExpectedShard, ShardCache, ShardIntegrityError, cache_bytes_from
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.store import LocalStore
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
@@ -195,7 +195,7 @@ def test_sigkill_mid_download_leaves_nothing_trusted(store, tmp_path):
                                           ("a", ".hidden"), ("a", "shard.bin.lock")])
 def test_names_that_would_leave_the_cache_are_refused_before_anything_is_written(store, tmp_path, source, file):
     before = tree_digest(tmp_path)
-    victim = {(source, file): Shard(f"{source}/{file}", "0" * 64, 4)}
+    victim = {(source, file): ExpectedShard(f"{source}/{file}", "0" * 64, 4)}
     cache = ShardCache(LocalStore(store), tmp_path / "cache", 10 * SHARD_BYTES, victim)
     with pytest.raises(CacheError, match="is not a bare file name"):
         cache.get(source, file)
