@@ -157,10 +157,10 @@ def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> li
 
 
 def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
-                deep: bool = False, store: Optional[ShardStore] = None) -> Corpus:
+                deep: bool = False, store: Optional[ShardStore] = None, hub_wait_s: Optional[float] = None) -> Corpus:
     """The plan's corpus, checked as the module docstring says; raises CorpusError / StoreError."""
     doc = plan_doc(plan)
-    store = store or open_store(shards_dir, doc, origin)
+    store = store or open_store(shards_dir, doc, origin, hub_wait_s)
     commit = store.resolve(pinned)
     listing = store.list_files()
     layout, manifests = read_manifests(store, listing, sorted({s for s, _ in planned_shards(doc)}), doc["seq_len"])
@@ -201,10 +201,10 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
 
 
 def shared_corpus(plan, shards_dir: Optional[str], origin: str, pinned: str | None, rank: int, world: int,
-                   deep: bool) -> Corpus:
+                   deep: bool, hub_wait_s: Optional[float] = None) -> Corpus:
     """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
     answer, or its refusal, to every rank: N ranks never make N look-ups at once."""
-    store = open_store(shards_dir, plan_doc(plan), origin)
+    store = open_store(shards_dir, plan_doc(plan), origin, hub_wait_s)
     if not (dist.is_initialized() and world > 1):
         return open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
     payload: list = [None]

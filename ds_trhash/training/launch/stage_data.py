@@ -86,10 +86,11 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
 
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
-                          saved_source: dict | None = None) -> StageData:
+                          saved_source: dict | None = None, hub_wait_s: float | None = None) -> StageData:
     """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
     cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
-    ``data_source`` a resumed checkpoint recorded (its commit is read again)."""
+    ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
+    long a Hub store waits out an outage (default: ``data.hub_wait_minutes``)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
@@ -115,7 +116,9 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
 
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
     pinned = resume_commit(shards_dir, plan.doc, saved_source)
-    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
+    wait_s = cfg.data.hub_wait_minutes * 60 if hub_wait_s is None else hub_wait_s
+    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all",
+                           hub_wait_s=wait_s)
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     check_tokenizer_matches(tokenizer_dir, recorded)
