@@ -27,8 +27,9 @@ def rows(reader, steps=6):
 def test_rows_from_the_hub_equal_rows_from_local_disk(hub_corpus, tmp_path):
     hub, root, plan = hub_corpus
     corpus = open_corpus(plan, None, store=fast_store())
-    assert len(corpus.commit) == 40 and corpus.record == {"store": f"hf:{hub.url}/datasets/{REPO}",
-                                                         "commit": corpus.commit}
+    assert len(corpus.commit) == 40 and corpus.record == {
+        "store": f"hf:{hub.url}/datasets/{REPO}", "commit": corpus.commit, "revision": "main",
+        "shards": {shard.path: shard.sha256 for shard in corpus.shards.values()}}  # every planned shard's hash
     with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES) as cache:
         remote = rows(ReplayReader(plan, None, 5, cache=cache))
         local = rows(ReplayReader(plan, root, 5))
