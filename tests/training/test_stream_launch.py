@@ -90,7 +90,8 @@ def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launch
     out = tmp_path / "run"
     args = L.reference_run(out, micro=4) + ["--set", f"data.plan={paths.pretrain_plan}", "--set",
                                             f"data.shards_dir=hf://datasets/{REPO}",
-                                            "--set", f"data.tokenizer={paths.tokenizer_dir}"]
+                                            "--set", f"data.tokenizer={paths.tokenizer_dir}",
+                                            "--set", f"data.cache_dir={out / 'shard_cache'}"]
     seen, stop = [], threading.Event()
     with HubServer(TOKEN, deadline_s=900) as hub:
         first = seed_dataset(hub, REPO, files)

@@ -34,6 +34,7 @@ from ds_trhash.data.stream.store import LOCAL_COMMIT, LocalStore, ShardStore, St
 Key = tuple[str, str]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHOWN = 5
+PREFETCH_SHARDS = 2  # shards the cache fetches ahead of the reader (ShardCache prefetch)
 
 
 class CorpusError(UserError, ValueError):
@@ -112,6 +113,7 @@ class Corpus:
     manifests: dict[str, SourceManifest]
     layout: str = LAYOUT_OURS
     shards: dict[Key, ExpectedShard] = field(default_factory=dict)  # the planned ones
+    plan: Optional[Mapping] = None  # the plan document read (its phases say which sources are read at once)
 
     @property
     def record(self) -> dict:
@@ -121,19 +123,29 @@ class Corpus:
         return {"store": self.store.identity, "commit": self.commit, "revision": getattr(self.store, "revision", None),
                 "shards": {shard.path: shard.sha256 for shard in sorted(self.shards.values(), key=lambda s: s.path)}}
 
-    def min_cache_bytes(self, ranks_on_node: int) -> int:
-        """One largest planned shard per rank of the node: what the ranks pin at once."""
-        return ranks_on_node * max((s.size for s in self.shards.values()), default=0)
+    def sources_at_once(self) -> int:
+        """The most sources one phase interleaves: a reader holds a shard of each at once."""
+        return max((len(phase["sources"]) for phase in plan_doc(self.plan)["phases"]), default=1) if self.plan else 1
+
+    def min_cache_bytes(self, ranks_on_node: int, prefetch: int = PREFETCH_SHARDS) -> int:
+        """What the node's ranks hold at once, and the prefetch beside it, in largest shards: a
+        shard of every source read at once (or one per rank, when the ranks outnumber them), plus
+        the shards fetched ahead. Below this the cache evicts what it is about to read again."""
+        largest = max((s.size for s in self.shards.values()), default=0)
+        return largest * (max(ranks_on_node, self.sources_at_once()) + prefetch)
 
     def check_cache_bound(self, max_bytes: int, ranks_on_node: int, setting: str) -> None:
         need = self.min_cache_bytes(ranks_on_node)
         if max_bytes < need:
+            largest = max((s.size for s in self.shards.values()), default=0)
             raise CacheError(
-                f"{setting} allows {max_bytes} bytes, but {ranks_on_node} rank(s) on this node read one shard each "
-                f"at once (the largest planned shard is {need // max(ranks_on_node, 1)} bytes): the smallest bound "
-                f"that works is {need} bytes = {need / GIB:.6g} GiB; raise data.cache_gb or {CACHE_ENV}")
+                f"{setting} allows {max_bytes} bytes, but the cache must hold {need // max(largest, 1)} of the largest "
+                f"planned shard ({largest} bytes) at once: a shard of each of the {self.sources_at_once()} sources read "
+                f"at once (or one per rank: {ranks_on_node} on this node, whichever is more), plus {PREFETCH_SHARDS} "
+                f"fetched ahead; the smallest bound that works is {need} bytes = {need / GIB:.6g} GiB; raise "
+                f"data.cache_gb or {CACHE_ENV}")
 
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = 2) -> ShardCache:
+    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS) -> ShardCache:
         return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch)
 
 
@@ -207,7 +219,7 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
         at = "" if commit == LOCAL_COMMIT else f" at commit {commit}"
         raise CorpusError(f"the shards in {store.description}{at} do not match the plan: {_shown(problems)}; "
                           "restore them, or re-tokenize and re-plan")
-    return Corpus(store, commit, manifests, layout, shards)
+    return Corpus(store, commit, manifests, layout, shards, plan=doc)
 
 
 def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, world: int,

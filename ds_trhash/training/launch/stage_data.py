@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
 from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
 from ds_trhash.data.stream.opening import resume_commit, shared_corpus
+from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
 from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
@@ -140,6 +141,9 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
     corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
+    cache_dir = cache_dir_of(cfg.data.cache_dir)
+    check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
+                      cfg.data.cache_on_network_fs)
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes + tokenizer_notes,
@@ -150,7 +154,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     def start() -> None:
         # One cache per node: every rank of this node opens the same folder; each shard is
         # downloaded once and verified (size and SHA-256) before any rank reads it.
-        cache = corpus.open_cache(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache", max_bytes)
+        cache = corpus.open_cache(claim(cache_dir), max_bytes)
         reader = ReplayReader(plan, None, cfg.seed, cache=cache)
         data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
 
