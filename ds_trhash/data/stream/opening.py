@@ -28,6 +28,7 @@ from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)
 from ds_trhash.data.plans.plan import plan_doc
+from ds_trhash.data.stream.pinning import pinned_commit
 from ds_trhash.data.stream.store import LOCAL_COMMIT, LocalStore, ShardStore, StoreFile, open_store
 
 Key = tuple[str, str]
@@ -114,8 +115,11 @@ class Corpus:
 
     @property
     def record(self) -> dict:
-        """What checkpoints and the run record keep: the store and the commit read (never a token)."""
-        return {"store": self.store.identity, "commit": self.commit}
+        """What checkpoints and the run record keep (never a token): the store, the revision asked
+        for and the commit it resolved to, and every planned shard's SHA-256 as its manifest gave
+        it, so a later stage or resume proves it reads the same bytes (``stream.pinning``)."""
+        return {"store": self.store.identity, "commit": self.commit, "revision": getattr(self.store, "revision", None),
+                "shards": {shard.path: shard.sha256 for shard in sorted(self.shards.values(), key=lambda s: s.path)}}
 
     def min_cache_bytes(self, ranks_on_node: int) -> int:
         """One largest planned shard per rank of the node: what the ranks pin at once."""
@@ -138,13 +142,19 @@ def _shown(problems: list[str]) -> str:
     return "; ".join(problems[:_SHOWN]) + more
 
 
-def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> list[str]:
-    """``--deep``: the bytes of every planned shard (local in place, remote through a temp file)."""
+def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard],
+                   listing: Optional[Mapping[str, StoreFile]] = None) -> list[str]:
+    """``--deep``: the bytes of every planned shard. A local shard is hashed in place; a remote one
+    whose listing carries the store's own SHA-256 (the Hub's LFS record, compared with the manifest
+    when the listing was read) is not downloaded; any other is hashed through a temporary file."""
     problems = []
+    listing = listing or {}
     with tempfile.TemporaryDirectory(prefix="ds-trhash-deep-") as tmp:
         for (source, file), shard in shards.items():
             if isinstance(store, LocalStore):
                 digest = sha256_file(store.root / shard.path)
+            elif getattr(listing.get(shard.path), "sha256", None):
+                digest = listing[shard.path].sha256  # the store's own record, not a download
             else:
                 dest = Path(tmp) / "shard"
                 dest.write_bytes(b"")
@@ -157,16 +167,16 @@ def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> li
 
 
 def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
-                deep: bool = False, store: Optional[ShardStore] = None) -> Corpus:
+                deep: bool = False, store: Optional[ShardStore] = None, hub_wait_s: Optional[float] = None) -> Corpus:
     """The plan's corpus, checked as the module docstring says; raises CorpusError / StoreError."""
     doc = plan_doc(plan)
-    store = store or open_store(shards_dir, doc, origin)
+    store = store or open_store(shards_dir, doc, origin, hub_wait_s)
     commit = store.resolve(pinned)
     listing = store.list_files()
     layout, manifests = read_manifests(store, listing, sorted({s for s, _ in planned_shards(doc)}), doc["seq_len"])
     corpus = corpus_at(doc, store, commit, layout, manifests, listing)
     if deep:
-        problems = _hash_problems(store, corpus.shards)
+        problems = _hash_problems(store, corpus.shards, listing)
         if problems:
             raise CorpusError(f"the shards in {store.description} do not match their manifests' SHA-256: "
                               f"{_shown(problems)}; restore them, or re-tokenize and re-plan")
@@ -200,11 +210,14 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
     return Corpus(store, commit, manifests, layout, shards)
 
 
-def shared_corpus(plan, shards_dir: Optional[str], origin: str, pinned: str | None, rank: int, world: int,
-                   deep: bool) -> Corpus:
+def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, world: int,
+                   deep: bool, hub_wait_s: Optional[float] = None) -> Corpus:
     """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
-    answer, or its refusal, to every rank: N ranks never make N look-ups at once."""
-    store = open_store(shards_dir, plan_doc(plan), origin)
+    answer, or its refusal, to every rank: N ranks never make N look-ups at once. ``saved``: the
+    record this launch is held to (``stream.pinning``): its commit is read again when it is of this
+    store."""
+    store = open_store(shards_dir, plan_doc(plan), origin, hub_wait_s)
+    pinned = pinned_commit(saved, store)
     if not (dist.is_initialized() and world > 1):
         return open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
     payload: list = [None]
