@@ -22,6 +22,8 @@ from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
 from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
 from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
+from ds_trhash.data.stream.store import LOCAL_COMMIT
+from ds_trhash.data.stream.store.staged import STAGING_DIR, StagedStore
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.stream.reader import ReplayReader
@@ -87,6 +89,16 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
+def _share_downloads(corpus, cfg: tcfg.TrainConfig, rank: int, world: int) -> None:
+    """On several nodes, a Hub store shares each shard's download through the job's output
+    directory (``data.stream.store.staged``): one Hub download per shard per job, not per node."""
+    per_node = ranks_on_node(world)
+    nodes = max(1, world // max(per_node, 1))
+    if nodes > 1 and corpus.commit != LOCAL_COMMIT:
+        corpus.store = StagedStore(corpus.store, Path(cfg.output_dir) / STAGING_DIR, rank // per_node, nodes,
+                                   expected={shard.path: shard.sha256 for shard in corpus.shards.values()})
+
+
 def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
     """The corpus of this launch is the one ``saved`` records (``data.stream.pinning``): the same
     bytes under every planned name, else a refusal naming a file; a note when the branch moved."""
@@ -147,6 +159,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
     corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
+    _share_downloads(corpus, cfg, rank, world)
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
