@@ -121,7 +121,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
-        f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
+        f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.resuming and state.step == state.total_steps:

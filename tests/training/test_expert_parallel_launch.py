@@ -103,3 +103,49 @@ def test_ep_size_2_refusals_name_the_reason():
                             overrides=["parallel.ep_size=2", "zero.stage=2", "eval.heldout=false", "eval.select=last"])
     with pytest.raises(EngineError, match="lora"):
         check_runnable(lora, 2)
+
+
+# --------------------------------------------------------------------- a shape of the config's own
+
+# the tiny preset with its width, depth, heads and experts replaced (head_dim 32 follows from 96 / 3)
+SHAPE = {"hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1, "shared_width": 192,
+         "expert_width": 24, "route_seed": 12345}
+SHAPE_STEPS = 3
+
+
+@pytest.mark.launch
+def test_a_custom_shape_trains_expert_parallel_and_exports_a_transformers_model(tmp_path):
+    import dataclasses
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from ds_trhash.model.expert_parallel import consolidate_checkpoint
+    from ds_trhash.model.routing import build_route_table
+
+    out = tmp_path / "shape"
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(SHAPE_STEPS),
+            "--set", "batch.micro_batch=4", "--set", "zero.stage=1", "--set", "parallel.ep_size=2",
+            *[a for k, v in SHAPE.items() for a in ("--set", f"model.{k}={v}")]]
+    proc = L.deepspeed(2, args)
+    assert proc.returncode == 0, L.explain(proc)
+    assert "preset tiny with hidden_size=96, num_layers=3" in proc.stdout + proc.stderr
+    want = TRHashConfig.from_preset("tiny", **SHAPE)
+    # the run's config.json and every checkpoint carry the shape
+    assert {k: json.loads((out / "config.json").read_text())["model"][k] for k in SHAPE} == SHAPE
+    last = out / "checkpoints" / f"step_{SHAPE_STEPS:08d}"
+    recorded = TRHashConfig.from_dict(json.loads((last / "trainer_state.json").read_text())["model_config"])
+    assert recorded == dataclasses.replace(want, loss_chunk_tokens=recorded.loss_chunk_tokens)
+    weights = consolidate_checkpoint(last / "state")
+    assert weights["layers.0.mlp.engine.expert_gate"].shape == (4, 96, 24)
+    assert torch.equal(weights["layers.2.mlp.engine.route_table"], build_route_table(4096, 4, 2, 12345, 2))
+
+    # the stage's final/ export loads in transformers with that shape and computes our logits
+    hf = AutoModelForCausalLM.from_pretrained(out / "final", trust_remote_code=True).eval()
+    assert (hf.config.hidden_size, hf.config.num_hidden_layers, hf.config.num_attention_heads,
+            hf.config.num_key_value_heads, hf.config.head_dim) == (96, 3, 3, 1, 32)
+    ours = TRHashForCausalLM(recorded).eval()
+    ours.load_checkpoint_state(weights)
+    ids = torch.randint(0, 4096, (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() < 1e-4
