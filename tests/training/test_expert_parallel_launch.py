@@ -149,3 +149,13 @@ def test_a_custom_shape_trains_expert_parallel_and_exports_a_transformers_model(
     ids = torch.randint(0, 4096, (2, 19), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids)).abs().max().item() < 1e-4
+
+    # `ds-trhash model` counted, without the model, what the launch measured on each rank and in all
+    import re
+
+    from ds_trhash.prelaunch.model_size import estimate_size
+
+    measured = re.search(r"model +preset tiny with [^:]*: ([\d,]+) parameters", proc.stdout + proc.stderr)
+    figures = estimate_size(tcfg.load_config("ds_configs/tiny/pretrain.yaml", args[args.index("--set"):][1::2]), 2)
+    assert figures.params_per_gpu == int(measured.group(1).replace(",", ""))  # this rank's share, experts split
+    assert figures.total_params == sum(p.numel() for p in ours.parameters())
