@@ -186,7 +186,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     model = build_model(plan, rank)
     ds_config = tcfg.to_deepspeed_dict(cfg, world)
     engine = build_engine(model, cfg, ds_config, data.total_steps,
-                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir))
+                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir,
+                                                                                 cfg.parallel.ep_size))
     state = restore(plan, engine.engine, rank)
 
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)

@@ -3,7 +3,10 @@
 The session's 2-process reference (ep_size 1, shared with the exact-resume tests) is the
 reference; the ep_size 2 run with the same arguments is killed after step 5 (last checkpoint:
 step 3) and resumed to the end. Its per-expert DeepSpeed files consolidate to the
-released-layout state dict, and it trains like the ep_size 1 run."""
+released-layout state dict, and it trains like the ep_size 1 run. Its step-3 checkpoint also
+reshards onto ep_size 1 on 1 rank, and the session's 1-process reference onto ep_size 2 on 2
+ranks (--reshard), each continuing like the uninterrupted run. A shape of the config's own
+trains at ep_size 2 and exports a transformers model."""
 
 from __future__ import annotations
 
@@ -51,6 +54,51 @@ def _consolidated_matches(out, ref, step):
             assert torch.equal(value, want[key]), key
 
 
+def _continues(out, ref_losses, start):
+    """The resumed run's losses from ``start`` on: the uninterrupted run's, within float noise (the
+    gradients are reduced over another layout, the RNG is re-seeded: nothing random is drawn)."""
+    losses = L.train_losses(out)
+    assert len(losses) == STEPS
+    for step in range(start, STEPS):
+        assert losses[step] == pytest.approx(ref_losses[step], rel=1e-4), (step + 1, losses, ref_losses)
+
+
+def _resharded_onto_one_rank(killed, out, ref_losses, ref):
+    """ep_size 2 on 2 ranks, killed after its step-3 checkpoint, resumed at ep_size 1 on 1 rank."""
+    import shutil
+
+    shutil.copytree(killed, out)
+    proc = L.single(L.reference_run(out, micro=8, extra=["--resume", "auto", "--reshard"]))
+    assert proc.returncode == 0, L.explain(proc)
+    log = proc.stdout + proc.stderr
+    assert f"resuming at step {SAVED}" in log and "ep_size 2 -> 1" in log, L.explain(proc)
+    _continues(out, ref_losses, SAVED)
+    final, want = L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), L.model_weights(
+        ref / "checkpoints" / f"step_{STEPS:08d}")
+    assert final.keys() == want.keys()
+    for key in final:
+        torch.testing.assert_close(final[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.launch
+def test_a_one_rank_checkpoint_resumes_expert_parallel_on_two_ranks(tmp_path, shared_launches):
+    """ep_size 1 on 1 rank (the session's 1-process reference, stopped at its step-6 checkpoint)
+    resumed at ep_size 2 on 2 ranks: every expert and its Adam moments land on their owner."""
+    import shutil
+
+    ref = shared_launches.get(1, lambda o: L.reference_run(o, micro=8))  # read only
+    out, stop = tmp_path / "ep1-to-ep2", 6
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / f"step_{stop:08d}", out / "checkpoints" / f"step_{stop:08d}")
+    shutil.copy(ref / "metrics.csv", out / "metrics.csv")
+    proc = L.deepspeed(2, _args(out, "parallel.ep_size=2") + ["--resume", "auto", "--reshard"])
+    assert proc.returncode == 0, L.explain(proc)
+    log = proc.stdout + proc.stderr
+    assert f"resuming at step {stop}" in log and "ep_size 1 -> 2" in log, L.explain(proc)
+    _continues(out, L.train_losses(ref), stop)
+    _consolidated_matches(out, ref, STEPS)
+
+
 # checkpoint.inspect_saved_parts reads the first "*model_states.pt" in sorted order, which with
 # expert parallelism is DeepSpeed's layer_0_expert_0_mp_rank_00_model_states.pt (experts only),
 # so it finds no scheduler state and refuses the resume.
@@ -69,6 +117,7 @@ def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path,
     assert len(killed_losses) == KILL_AFTER - 1
     assert killed_losses == pytest.approx(ref_losses[:KILL_AFTER - 1], rel=1e-5)
     _consolidated_matches(out, ref, SAVED)
+    _resharded_onto_one_rank(out, tmp_path / "ep2-to-ep1", ref_losses, ref)
 
     proc = L.deepspeed(2, _args(out, "parallel.ep_size=2"), RESUME="auto")
     assert proc.returncode == 0, L.explain(proc)
