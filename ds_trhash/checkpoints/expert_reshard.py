@@ -200,6 +200,7 @@ def _set_schedule(engine, main: dict) -> None:
     """The learning-rate schedule and the engine's counters as saved. The saved scheduler knew
     the old layout's parameter groups (one more with expert parallelism); every group follows the
     one lambda, so its position and last rate carry over to any number of groups."""
+    # (Private scheduler fields, as torch's own LRScheduler.load_state_dict sets them.)
     sched, saved = engine.lr_scheduler, main.get("lr_scheduler")
     if sched is None or saved is None:
         raise CheckpointError("the checkpoint or the engine has no learning-rate scheduler state")
@@ -231,6 +232,11 @@ def load_by_parameter(engine, ckpt_dir: str | os.PathLike, log: Log = print) -> 
     engine.module.load_checkpoint_state(weights, where=str(ckpt))
     states, step = saved_parameter_states(ckpt)
     _set_optimizer(engine, states, step)
+    # the loss scaler (fp16), overflow flag and clipping as saved, through the optimizer's own reader
+    restore_global = getattr(engine.optimizer, "_load_global_state", None)
+    if restore_global is not None:
+        restore_global(torch.load(_optim_file(tag, 0), map_location="cpu", mmap=True,
+                                  weights_only=False)["optimizer_state_dict"])
     _set_schedule(engine, main)
     log(f"--reshard: moved {len(states)} parameters with their fp32 master weights and Adam moments by name "
         "and global expert id")

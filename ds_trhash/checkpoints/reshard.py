@@ -208,8 +208,10 @@ def reshard_report(saved_state: Mapping[str, Any], current: Mapping[str, Any], w
 
 
 def _engine_ep_size(engine: Any) -> int:
-    """The ep_size of an engine's model (1 without expert parallelism)."""
-    return max((int(m.ep_size) for m in engine.module.modules() if getattr(m, "expert_group_name", None)), default=1)
+    """The ep_size of an engine's model (1 without expert parallelism, or without a module)."""
+    module = getattr(engine, "module", None)
+    modules = module.modules() if module is not None else ()
+    return max((int(m.ep_size) for m in modules if getattr(m, "expert_group_name", None)), default=1)
 
 
 def _load_saved_module(engine: Any, ckpt: Path) -> None:

@@ -67,6 +67,27 @@ def _resharded_onto_one_rank(killed, out, ref_losses, ref):
     """ep_size 2 on 2 ranks, killed after its step-3 checkpoint, resumed at ep_size 1 on 1 rank."""
     import shutil
 
+    from ds_trhash.checkpoints import CheckpointError
+    from ds_trhash.checkpoints.expert_reshard import saved_parameter_states
+
+    # the saved partitions, read whole: a routed expert's Adam moments under its global id
+    tag = _state(killed, SAVED)
+    states, step = saved_parameter_states(tag.parent)
+    assert float(step) == SAVED and states["layers.0.mlp.engine.expert_gate"]["exp_avg"].shape == (4, 128, 16)
+    rank1 = torch.load(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", weights_only=False)["optimizer_state_dict"]
+    moe = next(g for g, m in enumerate(rank1["param_slice_mappings"]) if any(".ep." in n for n in m))
+    local0 = rank1["param_slice_mappings"][moe]["layers.0.mlp.engine.ep.deepspeed_moe.experts.deepspeed_experts.0.gate"]
+    assert torch.equal(states["layers.0.mlp.engine.expert_gate"]["exp_avg"][2].flatten(),  # rank 1's expert 0 is 2
+                       rank1["base_optimizer_state"]["state"][moe]["exp_avg"].narrow(0, local0.start, local0.numel))
+    # a partition missing is refused, naming it, and nothing is written
+    broken = out.parent / "broken" / "step"
+    shutil.copytree(tag.parent, broken)
+    (broken / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    before = sorted(p.name for p in (broken / "state").iterdir())
+    with pytest.raises(CheckpointError, match="partition file of rank 1"):
+        saved_parameter_states(broken)
+    assert sorted(p.name for p in (broken / "state").iterdir()) == before
+
     shutil.copytree(killed, out)
     proc = L.single(L.reference_run(out, micro=8, extra=["--resume", "auto", "--reshard"]))
     assert proc.returncode == 0, L.explain(proc)
