@@ -99,20 +99,8 @@ def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, 
     return (moved,) if moved else ()
 
 
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
-                          saved_source: dict | None = None, hub_wait_s: float | None = None,
-                          read_by: str = "this run") -> StageData:
-    """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
-    cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
-    ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
-    long a Hub store waits out an outage (default: ``data.hub_wait_minutes``). ``read_by``: whose
-    record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement)."""
-    if cfg.data.plan is None:
-        paths = _embedded(cfg, rank)
-        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
-    else:
-        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
+    """The replay plan, checked against the config: its seq_len, its vocabulary, the token target."""
     plan = load_plan(plan_path)
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
@@ -128,6 +116,24 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
     else:
         check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
+    return plan
+
+
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
+                          saved_source: dict | None = None, hub_wait_s: float | None = None,
+                          read_by: str = "this run") -> StageData:
+    """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
+    cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
+    ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
+    long a Hub store waits out an outage (default: ``data.hub_wait_minutes``). ``read_by``: whose
+    record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement)."""
+    if cfg.data.plan is None:
+        paths = _embedded(cfg, rank)
+        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
+        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
+    else:
+        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+    plan = _checked_plan(cfg, plan_path)
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
