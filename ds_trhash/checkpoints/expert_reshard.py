@@ -184,8 +184,11 @@ def _set_optimizer(engine, states: dict, step) -> None:
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for i, group in enumerate(opt.optimizer.param_groups):
         hp = group["params"][0]
-        # the state torch's AdamW would hold after its first step, filled below
-        opt.optimizer.state[hp] = {"step": step.clone(), **{k: torch.zeros_like(hp) for k in MOMENTS}}
+        # the state torch's AdamW would hold after its first step, filled below (a fused or
+        # capturable AdamW keeps its step on the parameter's device, the others on the CPU)
+        on_device = group.get("fused") or group.get("capturable")
+        opt.optimizer.state[hp] = {"step": step.detach().clone().to(hp.device if on_device else "cpu"),
+                                   **{k: torch.zeros_like(hp) for k in MOMENTS}}
         for lp in lp_groups[i]:
             if lp._hp_mapping is None:  # no fragment of it in this rank's partition
                 continue
