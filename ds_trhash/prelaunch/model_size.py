@@ -37,6 +37,7 @@ class SizeEstimate:
     micro_batch: int
     seq_len: int
     total_params: int
+    trainable_params: int  # LoRA: the adapters only
     active_params: int
     params_per_gpu: int
     train_flops_per_token: float
@@ -99,6 +100,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
                                                 if k not in ("loss_chunk_tokens", "route_weights")},
         gpus=gpus, nodes=nodes, zero_stage=cfg.zero.stage, ep_size=cfg.parallel.ep_size, precision=cfg.precision,
         micro_batch=cfg.batch.micro_batch, seq_len=cfg.data.seq_len, total_params=params.total,
+        trainable_params=params.trainable,
         active_params=active_parameters(params.total, params.routed_total, mc.num_experts, mc.top_k),
         params_per_gpu=params.per_rank, train_flops_per_token=train_flops_per_token(mc, cfg.data.seq_len),
         weights=foot.weights, gradients=foot.gradients, optimizer=foot.optimizer, activations=foot.activations,
@@ -119,7 +121,8 @@ def render(e: SizeEstimate) -> str:
         f"shape       vocab {s['vocab_size']:,}, hidden {s['hidden_size']}, {s['num_layers']} layers, "
         f"{s['num_heads']} heads ({s['num_kv_heads']} kv) of {s['head_dim']}, shared {s['shared_width']}, "
         f"{s['num_experts']} experts of {s['expert_width']} (top {s['top_k']}), {s['max_seq_len']} positions",
-        f"parameters  {e.total_params:,} total, {e.active_params:,} active per token, {e.params_per_gpu:,} per GPU",
+        f"parameters  {e.total_params:,} total, {e.active_params:,} active per token, {e.params_per_gpu:,} per GPU"
+        + (f", {e.trainable_params:,} trainable" if e.trainable_params != e.total_params else ""),
         f"FLOPs       {e.train_flops_per_token:.4g} per token trained (forward + backward, seq_len {e.seq_len})",
         f"layout      {gpus}, ZeRO {e.zero_stage}, ep_size {e.ep_size}, {e.precision}, "
         f"micro-batch {e.micro_batch} x {e.seq_len} tokens",

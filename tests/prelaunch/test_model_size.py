@@ -77,6 +77,8 @@ def test_the_text_names_each_figure_and_refusals_name_the_key(capsys):
     for needle in ("201,194,368 total", "active per token", "per token trained", "8 GPUs x 2 nodes",
                    "weights", "gradients", "optimizer", "without activation checkpointing", "with (full)"):
         assert needle in out, needle
+    assert cli(["model", "--config", "ds_configs/tiny/sft_lora.yaml"]) == 0
+    assert "trainable" in capsys.readouterr().out  # LoRA: the adapters only
     assert cli(["model", "--config", TINY, "--set", "model.num_kv_heads=3"]) == 2
     assert "model.num_kv_heads" in capsys.readouterr().err
     assert cli(["model", "--config", TINY, "--gpus", "3", "--set", "parallel.ep_size=2",
