@@ -30,6 +30,7 @@ COMMANDS = {
     "demo": "ds_trhash.demo",
     "preflight": "ds_trhash.prelaunch.preflight",
     "smoke": "ds_trhash.prelaunch.smoke",
+    "model": "ds_trhash.prelaunch.model_size",
 }
 
 

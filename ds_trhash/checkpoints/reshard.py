@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints.expert_reshard import load_by_parameter, moves_experts, saved_ep_size
 from ds_trhash.checkpoints.resume import REQUIRED_STATE_PARTS, _flatten, global_batch, inspect_saved_parts
 from ds_trhash.checkpoints.state import ENGINE_TAG, MANIFEST, CheckpointError, Log, ResumeError, read_trainer_state
 from ds_trhash.checkpoints.store import _files_under, _synced_entries, step_dir_name, verify
@@ -30,8 +31,11 @@ def _partition_files(tag_dir: Path) -> list[Path]:
 
 
 
-def needs_universal(ckpt_dir: str | os.PathLike) -> bool:
-    """Whether a reshard of this checkpoint goes through DeepSpeed's universal format.
+def needs_universal(ckpt_dir: str | os.PathLike, ep_size: int = 1) -> bool:
+    """Whether a reshard of this checkpoint onto ``ep_size`` goes through DeepSpeed's universal format.
+
+    Not when either side is expert-parallel: that reshard moves every parameter by name and
+    global expert id itself (``expert_reshard.py``) into an engine built as for a fresh start.
 
     The optimizer state of ZeRO 1/2 (and of the bf16 optimizer) is partitioned over the ranks
     that saved it and must be re-cut for the new world size. Without partition files (ZeRO
@@ -39,6 +43,8 @@ def needs_universal(ckpt_dir: str | os.PathLike) -> bool:
     The answer decides the DeepSpeed config (``checkpoint.load_universal``), which DeepSpeed
     reads only in ``deepspeed.initialize``; pass it to ``build_engine(..., load_universal=...)``.
     """
+    if moves_experts(ckpt_dir, ep_size):
+        return False
     return bool(_partition_files(Path(ckpt_dir) / ENGINE_TAG))
 
 
@@ -188,14 +194,24 @@ def reshard_report(saved_state: Mapping[str, Any], current: Mapping[str, Any], w
     old_world = int(saved_state["world_size"])
     g = global_batch(_flatten(current), world_size)
     rows = f"{g[0]} rows per step" if g else "the global batch"
+    old_ep, new_ep = saved_ep_size(dict(saved_state)), int(_flatten(current).get("parallel.ep_size", 1))
+    ep = (f" (ep_size {old_ep} -> {new_ep}: every routed expert moved by its global id with its optimizer state)"
+          if max(old_ep, new_ep) > 1 else "")
     return (
-        f"--reshard: step {saved_state['step']} of a {old_world}-rank run resumed on {world_size} rank(s). Restored: "
+        f"--reshard: step {saved_state['step']} of a {old_world}-rank run resumed on {world_size} rank(s){ep}. Restored: "
         f"weights, optimizer (fp32 master weights and Adam moments, re-partitioned for {world_size} rank(s)), scheduler, step and data cursor (global row {saved_state.get('data_cursor', '?')}; {rows}, "
         "unchanged, so every later step reads the rows it would have read). Not restorable across world sizes: the "
         "per-rank RNG states (python, numpy, torch, CUDA); every rank was re-seeded from (seed, step, rank), so "
         f"random draws after this point differ from an uninterrupted {old_world}-rank run, and the loss is not "
         "bit-identical to it (gradients are reduced over another layout)."
     )
+
+
+def _engine_ep_size(engine: Any) -> int:
+    """The ep_size of an engine's model (1 without expert parallelism, or without a module)."""
+    module = getattr(engine, "module", None)
+    modules = module.modules() if module is not None else ()
+    return max((int(m.ep_size) for m in modules if getattr(m, "expert_group_name", None)), default=1)
 
 
 def _load_saved_module(engine: Any, ckpt: Path) -> None:
@@ -249,9 +265,12 @@ def load_engine_state(
     if missing:
         raise ResumeError(f"cannot resume from {ckpt}: no {', '.join(missing)} state in it; a resume never "
                           "restarts what it cannot restore (use --init-checkpoint for weights only)")
-    if reshard and any((ckpt / ENGINE_TAG).glob("layer_*_expert_*_model_states.pt")):
-        raise ResumeError(f"cannot reshard {ckpt}: it is expert-parallel, and DeepSpeed's universal conversion "
-                          "skips the per-expert files; resume it with the world size it was saved with")
+    if reshard and moves_experts(ckpt, _engine_ep_size(engine)):
+        if getattr(engine, "load_universal_checkpoint", lambda: False)():
+            raise CheckpointError("an expert-parallel --reshard loads into an engine built without load_universal; "
+                                  "build it with build_engine(..., load_universal=False)")
+        load_by_parameter(engine, ckpt, log=log)
+        return
     universal_engine = bool(getattr(engine, "load_universal_checkpoint", lambda: False)())
     universal = reshard and needs_universal(ckpt)
     if universal != universal_engine:

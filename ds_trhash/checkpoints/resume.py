@@ -87,8 +87,9 @@ def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 _ABSENT = "<absent>"
 REQUIRED_STATE_PARTS = ("model", "optimizer", "scheduler", "rng")
-# The per-rank batch layout: free under --reshard as long as the global batch is unchanged.
-RESHARD_LAYOUT_KEYS = ("batch.micro_batch", "batch.grad_accum")
+# The per-rank layout: free under --reshard as long as the global batch is unchanged (experts move
+# by global id between expert-parallel layouts, checkpoints/expert_reshard.py).
+RESHARD_LAYOUT_KEYS = ("batch.micro_batch", "batch.grad_accum", "parallel.ep_size")
 
 
 def global_batch(flat_critical: Mapping[str, Any], world_size: int) -> tuple[int, int, int, int] | None:
@@ -162,12 +163,6 @@ def check_resume_compatible(
                 "order, the step count and the schedule depend on it); choose batch.micro_batch and "
                 f"batch.grad_accum with micro_batch·grad_accum·{world_size} = "
                 f"{before_g[0] if before_g else '?'}")
-        ep = old.get("parallel.ep_size", 1)
-        if state.world_size != world_size and isinstance(ep, int) and ep > 1:
-            problems.append(
-                f"parallel.ep_size: the checkpoint is expert-parallel (ep_size {ep}); --reshard does not move "
-                "expert-parallel state (DeepSpeed's universal conversion skips its per-expert files) — relaunch "
-                f"with {state.world_size} ranks, or start a new stage from it with --init-checkpoint")
     for key in sorted(set(old) | set(new)):
         if key in layout_keys:
             continue
@@ -243,7 +238,8 @@ def inspect_saved_parts(ckpt_dir: str | os.PathLike, world_size: int | None = No
     return found
 
 
-def is_reshard(saved_state: Mapping[str, Any], world_size: int, requested: bool) -> bool:
-    """True when ``--reshard`` was given and the checkpoint was saved with another world size;
-    with the same world size a ``--reshard`` resume is an ordinary exact resume."""
-    return bool(requested) and int(saved_state["world_size"]) != int(world_size)
+def is_reshard(saved_state: Mapping[str, Any], world_size: int, requested: bool, ep_size: int = 1) -> bool:
+    """True when ``--reshard`` was given and the checkpoint was saved with another world size or
+    ``parallel.ep_size``; with the same layout a ``--reshard`` resume is an ordinary exact resume."""
+    saved_ep = _flatten(saved_state.get("training_critical") or {}).get("parallel.ep_size", 1)
+    return bool(requested) and (int(saved_state["world_size"]) != int(world_size) or saved_ep != ep_size)

@@ -9,8 +9,58 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ds_trhash.errors import UserError
+
 ROUTE_METHODS = ("token_id_multi_hash",)
 HF_MODEL_TYPE = "tr_hash_moe"  # an export's config.json (transformers' model_type)
+
+
+#: The integer fields of a model's shape (every one a positive integer).
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                   "shared_width", "num_experts", "expert_width", "max_seq_len", "hash_channels",
+                   "loss_chunk_tokens")
+EXPERT_RANGE = (2, 8)  # routes are top-2 of distinct experts; pair indices fit the released 3-bit code up to 4
+
+
+def positive_problem(fields: dict[str, Any]) -> tuple[str, str] | None:
+    """The first of POSITIVE_FIELDS that is not a positive integer, as (field, problem)."""
+    for name in POSITIVE_FIELDS:
+        value = fields[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return name, f"must be a positive integer, got {value!r}"
+    return None
+
+
+def shape_problem(fields: dict[str, Any]) -> tuple[str, str] | None:
+    """The first rule a set of TRHashConfig values breaks, as (field name, problem), else None.
+
+    One place for the model's own rules: the config class raises on them, and the training
+    config loader reports them under the YAML key (``model.<field>``) before anything exists.
+    """
+    problem = positive_problem(fields)
+    if problem:
+        return problem
+    heads, kv = fields["num_heads"], fields["num_kv_heads"]
+    if heads % kv != 0:
+        return "num_kv_heads", (f"{kv} must divide num_heads {heads}: num_heads must be a multiple of "
+                                f"num_kv_heads for grouped-query attention")
+    if fields["head_dim"] % 2 != 0:
+        return "head_dim", f"must be even for rotate-half RoPE, got {fields['head_dim']}"
+    if fields["top_k"] != 2:
+        return "top_k", f"must be 2 (routes and pair codes are top-2), got {fields['top_k']}"
+    low, high = EXPERT_RANGE
+    if not low <= fields["num_experts"] <= high:
+        return "num_experts", f"must be in [{low}, {high}], got {fields['num_experts']}"
+    if len(fields["route_weights"]) != fields["top_k"]:
+        return "route_weights", f"needs {fields['top_k']} values, got {tuple(fields['route_weights'])}"
+    if fields["route_method"] not in ROUTE_METHODS:
+        return "route_method", f"{fields['route_method']!r} is unknown; allowed: {list(ROUTE_METHODS)}"
+    if not isinstance(fields["route_seed"], int) or not 0 <= fields["route_seed"] < 2**32:
+        return "route_seed", f"must fit in 32 bits (0 <= route_seed < 2**32), got {fields['route_seed']}"
+    for name in ("norm_eps", "init_std", "rope_theta"):
+        if not fields[name] > 0:
+            return name, f"must be positive, got {fields[name]!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -42,32 +92,9 @@ class TRHashConfig:
     def __post_init__(self) -> None:
         # JSON/YAML hand us lists; a tuple keeps the frozen config hashable.
         object.__setattr__(self, "route_weights", tuple(float(w) for w in self.route_weights))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "shared_width", "num_experts", "expert_width", "max_seq_len",
-                     "hash_channels", "loss_chunk_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TRHashConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"TRHashConfig: num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"TRHashConfig.head_dim must be even for rotate-half RoPE, got {self.head_dim}")
-        if self.top_k != 2:
-            raise ValueError(f"TRHashConfig.top_k must be 2 (routes and pair codes are top-2), got {self.top_k}")
-        if not 2 <= self.num_experts <= 8:
-            raise ValueError(f"TRHashConfig.num_experts must be in [2, 8], got {self.num_experts}")
-        if len(self.route_weights) != self.top_k:
-            raise ValueError(
-                f"TRHashConfig.route_weights needs {self.top_k} values, got {self.route_weights}")
-        if self.route_method not in ROUTE_METHODS:
-            raise ValueError(
-                f"TRHashConfig.route_method {self.route_method!r} is unknown; allowed: {list(ROUTE_METHODS)}")
-        if not 0 <= self.route_seed < 2**32:
-            raise ValueError(f"TRHashConfig.route_seed must fit in 32 bits, got {self.route_seed}")
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise ValueError("TRHashConfig: norm_eps, init_std and rope_theta must be positive")
+        problem = shape_problem(dataclasses.asdict(self))
+        if problem:
+            raise ValueError(f"TRHashConfig.{problem[0]} {problem[1]}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "TRHashConfig":
@@ -152,3 +179,78 @@ PRESETS: dict[str, TRHashConfig] = {
         head_dim=32, shared_width=256, num_experts=4, expert_width=16, max_seq_len=256,
     ),
 }
+
+
+# ----------------------------------------------------------------------------- any size
+
+#: The architecture fields a training config may set (under these names) instead of, or on top
+#: of, a preset.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "shared_width", "num_experts", "expert_width", "max_seq_len", "hash_channels", "route_seed")
+#: What a shape without a preset must state; head_dim follows from hidden_size / num_heads, and the
+#: hash channels and route seed default to the released ones.
+REQUIRED_WITHOUT_PRESET = tuple(f for f in SHAPE_FIELDS if f not in ("head_dim", "hash_channels", "route_seed"))
+
+
+class ShapeError(UserError, ValueError):
+    """A model shape that cannot be built; ``field`` names the offending field."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field}: {problem}")
+
+
+def _head_dim(preset: str | None, given: dict[str, int], base: TRHashConfig) -> int:
+    """head_dim as given; else the preset's when the width and heads are the preset's; else
+    hidden_size / num_heads (which must divide)."""
+    if "head_dim" in given:
+        return given["head_dim"]
+    hidden, heads = given.get("hidden_size", base.hidden_size), given.get("num_heads", base.num_heads)
+    if preset is not None and "hidden_size" not in given and "num_heads" not in given:
+        return base.head_dim
+    if hidden % heads:
+        raise ShapeError("num_heads", f"{heads} heads do not fit hidden_size {hidden}: each head is "
+                                      "hidden_size / num_heads wide; choose num_heads dividing hidden_size")
+    return hidden // heads
+
+
+def resolve_shape(preset: str | None, given: dict[str, int]) -> TRHashConfig:
+    """The model of a preset with ``given`` fields replaced, or (no preset) of ``given`` alone.
+
+    Raises ShapeError naming the field: a missing one, heads that do not fit the width
+    (num_heads · head_dim must equal hidden_size), and every rule of the config itself. Only
+    shape arithmetic: nothing is allocated. A preset without overrides is exactly the preset.
+    """
+    unknown = sorted(set(given) - set(SHAPE_FIELDS))
+    if unknown:
+        raise ShapeError(unknown[0], f"not a shape field; allowed: {', '.join(SHAPE_FIELDS)}")
+    if preset is None:
+        if not given:
+            raise ShapeError("preset", f"missing; expected {' | '.join(repr(p) for p in sorted(PRESETS))}, "
+                                       f"or the architecture under its own field names ({', '.join(SHAPE_FIELDS)})")
+        missing = [f for f in REQUIRED_WITHOUT_PRESET if f not in given]
+        if missing:
+            raise ShapeError(missing[0], f"required when no preset is named (the shape is then given field by field; "
+                                         f"missing: {', '.join(missing)}); set it, or name a preset: "
+                                         f"{', '.join(sorted(PRESETS))}")
+        base = TRHashConfig()
+    elif preset not in PRESETS:
+        raise ShapeError("preset", f"unknown preset {preset!r}; allowed: {', '.join(sorted(PRESETS))}")
+    else:
+        base = PRESETS[preset]
+    if not given:
+        return base
+    fields = {**dataclasses.asdict(base), **given}
+    problem = positive_problem(fields)  # the arithmetic below needs positive integers
+    if problem:
+        raise ShapeError(*problem)
+    fields["head_dim"] = _head_dim(preset, given, base)
+    heads, head_dim, hidden = fields["num_heads"], fields["head_dim"], fields["hidden_size"]
+    if heads * head_dim != hidden:
+        raise ShapeError("head_dim" if "head_dim" in given else "num_heads",
+                         f"num_heads x head_dim = {heads} x {head_dim} = {heads * head_dim} does not fit hidden_size "
+                         f"{hidden}: the heads must span the width exactly")
+    problem = shape_problem(fields)
+    if problem:
+        raise ShapeError(*problem)
+    return TRHashConfig(**fields)

@@ -266,6 +266,16 @@ _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\
 _EXPERT_KEY = re.compile(r"^(layers\.\d+\.mlp\.engine\.)ep\." + re.escape(EXPERT_KEY_PREFIX) + r"(\d+)\.(gate|up|down)$")
 
 
+def expert_parameter(name: str) -> tuple[str, str, int] | None:
+    """An expert-parallel parameter name (``layers.<l>.mlp.engine.ep.deepspeed_moe.experts.
+    deepspeed_experts.<j>.<gate|up|down>``) as (engine prefix ``layers.<l>.mlp.engine.``, released
+    stacked name ``expert_<gate|up|down>``, local expert index j); None for any other name."""
+    m = _EXPERT_KEY.match(name)
+    if m is None:
+        return None
+    return m.group(1), STACKED_NAMES[LOCAL_NAMES.index(m.group(3))], int(m.group(2))
+
+
 def expert_files(tag_dir: str | Path) -> list[Path]:
     """DeepSpeed's per-expert files in a checkpoint tag directory (empty without EP)."""
     return sorted(p for p in Path(tag_dir).iterdir() if _EXPERT_FILE.match(p.name))

@@ -32,6 +32,9 @@ RECORD_FIELDS = (
     "effective_batch", "kernel_path", "checkpoints", "piqa", "selection_rule", "selected_checkpoint",
     "export_safetensors_sha256", "known_limitations",
 )
+# Written when the run records them, never listed as unknown: a run of an older trainer has none.
+# model: the whole architecture (trainer_state.json model_config), the same fields as config.json's.
+OPTIONAL_FIELDS = ("model",)
 
 
 class RecordError(UserError, ValueError):
@@ -264,6 +267,7 @@ def _state_fields(out: _Fields, state: Mapping[str, Any], where: str) -> None:
         schedule["total_steps"] = state.get("total_steps")
         out.put("optimizer_schedule", schedule, where)
     out.put("world_size", state.get("world_size"), where)
+    out.put("model", state.get("model_config"), where)
     out.put("hardware", state.get("hardware"), where)
     out.put("precision", crit.get("precision"), where)
     out.put("effective_batch", _effective_batch(crit, state.get("world_size")), where)
@@ -327,7 +331,7 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None,
                      **fields: Any) -> dict[str, Any]:
     """The record document; explicit ``fields`` override what is read from ``run_dir``."""
-    unknown_names = sorted(set(fields) - set(RECORD_FIELDS))
+    unknown_names = sorted(set(fields) - set(RECORD_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown_names:
         raise RecordError(f"unknown run record fields {unknown_names}; allowed: {list(RECORD_FIELDS)}")
     collected, prov = ({}, {})
@@ -356,8 +360,10 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
     doc: dict[str, Any] = {"format": RECORD_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for name in RECORD_FIELDS:
         doc[name] = collected.get(name)
+    doc.update({name: collected[name] for name in OPTIONAL_FIELDS if collected.get(name) is not None})
     doc["unknown"] = [name for name in RECORD_FIELDS if doc[name] is None]
-    doc["provenance"] = {name: prov[name] for name in RECORD_FIELDS if doc[name] is not None and name in prov}
+    doc["provenance"] = {name: prov[name] for name in (*RECORD_FIELDS, *OPTIONAL_FIELDS)
+                         if doc.get(name) is not None and name in prov}
     return doc
 
 
@@ -370,7 +376,7 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
         return f"`{value}`"
 
     lines = ["# Run record", ""]
-    for name in RECORD_FIELDS:
+    for name in (*RECORD_FIELDS, *(n for n in OPTIONAL_FIELDS if n in doc)):
         if name in ("checkpoints", "known_limitations"):
             continue
         lines.append(f"- **{name.replace('_', ' ')}**: {show(doc.get(name))}")

@@ -121,7 +121,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
-        f"{cfg.stage}: {cfg.model.preset} on {world} process(es), {data.describe}, "
+        f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.resuming and state.step == state.total_steps:
@@ -186,7 +186,8 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     model = build_model(plan, rank)
     ds_config = tcfg.to_deepspeed_dict(cfg, world)
     engine = build_engine(model, cfg, ds_config, data.total_steps,
-                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir))
+                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir,
+                                                                                 cfg.parallel.ep_size))
     state = restore(plan, engine.engine, rank)
 
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)

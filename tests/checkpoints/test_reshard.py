@@ -241,11 +241,20 @@ def test_reshard_rule_batch_layout_may_change_only_with_the_global_batch():
         _compat(2, 1, 8, 1, reshard=False)
 
 
-def test_an_expert_parallel_checkpoint_is_not_resharded():
-    saved = _saved(4, **{"parallel.ep_size": 2})
-    current = {"batch.micro_batch": 4, "batch.grad_accum": 1, "parallel.ep_size": 2}
-    with pytest.raises(ResumeError, match="expert-parallel \\(ep_size 2\\); --reshard does not move"):
-        ck.check_resume_compatible(saved, current, world_size=2, lora_enabled=False, total_steps=STEPS, reshard=True)
+def test_an_expert_parallel_checkpoint_reshards_onto_any_expert_layout_with_the_global_batch():
+    saved = _saved(2, **{"parallel.ep_size": 2})
+    for world, ep in ((1, 1), (2, 1), (4, 4), (4, 2), (8, 2)):
+        current = {"batch.micro_batch": GLOBAL // world, "batch.grad_accum": 1, "parallel.ep_size": ep}
+        ck.check_resume_compatible(saved, current, world_size=world, lora_enabled=False, total_steps=STEPS,
+                                   reshard=True)
+    assert ck.is_reshard(saved, 2, True, 1) and ck.is_reshard(saved, 1, True, 1)  # the experts move
+    assert not ck.is_reshard(saved, 2, True, 2) and not ck.is_reshard(saved, 2, False, 1)
+    with pytest.raises(ResumeError, match="parallel.ep_size: checkpoint 2, this run 1"):  # not without --reshard
+        ck.check_resume_compatible(saved, {"batch.micro_batch": 4, "batch.grad_accum": 1, "parallel.ep_size": 1},
+                                   world_size=2, lora_enabled=False, total_steps=STEPS, reshard=False)
+    with pytest.raises(ResumeError, match="global batch: checkpoint 8 rows"):  # the global batch still holds
+        ck.check_resume_compatible(saved, {"batch.micro_batch": 4, "batch.grad_accum": 1, "parallel.ep_size": 1},
+                                   world_size=1, lora_enabled=False, total_steps=STEPS, reshard=True)
 
 
 def test_reseeding_after_a_reshard_is_deterministic_per_rank():

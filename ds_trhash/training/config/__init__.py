@@ -25,6 +25,7 @@ from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .checks import check_device, require_source_stage
 from .layout import (
     batch_layout,
+    describe_model,
     for_world,
     model_config,
     to_deepspeed_dict,
@@ -90,4 +91,5 @@ __all__ = [
     "batch_layout",
     "for_world",
     "model_config",
+    "describe_model",
 ]

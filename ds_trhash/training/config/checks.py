@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from ds_trhash.model.config import TRHashConfig
+from ds_trhash.model.config import ShapeError, TRHashConfig, resolve_shape
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
-from .layout import _generated_deepspeed
+from .layout import _generated_deepspeed, describe_model
 from .schema import SFT, BatchSection, ConfigError, TrainConfig
 
 
@@ -23,17 +23,31 @@ class _Builder(Protocol):
     def fail(self, key: str, problem: str, *related: str) -> ConfigError: ...
 
 
-def _model_facts(preset: str) -> tuple[int, int | None]:
-    """(num_experts, max_seq_len) of a preset, from the model package when it is importable."""
+# Token shards store ids as uint16 (ds_trhash.data.shards), so a model can see at most this many.
+UINT16_TOKEN_IDS = 2**16
+
+
+def _model_shape(cfg: TrainConfig, b: _Builder) -> TRHashConfig:
+    """The model the config describes, or the refusal naming the model key at fault."""
+    m = cfg.model
     try:
-        mc = TRHashConfig.from_preset(preset)
-        return int(mc.num_experts), int(getattr(mc, "max_seq_len", 0)) or None
-    except (ImportError, AttributeError, ValueError):
-        return 4, None  # docs/contracts.md §1: four routed experts in every TR-HASH preset
+        shape = resolve_shape(m.preset, m.shape_overrides())
+    except ShapeError as exc:
+        raise b.fail(f"model.{exc.field}", exc.problem, *(("model.preset",) if m.preset else ())) from None
+    if shape.vocab_size > UINT16_TOKEN_IDS:
+        raise b.fail("model.vocab_size", f"{shape.vocab_size} exceeds the {UINT16_TOKEN_IDS} token ids uint16 token "
+                                         f"shards hold; allowed: 1..{UINT16_TOKEN_IDS}")
+    return shape
+
+
+def _shape_key(cfg: TrainConfig, name: str) -> str:
+    """The key that decided a shape field: the field itself when the config sets it, else the preset."""
+    return f"model.{name}" if getattr(cfg.model, name) is not None else "model.preset"
 
 
 def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     stage = cfg.stage
+    shape = _model_shape(cfg, b)
     if cfg.zero.stage == 3:
         raise b.fail("zero.stage", "DeepSpeed MoE does not support ZeRO-3 (every TR-HASH model is MoE); "
                                    "use 0, 1 or 2")
@@ -85,17 +99,18 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
         # (a null data.shards_dir beside a plan means the plan's own dataset, stage_data.py).
         need = ("data.plan", cfg.data.plan) if cfg.data.kind == "pretrain" else ("data.sft_dir", cfg.data.sft_dir)
         if need[1] is None:
-            raise b.fail(need[0], f"required for preset {cfg.model.preset}; null (the embedded demo corpus) "
+            raise b.fail(need[0], f"required for {describe_model(cfg)}; null (the embedded demo corpus) "
                                   "is allowed only with preset tiny", "model.preset")
         # data.shards_dir null: the plan's own dataset (an hf://datasets/... repository) is read.
-    num_experts, max_seq = _model_facts(cfg.model.preset)
+    num_experts = shape.num_experts
     if num_experts % cfg.parallel.ep_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise b.fail("parallel.ep_size", f"must divide the {num_experts} routed experts of preset "
-                                         f"{cfg.model.preset}; allowed: {', '.join(map(str, divisors))}", "model.preset")
-    if max_seq is not None and cfg.data.seq_len > max_seq:
-        raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {max_seq}-token context of preset "
-                                     f"{cfg.model.preset}; allowed: 1..{max_seq}", "model.preset")
+        raise b.fail("parallel.ep_size", f"must divide the {num_experts} routed experts of {describe_model(cfg)}; "
+                                         f"allowed: {', '.join(map(str, divisors))}", _shape_key(cfg, "num_experts"))
+    if cfg.data.seq_len > shape.max_seq_len:
+        raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {shape.max_seq_len}-token context "
+                                     f"(positions) of {describe_model(cfg)}; allowed: 1..{shape.max_seq_len}",
+                     _shape_key(cfg, "max_seq_len"))
     sc = cfg.schedule
     if sc.warmup_tokens is not None and sc.warmup_fraction is not None:
         raise b.fail("schedule.warmup_tokens", f"{sc.warmup_tokens} and schedule.warmup_fraction "

@@ -12,6 +12,7 @@ from typing import Any, Callable, Literal
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
+from ds_trhash.model.config import SHAPE_FIELDS
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
@@ -86,9 +87,14 @@ def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = No
 
 # --- schema ----------------------------------------------------------------------------------
 
+_SHAPE = _optional(_positive)
+
+
 @dataclass(frozen=True)
 class ModelSection:
-    preset: Literal["200m", "tiny"]
+    # A named size, or null with the architecture below given field by field; a preset plus some
+    # of those fields is the preset with them replaced (ds_trhash.model.config.resolve_shape).
+    preset: Literal["200m", "tiny"] | None = None
     # "vision" integrates refinement in its own recipe, so the stage guard lets it go
     # pretraining -> SFT directly.
     family: Literal["language", "vision"] = "language"
@@ -96,6 +102,24 @@ class ModelSection:
     # layer (full) or every activation_checkpointing_every-th layer (every_n). Same gradients.
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     activation_checkpointing_every: int = _f(2, check=_positive)
+    # The architecture, under the model's own field names (model.config.SHAPE_FIELDS); null: the
+    # preset's value. Combinations are checked at load (checks.py).
+    vocab_size: int | None = _f(None, check=_SHAPE)
+    hidden_size: int | None = _f(None, check=_SHAPE)
+    num_layers: int | None = _f(None, check=_SHAPE)
+    num_heads: int | None = _f(None, check=_SHAPE)
+    num_kv_heads: int | None = _f(None, check=_SHAPE)
+    head_dim: int | None = _f(None, check=_SHAPE)
+    shared_width: int | None = _f(None, check=_SHAPE)
+    num_experts: int | None = _f(None, check=_SHAPE)
+    expert_width: int | None = _f(None, check=_SHAPE)
+    max_seq_len: int | None = _f(None, check=_SHAPE)
+    hash_channels: int | None = _f(None, check=_SHAPE)
+    route_seed: int | None = _f(None, check=_optional(_non_negative))
+
+    def shape_overrides(self) -> dict[str, int]:
+        """The architecture fields this section sets (the rest come from the preset)."""
+        return {name: getattr(self, name) for name in SHAPE_FIELDS if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)

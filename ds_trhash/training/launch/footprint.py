@@ -41,6 +41,10 @@ class ParamCount:
     per_rank: int  # held by one rank (expert parallel: only its share of the routed experts)
     trainable_per_rank: int
     buffer_bytes: int  # route tables and other persistent buffers (saved with the module)
+    # of trainable_per_rank, the routed experts': ZeRO partitions them over the expert-data-parallel
+    # group (world / ep_size ranks), the rest over every rank
+    expert_trainable_per_rank: int = 0
+    routed_total: int = 0  # every routed expert's parameters, all ranks (for the active count)
 
 
 @dataclass(frozen=True)
@@ -102,17 +106,20 @@ def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
 def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
     """Exact parameter counts of ``meta_model(cfg, ...)``."""
     ep = cfg.parallel.ep_size
-    total = trainable = per_rank = trainable_per_rank = 0
+    total = trainable = per_rank = trainable_per_rank = expert_trainable = routed = 0
     for name, p in model.named_parameters():
         n = p.numel()
-        local = n // ep if _is_routed_expert(name, p.ndim) else n
+        expert = _is_routed_expert(name, p.ndim)
+        local = n // ep if expert else n
         total += n
         per_rank += local
+        routed += n if expert else 0
         if p.requires_grad:
             trainable += n
             trainable_per_rank += local
+            expert_trainable += local if expert else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers)
+    return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers, expert_trainable, routed)
 
 
 def activation_elements_per_token(model_cfg) -> int:
@@ -162,12 +169,20 @@ def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
     checkpointed = sum(1 for layer in model.layers if layer.checkpointed)
     p = PRECISION_BYTES[cfg.precision]
     zero = cfg.zero.stage
-    shards = world if zero >= 1 else 1  # ZeRO 1/2 partition optimizer state over data-parallel ranks
     mixed = p != FP32
     weights = params.per_rank * p + params.buffer_bytes
-    master = params.trainable_per_rank * FP32 // shards if mixed else 0
-    grads = params.trainable_per_rank * p // (world if zero >= 2 else 1)
-    optimizer = params.trainable_per_rank * ADAM_MOMENTS // shards + master
+    # ZeRO 1/2 partition the optimizer state (ZeRO 2 the gradients too) over the data-parallel
+    # ranks; a routed expert's over its expert-data-parallel group only (world / ep_size ranks).
+    dense = params.trainable_per_rank - params.expert_trainable_per_rank
+    groups = (world, max(1, world // cfg.parallel.ep_size))
+
+    def partitioned(bytes_each: int, on: bool) -> int:
+        dp, edp = groups if on else (1, 1)
+        return dense * bytes_each // dp + params.expert_trainable_per_rank * bytes_each // edp
+
+    master = partitioned(FP32, zero >= 1) if mixed else 0
+    grads = partitioned(p, zero >= 2)
+    optimizer = partitioned(ADAM_MOMENTS, zero >= 1) + master
     runtime = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return Footprint(params=params, weights=weights, gradients=grads, optimizer=optimizer,
                      activations=activation_bytes(cfg, model_cfg, checkpointed), runtime=runtime,

@@ -79,4 +79,4 @@ def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved
         found=ckpt.inspect_saved_parts(resume_dir), finished_ok=requested_resume(args) == "auto",
     )
     launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
-    return ckpt.is_reshard(saved, world, args.reshard)
+    return ckpt.is_reshard(saved, world, args.reshard, cfg.parallel.ep_size)

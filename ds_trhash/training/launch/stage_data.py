@@ -80,7 +80,8 @@ def embedded_root(cfg: tcfg.TrainConfig) -> Path:
 def _embedded(cfg: tcfg.TrainConfig, rank: int):
     if cfg.model.preset != "tiny":
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
-                               "required for the 200m preset (the embedded demo corpus is for the tiny preset only)")
+                               f"required for {tcfg.describe_model(cfg)} (the embedded demo corpus is for the tiny "
+                               "preset only)")
 
     return _rank0_first(rank, lambda: build_embedded(embedded_root(cfg), seq_len=cfg.data.seq_len))
 
@@ -120,7 +121,7 @@ def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
     if isinstance(plan_vocab, int) and plan_vocab > model_vocab:
         raise tcfg.ConfigError(cfg.origin, "data.plan",
                                f"the plan {plan_path} records vocab_size {plan_vocab}, more than the model's "
-                               f"{model_vocab} (model.preset {cfg.model.preset}): token ids beyond it have no "
+                               f"{model_vocab} ({tcfg.describe_model(cfg)}): token ids beyond it have no "
                                "embedding; use data tokenized for this model's vocabulary")
     env_target = os.environ.get("TARGET_TOKENS")
     if env_target not in (None, ""):
