@@ -7,6 +7,7 @@ another kind of store (``s3://``, ``gs://`` through fsspec) only has to implemen
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,3 +80,15 @@ class ShardStore(Protocol):
         """Write the file's ``size`` bytes into ``dest`` (an existing file, overwritten from 0) and
         return the sha256 of the bytes written, hashed as they were written, so the cache never
         reads a shard back to verify it (None: this store cannot; the cache then hashes the file)."""
+
+
+def copy_hashing(src: Path, dest: Path, chunk: int = 1 << 20) -> str:
+    """Copy ``src`` over ``dest`` (an existing file, overwritten from 0), hashing the bytes on the
+    way: the sha256 a store returns from ``download`` without reading the copy back."""
+    digest = hashlib.sha256()
+    with open(src, "rb") as fin, open(dest, "r+b") as fout:
+        while block := fin.read(chunk):
+            fout.write(block)
+            digest.update(block)
+        fout.truncate()
+    return digest.hexdigest()

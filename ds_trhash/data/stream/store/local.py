@@ -1,13 +1,12 @@
 """A corpus in a local (or mounted) directory: the store of ``data.shards_dir: /some/dir``."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ds_trhash.data.stream.store.base import StoreError, StoreFile, relative_name
+from ds_trhash.data.stream.store.base import StoreError, StoreFile, copy_hashing, relative_name
 
 _CHUNK = 1 << 20
 LOCAL_COMMIT = "local"  # a directory has no revisions: its commit is this word
@@ -59,13 +58,7 @@ class LocalStore:
     def download(self, path: str, dest: Path, size: int) -> str:
         """Copy the file into ``dest``; returns the sha256 of the bytes copied (hashed on the way)."""
         src = self._path(path)
-        digest = hashlib.sha256()
         try:
-            with open(src, "rb") as fin, open(dest, "r+b") as fout:
-                while block := fin.read(_CHUNK):
-                    fout.write(block)
-                    digest.update(block)
-                fout.truncate()
+            return copy_hashing(src, dest, _CHUNK)
         except FileNotFoundError:
             raise StoreError(f"shard {src} is missing from the shard store") from None
-        return digest.hexdigest()

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ds_trhash.data.stream.store.base import ShardStore, StoreFile, relative_name
+from ds_trhash.data.stream.store.base import ShardStore, StoreFile, copy_hashing, relative_name
 
 _CHUNK = 1 << 20
 CLAIM, TAKEN = ".claim", ".taken-"
@@ -115,23 +115,18 @@ class StagedStore:
     def _take(self, staged: Path, dest: Path, path: str) -> Optional[str]:
         """Copy the staged file into ``dest``, hashing it; None (and the copy dropped) when it is
         not the Hub's bytes or vanished under us (taken by every node meanwhile)."""
-        digest = hashlib.sha256()
         try:
-            with open(staged, "rb") as fin, open(dest, "r+b") as fout:
-                while block := fin.read(_CHUNK):
-                    fout.write(block)
-                    digest.update(block)
-                fout.truncate()
+            digest = copy_hashing(staged, dest, _CHUNK)
         except FileNotFoundError:
             return None
         expected = self._expected.get(path)
-        if expected and digest.hexdigest() != expected:
+        if expected and digest != expected:
             for leftover in (staged, _side(staged, CLAIM)):
                 _unlink(leftover)
             return None
         self.staged_copies += 1
         self._mark_taken(staged)
-        return digest.hexdigest()
+        return digest
 
     def _mark_taken(self, staged: Path) -> None:
         _side(staged, f"{TAKEN}{self.node}").touch()
