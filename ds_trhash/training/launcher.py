@@ -21,7 +21,7 @@ from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
-from ds_trhash.training.launch.output import check_output_side
+from ds_trhash.training.launch.output import check_output_paths, check_output_side
 from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -81,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     import torch
 
     tcfg.check_device(cfg, torch.cuda.is_available())
+    tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: the same)
     return cfg
 
 
@@ -231,15 +232,18 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         cfg = config_from_args(args)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
-        # Output directory, --resume, --init-checkpoint: refused before the process group exists.
-        checked = check_output_side(cfg, args, rank)
-        # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
-        lock = run_lock.acquire(cfg.output_dir) if rank == 0 else run_lock.check_peer(cfg.output_dir)
+        check_output_paths(cfg, args)  # a wrong --output-dir path: refused before the lock creates it
+        # One launch per output directory, taken before anything is decided about it or written
+        # into it (checkpoints/run_lock.py); the other ranks pass the process-group start only
+        # once rank 0 holds it, so every rank decides below what rank 0 decides under the lock.
+        lock = run_lock.acquire(cfg.output_dir, log=log.info) if rank == 0 else run_lock.check_peer(cfg.output_dir)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        state = run_stage(cfg, args, rank, world, parts, checked)
+        # Fresh, resume from which checkpoint, or refused: decided while the lock is held.
+        checked = check_output_side(cfg, args, rank)
+        state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
@@ -247,8 +251,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
                       f"checkpoint ({state.stop_reason}); exiting 0")
     except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # in one write, flushed: the launcher may terminate this process right after
+            rank_line(f"error: {e}")
         return e.exit_code
     except Exception as e:
         cause = disk_failure(e, output_dir) if output_dir is not None else None
@@ -263,6 +267,6 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     finally:
         if started and dist.is_initialized():
             dist.destroy_process_group()
-        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
+        if lock is not None:  # kept once the launch wrote; a refused launch changes nothing
             lock.release()
     return 0
