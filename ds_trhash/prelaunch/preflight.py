@@ -88,7 +88,9 @@ def _output(report: Report, cfg, args, world: int, data):
 
     def output():
         pre = check_output_side(cfg, args, 0)
-        set_aside = f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside" if pre.damaged else ""
+        # what the launch would set aside, each with why (damaged, or records that disagree)
+        set_aside = (f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside ("
+                     + "; ".join(f"{name} is {why}" for name, why in pre.damaged) + ")") if pre.damaged else ""
         if pre.saved is None:
             state = "does not exist yet" if not output_dir.exists() else "holds no run"
             return pre, f"{output_dir} {state}: a fresh start{set_aside}"
@@ -99,7 +101,8 @@ def _output(report: Report, cfg, args, world: int, data):
             return pre, (f"{output_dir} holds this stage finished ({Path(pre.resume_dir).name} is its last step): "
                          "--resume auto trains nothing, completes any end-of-stage record an interrupted end "
                          "left out, and exits 0")
-        return pre, f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+        return pre, (f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+                     f"{set_aside}")
 
     return report.run("output", output)
 
