@@ -234,15 +234,21 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         check_output_paths(cfg, args)  # a wrong --output-dir path: refused before the lock creates it
         # One launch per output directory, taken before anything is decided about it or written
-        # into it (checkpoints/run_lock.py); the other ranks pass the process-group start only
-        # once rank 0 holds it, so every rank decides below what rank 0 decides under the lock.
-        lock = run_lock.acquire(cfg.output_dir, log=log.info) if rank == 0 else run_lock.check_peer(cfg.output_dir)
+        # into it (checkpoints/run_lock.py). Fresh start, resume from which checkpoint, or refusal:
+        # rank 0 decides while it holds the lock, before the process group exists; the other ranks
+        # decide once the group has started, which waits for rank 0, so under its lock too.
+        checked = None
+        if rank == 0:
+            lock = run_lock.acquire(cfg.output_dir, log=log.info)
+            checked = check_output_side(cfg, args, rank)
+        else:
+            run_lock.check_peer(cfg.output_dir)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        # Fresh, resume from which checkpoint, or refused: decided while the lock is held.
-        checked = check_output_side(cfg, args, rank)
+        if checked is None:
+            checked = check_output_side(cfg, args, rank)
         state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight

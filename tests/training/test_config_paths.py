@@ -20,15 +20,16 @@ def _cases(tmp: Path) -> list[tuple[str, list[str], str, str]]:
     """(config, --set overrides, key, what the message says) for each kind of wrong path."""
     file, folder, missing = tmp / "a-file", tmp / "a-folder", tmp / "missing"
     return [
-        (PRETRAIN, [f"eval.piqa={missing}/piqa.jsonl"], "eval.piqa", f"{missing}/piqa.jsonl does not exist"),
-        (PRETRAIN, [f"eval.piqa={folder}"], "eval.piqa", f"{folder} is not a file"),
-        (PRETRAIN, [f"data.plan={missing}.json"], "data.plan", f"{missing}.json does not exist"),
-        (PRETRAIN, [f"data.plan={folder}"], "data.plan", f"{folder} is not a file"),
-        (PRETRAIN, [f"data.plan={file}", f"data.shards_dir={file}"], "data.shards_dir", f"{file} is not a directory"),
-        (PRETRAIN, [f"data.tokenizer={missing}"], "data.tokenizer", f"{missing} does not exist"),
+        (PRETRAIN, [f"eval.piqa={missing}/piqa.jsonl"], "eval.piqa", f"PIQA set {missing}/piqa.jsonl does not exist"),
+        (PRETRAIN, [f"eval.piqa={folder}"], "eval.piqa", f"PIQA set {folder} is a directory, not a JSONL file"),
+        (PRETRAIN, [f"data.plan={missing}.json"], "data.plan", f"replay plan {missing}.json does not exist"),
+        (PRETRAIN, [f"data.plan={folder}"], "data.plan", f"replay plan {folder} is a directory, not a plan file"),
+        (PRETRAIN, [f"data.plan={file}", f"data.shards_dir={file}"], "data.shards_dir",
+         f"corpus {file} is a file, not a directory"),
+        (PRETRAIN, [f"data.tokenizer={missing}"], "data.tokenizer", f"tokenizer {missing} does not exist"),
         (PRETRAIN, [f"data.cache_dir={file}/cache"], "data.cache_dir", f"{file}/cache lies below the regular file {file}"),
-        (SFT, [f"data.sft_dir={missing}", "source_stage=refinement"], "data.sft_dir", f"{missing} does not exist"),
-        (SFT, [f"data.sft_dir={file}", "source_stage=refinement"], "data.sft_dir", f"{file} is not a directory"),
+        (SFT, [f"data.sft_dir={missing}", "source_stage=refinement"], "data.sft_dir", f"SFT set {missing} does not exist"),
+        (SFT, [f"data.sft_dir={file}", "source_stage=refinement"], "data.sft_dir", f"SFT set {file} is a file, not a directory"),
     ]
 
 
@@ -70,5 +71,5 @@ def test_a_missing_piqa_file_is_refused_by_the_real_launch_before_anything_start
     proc = L.single(_argv(tmp, PRETRAIN, [f"eval.piqa={tmp}/nonexistent/piqa.jsonl"]))
     assert proc.returncode == 2, L.explain(proc)
     assert "Traceback" not in proc.stdout + proc.stderr, L.explain(proc)
-    assert f"eval.piqa: {tmp}/nonexistent/piqa.jsonl does not exist" in proc.stderr, L.explain(proc)
+    assert f"eval.piqa: PIQA set {tmp}/nonexistent/piqa.jsonl does not exist" in proc.stderr, L.explain(proc)
     assert tree_digest(tmp) == before

@@ -119,14 +119,16 @@ def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
     if problem:
         raise b.fail(*problem)
 
-# The config keys that name a path the launch reads: (key, what it must be, what it is for).
-# data.shards_dir is a directory unless it is an hf:// repository; null keys are not read.
+# The config keys that name a path the launch reads: (key, what kind of path: "... file",
+# "directory" or "any", what it names, how to make one). data.shards_dir is a directory unless it is an hf:// repository; null
+# keys are not read.
 _INPUT_PATHS = (
-    ("data.plan", "file", "a replay plan JSON (`ds-trhash data plan --out`)"),
-    ("data.shards_dir", "directory", "the plan's corpus (`ds-trhash data tokenize --out`), or hf://datasets/OWNER/REPO"),
-    ("data.sft_dir", "directory", "a tokenized SFT set (`ds-trhash sft build --out`)"),
-    ("data.tokenizer", "any", "a tokenizer directory holding tokenizer.json, or the file"),
-    ("eval.piqa", "file", "a PIQA JSONL file (goal, sol1, sol2, label per line)"),
+    ("data.plan", "plan file", "replay plan", "a plan file: `ds-trhash data plan --out PLAN.json`"),
+    ("data.shards_dir", "directory", "corpus", "a shard directory (`ds-trhash data tokenize --out`) or "
+                                               "hf://datasets/OWNER/REPO"),
+    ("data.sft_dir", "directory", "SFT set", "a tokenized SFT set: `ds-trhash sft build --out DIR`"),
+    ("data.tokenizer", "any", "tokenizer", "a directory holding tokenizer.json, or the file"),
+    ("eval.piqa", "JSONL file", "PIQA set", "a PIQA JSONL file (goal, sol1, sol2, label on each line)"),
 )
 
 
@@ -135,15 +137,15 @@ def _value(cfg: TrainConfig, key: str):
     return getattr(getattr(cfg, section), name)
 
 
-def _path_problem(path: Path, kind: str) -> str | None:
+def _path_problem(path: Path, kind: str, what: str) -> str | None:
     if not path.exists():
-        return f"{path} does not exist"
-    if kind == "file" and not path.is_file():
-        return f"{path} is not a file"
+        return f"{what} {path} does not exist"
+    if kind.endswith("file") and path.is_dir():
+        return f"{what} {path} is a directory, not a {kind}"
     if kind == "directory" and not path.is_dir():
-        return f"{path} is not a directory"
+        return f"{what} {path} is a file, not a directory"
     if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        return f"{path} is not readable"
+        return f"{what} {path} is not readable"
     return None
 
 
@@ -152,13 +154,13 @@ def check_paths(cfg: TrainConfig) -> None:
     before anything starts: an input that does not exist, or is a file where a directory belongs
     (or the reverse), is refused naming its key; ``data.cache_dir``, which the launch writes, must
     not be a file or lie below one. Whether the contents are right is the data checks' work."""
-    for key, kind, meaning in _INPUT_PATHS:
+    for key, kind, what, fix in _INPUT_PATHS:
         value = _value(cfg, key)
         if value is None or (key == "data.shards_dir" and str(value).startswith("hf://")):
             continue
-        problem = _path_problem(Path(value), kind)
+        problem = _path_problem(Path(value), kind, what)
         if problem:
-            raise ConfigError(cfg.origin, key, f"{problem}; it must name {meaning}")
+            raise ConfigError(cfg.origin, key, f"{problem}; point {key} at {fix}")
     if cfg.data.cache_dir is not None:
         try:
             check_dir_target("data.cache_dir", cfg.data.cache_dir)
