@@ -93,6 +93,8 @@ def _output(report: Report, cfg, args, world: int, data):
                      + "; ".join(f"{name} is {why}" for name, why in pre.damaged) + ")") if pre.damaged else ""
         if pre.saved is None:
             state = "does not exist yet" if not output_dir.exists() else "holds no run"
+            if pre.damaged:  # --allow-fresh-over-damaged: the earlier run's files go aside too
+                set_aside += ", with every file of the earlier run that the new one writes"
             return pre, f"{output_dir} {state}: a fresh start{set_aside}"
         if data is None:
             return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
