@@ -21,7 +21,7 @@ from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
-from ds_trhash.training.launch.output import check_output_paths, check_output_side
+from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
 from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -209,6 +209,26 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace,
+                    rank: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
+    """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock, then
+    decides fresh start, resume from which checkpoint, or refusal while holding it, before the
+    process group exists (rank 0's lock, and its decision). The other ranks only probe the lock
+    here and decide once the process group has started, which waits for rank 0: under its lock
+    too (their decision is None here). A wrong --output-dir path is refused before the lock
+    creates the directory."""
+    check_output_paths(cfg, args)
+    if rank != 0:
+        run_lock.check_peer(cfg.output_dir)
+        return None, None
+    lock = run_lock.acquire(cfg.output_dir, log=log.info)
+    try:
+        return lock, check_output_side(cfg, args, rank)
+    except BaseException:
+        lock.release()  # refused (or failed) before writing: the directory as it was found
+        raise
+
+
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
     them with evaluation).
@@ -232,17 +252,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         cfg = config_from_args(args)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
-        check_output_paths(cfg, args)  # a wrong --output-dir path: refused before the lock creates it
-        # One launch per output directory, taken before anything is decided about it or written
-        # into it (checkpoints/run_lock.py). Fresh start, resume from which checkpoint, or refusal:
-        # rank 0 decides while it holds the lock, before the process group exists; the other ranks
-        # decide once the group has started, which waits for rank 0, so under its lock too.
-        checked = None
-        if rank == 0:
-            lock = run_lock.acquire(cfg.output_dir, log=log.info)
-            checked = check_output_side(cfg, args, rank)
-        else:
-            run_lock.check_peer(cfg.output_dir)
+        lock, checked = lock_and_decide(cfg, args, rank)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
