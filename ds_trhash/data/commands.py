@@ -15,13 +15,13 @@ from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.io import os_errors_as, read_json_object
 from ds_trhash.outputs import writes_dirs
 
-from .corpus_index import read_corpus_index
-from .embedded import build_embedded
-from .corpus_commands import add_corpus_commands
-from .plan import check_refinement, derive_refinement, load_plan, write_plan
-from .plan_build import build_plan
-from .plan_correct import build_corrective_plan
-from .tokenizer import train_tokenizer
+from ds_trhash.data.plans.corpus_index import read_corpus_index
+from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.build.commands import add_corpus_commands
+from ds_trhash.data.plans.plan import check_refinement, derive_refinement, load_plan, write_plan
+from ds_trhash.data.plans.build import build_plan
+from ds_trhash.data.plans.correct import build_corrective_plan
+from ds_trhash.data.formats.tokenizer import train_tokenizer
 
 
 class CommandError(UserError, ValueError):

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_trhash.batch_layout import step_rows
+
 
 @dataclass
 class PretrainBatches:
     """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size."""
 
-    reader: object  # ds_trhash.data.reader.ReplayReader
+    reader: object  # ds_trhash.data.stream.reader.ReplayReader
     micro_batch: int
     grad_accum: int
     rank: int
@@ -36,14 +38,14 @@ class PretrainBatches:
 
     def cursor(self, step: int) -> int:
         """The global row index the next step starts at (saved in checkpoints)."""
-        return step * self.micro_batch * self.grad_accum * self.world_size
+        return step * step_rows(self.micro_batch, self.grad_accum, self.world_size)
 
 
 @dataclass
 class SFTStepBatches:
     """Packed SFT windows; epoch e's order is a pure function of (seed, e)."""
 
-    batches: object  # ds_trhash.data.sft_dataset.SFTBatches
+    batches: object  # ds_trhash.data.sft.dataset.SFTBatches
     grad_accum: int
     policy: str  # cross_document | per_document
 

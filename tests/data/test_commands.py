@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 
 from ds_trhash.cli import main
-from ds_trhash.data.plan import load_plan, validate_refinement
-from ds_trhash.data.shards import load_manifest
-from ds_trhash.data.tokenizer import tokenizer_sha256
+from ds_trhash.data.plans.plan import load_plan, validate_refinement
+from ds_trhash.data.formats.shards import load_manifest
+from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 
 
 def cli(argv, capsys):
