@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.checkpoints.state import _STEP_DIR, ENGINE_TAG, CheckpointError, read_trainer_state
 from ds_trhash.checkpoints.store import verify
 
@@ -43,7 +44,7 @@ def _rows_per_step(state: Mapping[str, Any]) -> int | None:
     """Rows one optimizer step reads over all ranks, from the checkpoint's own settings."""
     critical = state.get("training_critical") or {}
     mb, ga, world = _int(critical, "batch.micro_batch"), _int(critical, "batch.grad_accum"), _int(state, "world_size")
-    return mb * ga * world if None not in (mb, ga, world) else None
+    return step_rows(mb, ga, world) if None not in (mb, ga, world) else None
 
 
 def _state_problems(name_step: int | None, state: Mapping[str, Any]) -> list[str]:

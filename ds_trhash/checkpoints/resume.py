@@ -12,11 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-<<<<<<< HEAD
-from ds_trhash.checkpoints.consistency import engine_states, trusted
-=======
 from ds_trhash.batch_layout import step_rows
->>>>>>> main
+from ds_trhash.checkpoints.consistency import engine_states, trusted
 from ds_trhash.checkpoints.state import rng_path
 from ds_trhash.checkpoints.state import (
     ENGINE_TAG,

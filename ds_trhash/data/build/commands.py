@@ -10,19 +10,11 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
-<<<<<<< HEAD:ds_trhash/data/corpus_commands.py
-from ds_trhash.outputs import writes_dirs
-
-from .inputs import FORMATS, file_inputs, hf_input
-from .parallel_tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
-from .parts import merge_parts, parse_part
-from .publish import publish_corpus
-=======
 from ds_trhash.data.build.inputs import FORMATS, file_inputs, hf_input
-from ds_trhash.data.build.tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
 from ds_trhash.data.build.parts import merge_parts, parse_part
 from ds_trhash.data.build.publish import publish_corpus
->>>>>>> main:ds_trhash/data/build/commands.py
+from ds_trhash.data.build.tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
+from ds_trhash.outputs import writes_dirs
 
 
 def _tokenize(args: argparse.Namespace) -> int:

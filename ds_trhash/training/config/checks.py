@@ -6,13 +6,9 @@ The combination checks run at load time (from ``reading.config_from_dict``); ``c
 from __future__ import annotations
 
 import dataclasses
-<<<<<<< HEAD
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
-=======
 from typing import Protocol
->>>>>>> main
 
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.outputs import OutputPathError, check_dir_target
