@@ -146,6 +146,7 @@ def run_preflight(args: argparse.Namespace) -> int:
                       f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
+    report.run("paths", lambda: (tcfg.check_paths(cfg), "every path the config names exists and is of its kind"))
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
     model_cfg = tcfg.model_config(cfg)

@@ -81,7 +81,6 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     import torch
 
     tcfg.check_device(cfg, torch.cuda.is_available())
-    tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: the same)
     return cfg
 
 
@@ -250,6 +249,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     started = False  # whether this launch made the process group (only then does it tear it down)
     try:
         cfg = config_from_args(args)
+        tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: its paths line)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         lock, checked = lock_and_decide(cfg, args, rank)
