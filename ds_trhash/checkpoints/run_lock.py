@@ -206,7 +206,8 @@ def check_peer(output_dir: str | os.PathLike) -> None:
     try:
         if _try(fd, fcntl.LOCK_SH):
             return  # free: our rank 0 is about to take it (and refuses for us if it cannot)
-        deadline = time.monotonic() + _SETTLE_S
+        # as long as rank 0 waits for another launch's lock: refusing sooner would end the launch
+        deadline = time.monotonic() + wait_seconds()
         while True:  # held: by our rank 0 (its record may still be being written) or by another launch
             if read_holder(out).get("launch") == launch_identity():
                 return  # our own rank 0 (on this node or another one: the same rendezvous)

@@ -208,19 +208,22 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace,
-                    rank: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
-    """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock, then
-    decides fresh start, resume from which checkpoint, or refusal while holding it, before the
-    process group exists (rank 0's lock, and its decision). The other ranks only probe the lock
-    here and decide once the process group has started, which waits for rank 0: under its lock
-    too (their decision is None here). A wrong --output-dir path is refused before the lock
-    creates the directory."""
+def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
+                    world: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
+    """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock before
+    anything is decided about the directory: (rank 0's lock, the decision). Alone, it decides
+    fresh start, resume from which checkpoint, or refusal right here, before any process group
+    exists. With other ranks, every rank decides once the process group has started (None here),
+    which waits for rank 0, so under its lock too, and all refuse at once: a rank left waiting in
+    the rendezvous for a rank 0 that refused alone would hang until the launcher killed it. A wrong
+    --output-dir path is refused before the lock creates the directory."""
     check_output_paths(cfg, args)
     if rank != 0:
         run_lock.check_peer(cfg.output_dir)
         return None, None
     lock = run_lock.acquire(cfg.output_dir, log=log.info)
+    if world > 1:
+        return lock, None
     try:
         return lock, check_output_side(cfg, args, rank)
     except BaseException:
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: its paths line)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
-        lock, checked = lock_and_decide(cfg, args, rank)
+        lock, checked = lock_and_decide(cfg, args, rank, world)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
