@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from ds_trhash import outputs
 from ds_trhash.errors import UserError
 from ds_trhash.release.hub_client import redact
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
+        outputs.check_declared(args)  # an output folder that is a file: refused naming its option
         return int(args.func(args) or 0)
     except UserError as exc:
         # ``error_label``: the command groups whose lines name the subcommand ("ds-trhash data plan")

@@ -111,3 +111,4 @@ def register(sub) -> None:
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per stage (default 1)")
     p.add_argument("--configs", default=str(REPO / "ds_configs" / "tiny"), help="folder with pretrain/refine/sft.yaml")
     p.set_defaults(func=lambda a: run_demo(Path(a.root).resolve(), a.nproc, Path(a.configs)))
+    outputs.writes_dirs(p, "--root")

@@ -4,7 +4,9 @@ Every command that writes a directory (a launch's ``--output-dir``, ``export --o
 --out``, ``report --out``, the demo, smoke and preflight folders) refuses here, naming both paths,
 when the output would land in, on or around what it reads (a launch over its own
 ``--init-checkpoint`` would leave that checkpoint corrupt), when the output names a regular file
-or lies below one, or when a convenience command would write over files it did not make. It
+or lies below one, or when a convenience command would write over files it did not make. A
+``ds-trhash`` command declares the options that name a folder it writes (``writes_dirs``), and
+the console script checks each of them before the command runs (``check_declared``). It
 imports only the standard library and the error base, so any package can use it.
 """
 
@@ -71,6 +73,26 @@ def check_dir_target(flag: str, path: PathLike) -> None:
                 where = "is a regular file" if candidate == target else f"lies below the regular file {candidate}"
                 raise OutputPathError(f"{flag} {path} {where}, not a directory; choose a directory path")
             return
+
+
+# The argparse default under which a command declares the options that name a folder it writes.
+DIR_OPTIONS = "dir_options"
+
+
+def writes_dirs(parser, *flags: str) -> None:
+    """Declare that ``parser``'s command writes a folder at each option in ``flags`` ("--out"):
+    ``ds-trhash`` checks every declared one (``check_declared``) before the command runs."""
+    parser.set_defaults(**{DIR_OPTIONS: tuple(flags)})
+
+
+def check_declared(args) -> None:
+    """The one check of every folder a ``ds-trhash`` command writes: an option declared with
+    ``writes_dirs`` that names a regular file (or a path below one) is refused naming the option,
+    before the command reads or writes anything."""
+    for flag in getattr(args, DIR_OPTIONS, ()):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            check_dir_target(flag, value)
 
 
 def is_empty_or_absent(path: PathLike) -> bool:

@@ -8,6 +8,7 @@ and is what ``launch/train.py`` runs.
 from __future__ import annotations
 
 from ds_trhash.eval.callbacks import EVAL_CALLBACKS
+from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR
 from ds_trhash.release.lifecycle import finish_stage
 from ds_trhash.training import launcher
 from ds_trhash.training.callbacks import Callback, RunContext, training_parts
@@ -18,6 +19,8 @@ class StageEndCallback(Callback):
     and its cleanup after success (``release.lifecycle.finish_stage``) on rank 0; every rank waits
     at a barrier, and an error on rank 0 fails the launch after it (so no rank waits forever; the
     checkpoint stays and the next ``RESUME=auto`` launch retries)."""
+
+    run_files = (FINAL_DIR, COMPLETE_FILE)
 
     def __init__(self, run: RunContext):
         self.run = run

@@ -2,6 +2,7 @@
 refused before anything is written, naming both paths: the helpers, then `export --out`,
 `sft build --out` and `report --out` through the real commands."""
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,72 @@ def test_export_sft_build_and_report_never_write_into_their_inputs(tmp_path, cap
              f"--out {run / 'record.json'} is inside --run {run}")
     _refused(capsys, tmp_path, ["report", "--run", str(run), "--out", str(tmp_path / "file")],
              f"--out {tmp_path / 'file'} is a regular file")
+
+
+# --------------------------------------------------------------------------- every folder a command writes
+
+# (command words, the option naming the folder it writes, the rest of a command line that would run)
+FOLDER_OUTPUTS = [
+    (["data", "train-tokenizer"], "--out", ["--input", "{file}", "--vocab-size", "300"]),
+    (["data", "tokenize"], "--out", ["--input", "{file}", "--source", "s", "--tokenizer", "{tmp}/tok", "--seq-len", "8",
+                                     "--rows-per-shard", "4"]),
+    (["data", "merge-parts"], "--out", ["{tmp}/s.part-0-of-1"]),
+    (["data", "embedded"], "--out", []),
+    (["sft", "build"], "--out", ["--input", "{file}", "--eval-input", "{file}", "--tokenizer", "{tmp}/tok",
+                                 "--seq-len", "8"]),
+    (["export"], "--out", ["--checkpoint", "{tmp}/ckpt"]),
+    (["jobs", "render"], "--out", ["ds_configs/jobs/tiny.toml"]),
+    (["demo"], "--root", []),
+    (["smoke"], "--workdir", ["--config", "ds_configs/tiny/pretrain.yaml"]),
+]
+
+
+def _declared(parser, words=()) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Every (sub)command of ``parser`` that declares the folders it writes (outputs.writes_dirs)."""
+    found = {}
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, sub in action.choices.items():
+            if isinstance(sub, type(parser)):
+                if sub.get_default("dir_options"):
+                    found[(*words, name)] = sub.get_default("dir_options")
+                found.update(_declared(sub, (*words, name)))
+    return found
+
+
+def test_every_command_that_writes_a_folder_declares_it():
+    from ds_trhash.cli import build_parser
+
+    assert _declared(build_parser()) == {tuple(words): (flag,) for words, flag, _ in FOLDER_OUTPUTS}
+
+
+@pytest.mark.parametrize("words, flag, rest", FOLDER_OUTPUTS, ids=[" ".join(w) for w, _, _ in FOLDER_OUTPUTS])
+def test_a_folder_output_that_is_a_file_is_refused_naming_the_option(tmp_path, capsys, words, flag, rest):
+    file = tmp_path / "a-file"
+    file.write_text("not a folder\n")
+    args = [a.format(file=file, tmp=tmp_path) for a in rest]
+    for target, how in ((file, "is a regular file"), (file / "below", f"lies below the regular file {file}")):
+        before = tree_digest(tmp_path)
+        assert main([*words, *args, flag, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} {target} {how}, not a directory" in err and "Errno" not in err, err
+        assert tree_digest(tmp_path) == before
+
+
+def test_the_real_commands_say_which_option_or_key_names_a_file(tmp_path):
+    from tests.fail_closed import assert_clean_refusal, ds_trhash
+
+    file = tmp_path / "FILE"
+    file.write_text("x")
+    before = tree_digest(tmp_path)
+    assert_clean_refusal(ds_trhash("data", "embedded", "--out", file), f"--out {file} is a regular file, not a directory")
+    assert_clean_refusal(ds_trhash("jobs", "render", "ds_configs/jobs/tiny.toml", "--out", file),
+                         f"--out {file} is a regular file, not a directory")
+    assert tree_digest(tmp_path) == before
+    manifest = tmp_path / "jobs.toml"
+    manifest.write_text('version = 1\njobs_dir = "FILE"\n[[jobs]]\nname = "a"\nargv = ["true"]\n')
+    before = tree_digest(tmp_path)
+    for action in (["render", str(manifest), "--out", str(tmp_path / "conf")], ["status", str(manifest)]):
+        assert_clean_refusal(ds_trhash("jobs", *action), "key 'jobs_dir'", f"{file} is a regular file, not a directory")
+    assert tree_digest(tmp_path) == before

@@ -6,6 +6,8 @@ Modules, by job:
   records);
 * ``hardware`` - the accelerator or CPU a checkpoint and a run record name (asks torch);
 * ``store``   - manifest, verify, list, rotation;
+* ``consistency`` - whether a checkpoint's own records agree (folder name, step, counters, the
+  engine's step and schedule): the test before one is chosen to resume or start from;
 * ``save``    - writing a checkpoint that is visible only when complete (atomic publish);
 * ``resume``  - choosing the checkpoint to continue from and what must match (the refusals);
 * ``reshard`` - universal conversion for a new world size, and restoring a DeepSpeed engine;
@@ -31,6 +33,7 @@ _MODULES = {
     "hardware": ("describe_hardware",),
     "store": ("CheckpointInfo", "checkpoints_root", "list_checkpoints", "rotate", "rotate_unless_syncing",
               "rotation_survivors", "step_dir_name", "verify"),
+    "consistency": ("engine_states", "inconsistency", "trusted"),
     "save": ("save_checkpoint",),
     "resume": ("REQUIRED_STATE_PARTS", "RESHARD_LAYOUT_KEYS", "check_output_dir_stage", "check_resume_compatible",
                "find_resumable", "global_batch", "inspect_saved_parts", "is_reshard", "resolve_resume"),

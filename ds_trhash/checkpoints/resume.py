@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.batch_layout import step_rows
+from ds_trhash.checkpoints.consistency import engine_states, trusted
 from ds_trhash.checkpoints.state import rng_path
 from ds_trhash.checkpoints.state import (
     ENGINE_TAG,
@@ -22,13 +23,14 @@ from ds_trhash.checkpoints.state import (
     TrainerState,
     read_trainer_state,
 )
-from ds_trhash.checkpoints.store import CheckpointInfo, checkpoints_root, list_checkpoints, verify
+from ds_trhash.checkpoints.store import CheckpointInfo, checkpoints_root, list_checkpoints
 
 def find_resumable(output_dir: str | os.PathLike, log: Log = print) -> CheckpointInfo | None:
-    """The newest checkpoint that fully verifies; newer broken ones are reported and skipped."""
+    """The newest checkpoint that fully verifies and whose records agree (``consistency``); newer
+    broken ones are reported and skipped."""
     skipped: list[tuple[CheckpointInfo, str]] = []
     for info in reversed(list_checkpoints(output_dir)):
-        ok, reason = verify(info.path)
+        ok, reason = trusted(info.path)
         if ok:
             for bad, why in skipped:
                 log(f"{bad.name} is {why} — falling back to {info.name}")
@@ -66,7 +68,7 @@ def resolve_resume(
             log(f"resume auto: continuing from {info.path}")
         return info
     path = Path(choice)
-    ok, reason = verify(path)
+    ok, reason = trusted(path)
     if not ok:
         raise ResumeError(f"cannot resume from {path}: it is {reason}; pass another checkpoint or --resume auto")
     return CheckpointInfo(int(read_trainer_state(path)["step"]), path, True)
@@ -215,19 +217,14 @@ def inspect_saved_parts(ckpt_dir: str | os.PathLike, world_size: int | None = No
     ``load_checkpoint`` only warns and rebuilds the optimizer from the 16-bit weights. Runs
     without a model, so an incomplete checkpoint is refused before anything is allocated.
     """
-    import torch
-
     ckpt = Path(ckpt_dir)
     ranks = world_size if world_size is not None else int(read_trainer_state(ckpt)["world_size"])
     tag_dir = ckpt / ENGINE_TAG
-    # expert-parallel runs add per-expert layer_*_expert_* files beside the engine's own
-    model_files = sorted(p for p in tag_dir.glob("*model_states.pt") if not p.name.startswith("layer_"))
-    found = {"model": bool(model_files), "optimizer": False, "scheduler": False,
+    states = engine_states(ckpt)  # mmap: only the small optimizer/scheduler entries are read
+    found = {"model": states is not None, "optimizer": False, "scheduler": False,
              "rng": all(rng_path(ckpt, r).is_file() for r in range(ranks))}
-    if not model_files:
+    if states is None:
         return found
-    # mmap: the weights in this file are not read, only the small optimizer/scheduler entries.
-    states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
     found["scheduler"] = states.get("lr_scheduler") is not None
     optim_files = {p.name for p in tag_dir.glob("*_optim_states.pt")}
     if optim_files:  # ZeRO / bf16 optimizer: one partition file per data-parallel rank

@@ -5,8 +5,19 @@ and the window is wide: after Ctrl-C the ``deepspeed`` runner returns the prompt
 ranks still write their stop checkpoint. So rank 0 of every launch takes an exclusive
 ``fcntl.flock`` on this file before it writes anything and holds it until the process exits;
 the kernel releases it when the process ends, however it ends (``kill -9`` included), so a
-stale lock never blocks a restart. A launch that exits removes the file it created. The file holds who holds it (host, pid, the launch's
+stale lock never blocks a restart. The file holds who holds it (host, pid, the launch's
 rendezvous address, start time) for the refusal message.
+
+The file stays once a launch has run: a launch waiting for the lock holds the same file open,
+and had the finishing launch removed it, a third launch could create and lock a new file under
+the same name while the second held the old one (two holders). Only a launch refused before it
+wrote anything leaves the directory as it found it, removing a lock file it created; that is
+safe because ``acquire``, once it holds a lock, checks that the path still names the file it
+locked and starts over when it does not.
+
+Everything a launch decides about its output directory (fresh start, which checkpoint to
+resume, refusal) is decided while rank 0 holds the lock: the other ranks decide after the
+process group started, which waits for rank 0 (docs/stages.md, "One launch per output directory").
 
 The other ranks of a launch do not take the lock; they probe it. A shared lock that cannot be
 taken means a launch holds it: when the holder named in the file is this launch (same
@@ -25,13 +36,31 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ds_trhash.checkpoints.state import CheckpointError
 
 RUN_LOCK = ".run.lock"
 # a peer rank's probe holds a shared lock for microseconds: rank 0 retries this long before it refuses
 _SETTLE_S = 2.0
+# how long rank 0 waits for a lock another launch holds before it refuses (default _SETTLE_S): a
+# relaunch may wait out a stopping run's last checkpoint (docs/stages.md, "One launch per output directory")
+WAIT_ENV = "DS_TRHASH_RUN_LOCK_WAIT"
+
+
+def wait_seconds() -> float:
+    """``DS_TRHASH_RUN_LOCK_WAIT`` (seconds, ≥ 0) or the default settle time."""
+    raw = os.environ.get(WAIT_ENV, "").strip()
+    if not raw:
+        return _SETTLE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise CheckpointError(f"{WAIT_ENV}={raw!r} is not a number of seconds ≥ 0; unset it (wait "
+                              f"{_SETTLE_S:g} s) or set e.g. {WAIT_ENV}=60")
+    return max(value, _SETTLE_S)
 
 
 class RunLocked(CheckpointError):
@@ -85,16 +114,24 @@ class RunLock:
 
     def __init__(self, output_dir: Path, fd: int, created_dir: bool, previous: bytes | None):
         self.output_dir, self.fd, self.created_dir, self.previous = output_dir, fd, created_dir, previous
+        self.kept = False  # set by ``keep`` once the launch writes into the directory
+
+    def keep(self) -> None:
+        """The launch is about to write: from now on the lock file stays, naming this launch."""
+        self.kept = True
 
     def release(self) -> None:
-        """Release it and leave the directory as the launch found it: a lock file this launch
+        """Release it. A launch that wrote (``keep``) leaves the lock file with its own record in
+        place. A launch refused before writing leaves the directory as it found it: a lock file it
         created is removed (and the directory, when taking the lock created it and it is empty
-        again), an earlier one gets its previous content back. A refused launch so changes nothing."""
+        again), an earlier one gets its previous content back; so a refused launch changes nothing."""
         if self.fd < 0:
             return
         path = self.output_dir / RUN_LOCK
         try:
-            if self.previous is None:
+            if self.kept:
+                pass
+            elif self.previous is None:
                 path.unlink()
                 if self.created_dir and not any(self.output_dir.iterdir()):
                     self.output_dir.rmdir()
@@ -107,30 +144,56 @@ class RunLock:
         self.fd = -1
 
 
-def acquire(output_dir: str | os.PathLike) -> RunLock:
-    """Rank 0: take the output directory's lock (creating the directory when needed), or raise
-    ``RunLocked`` naming the live holder."""
-    out = Path(output_dir)
+def _open(out: Path) -> tuple[int, bool, bool]:
+    """(fd of the lock file, whether this created the directory, whether the file existed)."""
     created = not out.exists()
     existed = (out / RUN_LOCK).exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644), created, existed
     except OSError as exc:
         raise CheckpointError(f"cannot create the run lock {out / RUN_LOCK}: {exc.strerror or exc}; choose a "
                               "writable --output-dir") from None
-    deadline = time.monotonic() + _SETTLE_S
-    while not _try(fd, fcntl.LOCK_EX):
-        if time.monotonic() >= deadline:
-            os.close(fd)
-            raise _refusal(out)
-        time.sleep(0.05)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a refused launch may have removed it)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def acquire(output_dir: str | os.PathLike, log: Callable[[str], None] = lambda _: None) -> RunLock:
+    """Rank 0: take the output directory's lock (creating the directory when needed), or raise
+    ``RunLocked`` naming the live holder once ``wait_seconds()`` passed. ``log`` is told once
+    when the lock is held by another launch and this one waits."""
+    out = Path(output_dir)
+    wait = wait_seconds()
+    deadline = time.monotonic() + wait
+    created_any = told = False
+    while True:
+        fd, created, existed = _open(out)
+        created_any = created_any or created
+        while not _try(fd, fcntl.LOCK_EX):
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise _refusal(out)
+            if not told and wait > _SETTLE_S:
+                log(f"waiting up to {wait:g} s ({WAIT_ENV}) for the run lock of {out}, held by "
+                    f"{describe_holder(read_holder(out))}")
+                told = True
+            time.sleep(0.05)
+        if _still_named(fd, out / RUN_LOCK):
+            break
+        os.close(fd)  # its holder was refused and removed it: lock the file that is there now
     previous = os.pread(fd, 1 << 16, 0) if existed else None
     doc = {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(), "launch": launch_identity(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(doc) + "\n").encode(), 0)
-    return RunLock(out, fd, created, previous)
+    return RunLock(out, fd, created_any, previous)
 
 
 def check_peer(output_dir: str | os.PathLike) -> None:
@@ -143,7 +206,8 @@ def check_peer(output_dir: str | os.PathLike) -> None:
     try:
         if _try(fd, fcntl.LOCK_SH):
             return  # free: our rank 0 is about to take it (and refuses for us if it cannot)
-        deadline = time.monotonic() + _SETTLE_S
+        # as long as rank 0 waits for another launch's lock: refusing sooner would end the launch
+        deadline = time.monotonic() + wait_seconds()
         while True:  # held: by our rank 0 (its record may still be being written) or by another launch
             if read_holder(out).get("launch") == launch_identity():
                 return  # our own rank 0 (on this node or another one: the same rendezvous)

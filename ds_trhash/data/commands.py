@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.io import os_errors_as, read_json_object
+from ds_trhash.outputs import writes_dirs
 
 from ds_trhash.data.plans.corpus_index import read_corpus_index
 from ds_trhash.data.embedded import build_embedded
@@ -136,6 +137,7 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing tokenizer.json (data made with the old one no longer matches)")
     p.set_defaults(func=_train_tokenizer, error_label=p.prog)
+    writes_dirs(p, "--out")
 
     add_corpus_commands(sub, os_errors_as(CommandError))
 
@@ -181,4 +183,5 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_embedded, error_label=p.prog)
+    writes_dirs(p, "--out")
     return data

@@ -61,6 +61,8 @@ class PiqaCallback(Callback):
     every epoch end, or the end of a pretraining/refinement stage. Rows go to ``piqa.jsonl``
     beside metrics.csv; the other ranks wait at a barrier."""
 
+    run_files = (PIQA_RESULTS,)
+
     def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
                  sft: bool, results: dict[int, dict] | None = None, barrier=lambda: None):
         self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len

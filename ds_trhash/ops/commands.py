@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from ds_trhash.io import os_errors_as
+from ds_trhash.outputs import writes_dirs
 from ds_trhash.ops import jobs
 from ds_trhash.ops.manifest import ManifestError, load_manifest
 from ds_trhash.ops.render import write_config
@@ -53,3 +54,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="do not ask training ranks to checkpoint first; stop the process groups at once")
     for q in (render, up, st, stop):
         q.set_defaults(func=run_jobs)
+    writes_dirs(render, "--out")

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ds_trhash.errors import UserError
+from ds_trhash.outputs import OutputPathError, check_dir_target
 from ds_trhash.safe_names import UnsafeNameError, bare_name
 
 
@@ -294,6 +295,10 @@ def load_manifest(path: str | Path) -> Manifest:
     here = file.resolve().parent
     base_dir = r.path("directory", here, here)
     jobs_dir = r.path("jobs_dir", here, here / f"{file.stem}.jobs")
+    try:  # the folder `jobs render` / `jobs up` write: the one output check, naming the key
+        check_dir_target("jobs_dir", jobs_dir)
+    except OutputPathError as exc:
+        r.fail("jobs_dir", exc.message_lines()[0].removeprefix("jobs_dir "))
     tables = r.get("jobs", list, required=True)
     if not tables:
         r.fail("jobs", "holds no job; add at least one [[jobs]] table")

@@ -88,9 +88,13 @@ def _output(report: Report, cfg, args, world: int, data):
 
     def output():
         pre = check_output_side(cfg, args, 0)
-        set_aside = f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside" if pre.damaged else ""
+        # what the launch would set aside, each with why (damaged, or records that disagree)
+        set_aside = (f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside ("
+                     + "; ".join(f"{name} is {why}" for name, why in pre.damaged) + ")") if pre.damaged else ""
         if pre.saved is None:
             state = "does not exist yet" if not output_dir.exists() else "holds no run"
+            if pre.damaged:  # --allow-fresh-over-damaged: the earlier run's files go aside too
+                set_aside += ", with every file of the earlier run that the new one writes"
             return pre, f"{output_dir} {state}: a fresh start{set_aside}"
         if data is None:
             return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
@@ -99,7 +103,8 @@ def _output(report: Report, cfg, args, world: int, data):
             return pre, (f"{output_dir} holds this stage finished ({Path(pre.resume_dir).name} is its last step): "
                          "--resume auto trains nothing, completes any end-of-stage record an interrupted end "
                          "left out, and exits 0")
-        return pre, f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+        return pre, (f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+                     f"{set_aside}")
 
     return report.run("output", output)
 
@@ -141,6 +146,7 @@ def run_preflight(args: argparse.Namespace) -> int:
                       f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
+    report.run("paths", lambda: (tcfg.check_paths(cfg), "every path the config names exists and is of its kind"))
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
     model_cfg = tcfg.model_config(cfg)

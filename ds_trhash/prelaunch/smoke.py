@@ -310,3 +310,4 @@ def register(sub) -> None:
     p.add_argument("--eval-batches", type=int, default=4, help="micro-batches of unseen plan rows to evaluate on")
     p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds one launch may take (default 3600)")
     p.set_defaults(func=run_smoke)
+    outputs.writes_dirs(p, "--workdir")

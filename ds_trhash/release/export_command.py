@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from ds_trhash.io import os_errors_as
+from ds_trhash.outputs import writes_dirs
 from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
 
 
@@ -34,3 +35,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument("--force-tokenizer", action="store_true",
                      help="copy --tokenizer even though its hash differs from the run's (recorded in run.json)")
     exp.set_defaults(func=run_export)
+    writes_dirs(exp, "--out")

@@ -21,6 +21,7 @@ import copy
 from typing import Any, Mapping
 
 from ds_trhash.batch_layout import step_rows
+from ds_trhash.training.records.files import MONITORS_DIR
 
 __all__ = ["OWNED", "OBSERVERS", "owned_problems", "merge", "deepspeed_problem", "critical_items",
            "with_monitor_defaults", "features_on", "MONITORS"]
@@ -216,7 +217,7 @@ def with_monitor_defaults(section: Mapping[str, Any], output_dir: str, job_name:
         mon = out.get(name)
         if isinstance(mon, dict) and mon.get("enabled") and name != "comet":
             if name != "wandb":
-                mon.setdefault("output_path", f"{output_dir}/monitors")
+                mon.setdefault("output_path", f"{output_dir}/{MONITORS_DIR}")
                 mon.setdefault("job_name", job_name)
     return out
 

@@ -22,7 +22,7 @@ from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.engine import init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
-from ds_trhash.training.launch.output import check_output_side
+from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
 from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -207,8 +207,8 @@ def _refused(e: UserError, rank: int, output_dir: str | None) -> int:
     from the rank that met it (its peers may be waiting inside a step) with what to run next."""
     if isinstance(e, StoreUnavailable):
         rank_line(f"error: rank {rank}: {e}; {_relaunch_advice(output_dir)}")
-    elif rank == 0:
-        print(f"error: {e}", file=sys.stderr)
+    elif rank == 0:  # in one write, flushed: the launcher may terminate this process right after
+        rank_line(f"error: {e}")
     return e.exit_code
 
 
@@ -228,6 +228,29 @@ def rank_line(text: str) -> None:
     writes the text and its newline separately, so two ranks' lines could run together."""
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
+
+
+def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
+                    world: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
+    """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock before
+    anything is decided about the directory: (rank 0's lock, the decision). Alone, it decides
+    fresh start, resume from which checkpoint, or refusal right here, before any process group
+    exists. With other ranks, every rank decides once the process group has started (None here),
+    which waits for rank 0, so under its lock too, and all refuse at once: a rank left waiting in
+    the rendezvous for a rank 0 that refused alone would hang until the launcher killed it. A wrong
+    --output-dir path is refused before the lock creates the directory."""
+    check_output_paths(cfg, args)
+    if rank != 0:
+        run_lock.check_peer(cfg.output_dir)
+        return None, None
+    lock = run_lock.acquire(cfg.output_dir, log=log.info)
+    if world > 1:
+        return lock, None
+    try:
+        return lock, check_output_side(cfg, args, rank)
+    except BaseException:
+        lock.release()  # refused (or failed) before writing: the directory as it was found
+        raise
 
 
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None) -> int:
@@ -251,17 +274,17 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     started = False  # whether this launch made the process group (only then does it tear it down)
     try:
         cfg = config_from_args(args)
+        tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: its paths line)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
-        # Output directory, --resume, --init-checkpoint: refused before the process group exists.
-        checked = check_output_side(cfg, args, rank)
-        # One launch per output directory, taken before anything is written (checkpoints/run_lock.py).
-        lock = run_lock.acquire(cfg.output_dir) if rank == 0 else run_lock.check_peer(cfg.output_dir)
+        lock, checked = lock_and_decide(cfg, args, rank, world)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group()
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        state = run_stage(cfg, args, rank, world, parts, checked)
+        if checked is None:
+            checked = check_output_side(cfg, args, rank)
+        state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None)
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
@@ -283,6 +306,6 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     finally:
         if started and dist.is_initialized():
             dist.destroy_process_group()
-        if lock is not None:  # the lock file goes with the launch (a refused one changes nothing)
+        if lock is not None:  # kept once the launch wrote; a refused launch changes nothing
             lock.release()
     return 0

@@ -40,6 +40,7 @@ from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
 from ds_trhash.training.launch.stage_data import barrier
 from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
+from ds_trhash.training.records.files import CONFIG_FILE
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
 from ds_trhash.training.records.monitor import MonitorSink
 from ds_trhash.training.summary import startup_summary
@@ -85,7 +86,8 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
     cache) are created. The first writes of the launch."""
     if plan.output.damaged:
         if rank == 0 and plan.output.resume_dir is None:
-            launch_checks.set_aside_damaged(plan.output_dir, time.strftime("%Y%m%dT%H%M%S"), log=log.info)
+            launch_checks.set_aside_damaged(plan.output_dir, time.strftime("%Y%m%dT%H%M%S"), plan.run_files,
+                                            log=log.info)
         elif rank == 0:  # --resume auto fell back past them: the run saves those step names again
             launch_checks.set_aside_checkpoints(plan.output_dir, [name for name, _ in plan.output.damaged],
                                                 time.strftime("%Y%m%dT%H%M%S"), log=log.info)
@@ -119,7 +121,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     """Rank 0: config.json as loaded, what this launch trains and the start-up summary."""
     cfg, data, world = plan.cfg, plan.data, plan.world
     plan.output_dir.mkdir(parents=True, exist_ok=True)
-    (plan.output_dir / "config.json").write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
+    (plan.output_dir / CONFIG_FILE).write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
         f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
@@ -175,12 +177,16 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
 
 
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
-              parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> loop.TrainState:
+              parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None,
+              on_first_write: Callable[[], None] | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
     point composes them, evaluation included); default ``training_parts()``, without evaluation.
-    ``checked``: what ``check_output_side`` decided before the process group existed."""
+    ``checked``: what ``check_output_side`` decided under the run lock. ``on_first_write``: called
+    once every check passed, right before the launch's first write (the run lock is kept then)."""
     plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
     cfg, data = plan.cfg, plan.data
+    if on_first_write is not None:
+        on_first_write()
     start_writing(plan, rank)
 
     model = build_model(plan, rank)

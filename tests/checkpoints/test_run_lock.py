@@ -91,3 +91,52 @@ def test_a_lock_that_cannot_be_created_is_a_message(tmp_path):
     with pytest.raises(CheckpointError, match=f"cannot create the run lock {blocker / RUN_LOCK}"):
         run_lock.acquire(blocker)
     assert blocker.read_text() == "a file where the output directory should be"
+
+
+def test_a_launch_that_wrote_keeps_the_lock_file_with_its_record(tmp_path):
+    out = tmp_path / "run"
+    lock = run_lock.acquire(out)
+    lock.keep()  # the launch passed its checks and writes
+    lock.release()
+    assert run_lock.read_holder(out)["pid"] == os.getpid() and run_lock.is_alive(out) is None
+    inode = (out / RUN_LOCK).stat().st_ino
+    refused = run_lock.acquire(out)  # a later launch refused before writing: the file as it found it
+    refused.release()
+    assert (out / RUN_LOCK).stat().st_ino == inode and run_lock.read_holder(out)["pid"] == os.getpid()
+
+
+def test_a_waiting_launch_locks_the_file_that_is_there_when_a_refused_holder_removed_its_own(tmp_path, monkeypatch):
+    """A holder refused before writing removes the lock file it created; a launch that was waiting
+    on that file must not end up holding the removed one while a third locks a new file."""
+    out = tmp_path / "run"
+    first = run_lock.acquire(out)  # created the directory and the file: its release removes both
+    said_r, said_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(first.fd)  # the parent's lock is its open file: a forked copy would hold it too
+            os.environ[run_lock.WAIT_ENV] = "60"
+            run_lock.acquire(out, log=lambda line: os.write(said_w, b"w"))
+            os.write(said_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(said_r, 1) == b"w"  # the child waits for the lock held here
+        first.release()
+        assert os.read(said_r, 1) == b"1"
+        assert run_lock.read_holder(out)["pid"] == pid and run_lock.is_alive(out)["pid"] == pid
+        monkeypatch.setattr(run_lock, "_SETTLE_S", 0.2)
+        with pytest.raises(RunLocked, match=f"pid {pid}"):  # one holder: a third launch is refused
+            run_lock.acquire(out)
+    finally:
+        _kill(pid)
+
+
+def test_the_lock_wait_is_a_number_of_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv(run_lock.WAIT_ENV, "soon")
+    with pytest.raises(CheckpointError, match="DS_TRHASH_RUN_LOCK_WAIT='soon' is not a number of seconds"):
+        run_lock.acquire(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(run_lock.WAIT_ENV, "45")
+    assert run_lock.wait_seconds() == 45.0

@@ -66,12 +66,20 @@ def test_resume_auto_over_only_damaged_checkpoints_refuses_then_sets_them_aside_
     err = _refused(root, _args(run, "--resume", "auto"), "--resume auto found checkpoints",
                    "step_00000001 is corrupt", "step_00000002 is corrupt", "--allow-fresh-over-damaged")
     assert "starting fresh" not in err
+    # every file of the earlier run that the new one writes, markers included (issue: stage_complete.json)
+    earlier = {name: tree_digest(run / name) if (run / name).is_dir() else sha256_file(run / name)
+               for name in ("config.json", "metrics.csv", "expert_load.csv", "final", "stage_complete.json")}
     proc = L.single(_args(run, "--resume", "auto", "--allow-fresh-over-damaged", steps=1))
     assert proc.returncode == 0, L.explain(proc)
     aside = sorted(p.name for p in (run / "checkpoints").iterdir() if ".damaged-" in p.name)
     assert [name.split(".")[0] for name in aside] == ["step_00000001", "step_00000002"]
     assert any(p.name.startswith("metrics.csv.damaged-") for p in run.iterdir())
     assert L.checkpoint_steps(run) == [1]
+    for name, digest in earlier.items():
+        kept = [p for p in run.iterdir() if p.name.startswith(f"{name}.damaged-")]
+        assert len(kept) == 1, (name, sorted(p.name for p in run.iterdir()))
+        assert (tree_digest(kept[0]) if kept[0].is_dir() else sha256_file(kept[0])) == digest, name
+        assert (run / name).exists()  # the new run's own
 
 
 def test_a_refused_launch_creates_no_corpus_cache_or_output(tmp_path):

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 from ds_trhash.data.build.inputs import FORMATS, file_inputs, hf_input
-from ds_trhash.data.build.tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
 from ds_trhash.data.build.parts import merge_parts, parse_part
 from ds_trhash.data.build.publish import publish_corpus
+from ds_trhash.data.build.tokenize import DEFAULT_CHUNK_RECORDS, TokenizeJob, default_workers, run_tokenize
+from ds_trhash.outputs import writes_dirs
 
 
 def _tokenize(args: argparse.Namespace) -> int:
@@ -74,12 +75,14 @@ def add_corpus_commands(sub: "argparse._SubParsersAction", guarded: Callable) ->
     p.add_argument("--chunk-records", type=int, default=DEFAULT_CHUNK_RECORDS, metavar="N",
                    help=f"records per unit of work and of resumption (default {DEFAULT_CHUNK_RECORDS})")
     p.set_defaults(func=guarded(_tokenize), error_label=p.prog)
+    writes_dirs(p, "--out")
 
     p = sub.add_parser("merge-parts", help="join the K parts of a `data tokenize --part` run into one source")
     p.add_argument("parts", nargs="+", metavar="PART_DIR", help="the SOURCE.part-I-of-K directories, all K of them")
     p.add_argument("--out", required=True, metavar="DIR", help="shard root; writes DIR/SOURCE/")
     p.add_argument("--max-bad-records", type=int, default=0, metavar="N", help="bad records allowed over all parts")
     p.set_defaults(func=guarded(_merge_parts), error_label=p.prog)
+    writes_dirs(p, "--out")
 
     p = sub.add_parser("publish", help="upload a corpus to a Hub dataset repository (resumable) and verify it")
     p.add_argument("dir", metavar="DIR", help="the corpus: a shard root, or the release's layout (corpora/...)")

@@ -11,6 +11,7 @@ import argparse
 from ds_trhash.data.sft.build import SFTBuildError, build_sft_dataset, load_tokenizer_identity
 from ds_trhash.data.sft.dataset import open_sft
 from ds_trhash.io import os_errors_as
+from ds_trhash.outputs import writes_dirs
 
 
 def _summary(counts: dict[str, dict]) -> str:
@@ -58,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--revision", default=None, help="dataset revision recorded in the manifest")
     build.add_argument("--vocab-size", type=int, default=None, help="model vocabulary (default: the tokenizer's size)")
     build.set_defaults(func=run_build)
+    writes_dirs(build, "--out")
 
     validate = commands.add_parser("validate", help="verify a built SFT set the way training will")
     validate.add_argument("dir", help="the SFT set directory (holding manifest.json)")

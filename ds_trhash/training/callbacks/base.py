@@ -88,7 +88,13 @@ class Callback:
     file, a display, a worker thread) releases it in ``close``, so an exception never leaves one
     behind. ``before_save`` is called on every rank right before each checkpoint is written
     (collectives allowed), so that what a checkpoint's step covers is on disk with it.
+
+    ``run_files`` names what the part writes at the top of the output directory: a fresh start
+    over a damaged run (``--allow-fresh-over-damaged``) sets every earlier one aside first, so
+    nothing of the earlier run is written over.
     """
+
+    run_files: tuple[str, ...] = ()
 
     @classmethod
     def prepare(cls, cfg: TrainConfig) -> Builder | None:

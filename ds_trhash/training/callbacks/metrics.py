@@ -12,10 +12,13 @@ from __future__ import annotations
 from ds_trhash.model.flops import train_flops_per_token
 from ds_trhash.training.callbacks.base import Callback, RunContext
 from ds_trhash.training.records.expert_load import gather_expert_load, load_shares
+from ds_trhash.training.records.files import EXPERT_LOAD_FILE, METRICS_FILE
 from ds_trhash.training.records.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
 
 
 class MetricsCallback(Callback):
+    run_files = (METRICS_FILE, EXPERT_LOAD_FILE)
+
     def __init__(self, writer, model, every: int, monitor=None, device=None, mfu=None, expert_load=None):
         self.writer, self.model, self.every = writer, model, every
         self.monitor, self.device, self.mfu = monitor, device, mfu  # mfu: tokens/s -> fraction or None

@@ -12,6 +12,8 @@ class SelectionCallback(Callback):
     """Reads the epoch's evaluation results and checkpoint from the run (so it comes after the
     evaluation and checkpointing callbacks); rank 0 writes."""
 
+    run_files = ("best", "selection.json")
+
     def __init__(self, run: RunContext):
         self.run = run
         self.rule = run.cfg.eval.select

@@ -27,74 +27,15 @@ well inside the launcher's 30 s grace period for any step that takes seconds.
 from __future__ import annotations
 
 import os
-import signal
-import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ds_trhash.training.callbacks.base import Callback, RunContext
+# the recorder lives in a module that imports no torch: launch/train.py installs it first of all
+from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
+    DUPLICATE_WINDOW_S, STOP_SIGNALS, StopRequests, install, uninstall)
 
-# SIGHUP: a terminal that closes stops the run with a checkpoint, as SIGTERM does, instead of killing it
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# Deliveries of the same signal closer together than this are one request (launcher + terminal).
-DUPLICATE_WINDOW_S = 2.0
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0
-
-
-@dataclass
-class StopRequests:
-    """Signal handlers that only record: which signals came, when, and how many distinct requests.
-
-    Installed once per process, at the start of the launch, and left installed until the process
-    exits, so a late duplicate (``launch.py`` terminating a rank that is already finishing) never
-    falls back to the default action and kills a rank mid-exit.
-    """
-
-    signals: tuple[int, ...] = STOP_SIGNALS
-    window_s: float = DUPLICATE_WINDOW_S
-    deliveries: list[tuple[int, float]] = field(default_factory=list)
-    requests: int = 0
-    _last: dict[int, float] = field(default_factory=dict)
-    _previous: dict[int, Any] = field(default_factory=dict)
-
-    def handle(self, signum: int, frame: Any = None) -> None:
-        now = time.monotonic()
-        self.deliveries.append((signum, now))
-        last = self._last.get(signum)
-        self._last[signum] = now
-        if last is None or now - last > self.window_s:
-            self.requests += 1
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.deliveries)
-
-    @property
-    def first_at(self) -> float | None:
-        return self.deliveries[0][1] if self.deliveries else None
-
-    def describe(self) -> str:
-        """What was received, for the log line written at the step boundary."""
-        if not self.deliveries:
-            return "no signal"
-        names = []
-        for signum in dict.fromkeys(s for s, _ in self.deliveries):
-            count = sum(1 for s, _ in self.deliveries if s == signum)
-            names.append(signal.Signals(signum).name + (f" x{count}" if count > 1 else ""))
-        extra = len(self.deliveries) - self.requests
-        return ", ".join(names) + (f" ({extra} duplicate deliveries counted once)" if extra else "")
-
-    def install(self) -> "StopRequests":
-        for sig in self.signals:
-            self._previous.setdefault(sig, signal.signal(sig, self.handle))
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
@@ -201,26 +142,6 @@ class StopAgreement:
         if self.local_reason is not None:
             return f"stop requested here: {self.local_reason}"
         return "stop requested by another rank"
-
-
-_PROCESS_REQUESTS: StopRequests | None = None
-
-
-def install(signals: Iterable[int] = STOP_SIGNALS) -> StopRequests:
-    """The process-wide recorder, installed at the start of a launch (idempotent)."""
-    global _PROCESS_REQUESTS
-    if _PROCESS_REQUESTS is None:
-        _PROCESS_REQUESTS = StopRequests(signals=tuple(signals)).install()
-    return _PROCESS_REQUESTS
-
-
-def uninstall() -> None:
-    """Give the previous handlers back: for callers that run a launch inside a longer-lived
-    process (tests calling ``launcher.main``); a real launch keeps them until it exits."""
-    global _PROCESS_REQUESTS
-    if _PROCESS_REQUESTS is not None:
-        _PROCESS_REQUESTS.uninstall()
-        _PROCESS_REQUESTS = None
 
 
 class StopCallback(Callback):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
-from .checks import check_device, require_source_stage
+from .checks import check_device, check_paths, require_source_stage
 from .layout import (
     batch_layout,
     describe_model,
@@ -85,6 +85,7 @@ __all__ = [
     "dump_config",
     "require_source_stage",
     "check_device",
+    "check_paths",
     "to_deepspeed_dict",
     "training_critical",
     "tokens_per_step",

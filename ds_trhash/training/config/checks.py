@@ -6,9 +6,12 @@ The combination checks run at load time (from ``reading.config_from_dict``); ``c
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Protocol
 
 from ds_trhash.model.config import ShapeError, TRHashConfig, resolve_shape
+from ds_trhash.outputs import OutputPathError, check_dir_target
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
@@ -135,6 +138,56 @@ def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
     problem = dsc.deepspeed_problem(merged, cfg.deepspeed)
     if problem:
         raise b.fail(*problem)
+
+# The config keys that name a path the launch reads: (key, what kind of path: "... file",
+# "directory" or "any", what it names, how to make one). data.shards_dir is a directory unless it is an hf:// repository; null
+# keys are not read.
+_INPUT_PATHS = (
+    ("data.plan", "plan file", "replay plan", "a plan file: `ds-trhash data plan --out PLAN.json`"),
+    ("data.shards_dir", "directory", "corpus", "a shard directory (`ds-trhash data tokenize --out`) or "
+                                               "hf://datasets/OWNER/REPO"),
+    ("data.sft_dir", "directory", "SFT set", "a tokenized SFT set: `ds-trhash sft build --out DIR`"),
+    ("data.tokenizer", "any", "tokenizer", "a directory holding tokenizer.json, or the file"),
+    ("eval.piqa", "JSONL file", "PIQA set", "a PIQA JSONL file (goal, sol1, sol2, label on each line)"),
+)
+
+
+def _value(cfg: TrainConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _path_problem(path: Path, kind: str, what: str) -> str | None:
+    if not path.exists():
+        return f"{what} {path} does not exist"
+    if kind.endswith("file") and path.is_dir():
+        return f"{what} {path} is a directory, not a {kind}"
+    if kind == "directory" and not path.is_dir():
+        return f"{what} {path} is a file, not a directory"
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        return f"{what} {path} is not readable"
+    return None
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Every path the config names, checked when the config is (launch and ``ds-trhash preflight``),
+    before anything starts: an input that does not exist, or is a file where a directory belongs
+    (or the reverse), is refused naming its key; ``data.cache_dir``, which the launch writes, must
+    not be a file or lie below one. Whether the contents are right is the data checks' work."""
+    for key, kind, what, fix in _INPUT_PATHS:
+        value = _value(cfg, key)
+        if value is None or (key == "data.shards_dir" and str(value).startswith("hf://")):
+            continue
+        problem = _path_problem(Path(value), kind, what)
+        if problem:
+            raise ConfigError(cfg.origin, key, f"{problem}; point {key} at {fix}")
+    if cfg.data.cache_dir is not None:
+        try:
+            check_dir_target("data.cache_dir", cfg.data.cache_dir)
+        except OutputPathError as exc:
+            raise ConfigError(cfg.origin, "data.cache_dir", f"{exc.message_lines()[0].removeprefix('data.cache_dir ')}; "
+                              "it is where the launch keeps its shard cache") from None
+
 
 def check_device(cfg: TrainConfig, cuda_available: bool) -> None:
     """What the config asks of a device this machine lacks, refused before any process group."""

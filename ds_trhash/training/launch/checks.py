@@ -65,7 +65,7 @@ def resume_auto(output_dir: Path, allow_fresh_over_damaged: bool,
     the damaged ones) comes back, for ``set_aside_damaged``. No checkpoint at all: (None, [])."""
     skipped: list[tuple[str, str]] = []
     for info in reversed(ckpt.list_checkpoints(output_dir)):
-        ok, reason = ckpt.verify(info.path)
+        ok, reason = ckpt.trusted(info.path)  # verified, and its own records agree
         if ok:
             for name, why in skipped:
                 log(f"{name} is {why} — falling back to {info.name} (the damaged one is set aside before training)")
@@ -112,11 +112,13 @@ def set_aside_checkpoints(output_dir: Path, names: Iterable[str], stamp: str, lo
     return moved
 
 
-def set_aside_damaged(output_dir: Path, stamp: str, log: Log = print) -> list[Path]:
-    """Rename the damaged run's checkpoints and metrics aside (``<name>.damaged-<stamp>``),
-    so the fresh start writes nothing over them. Called only after every check passed."""
+def set_aside_damaged(output_dir: Path, stamp: str, run_files: Iterable[str], log: Log = print) -> list[Path]:
+    """Rename the damaged run's checkpoints and every file ``run_files`` names (what the new run
+    will write at the top of the output directory: records, config.json, final/,
+    stage_complete.json, best/ ...) aside (``<name>.damaged-<stamp>``), so the fresh start
+    writes nothing over the earlier run. Called only after every check passed."""
     targets = [c.path for c in ckpt.list_checkpoints(output_dir)]
-    targets += [Path(output_dir) / name for name in ("metrics.csv", "expert_load.csv", "selection.json", "piqa.jsonl")]
+    targets += [Path(output_dir) / name for name in run_files]
     moved = _rename_aside(targets, stamp)
     if moved:
         log(f"--allow-fresh-over-damaged: set aside {', '.join(p.name for p in moved)}; starting fresh")
@@ -205,12 +207,16 @@ def resolve_init_checkpoint(path: str | os.PathLike | None, log: Log = print) ->
         raise LaunchCheckError(f"--init-checkpoint {src} is not a directory")
     if ckpt.checkpoints_root(src).is_dir() and not (src / ckpt.MANIFEST).is_file():
         found = ckpt.list_checkpoints(src)
+        passed: list[str] = []
         for info in reversed(found):
-            ok, _ = ckpt.verify(info.path)
+            ok, why = ckpt.trusted(info.path)
             if ok:
+                for line in passed:
+                    log(f"--init-checkpoint {src}: {line}, passed over")
                 log(f"--init-checkpoint {src}: the run's final complete checkpoint is {info.path}")
                 return str(info.path)
-        listing = "; ".join(f"{c.name} is {ckpt.verify(c.path)[1]}" for c in found) or "none at all"
+            passed.append(f"{info.name} is {why}")
+        listing = "; ".join(reversed(passed)) or "none at all"
         raise LaunchCheckError(f"--init-checkpoint {src} is a run directory without a complete checkpoint ({listing})")
     return str(src)
 

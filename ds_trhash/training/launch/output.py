@@ -1,8 +1,8 @@
 """The output side of a launch: what ``--resume`` / ``RESUME``, ``--init-checkpoint`` and the
 output directory decide, and whether a resume continues the saved run exactly.
 
-The launcher runs :func:`check_output_side` before the process group exists (a refused launch
-fails in its first seconds); ``ds-trhash preflight`` runs both checks read-only.
+The launcher runs :func:`check_output_paths` before it takes the run lock and
+:func:`check_output_side` while holding it; ``ds-trhash preflight`` runs both checks read-only.
 """
 from __future__ import annotations
 
@@ -36,19 +36,29 @@ def requested_resume(args) -> str | None:
     return args.resume or os.environ.get("RESUME") or None
 
 
-def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
-    """Refusals that need only the command line and the output directory. The launcher runs
-    them before the process group exists (a refused launch fails in its first seconds), and
-    nothing is written until all of them and the data checks pass."""
+def check_output_paths(cfg: tcfg.TrainConfig, args) -> None:
+    """The refusals that need only the command line and the output path, not what the output
+    directory holds: the launcher makes them before it takes the run lock (which creates the
+    directory), so a wrong path is refused without touching anything."""
     output_dir = Path(cfg.output_dir)
     launch_checks.check_output_location(output_dir)
+    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
+        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
+    launch_checks.check_flags(args, requested_resume(args))
+    outputs.check_dir_target("--output-dir", output_dir)
+
+
+def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+    """Fresh start, resume (from which checkpoint) or refusal: what the command line and the
+    output directory decide. The launcher runs this while rank 0 holds the output directory's
+    run lock (the other ranks after the process group started, which waits for rank 0), so no
+    other launch changes the directory between this decision and the run's first write; nothing
+    is written until all of these and the data checks pass."""
+    output_dir = Path(cfg.output_dir)
+    check_output_paths(cfg, args)
     say = log.info if rank == 0 else (lambda *_: None)
     resume_choice = requested_resume(args)
     damaged: list = []
-    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
-        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
-    launch_checks.check_flags(args, resume_choice)
-    outputs.check_dir_target("--output-dir", output_dir)
     if resume_choice == "auto":
         resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
     else:

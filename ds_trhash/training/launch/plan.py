@@ -33,6 +33,7 @@ from ds_trhash.training.launch import resources
 from ds_trhash.training.launch.output import OutputSide, check_output_side, check_resume
 from ds_trhash.training.launch.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.launch.stage_guard import guard_stage
+from ds_trhash.training.records.files import TRAINER_FILES
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -56,6 +57,7 @@ class LaunchPlan:
     device: torch.device
     kernels: backend.KernelChoice
     builders: tuple[Builder, ...]  # the callbacks the config asks for, inputs checked
+    run_files: tuple[str, ...] = TRAINER_FILES  # what the launch writes at the top of its output directory
 
     @property
     def output_dir(self) -> Path:
@@ -150,7 +152,8 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
             log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
-    builders = build_callbacks(list(parts) if parts is not None else training_parts(), cfg)
+    classes = list(parts) if parts is not None else training_parts()
+    builders = build_callbacks(classes, cfg)
     resharding = False
     if output.saved is not None:
         resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
@@ -161,4 +164,5 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
         cfg=cfg, loaded=loaded, world=world, model_config=model_cfg, output=output, data=data, source=source,
         resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(loaded, world),
         checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None)),
-        device=device, kernels=choice, builders=tuple(builders))
+        device=device, kernels=choice, builders=tuple(builders),
+        run_files=tuple(dict.fromkeys([*TRAINER_FILES, *(name for part in classes for name in part.run_files)])))
