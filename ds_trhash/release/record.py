@@ -386,3 +386,9 @@ def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | No
     write_json_atomic(out, doc)
     (out.parent / "run_record.md").write_text(render_markdown(doc), encoding="utf-8")
     return doc
+
+
+def is_run_record(path: str | os.PathLike) -> bool:
+    """True for a file an earlier ``write_run_record`` wrote (a JSON object of this format)."""
+    doc = _read_json(Path(path))
+    return doc is not None and doc.get("format") == RECORD_FORMAT
