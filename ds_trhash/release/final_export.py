@@ -27,20 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.checkpoints.run_source import COMPLETE_FILE, COMPLETE_FORMAT, FINAL_DIR, read_completion
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST, RUN, ExportError, verify_export
 
-FINAL_DIR = "final"
-COMPLETE_FILE = "stage_complete.json"
-COMPLETE_FORMAT = "ds-trhash-stage-complete-v1"
+__all__ = ["COMPLETE_FILE", "COMPLETE_FORMAT", "FINAL_DIR", "export_final_enabled", "final_checkpoint",
+           "final_status", "read_completion", "write_completion"]
 
 Log = Callable[[str], None]
 
 
 def export_final_enabled(cfg: Any) -> bool:
-    """``training.export_final``; unset means on for pretraining and refinement, off for SFT."""
-    explicit = cfg.training.export_final
-    return explicit if explicit is not None else cfg.data.kind != "sft"
+    """``training.export_final``; unset means on, for every stage (SFT too: ``final/`` beside
+    ``best/``, so a finished run folder always holds a verified export with its tokenizer)."""
+    return cfg.training.export_final is not False
 
 
 def final_checkpoint(output_dir: str | os.PathLike, step: int) -> Path:
@@ -93,15 +93,4 @@ def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, to
         return earlier  # a finished stage relaunched: the record stands as it was
     doc["completed_unix"] = time.time()
     write_json_atomic(out / COMPLETE_FILE, doc)
-    return doc
-
-
-def read_completion(output_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The completion record, or None when the stage has not completed (absent or unreadable)."""
-    try:
-        doc = json.loads((Path(output_dir) / COMPLETE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != COMPLETE_FORMAT or not isinstance(doc.get("step"), int):
-        return None
     return doc
