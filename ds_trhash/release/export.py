@@ -360,6 +360,9 @@ def export_checkpoint(
     extra = {
         "source_checkpoint": str(ckpt),
         "source_step": trainer_state.get("step"),
+        # a stage cut short by --max-steps stays recognisable downstream (checkpoints.capped_by)
+        "total_steps": trainer_state.get("total_steps"),
+        "planned_steps": trainer_state.get("planned_steps"),
         "source_manifest_sha256": sha256_file(manifest_path) if manifest_path.is_file() else None,
         "source_lora": bool(trainer_state.get("lora")),
         "family": trainer_state.get("family"),

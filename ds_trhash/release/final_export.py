@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.checkpoints import MANIFEST, capped_by, list_checkpoints, verify
 from ds_trhash.checkpoints.run_source import COMPLETE_FILE, COMPLETE_FORMAT, FINAL_DIR, read_completion
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST, RUN, ExportError, verify_export
@@ -75,8 +75,9 @@ def final_status(output_dir: str | os.PathLike, source: Path | None = None) -> t
 
 
 def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, total_steps: int, source: Path,
-                     exported: bool) -> dict[str, Any]:
-    """Record that the stage completed (after ``final/``, when it is exported)."""
+                     exported: bool, planned_steps: int | None = None) -> dict[str, Any]:
+    """Record that the stage completed (after ``final/``, when it is exported). ``planned_steps``:
+    the steps its data holds; ``capped`` says when --max-steps stopped it short of them."""
     out = Path(output_dir)
     final_manifest = out / FINAL_DIR / EXPORT_MANIFEST
     doc = {
@@ -84,6 +85,8 @@ def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, to
         "stage": stage,
         "step": step,
         "total_steps": total_steps,
+        "planned_steps": planned_steps,
+        "capped": capped_by({"total_steps": total_steps, "planned_steps": planned_steps}),
         "checkpoint": source.relative_to(out).as_posix() if source.is_relative_to(out) else str(source),
         "final": FINAL_DIR if exported else None,
         "final_manifest_sha256": sha256_file(final_manifest) if exported else None,

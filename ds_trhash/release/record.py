@@ -252,6 +252,8 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
     schedule = {k: v for k, v in crit.items() if k.startswith(("optimizer.", "schedule."))}
     if schedule:
         schedule["total_steps"] = state.get("total_steps")
+        schedule["planned_steps"] = state.get("planned_steps")
+        schedule["capped"] = ckpt.capped_by(state)
         put("optimizer_schedule", schedule, where)
     put("world_size", state.get("world_size"), where)
     put("hardware", state.get("hardware"), where)
@@ -318,6 +320,9 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
         collected["hardware"] = ckpt.describe_hardware()  # loads torch, only for a run that recorded none
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
+    schedule = collected.get("optimizer_schedule")
+    if isinstance(schedule, Mapping) and schedule.get("capped"):
+        limitations.append(f"the stage was {schedule['capped']}")
     if "selection_rule" in collected and "selected_checkpoint" not in collected:
         limitations.append("no checkpoint satisfies the selection rule (no eval metrics?)")
     collected["known_limitations"] = limitations
