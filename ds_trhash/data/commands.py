@@ -72,6 +72,16 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_dataset_name(dataset: str) -> None:
+    """``--dataset OWNER/NAME`` without ``hf://datasets/`` would be recorded as a local name and a
+    launch with data.shards_dir null could never stream it: say which of the two was meant."""
+    if "/" in dataset and not dataset.startswith("hf://"):
+        raise CommandError(
+            f"--dataset {dataset!r} looks like a Hub repository id but is not a URL; write "
+            f"hf://datasets/{dataset} to name the Hub dataset (a launch with data.shards_dir null streams it), "
+            f"or a name without '/' (e.g. {dataset.replace('/', '-')!r}) for a local corpus")
+
+
 @os_errors_as(CommandError)
 def _plan(args: argparse.Namespace) -> int:
     build_options = [args.manifest, args.unique_tokens, args.passes, args.weights, args.source_tokens,
@@ -87,6 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
             missing.append("--unique-tokens or --source-tokens")
         if missing:
             raise CommandError(f"building a plan needs {', '.join(missing)} (or use --refinement-of PLAN)")
+        _check_dataset_name(args.dataset)
         scores = None
         if args.quality_scores:
             scores = read_json_object(args.quality_scores, CommandError,

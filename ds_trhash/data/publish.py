@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, get_token
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object, sha256_file
@@ -39,6 +39,7 @@ TARGET_PREFIX = "hf://datasets/"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _PART_DIR = re.compile(r".+\.part-\d+-of-\d+$")
 MANIFEST_NAME = "manifest.json"
+_LOGIN = "set HF_TOKEN to a token with write access to the dataset repository, or log in with `hf auth login`"
 
 
 class PublishError(UserError, OSError):
@@ -104,7 +105,10 @@ def _hub(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return call(*args, **kwargs)
     except Exception as exc:  # the client raises HTTP, connection and validation errors alike
-        raise PublishError(f"{what} failed ({type(exc).__name__}: {exc}); run the same command again to resume") from None
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        fix = (f"the Hub refused the credentials (HTTP {status}): {_LOGIN}" if status in (401, 403)
+               else "run the same command again to resume")
+        raise PublishError(f"{what} failed ({type(exc).__name__}: {exc}); {fix}") from None
 
 
 def _mismatch(path: str, entry: Any, size: int, sha256: str | None, blob_id: str | None) -> str | None:
@@ -152,6 +156,8 @@ def publish_corpus(root: Path, target: str, log: Callable[[str], None] = print) 
         raise PublishError(f"corpus directory {root} does not exist")
     manifests = corpus_manifests(root)
     files = corpus_files(root)
+    if not get_token():  # HF_TOKEN, else the login's token file: without either every call is refused
+        raise PublishError(f"no Hugging Face token: {_LOGIN}; nothing was sent")
     api = HfApi()
     _hub(f"creating {repo_id}", api.create_repo, repo_id, repo_type="dataset", exist_ok=True)
     ignore = [".*", "**/.*", "*.part-*-of-*/**", "**/*.part-*-of-*/**"]

@@ -159,3 +159,34 @@ def test_train_tokenizer_out_on_an_existing_file_says_so(tmp_path, capsys):
                        capsys)
     assert code == 2 and f"--out {text} is a regular file, not a directory; choose a directory path" in err, err
     assert "Errno" not in err and tree_digest(tmp_path) == before
+
+
+def test_plan_messages_name_the_fix(inputs, capsys):
+    """--dataset OWNER/NAME without hf:// is refused; check-refinement of the pretraining plan itself
+    points at `data plan --refinement-of`; plans differing only in their dataset string name it."""
+    from tests.fail_closed import tree_digest
+
+    tmp, prose, _ = inputs
+    tok, shards, pre = tmp / "tok", tmp / "shards", tmp / "pre.json"
+    cli(["data", "train-tokenizer", "--input", str(prose), "--vocab-size", "300", "--out", str(tok)], capsys)
+    cli(["data", "tokenize", "--input", str(prose), "--source", "prose", "--tokenizer", str(tok), "--seq-len", "16",
+         "--rows-per-shard", "4", "--vocab-size", "300", "--out", str(shards)], capsys)
+    build = ["data", "plan", "--manifest", str(shards), "--unique-tokens", "160", "--passes", "prose=2",
+             "--revision", "r"]
+    before = tree_digest(tmp)
+    code, _, err = cli([*build, "--dataset", "acme/x", "--out", str(pre)], capsys)
+    assert code == 2 and "--dataset 'acme/x' looks like a Hub repository id" in err, err
+    assert "hf://datasets/acme/x" in err and "'acme-x'" in err and tree_digest(tmp) == before
+    assert cli([*build, "--dataset", "hf://datasets/acme/x", "--out", str(pre)], capsys)[0] == 0
+    other = tmp / "pre-other.json"
+    assert cli([*build, "--dataset", "hf://datasets/acme/y", "--out", str(other)], capsys)[0] == 0
+
+    code, out, err = cli(["data", "check-refinement", str(pre), "--pretraining", str(pre)], capsys)
+    assert code == 2 and "must have exactly one; derive the refinement plan from the pretraining plan with " \
+                         "`ds-trhash data plan --refinement-of PRE.json --out REF.json`" in out + err, out + err
+    ref = tmp / "ref.json"
+    assert cli(["data", "plan", "--refinement-of", str(other), "--out", str(ref)], capsys)[0] == 0
+    code, out, err = cli(["data", "check-refinement", str(ref), "--pretraining", str(pre)], capsys)
+    text = out + err
+    assert code == 2 and "the plans differ in dataset 'hf://datasets/acme/y' vs 'hf://datasets/acme/x'" in text, text
+    assert "unique core's sources" not in text

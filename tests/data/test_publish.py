@@ -129,3 +129,18 @@ def test_refusals_send_nothing_and_change_nothing(hub, capsys, tmp_path, monkeyp
     monkeypatch.setenv("HF_TOKEN", "hf_WRONGtokenVALUE0123456789")
     code, _, err = publish(capsys, root2)
     assert code == 2 and "401" in err and "<redacted>" in err and "WRONGtoken" not in err
+
+
+def test_no_token_says_how_to_give_one_and_sends_nothing(hub, capsys, tmp_path, monkeypatch):
+    """Neither HF_TOKEN nor a login: the fix (set HF_TOKEN or `hf auth login`), not "run again"."""
+    from huggingface_hub import constants
+
+    root = released(tmp_path / "release")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+    before = tree_digest(tmp_path)
+    code, _, err = publish(capsys, root)
+    assert code == 2 and "no Hugging Face token: set HF_TOKEN" in err and "`hf auth login`" in err, err
+    assert "run the same command again" not in err
+    assert hub.requests == [] and tree_digest(tmp_path) == before
