@@ -37,6 +37,7 @@ from .chunk_store import RUN_FORMAT, ChunkStore, WorkDirError
 from .inputs import JSONL, TEXT, InputSpec, Record, Skipped, decode_record, iter_records
 from .parts import BadRecordLimit, join_stores, part_dir, remove_stale_temporaries, work_dir
 from .shards import MAX_TOKEN_ID, ShardError, check_source_name
+from .tokenize_progress import TokenizeProgress
 from .tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_file, tokenizer_sha256
 
 DEFAULT_CHUNK_RECORDS = 2048
@@ -272,8 +273,13 @@ def _encode(job: TokenizeJob, store: ChunkStore, log: Callable[[str], None]) -> 
         size = job.chunk_records
         return not any(wanted(n) for n in range(first // size, (first + records - 1) // size + 1))
 
-    chunks = _chunks(iter_records(job.inputs, job.text_field, unwanted), job.chunk_records, wanted, seen)
-    _encode_all(job, chunks, store, limit.add)
+    progress = TokenizeProgress(job.source, job.inputs)  # stderr: a live line on a terminal, else plain lines
+    chunks = _chunks(progress.observe(iter_records(job.inputs, job.text_field, unwanted)), job.chunk_records,
+                     wanted, seen)
+    try:
+        _encode_all(job, chunks, store, lambda record: (limit.add(record), progress.chunk(record)))
+    finally:
+        progress.close()
     total_chunks = -(-seen[0] // job.chunk_records)
     summary = {"records": seen[0], "chunks": total_chunks}
     store.mark_done(summary)
