@@ -33,6 +33,7 @@ FIRST = (
     "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
     "tests/training/test_expert_parallel_launch.py",  # ~50 s: ep_size 2, killed and resumed
     "tests/training/test_release_layout_launch.py",  # ~40 s
+    "tests/test_readme.py",  # ~35 s: the README's command blocks through bash, as written
 )
 
 

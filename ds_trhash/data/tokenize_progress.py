@@ -109,6 +109,7 @@ class TokenizeProgress:
             print(self.line(), file=self.stream, flush=True)
 
     def close(self) -> None:
+        self.current = len(self.weights)  # every input read to its end (a failed run has rows < records read)
         if self._live is not None:
             self._live.update(self._text())
             self._live.stop()

@@ -21,9 +21,9 @@ from tests import fail_closed
 TOTAL = 30
 
 
-def tiny_state(seed: int = 0, vocab_size: int = 64) -> tuple[TRHashConfig, dict]:
+def tiny_state(seed: int = 0, vocab_size: int = 64, max_seq_len: int = 32) -> tuple[TRHashConfig, dict]:
     torch.manual_seed(seed)
-    cfg = TRHashConfig.from_preset("tiny", vocab_size=vocab_size, num_layers=1, max_seq_len=32)
+    cfg = TRHashConfig.from_preset("tiny", vocab_size=vocab_size, num_layers=1, max_seq_len=max_seq_len)
     return cfg, {k: v.detach().clone() for k, v in TRHashForCausalLM(cfg).state_dict().items()}
 
 
@@ -46,8 +46,9 @@ def make_run(out: Path, steps=(10, 20, 30), *, packs: dict[int, int] | None = No
              keep_unsynced: bool = False, cleanup: str = "off", tokenizer: Path | None = None) -> Path:
     """Checkpoints at ``steps`` (``packs``: step -> pack number), config.json and, when
     ``finished``, final/ of the last step and stage_complete.json. ``tokenizer``: the run's
-    (recorded in every checkpoint; the model's vocabulary is then the test tokenizer's 512)."""
-    cfg, state = tiny_state(vocab_size=512 if tokenizer else 64)
+    (recorded in every checkpoint; the model then has the test tokenizer's 512 entries and a
+    context of 128 tokens, enough to generate from)."""
+    cfg, state = tiny_state(vocab_size=512 if tokenizer else 64, max_seq_len=128 if tokenizer else 32)
     packs = packs or {}
     for step in steps:
         write_step(out, step, cfg, state, pack=packs.get(step), reason="token pack boundary" if step in packs

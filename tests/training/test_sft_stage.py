@@ -142,6 +142,8 @@ def test_a_capped_stage_says_so_in_its_records_and_to_the_next_stage(stages, sft
     assert done["total_steps"] == 30 and done["planned_steps"] > 30 and "capped by --max-steps" in done["capped"]
     assert "caps this stage at 10 of the" in stages["ref_proc"].stdout + stages["ref_proc"].stderr
     warned = stages["ref_proc"].stdout + stages["ref_proc"].stderr
+    assert len([line for line in warned.splitlines() if line.lstrip().startswith("kernels ")]) == 1
+    assert "kernel choice:" not in warned and "kernels requested" not in warned
     assert f"--init-checkpoint {stages['pre']} comes from a stage capped by --max-steps" in warned, warned[-3000:]
     out, _ = sft
     assert json.loads((out / "stage_complete.json").read_text())["final"] == "final"
