@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the release-layout manifest writer of the tests (tests/data/release_corpus.py)
 
 from ds_trhash.cli import main  # noqa: E402
-from ds_trhash.data.corpus_index import read_corpus_index  # noqa: E402
-from ds_trhash.data.plan_build import build_plan, score_key  # noqa: E402
+from ds_trhash.data.plans.corpus_index import read_corpus_index  # noqa: E402
+from ds_trhash.data.plans.build import build_plan, score_key  # noqa: E402
 from tests.data.release_corpus import FULL_ROWS, write_release_layout  # noqa: E402
 
 # The release's mixture, scaled to the requested shard count (shares of its unique-token budgets).

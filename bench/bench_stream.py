@@ -30,11 +30,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_trhash.data.stream import open_corpus  # noqa: E402
-from ds_trhash.data.plan_build import build_plan  # noqa: E402
-from ds_trhash.data.reader import ReplayReader  # noqa: E402
-from ds_trhash.data.shards import load_manifests, write_shards  # noqa: E402
-from ds_trhash.data.store import HubStore  # noqa: E402
+from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
+from ds_trhash.data.plans.build import build_plan  # noqa: E402
+from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
+from ds_trhash.data.formats.shards import load_manifests, write_shards  # noqa: E402
+from ds_trhash.data.stream.store import HubStore  # noqa: E402
 from tests.data.hub_corpus import corpus_files  # noqa: E402
 from tests.release.hub_server import HubServer, seed_dataset  # noqa: E402
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from pydoc_data.topics import topics
 
-from ds_trhash.data.inputs import file_inputs
-from ds_trhash.data.parallel_tokenize import TokenizeJob, default_workers, run_tokenize
-from ds_trhash.data.tokenizer import load_tokenizer, train_tokenizer
+from ds_trhash.data.build.inputs import file_inputs
+from ds_trhash.data.build.tokenize import TokenizeJob, default_workers, run_tokenize
+from ds_trhash.data.formats.tokenizer import load_tokenizer, train_tokenizer
 
 
 def corpus(path: Path, megabytes: float) -> list[str]:

@@ -19,7 +19,7 @@ from ds_trhash.release.hub_client import redact
 # data fingerprint` starts without torch. Help, or a name that is no command, registers them all.
 COMMANDS = {
     "data": "ds_trhash.data.commands",
-    "sft": "ds_trhash.data.sft_commands",
+    "sft": "ds_trhash.data.sft.commands",
     "eval": "ds_trhash.eval.commands",
     "export": "ds_trhash.release.export_command",
     "sync": "ds_trhash.release.commands",

@@ -6,11 +6,14 @@ Hub, a shared disk) must not be able to point us at ``../../../victim.bin``, ``/
 symlink that leads out of the folder. Each check runs where the name is read, before any file is
 opened, and its error names the file the name came from and the field that held it.
 
-This module imports nothing of ours but the error base, so every package may call it.
+This module is the one validator of such names (every format and the node cache call it, so a
+name accepted at launch is never refused hours later by the cache), and imports nothing of ours
+but the error base, so every package may call it.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path, PurePosixPath
 
 from ds_trhash.errors import UserError
@@ -18,6 +21,24 @@ from ds_trhash.errors import UserError
 
 class UnsafeNameError(UserError, ValueError):
     """A name read from a file would leave its folder (or is not a name at all)."""
+
+
+# Every part of a name: letters, digits, '_', '-', '.', not a leading '.' (no hidden files, no
+# spaces or shell-special characters in the folders we create from it).
+_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# Endings the node's shard cache keeps for its own files beside an entry (data/stream/cache_files.py):
+# a shard of such a name would collide with them.
+RESERVED_ENDINGS = (".verified.json", ".lock", ".pin")
+RESERVED_INFIX = ".partial-"
+
+
+def _check_part(part: str, text: str, where: str) -> None:
+    if not _PART.match(part):
+        raise UnsafeNameError(f"{where} is {text!r}: names may hold letters, digits, '_', '-' and '.', and may not "
+                              "start with '.'")
+    if part.endswith(RESERVED_ENDINGS) or RESERVED_INFIX in part:
+        raise UnsafeNameError(f"{where} is {text!r}: a name may not end in {', '.join(RESERVED_ENDINGS)} or hold "
+                              f"{RESERVED_INFIX!r} (the shard cache's own files)")
 
 
 def _where(origin: str, field: str) -> str:
@@ -49,6 +70,7 @@ def bare_name(name: object, origin: str, field: str = "") -> str:
                               "part (no '/')")
     if text in (".", ".."):
         raise UnsafeNameError(f"{_where(origin, field)} is {text!r}, which names a folder, not a file inside it")
+    _check_part(text, text, _where(origin, field))
     return text
 
 
@@ -62,6 +84,8 @@ def relative_path(name: object, origin: str, field: str = "") -> str:
     if any(part in ("", ".") for part in parts):
         raise UnsafeNameError(f"{_where(origin, field)} is {text!r}: empty or '.' parts are not allowed; write "
                               "the path plainly (a/b/c)")
+    for part in parts:
+        _check_part(part, text, _where(origin, field))
     return text
 
 

@@ -97,8 +97,8 @@ def test_the_import_rule_checks_every_part_and_relative_imports():
     """The checker itself: a part without files would pass vacuously (kernels/ lives outside
     ds_trhash/), and a relative import is an import like any other."""
     assert all(_files(part) for part in FORBIDDEN), [part for part in FORBIDDEN if not _files(part)]
-    assert _broken("data", PKG / "data" / "plan.py", "from ..training import loop\n") == [
-        "ds_trhash/data/plan.py imports ds_trhash.training", "ds_trhash/data/plan.py imports ds_trhash.training.loop"]
+    assert _broken("data", PKG / "data" / "plans" / "plan.py", "from ...training import loop\n") == [
+        "ds_trhash/data/plans/plan.py imports ds_trhash.training", "ds_trhash/data/plans/plan.py imports ds_trhash.training.loop"]
     assert _broken("kernels", REPO / "kernels" / "routed_experts.py", "from ds_trhash.model import experts\n")
     assert _broken("kernels", REPO / "kernels" / "routed_experts.py", "from . import routed_experts\n") == []
     assert not _broken("model", PKG / "model" / "backend.py", "from .experts import EXPERT_BACKENDS\n")

@@ -6,7 +6,7 @@ optimizer is allocated. The public trainer discovers a broken refinement only af
 the model; this module exists so that we never do.
 
 This module depends on nothing else in the package: plan validation and fingerprinting are
-injected by the caller (``ds_trhash.data.plan``), which keeps the rules testable on their own.
+injected by the caller (``ds_trhash.data.plans.plan``), which keeps the rules testable on their own.
 """
 from __future__ import annotations
 

@@ -15,14 +15,14 @@ from ds_trhash import outputs
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.io import os_errors_as, read_json_object
 
-from .corpus_index import read_corpus_index
-from .embedded import build_embedded
-from .inputs import FORMATS
-from .corpus_commands import add_corpus_commands
-from .plan import check_refinement, derive_refinement, load_plan, write_plan
-from .plan_build import build_plan
-from .plan_correct import build_corrective_plan
-from .tokenizer import train_tokenizer
+from ds_trhash.data.plans.corpus_index import read_corpus_index
+from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.build.inputs import FORMATS
+from ds_trhash.data.build.commands import add_corpus_commands
+from ds_trhash.data.plans.plan import check_refinement, derive_refinement, load_plan, write_plan
+from ds_trhash.data.plans.build import build_plan
+from ds_trhash.data.plans.correct import build_corrective_plan
+from ds_trhash.data.formats.tokenizer import train_tokenizer
 
 
 class CommandError(UserError, ValueError):
@@ -48,8 +48,8 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
 def _tokenizer_texts(paths: Sequence[str], fmt: str, text_field: str) -> Iterator[object]:
     """The inputs `data tokenize` reads, for training: a text file whole (as always), the texts of
     JSONL(.gz) and Parquet records; a bad record stops it, named like `data tokenize` names it."""
-    from .inputs import decode_record, file_inputs, iter_records
-    from .parallel_tokenize import where
+    from ds_trhash.data.build.inputs import decode_record, file_inputs, iter_records
+    from ds_trhash.data.build.tokenize import where
 
     for spec in file_inputs(paths, fmt):
         if spec.fmt == "text":

@@ -27,10 +27,10 @@ from typing import Iterator
 from ds_trhash.errors import UserError
 from ds_trhash.io import publish_dir, sha256_file
 
-from .plan import derive_refinement, write_plan
-from .plan_build import build_plan
-from .shards import tokenize_to_shards
-from .tokenizer import PathLike, load_tokenizer, train_tokenizer
+from ds_trhash.data.plans.plan import derive_refinement, write_plan
+from ds_trhash.data.plans.build import build_plan
+from ds_trhash.data.formats.shards import tokenize_to_shards
+from ds_trhash.data.formats.tokenizer import PathLike, load_tokenizer, train_tokenizer
 
 STAMP_FILE = "EMBEDDED_STAMP.json"
 STAMP_FORMAT = "ds-trhash-embedded-v1"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_trhash.data.tokenizer import load_tokenizer
+from ds_trhash.data.formats.tokenizer import load_tokenizer
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic

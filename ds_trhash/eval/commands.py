@@ -20,8 +20,8 @@ import torch
 
 from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import load_merged_weights
-from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
-from ds_trhash.data.tokenizer import load_tokenizer, tokenizer_sha256
+from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
+from ds_trhash.data.formats.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.errors import UserError
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, format_result, read_piqa

@@ -214,12 +214,12 @@ def _job(file: Path, index: int, table: Any, here: Path, base_dir: Path) -> Job:
     where = f"job {name!r}: " if isinstance(name, str) and name else f"jobs[{index}]: "
     r = _Reader(file, where, table, JOB_KEYS)
     name = r.get("name", str, required=True)
-    try:  # the name becomes <jobs_dir>/logs/<name>.log: a bare name (docs/contracts.md §2d), then the pattern
+    if not NAME_RE.match(name):  # the pattern first: its message names the allowed characters
+        r.fail("name", f"{name!r} must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
+    try:  # the name becomes <jobs_dir>/logs/<name>.log: a bare name (docs/contracts.md §2d)
         bare_name(name, str(file), f"{where}name")
     except UnsafeNameError as exc:
         raise ManifestError(str(exc)) from None
-    if not NAME_RE.match(name):
-        r.fail("name", f"{name!r} must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
     argv = _argv(r)
     kind = r.get("kind", str, "training" if is_training_argv(argv) else "command")
     if kind not in KINDS:

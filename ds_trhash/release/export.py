@@ -21,7 +21,7 @@ import torch
 from ds_trhash import outputs
 from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
-from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
+from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq

@@ -30,8 +30,8 @@ from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_we
 from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.argtypes import seed as seed_arg
-from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
-from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
+from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
+from ds_trhash.data.formats.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
 from ds_trhash.errors import UserError
 from ds_trhash.io import os_errors_as, read_json_object
 from ds_trhash.model.attention import rope_inv_freq

@@ -13,7 +13,7 @@ import torch
 class PretrainBatches:
     """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size."""
 
-    reader: object  # ds_trhash.data.reader.ReplayReader
+    reader: object  # ds_trhash.data.stream.reader.ReplayReader
     micro_batch: int
     grad_accum: int
     rank: int
@@ -43,7 +43,7 @@ class PretrainBatches:
 class SFTStepBatches:
     """Packed SFT windows; epoch e's order is a pure function of (seed, e)."""
 
-    batches: object  # ds_trhash.data.sft_dataset.SFTBatches
+    batches: object  # ds_trhash.data.sft.dataset.SFTBatches
     grad_accum: int
     policy: str  # cross_document | per_document
 

@@ -85,8 +85,8 @@ def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(roo
 @pytest.mark.launch
 def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root, two_rank_run):
     """The data order is world-size independent: with G fixed, step s reads rows [s·G, (s+1)·G)."""
-    from ds_trhash.data.plan import load_plan
-    from ds_trhash.data.reader import ReplayReader
+    from ds_trhash.data.plans.plan import load_plan
+    from ds_trhash.data.stream.reader import ReplayReader
 
     from ds_trhash.data.embedded import build_embedded
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from huggingface_hub import constants
 
-from ds_trhash.data.plan_build import build_plan
-from ds_trhash.data.shards import load_manifests, write_shards
+from ds_trhash.data.plans.build import build_plan
+from ds_trhash.data.formats.shards import load_manifests, write_shards
 from tests.release.hub_server import HubServer, seed_dataset
 
 TOKEN = "hf_streamtesttoken0123456789abcdef"

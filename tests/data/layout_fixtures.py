@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_trhash.data.shards import load_manifests, write_shards
+from ds_trhash.data.formats.shards import load_manifests, write_shards
 
 L = 8
 

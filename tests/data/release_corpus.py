@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-RELEASED = Path(__file__).resolve().parent / "release_plans"
+RELEASED = Path(__file__).resolve().parent / "plans" / "release_plans"
 REPLAY, CORRECTED, PHASE2 = ("tr_hash_70b_quality_replay.json", "tr_hash_70b_quality_replay_corrected.json",
                              "tr_hash_70b_unique_only_phase2.json")
 SEQ_LEN = 1024

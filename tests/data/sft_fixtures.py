@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_trhash.data.tokenizer import load_tokenizer, train_tokenizer
+from ds_trhash.data.formats.tokenizer import load_tokenizer, train_tokenizer
 
 VOCAB_SIZE = 512
 

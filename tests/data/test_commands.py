@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 
 from ds_trhash.cli import main
-from ds_trhash.data.plan import load_plan, validate_refinement
-from ds_trhash.data.shards import load_manifest
-from ds_trhash.data.tokenizer import tokenizer_sha256
+from ds_trhash.data.plans.plan import load_plan, validate_refinement
+from ds_trhash.data.formats.shards import load_manifest
+from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 
 
 def cli(argv, capsys):
@@ -118,7 +118,7 @@ def test_train_tokenizer_refuses_empty_input_a_vocabulary_over_uint16_and_non_ut
 def test_train_tokenizer_reads_what_data_tokenize_reads(tmp_path, capsys):
     """Text, JSONL, JSONL.gz and Parquet: the tokenizer learned from the four is the one learned from
     their texts; a bad record is named like `data tokenize` names it and nothing is written."""
-    from ds_trhash.data.tokenizer import train_tokenizer
+    from ds_trhash.data.formats.tokenizer import train_tokenizer
     from tests.data.tokenize_fixtures import write_inputs
     from tests.fail_closed import tree_digest
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from ds_trhash.data.tokenizer import (
+from ds_trhash.data.formats.tokenizer import (
     SPECIAL_TOKENS,
     TokenizerError,
     load_tokenizer,

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ds_trhash.cli import main
-from ds_trhash.data.tokenizer import load_tokenizer, train_tokenizer
+from ds_trhash.data.formats.tokenizer import load_tokenizer, train_tokenizer
 
 WORDS = ("hash routed experts replay plans never repeat data silently tokens shards manifests stream rows "
          "parquet streaming workers chunks resume").split()

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.data.sft_fixtures import VOCAB_SIZE, build_test_tokenizer, conversation, write_jsonl
-from ds_trhash.data.sft_build import build_sft_dataset
-from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+from ds_trhash.data.sft.build import build_sft_dataset
+from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.cli import main
-from ds_trhash.data.tokenizer import load_tokenizer
+from ds_trhash.data.formats.tokenizer import load_tokenizer
 from ds_trhash.eval import commands
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa

@@ -11,7 +11,7 @@ def corpus(tmp_path_factory):
     """The demo corpus (tokenizer, shards, pretraining and refinement plans), its SFT set, and
     the same corpus under another tokenizer (vocabulary 4000)."""
     from ds_trhash.data.embedded import build_embedded
-    from ds_trhash.data.sft_build import build_sft_dataset
+    from ds_trhash.data.sft.build import build_sft_dataset
 
     root = tmp_path_factory.mktemp("corpus")
     paths = build_embedded(root / "data", seq_len=128)

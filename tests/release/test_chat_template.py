@@ -1,10 +1,10 @@
-"""The export's Jinja chat template renders byte for byte what ds_trhash.data.chat renders, and a
+"""The export's Jinja chat template renders byte for byte what ds_trhash.data.sft.chat renders, and a
 generation prompt tokenizes to exactly the prompt ids the SFT builder trained on."""
 import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from ds_trhash.data.chat import IGNORE_INDEX, ChatError, render_text, tokenize_example
+from ds_trhash.data.sft.chat import IGNORE_INDEX, ChatError, render_text, tokenize_example
 from ds_trhash.data.embedded import SYSTEM_PROMPT, demo_conversations
 
 

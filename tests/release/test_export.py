@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds_trhash.data.chat import CHAT_TEMPLATE_JINJA
+from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release import export as export_mod

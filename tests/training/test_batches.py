@@ -6,11 +6,11 @@ import pytest
 import torch
 from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 
-from ds_trhash.data.sft_build import build_sft_dataset
-from ds_trhash.data.sft_dataset import SFTBatches, open_sft, pack
+from ds_trhash.data.sft.build import build_sft_dataset
+from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.data.reader import ReplayReader
-from ds_trhash.data.stream import open_corpus
+from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, data_wait_line
 from tests.data.hub_corpus import REPO, hub_corpus  # noqa: F401  (the fixture)
 

@@ -1,7 +1,7 @@
 """batch.global_tokens: grad_accum derived from the world size, refusals that name the way out."""
 import pytest
 
-from ds_trhash.data.budget import plan_steps
+from ds_trhash.data.plans.budget import plan_steps
 from ds_trhash.training import config as tcfg
 from ds_trhash.checkpoints import ResumeError, check_resume_compatible
 

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_trhash.data.budget import check_target_tokens, pack_boundaries, plan_steps
-from ds_trhash.data.plan import load_plan, validate_refinement
+from ds_trhash.data.plans.budget import check_target_tokens, pack_boundaries, plan_steps
+from ds_trhash.data.plans.plan import load_plan, validate_refinement
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.schedule import build_scheduler, describe_schedule, schedule_warmup_steps
 from tests.fail_closed import ds_trhash, tree_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "ds_configs" / "200m"
-RELEASED = ROOT / "tests" / "data" / "release_plans"  # the public files, byte for byte
+RELEASED = ROOT / "tests" / "data" / "plans" / "release_plans"  # the public files, byte for byte
 FINGERPRINT = "b8549c92137b7ee14c01229ec2569afc153299dedc69109a8856adf4d4547d98"
 WORLDS = (1, 2, 4, 8, 16, 24, 48)
 

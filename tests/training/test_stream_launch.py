@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from ds_trhash.data import cache_files as cf
+from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.plan import load_plan
+from ds_trhash.data.plans.plan import load_plan
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.data.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN, UNK_TOKEN
+from ds_trhash.data.formats.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN, UNK_TOKEN
 from ds_trhash.io import write_json
 from ds_trhash.model.config import HF_MODEL_TYPE, TRHashConfig
 

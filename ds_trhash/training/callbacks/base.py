@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # type names only: the loop imports this module, and these im
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from ds_trhash.data.sft_dataset import SFTBatches
+    from ds_trhash.data.sft.dataset import SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.callbacks.faults import FaultInjection

@@ -216,25 +216,6 @@ def resolve_init_checkpoint(path: str | os.PathLike | None, log: Log = print) ->
 # ----------------------------------------------------------------------------- identities
 
 
-def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mapping[str, str | None]) -> None:
-    """``data.tokenizer`` must be the tokenizer the data was made with: every recorded hash
-    (plan, each source's shard manifest) must equal the file's SHA-256."""
-    if tokenizer is None:
-        return
-    from ds_trhash.data.tokenizer import TokenizerError, tokenizer_file, tokenizer_sha256
-
-    try:
-        actual = tokenizer_sha256(tokenizer)
-    except (OSError, TokenizerError) as exc:  # unreadable, or not a tokenizer: a bug keeps its traceback
-        raise LaunchCheckError(f"data.tokenizer {tokenizer}: {exc}") from None
-    wrong = {what: h for what, h in recorded.items() if h and h != actual}
-    if wrong:
-        listing = ", ".join(f"{what} records {h[:12]}…" for what, h in wrong.items())
-        raise LaunchCheckError(
-            f"data.tokenizer {tokenizer_file(tokenizer)} has sha256 {actual[:12]}…, but {listing}; "
-            "point data.tokenizer at the tokenizer the data was made with, or rebuild the data")
-
-
 def check_sft_manifest_unchanged(recorded: str | None, current: str | None, sft_dir: str | None) -> None:
     """A resumed SFT run reads the same set: a set rebuilt in place (same path, new bytes)
     would silently change the data order and the examples under the saved cursor."""

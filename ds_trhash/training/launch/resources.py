@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.cache import cache_bytes_from
+from ds_trhash.data.stream.cache import cache_bytes_from
 from ds_trhash.errors import UserError
+from ds_trhash.ranks import ranks_on_node
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.launch.footprint import GIB, Footprint, estimate, gib
@@ -259,8 +260,8 @@ def shared_free_bytes(path: str | os.PathLike) -> int:
 
 
 def local_processes(world: int) -> int:
-    """Ranks on this node (the deepspeed launcher says LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE)."""
-    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+    """Ranks on this node (``ds_trhash.ranks.ranks_on_node``)."""
+    return ranks_on_node(world)
 
 
 def check_at_launch(cfg, model_cfg, world: int, local_processes: int, devices: Devices, total_steps: int,

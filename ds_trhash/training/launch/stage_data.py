@@ -17,18 +17,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_trhash.data.budget import check_target_tokens, plan_steps
-from ds_trhash.data.cache import CACHE_ENV, cache_bytes_from
-from ds_trhash.data.stream import resume_commit, shared_corpus
+from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
+from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
+from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.plan import load_plan
-from ds_trhash.data.reader import ReplayReader
-from ds_trhash.data.sft_build import build_sft_dataset
-from ds_trhash.data.sft_dataset import SFTBatches, SFTDataError, open_sft, pack
-from ds_trhash.data.tokenizer import tokenizer_sha256
+from ds_trhash.data.plans.plan import load_plan
+from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.sft.build import build_sft_dataset
+from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
+from ds_trhash.data.formats.tokenizer import tokenizer_sha256
+from ds_trhash.data.formats.tokenizer_check import check_tokenizer_matches, data_tokenizer_identity
+from ds_trhash.ranks import ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
 
 
@@ -95,32 +96,12 @@ def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
             "stage_complete.json and run record say it was capped",)
 
 
-def _tokenizer_identity(recorded: dict, tokenizer_dir, shards_dir) -> tuple[str | None, bool, tuple[str, ...]]:
-    """(the tokenizer identity of the data, whether it was assumed, what to say once).
-
-    The data's own record wins (``check_tokenizer_matches`` already compared it with
-    data.tokenizer). A corpus that records none (the release's manifests never do) is taken to
-    be tokenized with the configured data.tokenizer, and the launch says so."""
-    known = next((h for h in recorded.values() if h), None)
-    if known is not None and tokenizer_dir is None:
-        return known, False, (f"the data records tokenizer {known[:12]}… but data.tokenizer is not set: final/ and "
-                              "exports of this run will carry no tokenizer.json (generate and the run record need "
-                              "it); set data.tokenizer to the directory the data was tokenized with",)
-    if known is not None:
-        return known, False, ()
-    if tokenizer_dir is None:
-        return None, False, (f"the corpus at {shards_dir} and its plan record no tokenizer identity and data.tokenizer "
-                             "is not set: this run records no tokenizer",)
-    actual = tokenizer_sha256(tokenizer_dir)
-    return actual, True, (f"the corpus at {shards_dir} and its plan record no tokenizer identity; assuming "
-                          f"data.tokenizer {tokenizer_dir} (sha256 {actual[:12]}…), recorded as this run's tokenizer",)
-
-
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
-                          saved_source: dict | None = None) -> StageData:
+                          saved_source: dict | None = None, hub_wait_s: float | None = None) -> StageData:
     """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
     cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
-    ``data_source`` a resumed checkpoint recorded (its commit is read again)."""
+    ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
+    long a Hub store waits out an outage (default: ``data.hub_wait_minutes``)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
@@ -147,14 +128,15 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
 
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
     pinned = resume_commit(shards_dir, plan.doc, saved_source)
-    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
+    wait_s = cfg.data.hub_wait_minutes * 60 if hub_wait_s is None else hub_wait_s
+    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all",
+                           hub_wait_s=wait_s)
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
-    launch_checks.check_tokenizer_matches(tokenizer_dir, recorded)
-    identity, assumed, notes = _tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
+    check_tokenizer_matches(tokenizer_dir, recorded)
+    identity, assumed, notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
-    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-    corpus.check_cache_bound(max_bytes, ranks_on_node, f"data.cache_gb / {CACHE_ENV}")
+    corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), planned_steps=planned, plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes + _cap_note(cfg, planned),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
-from ds_trhash.data.plan import unique_core_fingerprint, validate_refinement
+from ds_trhash.data.plans.plan import unique_core_fingerprint, validate_refinement
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.launch.stage_data import StageData
 

@@ -6,7 +6,6 @@ from ds_trhash.training.launch.checks import (
     LaunchCheckError,
     check_fresh_output_dir,
     check_sft_manifest_unchanged,
-    check_tokenizer_matches,
     resolve_init_checkpoint,
 )
 
@@ -16,16 +15,6 @@ def test_an_sft_set_rebuilt_in_place_is_refused_on_resume():
     check_sft_manifest_unchanged(None, "b" * 64, "sft")  # a checkpoint from before the hash was recorded
     with pytest.raises(LaunchCheckError, match="the SFT set sft changed since the checkpoint: .* bbbbbbbbbbbb"):
         check_sft_manifest_unchanged("a" * 64, "b" * 64, "sft")
-
-
-def test_tokenizer_identity_names_every_disagreeing_record(tmp_path):
-    (tmp_path / "tokenizer.json").write_text("{}")
-    from ds_trhash.data.tokenizer import tokenizer_sha256
-
-    ours = tokenizer_sha256(tmp_path)
-    check_tokenizer_matches(tmp_path, {"the plan": ours, "the web shard manifest": None})
-    with pytest.raises(LaunchCheckError, match="the web shard manifest records 000000000000"):
-        check_tokenizer_matches(tmp_path, {"the plan": ours, "the web shard manifest": "0" * 64})
 
 
 def test_a_run_without_a_complete_checkpoint_is_not_an_init_source(tmp_path):

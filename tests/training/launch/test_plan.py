@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_trhash.data.budget import BudgetError
+from ds_trhash.data.plans.budget import BudgetError
 from ds_trhash.training.callbacks import training_parts
 from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
 from ds_trhash.training.launch.resources import ResourceError

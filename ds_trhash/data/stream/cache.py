@@ -1,0 +1,300 @@
+"""One bounded cache of token shards per node, filled from a shard store (local or remote).
+
+Every rank of a node opens the same ``cache_dir``. While a shard is cached the node downloads
+it once: the rank that needs it first takes its download lock, the others wait on that lock and
+then find the verified file. A download lands under a temporary name created at its full size
+(so the bound counts it from the start) and is renamed into place only after its size and
+SHA-256 match the manifest; a corrupt download is deleted and fetched once more, then the run
+stops naming the shard and both hashes. Nothing unverified is ever returned, and a process
+killed mid-download leaves only a partial file, which the next scan deletes.
+
+The bound covers every entry and partial download under ``cache_dir`` (the few hundred bytes of
+markers, pins and locks beside each are not counted). To make room, the least recently used entries
+that no rank has pinned are evicted under one eviction lock; a reader pins the shard it reads
+(a shared lock), so the smallest bound that always works is one largest shard per rank of the
+node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
+
+The file layout and the locks are in ``cache_files``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Optional
+
+from ds_trhash.io import sha256_file
+
+from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache_files import CacheError
+from ds_trhash.data.stream.store import ShardStore
+
+GIB = 1024**3
+DEFAULT_CACHE_GB = 1.0
+CACHE_ENV = "TOKENIZED_CACHE_GB"
+ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
+
+Key = tuple[str, str]
+__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard", "cache_bytes_from", "GIB", "CACHE_ENV"]
+
+
+class ShardIntegrityError(CacheError):
+    """A shard's bytes do not match the SHA-256 its manifest recorded (after one re-download)."""
+
+
+@dataclass(frozen=True)
+class ExpectedShard:
+    """What the plan's manifest promises of one shard; the cache checks the bytes it fetches against it
+    (``formats.manifest.Shard`` is the manifest's own entry, rows and tokens included)."""
+    path: str  # in the store
+    sha256: str
+    size: int
+
+
+def cache_bytes_from(cfg_value: Optional[float], env: Optional[Mapping[str, str]] = None) -> int:
+    """Cache bound in bytes (GiB units): TOKENIZED_CACHE_GB overrides the config's cache_gb."""
+    env = os.environ if env is None else env
+    raw = env.get(CACHE_ENV, "")
+    origin = f"{CACHE_ENV}={raw!r}"
+    if raw.strip():
+        try:
+            value = float(raw)
+        except ValueError:
+            raise CacheError(f"{origin} is not a number of GiB") from None
+    else:
+        value, origin = (DEFAULT_CACHE_GB if cfg_value is None else float(cfg_value)), f"data.cache_gb={cfg_value!r}"
+    if not math.isfinite(value) or value <= 0:
+        raise CacheError(f"{origin} must be a positive number of GiB")
+    if int(value * GIB) < 1:
+        raise CacheError(f"{origin} is {value!r} GiB, which rounds to 0 bytes; give the cache at least a shard "
+                         "(data.cache_gb is in GiB: 0.1 is about 107 MB)")
+    return int(value * GIB)
+
+
+def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
+    """One folder per store and commit inside the node's cache directory."""
+    return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
+
+
+class ShardCache:
+    def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, ExpectedShard],
+                 commit: str = "local", prefetch: int = 2) -> None:
+        if max_bytes < 1:
+            raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
+        self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
+        self.cache_dir = Path(cache_dir)
+        self.root = cache_root(self.cache_dir, store.identity, commit)
+        self._shards = dict(shards)
+        self._cond = threading.Condition()
+        self._queue: deque[Key] = deque()
+        self._busy = 0
+        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0,
+                        "redownloads": 0, "waited_s": 0.0}
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _expected(self, key: Key) -> ExpectedShard:
+        shard = self._shards.get(key)
+        if shard is None:
+            raise CacheError(f"shard {key[0]}/{key[1]} is not in that source's manifest; the plan and the shards disagree")
+        if shard.size > self.max_bytes:
+            raise CacheError(f"shard {key[0]}/{key[1]} is {shard.size} bytes, larger than the whole cache "
+                             f"({self.max_bytes}); raise data.cache_gb or {CACHE_ENV}")
+        return shard
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        with self._cond:
+            self._counts[name] += amount
+
+    def _reserve(self, path: Path, size: int, wait: bool) -> Optional[Path]:
+        """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of unpinned
+        entries); None for a prefetch that finds no room now."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with cf.evict_lock(self.cache_dir):
+                used, entries = cf.scan(self.cache_dir)
+                for _, victim in entries:
+                    if used + size <= self.max_bytes:
+                        break
+                    victim_size = victim.stat().st_size if victim.exists() else 0
+                    if victim != path and cf.try_evict(victim):
+                        used -= victim_size
+                        self._count("evictions")
+                if used + size <= self.max_bytes:
+                    partial = cf.side(path, f"{cf.PARTIAL}{os.getpid()}-{threading.get_ident()}")
+                    with open(partial, "wb") as f:
+                        f.truncate(size)
+                    return partial
+            if not wait:
+                return None
+            if time.monotonic() > deadline:
+                raise CacheError(f"no room for {path.name} in the cache {self.cache_dir} ({self.max_bytes} bytes) "
+                                 f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
+            time.sleep(0.05)
+
+    def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
+        """Download and verify ``key`` into ``path``; the caller holds its download lock and pin."""
+        seen = []
+        for attempt in range(2):
+            partial = self._reserve(path, shard.size, wait)
+            if partial is None:
+                return False
+            try:
+                streamed = self.store.download(shard.path, partial, shard.size)  # hashed as it was written
+                size = partial.stat().st_size
+                digest = (streamed or sha256_file(partial)) if size == shard.size else f"<{size} bytes, not {shard.size}>"
+                if digest == shard.sha256:
+                    cf.write_marker(partial, path, shard.sha256, shard.size)
+                    with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice
+                        os.replace(partial, path)
+                    return True
+            finally:
+                partial.unlink(missing_ok=True)
+            seen.append(digest)
+            self._count("redownloads", attempt == 0)
+        raise ShardIntegrityError(
+            f"shard {key[0]}/{key[1]} from {self.store.description}: two downloads hashed {seen[0]} and {seen[1]}, "
+            f"its manifest records sha256 {shard.sha256}; the store's copy is corrupt (or the manifest is): "
+            "restore it, or re-tokenize and re-plan")
+
+    def _ensure(self, key: Key, wait: bool) -> bool:
+        """The entry is present and verified (fetched now if needed); the caller holds its pin."""
+        shard = self._expected(key)
+        path = cf.entry_path(self.root, *key)
+        if cf.trusted(path, shard.sha256, shard.size):
+            return True
+        started = time.monotonic()
+        with cf.download_lock(path):  # one download per node; the others wait here
+            if cf.trusted(path, shard.sha256, shard.size):
+                self._count("waited_s", time.monotonic() - started)
+                return True
+            for stale in path.parent.glob(f"{path.name}{cf.PARTIAL}*"):  # we hold its lock: a dead run's
+                stale.unlink(missing_ok=True)
+            if path.exists():  # complete but no matching marker (copied in, or touched): hash once
+                if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
+                    cf.write_marker(path, path, shard.sha256, shard.size)
+                    return True
+                cf.side(path, cf.MARKER).unlink(missing_ok=True)
+                path.unlink()
+            done = self._fill(key, path, shard, wait)
+        if done and wait:
+            self._count("misses")
+            self._count("waited_s", time.monotonic() - started)
+        return done
+
+    # -- public API --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def pinned(self, source: str, file: str) -> Iterator[Path]:
+        """A verified local copy of ``source/file``, pinned (never evicted) inside the block."""
+        self._raise_worker_error()
+        key = (source, file)
+        path = cf.entry_path(self.root, source, file)
+        with cf.pinned(path):
+            shard = self._expected(key)
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp is not None and self._seen.get(key) == stamp:  # verified here before, unchanged since
+                self._count("hits")
+            elif stamp is not None and cf.trusted(path, shard.sha256, shard.size):
+                self._count("hits")
+            else:
+                self._ensure(key, wait=True)
+            self._seen[key] = path.stat().st_mtime_ns
+            yield path
+
+    def get(self, source: str, file: str) -> Path:
+        """Path of a verified copy (fetched now if not cached); unpinned once this returns."""
+        with self.pinned(source, file) as path:
+            return path
+
+    def prefetch(self, upcoming: Iterable[Key]) -> None:
+        """Queue the next few shards (``prefetch`` of them) for a background download."""
+        if self.prefetch_depth == 0:
+            return
+        with self._cond:
+            if self._closed:
+                raise CacheError("prefetch on a closed ShardCache")
+            wanted: list[Key] = []
+            for key in upcoming:
+                key = (key[0], key[1])
+                if key not in wanted:
+                    wanted.append(key)
+                if len(wanted) == self.prefetch_depth:
+                    break
+            self._queue = deque(wanted)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
+
+    def _raise_worker_error(self) -> None:
+        """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
+        if self._error is not None:
+            raise self._error
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key = self._queue.popleft()
+                self._busy += 1
+            try:
+                path = cf.entry_path(self.root, *key)
+                shard = self._expected(key)
+                if not cf.trusted(path, shard.sha256, shard.size):
+                    with cf.pinned(path):
+                        if self._ensure(key, wait=False):
+                            self._count("prefetched")
+            except ShardIntegrityError as exc:
+                self._error = exc
+            except (CacheError, OSError):
+                self._count("prefetch_errors")  # the read that needs it fetches it and reports
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+
+    def usage(self) -> int:
+        """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
+        with cf.evict_lock(self.cache_dir):
+            return cf.scan(self.cache_dir)[0]
+
+    def stats(self) -> dict:
+        with cf.evict_lock(self.cache_dir):
+            used, entries = cf.scan(self.cache_dir)
+        with self._cond:
+            return {"bytes": used, "files": len(entries), "max_bytes": self.max_bytes, **self._counts}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+
+    def __enter__(self) -> "ShardCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

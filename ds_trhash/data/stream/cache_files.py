@@ -1,0 +1,167 @@
+"""The cache directory's files: entry names, verified markers, pins, usage, stale partials.
+
+One cache directory serves every rank of a node. For a shard entry ``<root>/<source>/<file>``:
+
+- ``<file>``: complete and verified; it appears only by a rename once its size and SHA-256 matched.
+- ``<file>.verified.json``: {sha256, bytes, mtime_ns}, written before that rename; an entry whose
+  size and mtime_ns still match is trusted without hashing it again (a later run adopts it).
+- ``<file>.partial-<pid>-<thread>``: a download in flight, created at its full size so that the
+  bytes it will take are counted from the first moment.
+- ``<file>.lock``: held (exclusive) by the one process downloading it; the other ranks wait.
+- ``<file>.pin``: held shared by every reader of the entry; eviction needs it exclusive (never
+  blocks), so a shard in use is never removed. Its mtime is the entry's last use (LRU order).
+
+The names come from manifests and plans (untrusted input): each part must be a bare file name,
+and every path is checked to stay inside the cache directory before anything is created,
+replaced or deleted.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+from filelock import FileLock, Timeout
+
+from ds_trhash.errors import UserError
+from ds_trhash.safe_names import UnsafeNameError, bare_name
+
+MARKER = ".verified.json"
+PARTIAL = ".partial-"
+LOCK, PIN = ".lock", ".pin"
+EVICT_LOCK = ".evict.lock"
+_SIDE = (MARKER, LOCK, PIN)
+
+
+class CacheError(UserError, ValueError):
+    """The cache cannot serve a shard (unknown shard, too small a bound, a name that escapes)."""
+
+
+def entry_path(root: Path, source: str, file: str) -> Path:
+    """``root/source/file`` for bare names only; refuses anything that would land elsewhere."""
+    for what, name in (("source", source), ("file", file)):
+        try:
+            bare_name(name, f"shard {what} name")
+        except UnsafeNameError as exc:
+            raise CacheError(f"shard {what} name {name!r} is not a bare file name; the plan or manifest naming it "
+                             f"is malformed ({exc})") from None
+    path = root / source / file
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise CacheError(f"cache entry {path} would lie outside the cache directory {root}")
+    return path
+
+
+def side(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def read_marker(path: Path) -> Optional[dict]:
+    try:
+        doc = json.loads(side(path, MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def trusted(path: Path, sha256: str, size: int) -> bool:
+    """The entry is complete and its marker still describes it (no hashing)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    marker = read_marker(path)
+    return (marker is not None and st.st_size == size and marker.get("bytes") == size
+            and marker.get("mtime_ns") == st.st_mtime_ns and marker.get("sha256") == sha256)
+
+
+def write_marker(partial: Path, final: Path, sha256: str, size: int) -> None:
+    """The marker of ``final``, describing ``partial``'s bytes (a rename keeps mtime_ns)."""
+    doc = {"sha256": sha256, "bytes": size, "mtime_ns": partial.stat().st_mtime_ns}
+    tmp = side(final, f"{PARTIAL}{os.getpid()}-marker")  # under the download lock: never stale
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    os.replace(tmp, side(final, MARKER))
+
+
+def touch(path: Path) -> None:
+    pin = side(path, PIN)
+    pin.touch()
+    os.utime(pin)
+
+
+@contextlib.contextmanager
+def pinned(path: Path) -> Iterator[None]:
+    """Hold a shared pin on an entry (created if needed) for the block's duration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.utime(fd)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def try_evict(path: Path) -> bool:
+    """Remove an unpinned entry and its marker; False when some reader holds its pin."""
+    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        side(path, MARKER).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def download_lock(path: Path) -> FileLock:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(side(path, LOCK)), is_singleton=False, preserve_lock_file=True)
+
+
+def evict_lock(cache_dir: Path) -> FileLock:
+    return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True)
+
+
+def is_stale_partial(path: Path) -> bool:
+    """A partial whose downloader is gone (its lock is free): a killed run's leftovers."""
+    owner = path.with_name(path.name.split(PARTIAL)[0])
+    lock = FileLock(str(side(owner, LOCK)), is_singleton=False, preserve_lock_file=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
+def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
+    """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
+    entries); stale partials are deleted on the way (they count no more) unless ``prune`` is
+    false: an observer that only measures (it then counts them, and takes no download's lock)."""
+    used, entries = 0, []
+    for folder, _, names in os.walk(cache_dir):
+        for name in names:
+            path = Path(folder) / name
+            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(path):
+                path.unlink(missing_ok=True)
+                continue
+            if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
+                continue  # a few hundred bytes of bookkeeping per entry, not counted
+            try:
+                used += path.stat().st_size
+            except OSError:
+                continue
+            if PARTIAL not in name:
+                try:
+                    last = side(path, PIN).stat().st_mtime
+                except OSError:
+                    last = 0.0
+                entries.append((last, path))
+    return used, sorted(entries)

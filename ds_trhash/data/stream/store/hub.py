@@ -1,0 +1,163 @@
+"""A corpus in a Hugging Face Hub dataset repository, read through ``huggingface_hub``.
+
+The endpoint, the token and the reading of failures are ``ds_trhash.hub_access``'s (one policy for
+every Hub request of the project: ``HF_TOKEN`` only, never printed or written). The revision is
+resolved once to a commit and every later request names that commit, so a branch that moves during
+(or after) a run changes nothing it reads.
+
+Requests go through the client's own ``http_stream_backoff`` with its retries turned off: the
+waiting is ``hub_access.Patience``'s (``Retry-After`` and rate limits honoured, capped backoff, a
+wall-time budget of 30 minutes by default, one line per wait). A transfer that delivers no byte for
+``HF_HUB_DOWNLOAD_TIMEOUT`` seconds is a transient failure, and the next attempt resumes with a
+``Range`` request from the bytes already written. A shard is hashed as its bytes stream in, so the
+cache never reads it back to verify it.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from huggingface_hub.errors import HfHubHTTPError
+
+from ds_trhash import hub_access
+from ds_trhash.data.stream.store.base import StoreError, StoreFile, StoreUnavailable, relative_name
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_CHUNK = 1 << 20
+
+
+class _CutShort(StoreUnavailable):
+    """The body ended before the bytes the listing promised (transient: resumed by Range)."""
+
+
+class HubStore:
+    def __init__(self, repo_id: str, revision: str = "main", *, attempts: Optional[int] = None,
+                 backoff_s: float = hub_access.BACKOFF_START_S, budget_s: float = hub_access.DEFAULT_BUDGET_S,
+                 stall_s: Optional[float] = None, say: Optional[hub_access.Say] = None) -> None:
+        from huggingface_hub import constants
+
+        self.repo_id, self.revision = repo_id, revision
+        self.endpoint = hub_access.endpoint()
+        self.patience = hub_access.Patience(budget_s=budget_s, attempts=attempts, backoff_s=backoff_s,
+                                            **({"say": say} if say else {}))
+        self.stall_s = float(stall_s if stall_s is not None else constants.HF_HUB_DOWNLOAD_TIMEOUT)
+        self.commit: Optional[str] = None
+        self.description = f"hf://datasets/{repo_id}@{revision} (endpoint {self.endpoint})"
+        self.identity = f"hf:{self.endpoint}/datasets/{repo_id}"
+        self._api = hub_access.make_api(StoreError)
+
+    @property
+    def attempts_made(self) -> int:
+        """Requests sent, retries included (tests and the benchmark read it)."""
+        return self.patience.requests
+
+    def _retry(self, what: str, call):
+        try:
+            return self.patience.call(what, call)
+        except hub_access.HubUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from None
+
+    def _refusal(self, exc: BaseException, what: str) -> StoreError:
+        return hub_access.refusal(exc, what, StoreError, f"hf://datasets/{self.repo_id}")
+
+    # -- the store ---------------------------------------------------------------------
+    def resolve(self, pinned: Optional[str] = None) -> str:
+        wanted = pinned or self.revision
+        try:
+            info = self._retry(f"revision {wanted!r} of hf://datasets/{self.repo_id}",
+                               lambda: self._api.dataset_info(self.repo_id, revision=wanted))
+        except HfHubHTTPError as exc:
+            raise self._refusal(exc, wanted) from None
+        self.pin(str(info.sha))
+        return str(info.sha)
+
+    def pin(self, commit: str) -> None:
+        self.commit = commit
+        self.description = f"hf://datasets/{self.repo_id}@{commit[:12]} (endpoint {self.endpoint})"
+
+    def _pinned(self) -> str:
+        if self.commit is None:
+            raise AssertionError("HubStore.resolve() must run before the store is read")
+        return self.commit
+
+    def list_files(self) -> dict[str, StoreFile]:
+        commit = self._pinned()
+
+        def listing() -> list:
+            return list(self._api.list_repo_tree(self.repo_id, repo_type="dataset", revision=commit, recursive=True))
+
+        try:
+            entries = self._retry(f"the file listing of hf://datasets/{self.repo_id}@{commit[:12]}", listing)
+        except HfHubHTTPError as exc:
+            raise self._refusal(exc, commit) from None
+        found: dict[str, StoreFile] = {}
+        for entry in entries:
+            if getattr(entry, "size", None) is None:  # a folder
+                continue
+            lfs = getattr(entry, "lfs", None)
+            found[entry.path] = StoreFile(entry.path, int(entry.size), getattr(lfs, "sha256", None))
+        return found
+
+    def _url(self, path: str) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo_id, relative_name(path, f"hf://datasets/{self.repo_id}"), repo_type="dataset",
+                          revision=self._pinned(), endpoint=self.endpoint)
+
+    def _get_into(self, path: str, sink, state: dict, limit: int) -> None:
+        """One GET, ranged from ``state["offset"]``: appends at most ``limit`` bytes in all, hashing
+        them; ``state`` follows every block, so a cut transfer resumes from what was written."""
+        from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
+
+        request_headers = hub_access.headers()
+        if state["offset"]:
+            request_headers["Range"] = f"bytes={state['offset']}-"
+        with http_stream_backoff("GET", self._url(path), headers=request_headers, timeout=self.stall_s,
+                                 follow_redirects=True, max_retries=0, retry_on_status_codes=(),
+                                 retry_on_exceptions=()) as response:
+            if response.status_code == 404:
+                raise StoreError(f"{path} is not in hf://datasets/{self.repo_id}@{self._pinned()[:12]} "
+                                 f"({self.endpoint}); the manifest names a file the revision lacks")
+            hf_raise_for_status(response)
+            if state["offset"] and response.status_code != 206:  # the server ignored the range: start over
+                state.update(offset=0, digest=hashlib.sha256())
+            sink.seek(state["offset"])
+            for block in response.iter_bytes(_CHUNK):
+                block = block[: max(0, limit - state["offset"])]
+                sink.write(block)
+                state["digest"].update(block)
+                state["offset"] += len(block)
+
+    def _fetch(self, path: str, sink, limit: int, exact: bool) -> str:
+        """Every byte of ``path`` into ``sink`` (waiting out outages, resuming by Range); its sha256."""
+        state = {"offset": 0, "digest": hashlib.sha256()}
+
+        def attempt() -> None:
+            self._get_into(path, sink, state, limit)
+            if exact and state["offset"] < limit:
+                raise _CutShort(f"{path}: body ended at {state['offset']} of {limit} bytes")
+
+        try:
+            self._retry(f"{path} (hf://datasets/{self.repo_id}@{self._pinned()[:12]})", attempt)
+        except HfHubHTTPError as exc:
+            raise self._refusal(exc, path) from None
+        sink.truncate(state["offset"])
+        return state["digest"].hexdigest()
+
+    def read_json(self, path: str) -> Any:
+        buffer = io.BytesIO()
+        self._fetch(path, buffer, 1 << 30, exact=False)
+        try:
+            return json.loads(buffer.getvalue().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreError(f"{path} in hf://datasets/{self.repo_id} is not valid UTF-8 JSON: {exc}") from None
+
+    def download(self, path: str, dest: Path, size: int) -> str:
+        """Into ``dest`` (preallocated): at most ``size`` bytes; a cut transfer resumes by Range.
+        Returns the sha256 of the bytes written, computed as they arrived."""
+        with open(dest, "r+b") as sink:
+            return self._fetch(path, sink, size, exact=True)
