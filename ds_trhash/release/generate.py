@@ -76,7 +76,8 @@ def _load_export(root: Path) -> Loaded:
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
 
     if not (root / "tokenizer.json").is_file():
-        raise GenerateError(f"{root} has no tokenizer.json; export again with --tokenizer DIR")
+        raise GenerateError(f"{root} has no tokenizer.json (its run set no data.tokenizer); pass --tokenizer DIR "
+                            "with the run's tokenizer, or export again with --tokenizer DIR")
     model = TRHashForCausalLM.from_pretrained(str(root)).float()  # no dtype argument: 4.x and 5.x differ
     return Loaded(model, PreTrainedTokenizerFast.from_pretrained(str(root)), f"export {root} (transformers)")
 

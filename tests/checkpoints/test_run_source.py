@@ -43,3 +43,10 @@ def test_init_checkpoint_of_a_cleaned_run_folder_is_its_final(cleaned_run, tmp_p
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     stage = next(line for line in proc.stdout.splitlines() if " stage: " in line)
     assert f"{cleaned_run}/final" in stage and "step_00000010" not in stage, proc.stdout
+
+
+def test_a_final_without_tokenizer_names_both_fixes(tmp_path, capsys):
+    run = make_run(tmp_path / "run")  # a run that set no data.tokenizer: final/ has no tokenizer.json
+    assert cli.main(["generate", "--model", str(run / "final"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json (its run set no data.tokenizer); pass --tokenizer DIR" in err, err
