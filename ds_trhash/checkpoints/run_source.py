@@ -52,7 +52,7 @@ def model_of_run(run: str | os.PathLike, flag: str, log: Callable[[str], None]) 
     if done is not None:
         last = src / str(done.get("checkpoint", ""))
         if (last / MANIFEST).is_file() and verify(last)[0]:
-            log(f"{flag} {src}: the completed stage's last checkpoint is {last}")
+            log(f"{flag} {src}: the run's final complete checkpoint is {last} (the completed stage's last)")
             return last
         if (src / FINAL_DIR).is_dir():
             log(f"{flag} {src}: the completed stage's last checkpoint is gone (cleanup); using its {src / FINAL_DIR}")

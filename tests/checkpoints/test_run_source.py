@@ -25,7 +25,7 @@ def _generate(capsys, run):
 
 def test_generate_from_a_run_folder_before_and_after_cleanup(cleaned_run, capsys):
     err = _generate(capsys, cleaned_run)
-    assert f"--model {cleaned_run}: the completed stage's last checkpoint is {cleaned_run}/checkpoints/step_00000030" in err
+    assert f"--model {cleaned_run}: the run's final complete checkpoint is {cleaned_run}/checkpoints/step_00000030" in err
     assert "unknown TRHashConfig keys" not in err and "loaded checkpoint" in err
     assert cli.main(["cleanup", str(cleaned_run), "--keep", "packs"]) == 0
     err = _generate(capsys, cleaned_run)

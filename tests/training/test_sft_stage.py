@@ -153,7 +153,7 @@ def test_a_capped_stage_says_so_in_its_records_and_to_the_next_stage(stages, sft
     assert doc["optimizer_schedule"]["capped"] and any("capped by --max-steps" in x for x in doc["known_limitations"])
     assert doc["tokenizer_hash"]
     gen = _cli("generate", "--model", out, "--prompt", "The for statement", "--max-new-tokens", "3")
-    assert f"--model {out}: the completed stage's last checkpoint is" in gen.stderr and "loaded checkpoint" in gen.stderr
+    assert f"--model {out}: the run's final complete checkpoint is" in gen.stderr and "loaded checkpoint" in gen.stderr
 
 
 def _digest(run):
