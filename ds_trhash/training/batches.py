@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_trhash.batch_layout import step_rows
+
 
 @dataclass
 class PretrainBatches:
@@ -36,7 +38,7 @@ class PretrainBatches:
 
     def cursor(self, step: int) -> int:
         """The global row index the next step starts at (saved in checkpoints)."""
-        return step * self.micro_batch * self.grad_accum * self.world_size
+        return step * step_rows(self.micro_batch, self.grad_accum, self.world_size)
 
 
 @dataclass

@@ -35,6 +35,7 @@ PARTIAL = ".partial-"
 LOCK, PIN = ".lock", ".pin"
 EVICT_LOCK = ".evict.lock"
 _SIDE = (MARKER, LOCK, PIN)
+_PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")  # exactly the partials the cache names (partial_path)
 
 
 class CacheError(UserError, ValueError):
@@ -149,16 +150,19 @@ def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Pa
     for folder, _, names in os.walk(cache_dir):
         for name in names:
             path = Path(folder) / name
-            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(path):
+            if prune and _PARTIAL_NAME.search(name) and is_stale_partial(path):
                 path.unlink(missing_ok=True)
                 continue
             if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
                 continue  # a few hundred bytes of bookkeeping per entry, not counted
+            partial = _PARTIAL_NAME.search(name) is not None
+            if not partial and not side(path, MARKER).is_file():
+                continue  # not written by the cache (no verified marker): never counted, replaced or evicted
             try:
                 used += path.stat().st_size
             except OSError:
                 continue
-            if PARTIAL not in name:
+            if not partial:
                 try:
                     last = side(path, PIN).stat().st_mtime
                 except OSError:

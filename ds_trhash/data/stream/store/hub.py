@@ -75,6 +75,14 @@ class HubStore:
         self.pin(str(info.sha))
         return str(info.sha)
 
+    def head(self, revision: str) -> Optional[str]:
+        """The commit ``revision`` names now, without pinning it (None if it names none any more)."""
+        try:
+            return str(self._retry(f"revision {revision!r} of hf://datasets/{self.repo_id}",
+                                   lambda: self._api.dataset_info(self.repo_id, revision=revision)).sha)
+        except HfHubHTTPError:
+            return None
+
     def pin(self, commit: str) -> None:
         self.commit = commit
         self.description = f"hf://datasets/{self.repo_id}@{commit[:12]} (endpoint {self.endpoint})"

@@ -27,8 +27,9 @@ def rows(reader, steps=6):
 def test_rows_from_the_hub_equal_rows_from_local_disk(hub_corpus, tmp_path):
     hub, root, plan = hub_corpus
     corpus = open_corpus(plan, None, store=fast_store())
-    assert len(corpus.commit) == 40 and corpus.record == {"store": f"hf:{hub.url}/datasets/{REPO}",
-                                                         "commit": corpus.commit}
+    assert len(corpus.commit) == 40 and corpus.record == {
+        "store": f"hf:{hub.url}/datasets/{REPO}", "commit": corpus.commit, "revision": "main",
+        "shards": {shard.path: shard.sha256 for shard in corpus.shards.values()}}  # every planned shard's hash
     with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES) as cache:
         remote = rows(ReplayReader(plan, None, 5, cache=cache))
         local = rows(ReplayReader(plan, root, 5))
@@ -180,3 +181,14 @@ def test_a_shard_is_hashed_as_it_streams_in_never_read_back(hub_corpus, tmp_path
     hub.file_faults[FILE] = ["drop"]  # a cut transfer: resumed by Range, still hashed once
     with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0) as cache:
         assert cache.get("a", "shard-00001.bin").read_bytes() == (root / FILE).read_bytes()
+
+
+def test_deep_checks_read_the_hubs_own_hashes_instead_of_downloading(hub_corpus):
+    hub, root, plan = hub_corpus
+    corpus = open_corpus(plan, None, deep=True, store=fast_store())
+    assert corpus.shards and not [p for p in hub.served if p.endswith(".bin")]  # the listing's LFS sha256 compared
+    other = bytearray((root / FILE).read_bytes())
+    other[3] ^= 0xFF
+    seed_dataset(hub, REPO, {FILE: bytes(other)})  # main moves to other bytes, same size, the old manifest
+    with pytest.raises(CorpusError, match="a/shard-00001.bin has sha256 [0-9a-f]{64} in the listing, its manifest"):
+        open_corpus(plan, None, deep=True, store=fast_store())
