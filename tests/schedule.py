@@ -36,6 +36,7 @@ FIRST = (
     "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one
+    "tests/test_readme.py",  # ~35 s: the README's command blocks through bash, as written
 )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 # public name -> the module of this package that defines it
 _MODULES = {
     "state": ("CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "TRAINER_STATE", "CheckpointError",
-              "LaunchRecord", "ResumeError", "TrainerState", "read_trainer_state"),
+              "LaunchRecord", "ResumeError", "TrainerState", "capped_by", "read_trainer_state"),
     "hardware": ("describe_hardware",),
     "store": ("CheckpointInfo", "checkpoints_root", "list_checkpoints", "rotate", "rotate_unless_syncing",
               "rotation_survivors", "step_dir_name", "verify"),

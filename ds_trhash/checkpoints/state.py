@@ -130,6 +130,7 @@ class LaunchRecord:
     pack_of: Mapping[int, int] = field(default_factory=dict)  # step -> token pack it closes
     output_dir: str | None = None  # resolved: a copy of a checkpoint elsewhere is another run's (--fork)
     data_source: dict[str, Any] | None = None  # {store, commit} the shards were read from
+    planned_steps: int | None = None  # the steps the data holds (total_steps is less when capped)
 
     def trainer_state(self, *, step: int, epoch: int, total_steps: int, data_cursor: int, tokens_seen: int,
                       supervised_seen: int, backends_used: dict[str, Any], reason: str, peak_memory: dict[str, Any],
@@ -142,6 +143,7 @@ class LaunchRecord:
             "step": step,
             "epoch": epoch,  # epochs completed at this step, as in every other record
             "total_steps": total_steps,
+            "planned_steps": self.planned_steps,
             "data_cursor": data_cursor,
             "tokens_seen": tokens_seen,
             "supervised_seen": supervised_seen,
@@ -170,6 +172,17 @@ class LaunchRecord:
             "peak_memory": peak_memory,
             **(extra or {}),
         }
+
+
+def capped_by(meta: Mapping[str, Any]) -> str | None:
+    """How a run was cut short by ``--max-steps`` / ``training.max_steps``, from what a checkpoint,
+    an export's run.json or a completion record says (``total_steps`` below ``planned_steps``);
+    None for a run that trained everything its data holds (or that recorded neither)."""
+    total, planned = meta.get("total_steps"), meta.get("planned_steps")
+    if not (isinstance(total, int) and isinstance(planned, int)) or total >= planned:
+        return None
+    return (f"capped by --max-steps (training.max_steps) at {total} of the {planned} optimizer steps its data "
+            "holds; the schedule ran over those steps and the rest of the data was never trained")
 
 
 def read_trainer_state(ckpt_dir: str | os.PathLike) -> dict[str, Any]:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
+from ds_trhash import outputs
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.io import os_errors_as, read_json_object
 from ds_trhash.outputs import writes_dirs
 
 from ds_trhash.data.plans.corpus_index import read_corpus_index
 from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.build.inputs import FORMATS
 from ds_trhash.data.build.commands import add_corpus_commands
 from ds_trhash.data.plans.plan import check_refinement, derive_refinement, load_plan, write_plan
 from ds_trhash.data.plans.build import build_plan
@@ -44,11 +46,41 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
     return out
 
 
+def _tokenizer_texts(paths: Sequence[str], fmt: str, text_field: str) -> Iterator[object]:
+    """The inputs `data tokenize` reads, for training: a text file whole (as always), the texts of
+    JSONL(.gz) and Parquet records; a bad record stops it, named like `data tokenize` names it."""
+    from ds_trhash.data.build.inputs import decode_record, file_inputs, iter_records
+    from ds_trhash.data.build.tokenize import where
+
+    for spec in file_inputs(paths, fmt):
+        if spec.fmt == "text":
+            yield spec.path
+            continue
+        for record in iter_records([spec], text_field):
+            text, bad = decode_record(record, text_field)
+            if bad is not None:
+                raise CommandError(f"{where(spec.label, record)}: {bad}; fix or drop that record "
+                                   "(or set --text-field / --format)")
+            yield text
+
+
 @os_errors_as(CommandError)
 def _train_tokenizer(args: argparse.Namespace) -> int:
-    path = train_tokenizer([Path(p) for p in args.input], args.vocab_size, args.out, overwrite=args.overwrite)
+    outputs.check_dir_target("--out", args.out)  # an existing file: say so, not "[Errno 17] File exists"
+    path = train_tokenizer(_tokenizer_texts(args.input, args.format, args.text_field), args.vocab_size, args.out,
+                           overwrite=args.overwrite)
     print(path)
     return 0
+
+
+def _check_dataset_name(dataset: str) -> None:
+    """``--dataset OWNER/NAME`` without ``hf://datasets/`` would be recorded as a local name and a
+    launch with data.shards_dir null could never stream it: say which of the two was meant."""
+    if "/" in dataset and not dataset.startswith("hf://"):
+        raise CommandError(
+            f"--dataset {dataset!r} looks like a Hub repository id but is not a URL; write "
+            f"hf://datasets/{dataset} to name the Hub dataset (a launch with data.shards_dir null streams it), "
+            f"or a name without '/' (e.g. {dataset.replace('/', '-')!r}) for a local corpus")
 
 
 @os_errors_as(CommandError)
@@ -66,6 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
             missing.append("--unique-tokens or --source-tokens")
         if missing:
             raise CommandError(f"building a plan needs {', '.join(missing)} (or use --refinement-of PLAN)")
+        _check_dataset_name(args.dataset)
         scores = None
         if args.quality_scores:
             scores = read_json_object(args.quality_scores, CommandError,
@@ -131,7 +164,10 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     sub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE (</s>=0, <pad>=1, <s>=2, <unk>=3)")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="what `data tokenize` reads: text, JSONL, JSONL.gz or Parquet files")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="as for `data tokenize` (default: by suffix)")
+    p.add_argument("--text-field", default="text", help="JSONL field or Parquet column of the text")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json")
     p.add_argument("--overwrite", action="store_true",

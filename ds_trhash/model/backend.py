@@ -221,8 +221,9 @@ def resolve(policy: str, device: torch.device | str, config: Any = None, require
     experts = _experts_backend(policy, device, on_cuda, config, dtype, notes)
     choice = KernelChoice(experts=experts, loss=loss, norm=norm, rope=rope,
                           reason=f"policy {policy} on {device}: " + "; ".join(notes))
-    logger.info("kernel choice: experts=%s loss=%s norm=%s rope=%s (%s)",
-                choice.experts, choice.loss, choice.norm, choice.rope, choice.reason)
+    # debug: a launch states its kernels once, in the start-up summary (training/summary.py)
+    logger.debug("kernel choice: experts=%s loss=%s norm=%s rope=%s (%s)",
+                 choice.experts, choice.loss, choice.norm, choice.rope, choice.reason)
     return choice
 
 

@@ -83,6 +83,16 @@ def check_run_dir(out: Path, mode: str) -> None:
                              "pass the --output-dir of a training launch")
 
 
+def _write_final_advice(out: Path, source: Path) -> str:
+    """A command that writes a ``final/`` cleanup accepts: the export of the recorded checkpoint."""
+    final = out / FINAL_DIR
+    aside = f"move {final} aside, then " if final.exists() or final.is_symlink() else ""
+    if (source / MANIFEST).is_file():
+        return f"{aside}write it with `ds-trhash export --checkpoint {source} --out {final}`"
+    return (f"the checkpoint {source} it records is gone too: restore {final} (from the Hub backup) "
+            "or keep the checkpoints")
+
+
 def plan(output_dir: str | os.PathLike, mode: str) -> tuple[list[Path], list[Path]]:
     """(to delete, to keep) among the numbered checkpoints, after every condition is checked."""
     out = Path(output_dir)
@@ -98,8 +108,7 @@ def plan(output_dir: str | os.PathLike, mode: str) -> tuple[list[Path], list[Pat
     source = out / done.get("checkpoint", "")
     ok, why = final_status(out, source if (source / MANIFEST).is_file() else None)
     if not ok:
-        raise _refuse(out, f"{FINAL_DIR}/ does not verify ({why})",
-                      "relaunch the finished stage with RESUME=auto to write it, or `ds-trhash export` it")
+        raise _refuse(out, f"{FINAL_DIR}/ does not verify ({why})", _write_final_advice(out, source))
     delete, keep = [], []
     for info in list_checkpoints(out):
         if not info.has_manifest or (mode == "keep_packs" and _protected(info.path)):

@@ -55,8 +55,12 @@ def run_watch(args: argparse.Namespace) -> int:
 def run_cleanup(args: argparse.Namespace) -> int:
     report = cleanup.cleanup(args.run_dir, f"keep_{args.keep}", dry_run=args.dry_run,
                              lock_timeout=args.lock_timeout, log=lambda line: print(line, flush=True))
-    print(f"cleanup {args.run_dir} (keep {args.keep}){' (dry run)' if args.dry_run else ''}: "
-          f"removed {len(report.removed)}, kept {len(report.kept)} numbered checkpoint(s)")
+    if args.dry_run:
+        print(f"cleanup {args.run_dir} (keep {args.keep}, dry run): would remove {len(report.removed)}, would keep "
+              f"{len(report.kept)} numbered checkpoint(s); nothing was removed")
+    else:
+        print(f"cleanup {args.run_dir} (keep {args.keep}): removed {len(report.removed)}, kept {len(report.kept)} "
+              "numbered checkpoint(s)")
     return 0
 
 

@@ -7,6 +7,7 @@ then is the directory renamed into place. A failed export leaves nothing at ``ou
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -68,6 +69,24 @@ def _read_back(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path), device="cpu")
+
+
+def _save_weights(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
+    """``save_file``, then the header's metadata put in sorted key order: safetensors writes it
+    from a hash map whose order changes from process to process, and an export of the same
+    checkpoint must be the same bytes (its SHA-256 is what sync, the record and a user compare)."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(path), metadata=dict(metadata))
+    with open(path, "r+b") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size).decode("utf-8"))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > size:  # the same keys and values: never longer; refuse rather than corrupt
+            raise ExportError(f"{path}: the safetensors header could not be rewritten in sorted order")
+        fh.seek(8)
+        fh.write(text + b" " * (size - len(text)))
 
 
 # --------------------------------------------------------------------------- checks
@@ -210,10 +229,13 @@ def export_safetensors(
     chat_template: str | os.PathLike | None = None,
     stage: str | None = None,
     extra_meta: Mapping[str, Any] | None = None,
+    created: str | None = None,
 ) -> dict[str, Any]:
     """Write a verified export of ``state_dict`` to ``out_dir`` and return its manifest.
 
     ``chat_template`` (Jinja text or a file of it) defaults to the complexity-chat-v2 template.
+    ``created`` (the manifest's time) defaults to now; an export of a checkpoint passes the
+    checkpoint's own, so exporting it twice writes the same bytes.
     """
     out = Path(out_dir)
     _refuse_existing(out)
@@ -232,11 +254,9 @@ def export_safetensors(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        from safetensors.torch import save_file
-
         weights = tmp / WEIGHTS
-        save_file(tensors, str(weights), metadata={"format": "pt", "producer": EXPORT_FORMAT,
-                                                   "dtype": dtype_name, "stage": str(stage)})
+        _save_weights(tensors, weights, {"format": "pt", "producer": EXPORT_FORMAT, "dtype": dtype_name,
+                                         "stage": str(stage)})
         fsync_path(weights)
         _compare(tensors, _read_back(weights))
         hf_bundle.write_model_files(tmp, model_config, dtype_name)
@@ -253,7 +273,7 @@ def export_safetensors(
         integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
         manifest = {
             "format": EXPORT_FORMAT,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "created": created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "weights": {"file": WEIGHTS, "sha256": sha256_file(weights), "size": weights.stat().st_size,
                         "dtype": dtype_name, "tensors": len(tensors), "integer_tensors": integer},
             "vocab_size": model_config["vocab_size"],
@@ -340,6 +360,9 @@ def export_checkpoint(
     extra = {
         "source_checkpoint": str(ckpt),
         "source_step": trainer_state.get("step"),
+        # a stage cut short by --max-steps stays recognisable downstream (checkpoints.capped_by)
+        "total_steps": trainer_state.get("total_steps"),
+        "planned_steps": trainer_state.get("planned_steps"),
         "source_manifest_sha256": sha256_file(manifest_path) if manifest_path.is_file() else None,
         "source_lora": bool(trainer_state.get("lora")),
         "family": trainer_state.get("family"),
@@ -355,4 +378,5 @@ def export_checkpoint(
     if forced is not None:
         extra["tokenizer_forced"] = forced
     return export_safetensors(state, out_dir, dtype=dtype, model_config=model_config, tokenizer_dir=tok,
-                              chat_template=chat_template, stage=stage, extra_meta=extra)
+                              chat_template=chat_template, stage=stage, extra_meta=extra,
+                              created=trainer_state.get("created"))

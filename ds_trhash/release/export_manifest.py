@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints.run_source import EXPORT_MANIFEST
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object, sha256_file
 
@@ -36,7 +37,6 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 RUN = "run.json"
 TOKENIZER = "tokenizer.json"
-EXPORT_MANIFEST = "export_manifest.json"
 EXPORT_FORMAT = "ds-trhash-export-v1"
 
 

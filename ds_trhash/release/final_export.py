@@ -26,21 +26,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
+from ds_trhash.checkpoints import MANIFEST, capped_by, list_checkpoints, verify
+from ds_trhash.checkpoints.run_source import COMPLETE_FILE, COMPLETE_FORMAT, FINAL_DIR, read_completion
 from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST, RUN, ExportError, verify_export
 
-FINAL_DIR = "final"
-COMPLETE_FILE = "stage_complete.json"
-COMPLETE_FORMAT = "ds-trhash-stage-complete-v1"
+__all__ = ["COMPLETE_FILE", "COMPLETE_FORMAT", "FINAL_DIR", "export_final_enabled", "final_checkpoint",
+           "final_status", "read_completion", "write_completion"]
 
 Log = Callable[[str], None]
 
 
 def export_final_enabled(cfg: Any) -> bool:
-    """``training.export_final``; unset means on for pretraining and refinement, off for SFT."""
-    explicit = cfg.training.export_final
-    return explicit if explicit is not None else cfg.data.kind != "sft"
+    """``training.export_final``; unset means on, for every stage (SFT too: ``final/`` beside
+    ``best/``, so a finished run folder always holds a verified export with its tokenizer)."""
+    return cfg.training.export_final is not False
 
 
 def final_checkpoint(output_dir: str | os.PathLike, step: int) -> Path:
@@ -75,8 +75,9 @@ def final_status(output_dir: str | os.PathLike, source: Path | None = None) -> t
 
 
 def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, total_steps: int, source: Path,
-                     exported: bool) -> dict[str, Any]:
-    """Record that the stage completed (after ``final/``, when it is exported)."""
+                     exported: bool, planned_steps: int | None = None) -> dict[str, Any]:
+    """Record that the stage completed (after ``final/``, when it is exported). ``planned_steps``:
+    the steps its data holds; ``capped`` says when --max-steps stopped it short of them."""
     out = Path(output_dir)
     final_manifest = out / FINAL_DIR / EXPORT_MANIFEST
     doc = {
@@ -84,6 +85,8 @@ def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, to
         "stage": stage,
         "step": step,
         "total_steps": total_steps,
+        "planned_steps": planned_steps,
+        "capped": capped_by({"total_steps": total_steps, "planned_steps": planned_steps}),
         "checkpoint": source.relative_to(out).as_posix() if source.is_relative_to(out) else str(source),
         "final": FINAL_DIR if exported else None,
         "final_manifest_sha256": sha256_file(final_manifest) if exported else None,
@@ -93,15 +96,4 @@ def write_completion(output_dir: str | os.PathLike, *, stage: str, step: int, to
         return earlier  # a finished stage relaunched: the record stands as it was
     doc["completed_unix"] = time.time()
     write_json_atomic(out / COMPLETE_FILE, doc)
-    return doc
-
-
-def read_completion(output_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The completion record, or None when the stage has not completed (absent or unreadable)."""
-    try:
-        doc = json.loads((Path(output_dir) / COMPLETE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != COMPLETE_FORMAT or not isinstance(doc.get("step"), int):
-        return None
     return doc

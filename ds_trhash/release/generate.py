@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.argtypes import seed as seed_arg
 from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
@@ -75,7 +76,8 @@ def _load_export(root: Path) -> Loaded:
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
 
     if not (root / "tokenizer.json").is_file():
-        raise GenerateError(f"{root} has no tokenizer.json; export again with --tokenizer DIR")
+        raise GenerateError(f"{root} has no tokenizer.json (its run set no data.tokenizer); pass --tokenizer DIR "
+                            "with the run's tokenizer, or export again with --tokenizer DIR")
     model = TRHashForCausalLM.from_pretrained(str(root)).float()  # no dtype argument: 4.x and 5.x differ
     return Loaded(model, PreTrainedTokenizerFast.from_pretrained(str(root)), f"export {root} (transformers)")
 
@@ -155,6 +157,11 @@ def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str
     root = Path(model_dir)
     if not root.is_dir():
         raise GenerateError(f"--model {root} is not a directory; pass an export or checkpoints/step_<N> (or best/)")
+    if is_run_dir(root):  # a run's output directory: its final checkpoint, or final/ after cleanup
+        try:
+            root = model_of_run(root, "--model", lambda line: print(line, file=sys.stderr, flush=True))
+        except CheckpointError as exc:
+            raise GenerateError(str(exc)) from None
     config = root / "config.json"
     is_export = config.is_file() and _read_json(config).get("model_type") == "tr_hash_moe"
     if is_export and tokenizer is None:
@@ -277,7 +284,9 @@ def run(args) -> int:
 
 def register(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="generate text from an export or a checkpoint (streams to stdout)")
-    gen.add_argument("--model", required=True, help="export directory, checkpoints/step_<N>, or best/")
+    gen.add_argument("--model", required=True,
+                     help="export directory, checkpoints/step_<N>, best/, or a run directory (its final checkpoint, "
+                          "or final/ after cleanup)")
     what = gen.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw text to continue")
     what.add_argument("--chat", help="a user message; the chat template is applied and the reply generated")

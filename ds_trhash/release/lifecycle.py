@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.checkpoints import read_trainer_state
 from ds_trhash.release.cleanup import CleanupRefused, cleanup
 from ds_trhash.release.export import export_checkpoint
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST
@@ -61,7 +62,7 @@ def finish_stage(cfg: Any, output_dir: Path, step: int, total_steps: int, log: C
     if exported:
         write_final(output_dir, source, log=log)
     write_completion(output_dir, stage=cfg.stage, step=step, total_steps=total_steps, source=source,
-                     exported=exported)
+                     exported=exported, planned_steps=read_trainer_state(source).get("planned_steps"))
     mode = cfg.training.cleanup_after_success
     if mode != "off":
         try:

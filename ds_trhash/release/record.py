@@ -265,6 +265,8 @@ def _state_fields(out: _Fields, state: Mapping[str, Any], where: str) -> None:
     schedule = {k: v for k, v in crit.items() if k.startswith(("optimizer.", "schedule."))}
     if schedule:
         schedule["total_steps"] = state.get("total_steps")
+        schedule["planned_steps"] = state.get("planned_steps")
+        schedule["capped"] = ckpt.capped_by(state)
         out.put("optimizer_schedule", schedule, where)
     out.put("world_size", state.get("world_size"), where)
     out.put("model", state.get("model_config"), where)
@@ -353,6 +355,9 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
         collected["hardware"] = ckpt.describe_hardware()  # loads torch, only for a run that recorded none
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
+    schedule = collected.get("optimizer_schedule")
+    if isinstance(schedule, Mapping) and schedule.get("capped"):
+        limitations.append(f"the stage was {schedule['capped']}")
     if "selection_rule" in collected and "selected_checkpoint" not in collected:
         limitations.append("no checkpoint satisfies the selection rule (no eval metrics?)")
     collected["known_limitations"] = limitations
@@ -423,3 +428,9 @@ def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | No
     write_json_atomic(out, doc)
     (out.parent / "run_record.md").write_text(render_markdown(doc), encoding="utf-8")
     return doc
+
+
+def is_run_record(path: str | os.PathLike) -> bool:
+    """True for a file an earlier ``write_run_record`` wrote (a JSON object of this format)."""
+    doc = _read_json(Path(path))
+    return doc is not None and doc.get("format") == RECORD_FORMAT

@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # the Hub client's HTTP library logs every request at INFO (404s of probes included): a
+    # streamed launch reports its shards through the cache's counters instead
+    for noisy in ("httpx", "httpx2", "httpcore", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     output_dir = lock = None
     started = False  # whether this launch made the process group (only then does it tear it down)
     try:

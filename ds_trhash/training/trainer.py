@@ -76,7 +76,7 @@ def build_model(plan: LaunchPlan, rank: int) -> TRHashForCausalLM:
         enable_expert_parallel(model, cfg.parallel.ep_size, group=expert_parallel_group(cfg.parallel.ep_size))
     backend.apply(model, plan.kernels)
     if rank == 0:
-        log.info("kernels requested: %s (%s)", plan.kernels.to_dict(), plan.kernels.reason)
+        log.debug("kernels requested: %s (%s)", plan.kernels.to_dict(), plan.kernels.reason)  # the summary says it
     compile_model(model, cfg.kernels.compile)  # in place: state-dict names unchanged
     return model.to(plan.device)
 

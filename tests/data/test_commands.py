@@ -28,8 +28,8 @@ def inputs(tmp_path):
 def test_tokenizer_shards_plan_refinement_fingerprint_end_to_end(inputs, capsys):
     tmp, prose, notes = inputs
     tok = tmp / "tok"
-    assert cli(["data", "train-tokenizer", "--input", str(prose), str(notes), "--vocab-size", "300",
-                "--out", str(tok)], capsys)[0] == 0
+    assert cli(["data", "train-tokenizer", "--input", str(prose), str(notes), "--text-field", "body",
+                "--vocab-size", "300", "--out", str(tok)], capsys)[0] == 0
     common = ["--tokenizer", str(tok), "--seq-len", "16", "--rows-per-shard", "4", "--vocab-size", "300",
               "--out", str(tmp / "shards")]
     code, out, _ = cli(["data", "tokenize", "--input", str(prose), "--source", "prose", *common], capsys)
@@ -113,3 +113,80 @@ def test_train_tokenizer_refuses_empty_input_a_vocabulary_over_uint16_and_non_ut
         assert code == 2 and needle in err and "Traceback" not in err, err
     assert tree_digest(tmp_path) == before
 
+
+
+def test_train_tokenizer_reads_what_data_tokenize_reads(tmp_path, capsys):
+    """Text, JSONL, JSONL.gz and Parquet: the tokenizer learned from the four is the one learned from
+    their texts; a bad record is named like `data tokenize` names it and nothing is written."""
+    from ds_trhash.data.formats.tokenizer import train_tokenizer
+    from tests.data.tokenize_fixtures import write_inputs
+    from tests.fail_closed import tree_digest
+
+    files = write_inputs(tmp_path / "in", 80)
+    code, out, err = cli(["data", "train-tokenizer", "--input", *map(str, files), "--vocab-size", "300",
+                          "--out", str(tmp_path / "tok")], capsys)
+    assert code == 0, err
+    texts = [files[0]]
+    for f in files[1:]:
+        code, _, _ = cli(["data", "tokenize", "--input", str(f), "--source", f.name.split(".")[0],
+                          "--tokenizer", str(tmp_path / "tok"), "--seq-len", "16", "--rows-per-shard", "4",
+                          "--vocab-size", "300", "--out", str(tmp_path / "shards")], capsys)
+        assert code == 0
+    import gzip
+    import pyarrow.parquet as pq
+    texts += [json.loads(line)["text"] for line in files[1].read_text().splitlines()]
+    texts += [json.loads(line)["text"] for line in gzip.decompress(files[2].read_bytes()).decode().splitlines()]
+    texts += pq.read_table(files[3]).column("text").to_pylist()
+    expected = train_tokenizer(texts, 300, tmp_path / "expected")
+    assert tokenizer_sha256(tmp_path / "tok") == tokenizer_sha256(expected)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text field"}) + "\n")
+    before = tree_digest(tmp_path)
+    code, _, err = cli(["data", "train-tokenizer", "--input", str(bad), "--vocab-size", "300",
+                        "--out", str(tmp_path / "tok2")], capsys)
+    assert code == 2 and f"{bad} line 2: no field 'text'; fix or drop that record" in err, err
+    assert tree_digest(tmp_path) == before
+
+
+def test_train_tokenizer_out_on_an_existing_file_says_so(tmp_path, capsys):
+    from tests.fail_closed import tree_digest
+
+    text = tmp_path / "ok.txt"
+    text.write_text("hash routed experts\n" * 20)
+    before = tree_digest(tmp_path)
+    code, _, err = cli(["data", "train-tokenizer", "--input", str(text), "--vocab-size", "300", "--out", str(text)],
+                       capsys)
+    assert code == 2 and f"--out {text} is a regular file, not a directory; choose a directory path" in err, err
+    assert "Errno" not in err and tree_digest(tmp_path) == before
+
+
+def test_plan_messages_name_the_fix(inputs, capsys):
+    """--dataset OWNER/NAME without hf:// is refused; check-refinement of the pretraining plan itself
+    points at `data plan --refinement-of`; plans differing only in their dataset string name it."""
+    from tests.fail_closed import tree_digest
+
+    tmp, prose, _ = inputs
+    tok, shards, pre = tmp / "tok", tmp / "shards", tmp / "pre.json"
+    cli(["data", "train-tokenizer", "--input", str(prose), "--vocab-size", "300", "--out", str(tok)], capsys)
+    cli(["data", "tokenize", "--input", str(prose), "--source", "prose", "--tokenizer", str(tok), "--seq-len", "16",
+         "--rows-per-shard", "4", "--vocab-size", "300", "--out", str(shards)], capsys)
+    build = ["data", "plan", "--manifest", str(shards), "--unique-tokens", "160", "--passes", "prose=2",
+             "--revision", "r"]
+    before = tree_digest(tmp)
+    code, _, err = cli([*build, "--dataset", "acme/x", "--out", str(pre)], capsys)
+    assert code == 2 and "--dataset 'acme/x' looks like a Hub repository id" in err, err
+    assert "hf://datasets/acme/x" in err and "'acme-x'" in err and tree_digest(tmp) == before
+    assert cli([*build, "--dataset", "hf://datasets/acme/x", "--out", str(pre)], capsys)[0] == 0
+    other = tmp / "pre-other.json"
+    assert cli([*build, "--dataset", "hf://datasets/acme/y", "--out", str(other)], capsys)[0] == 0
+
+    code, out, err = cli(["data", "check-refinement", str(pre), "--pretraining", str(pre)], capsys)
+    assert code == 2 and "must have exactly one; derive the refinement plan from the pretraining plan with " \
+                         "`ds-trhash data plan --refinement-of PRE.json --out REF.json`" in out + err, out + err
+    ref = tmp / "ref.json"
+    assert cli(["data", "plan", "--refinement-of", str(other), "--out", str(ref)], capsys)[0] == 0
+    code, out, err = cli(["data", "check-refinement", str(ref), "--pretraining", str(pre)], capsys)
+    text = out + err
+    assert code == 2 and "the plans differ in dataset 'hf://datasets/acme/y' vs 'hf://datasets/acme/x'" in text, text
+    assert "unique core's sources" not in text

@@ -12,6 +12,7 @@ import torch
 from ds_trhash.checkpoints import save_checkpoint, step_dir_name
 from ds_trhash.checkpoints.run_lock import RUN_LOCK
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE
+from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.release.final_export import write_completion
 from ds_trhash.release.lifecycle import write_final
@@ -20,34 +21,38 @@ from tests import fail_closed
 TOTAL = 30
 
 
-def tiny_state(seed: int = 0) -> tuple[TRHashConfig, dict]:
+def tiny_state(seed: int = 0, vocab_size: int = 64, max_seq_len: int = 32) -> tuple[TRHashConfig, dict]:
     torch.manual_seed(seed)
-    cfg = TRHashConfig.from_preset("tiny", vocab_size=64, num_layers=1, max_seq_len=32)
+    cfg = TRHashConfig.from_preset("tiny", vocab_size=vocab_size, num_layers=1, max_seq_len=max_seq_len)
     return cfg, {k: v.detach().clone() for k, v in TRHashForCausalLM(cfg).state_dict().items()}
 
 
 def write_step(out: Path, step: int, cfg: TRHashConfig, state: dict, *, pack: int | None = None,
-               reason: str = "every_steps") -> Path:
+               reason: str = "every_steps", tokenizer: Path | None = None) -> Path:
     def engine(tmp):
         (tmp / "state").mkdir()
         torch.save({"module": state}, tmp / "state" / "mp_rank_00_model_states.pt")
 
     doc = dict(stage="pretraining", step=step, epoch=0, total_steps=TOTAL, data_cursor=0, world_size=1,
                training_critical={}, plan_fingerprint=None, plan_sha256=None, backends_used={"experts": "pytorch"},
-               lora=False, family="language", model_config=cfg.to_dict(), tokenizer_dir=None, tokenizer_sha256=None,
+               lora=False, family="language", model_config=cfg.to_dict(),
+               tokenizer_dir=str(tokenizer) if tokenizer else None,
+               tokenizer_sha256=tokenizer_sha256(tokenizer) if tokenizer else None,
                pack_index=pack, reason=reason)
     return save_checkpoint(out, step, write_engine_state=engine, trainer_state=doc, rank=0, world_size=1)
 
 
 def make_run(out: Path, steps=(10, 20, 30), *, packs: dict[int, int] | None = None, finished: bool = True,
-             keep_unsynced: bool = False, cleanup: str = "off") -> Path:
+             keep_unsynced: bool = False, cleanup: str = "off", tokenizer: Path | None = None) -> Path:
     """Checkpoints at ``steps`` (``packs``: step -> pack number), config.json and, when
-    ``finished``, final/ of the last step and stage_complete.json."""
-    cfg, state = tiny_state()
+    ``finished``, final/ of the last step and stage_complete.json. ``tokenizer``: the run's
+    (recorded in every checkpoint; the model then has the test tokenizer's 512 entries and a
+    context of 128 tokens, enough to generate from)."""
+    cfg, state = tiny_state(vocab_size=512 if tokenizer else 64, max_seq_len=128 if tokenizer else 32)
     packs = packs or {}
     for step in steps:
         write_step(out, step, cfg, state, pack=packs.get(step), reason="token pack boundary" if step in packs
-                   else ("final" if step == TOTAL else "every_steps"))
+                   else ("final" if step == TOTAL else "every_steps"), tokenizer=tokenizer)
     (out / "config.json").write_text(json.dumps({"stage": "pretraining", "checkpoint": {"keep_unsynced": keep_unsynced},
                                                  "training": {"cleanup_after_success": cleanup}}))
     if finished:

@@ -112,3 +112,27 @@ def test_a_syncing_run_keeps_what_the_hub_has_not_verified(tmp_path, synced_temp
     code, _, _ = _cleanup(capsys, run, "--keep", "final")
     assert code == 0 and list_checkpoints(run) == []
     assert (run / FINAL_DIR / WEIGHTS).is_file()
+
+
+def test_a_dry_run_says_what_it_would_remove_and_removes_nothing(tmp_path, template, capsys):
+    run = copy_run(template, tmp_path / "run")
+    before = tree_digest(run)
+    code, out, _ = _cleanup(capsys, run, "--dry-run")
+    assert code == 0 and "would remove checkpoints/step_00000020" in out, out
+    assert "dry run): would remove 1, would keep 2 numbered checkpoint(s); nothing was removed" in out, out
+    assert "removed 1" not in out and tree_digest(run) == before
+
+
+def test_the_advice_for_a_missing_final_is_a_command_that_works(tmp_path, template, capsys):
+    """The refusal names an export command; run as printed, it writes a final/ cleanup accepts."""
+    import re
+    import shlex
+
+    run = copy_run(template, tmp_path / "run")
+    shutil.rmtree(run / FINAL_DIR)
+    err = _refused(capsys, run, needle="final/ does not verify")
+    command = re.search(r"`ds-trhash (export [^`]+)`", err)
+    assert command, err
+    assert cli.main(shlex.split(command.group(1))) == 0, capsys.readouterr().err
+    code, out, _ = _cleanup(capsys, run)
+    assert code == 0 and "removed 1, kept 2" in out, out

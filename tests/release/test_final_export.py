@@ -110,7 +110,7 @@ def test_a_stage_stopped_early_or_by_a_signal_writes_no_final(tmp_path):
     assert tree_digest(run) == before and not (run / FINAL_DIR).exists() and not (run / COMPLETE_FILE).exists()
 
 
-def test_the_stage_end_writes_final_then_the_record_and_sft_exports_only_when_asked(tmp_path):
+def test_the_stage_end_writes_final_then_the_record_and_sft_too_unless_turned_off(tmp_path):
     run = make_run(tmp_path / "run", finished=False)
     callback, lines = _end_run(run)
     callback.on_end(_state(TOTAL))
@@ -123,17 +123,23 @@ def test_the_stage_end_writes_final_then_the_record_and_sft_exports_only_when_as
     assert tree_digest(run) == before
     sft = make_run(tmp_path / "sft", finished=False)
     callback, _ = _end_run(sft, stage="supervised-finetuning", kind="sft")
+    callback.on_end(_state(TOTAL))  # SFT writes final/ at completion like the other stages (issue 33)
+    assert final_status(sft, _ckpt(sft, TOTAL)) == (True, "ok") and read_completion(sft)["final"] == FINAL_DIR
+    off = make_run(tmp_path / "off", finished=False)
+    callback, _ = _end_run(off, stage="supervised-finetuning", kind="sft", export_final=False)
     callback.on_end(_state(TOTAL))
-    assert not (sft / FINAL_DIR).exists() and read_completion(sft)["final"] is None
+    assert not (off / FINAL_DIR).exists() and read_completion(off)["final"] is None
 
 
 def test_export_final_defaults_by_stage_and_cleanup_needs_it():
     pre = tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml")
     sft = tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml")
-    assert export_final_enabled(pre) and not export_final_enabled(sft)
-    assert export_final_enabled(tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.export_final=true"]))
+    assert export_final_enabled(pre) and export_final_enabled(sft)
+    assert not export_final_enabled(tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.export_final=false"]))
+    assert tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.cleanup_after_success=keep_final"])
     with pytest.raises(tcfg.ConfigError, match="training.cleanup_after_success.*training.export_final true"):
-        tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.cleanup_after_success=keep_final"])
+        tcfg.load_config(REPO / "ds_configs/tiny/sft.yaml", ["training.cleanup_after_success=keep_final",
+                                                             "training.export_final=false"])
     with pytest.raises(tcfg.ConfigError, match="cleanup_after_success"):
         tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml", ["training.cleanup_after_success=everything"])
 

@@ -151,3 +151,23 @@ def test_report_of_damaged_run_files_is_refused_naming_file_and_line(tmp_path, c
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert tree_digest(tmp_path) == before
+
+
+def test_report_into_the_runs_top_folder_as_documented(tmp_path, capsys):
+    """`ds-trhash report --run runs/sft --out runs/sft/run_record.json` (README): a record file in the
+    run's top folder is accepted, again over its own earlier record; a name the run wrote, or a
+    path deeper inside the run, is still refused and changes nothing."""
+    from tests.fail_closed import tree_digest
+
+    run, _, _, _ = _full_run(tmp_path)
+    (run / "config.json").write_text('{"stage": "supervised-finetuning"}')
+    for _ in range(2):
+        assert cli(["report", "--run", str(run), "--out", str(run / "run_record.json")]) == 0, capsys.readouterr().err
+    assert json.loads((run / "run_record.json").read_text())["format"] == "ds-trhash-run-record-v1"
+    assert (run / "run_record.md").is_file()
+    before = tree_digest(tmp_path)
+    for out in (run / "config.json", run / "checkpoints" / "record.json"):
+        assert cli(["report", "--run", str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "write the report outside the run directory, or the record as RUN/run_record.json" in err, err
+    assert tree_digest(tmp_path) == before

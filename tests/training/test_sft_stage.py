@@ -28,9 +28,9 @@ def stages(tmp_path_factory, shared_launches):
     ref = root / "ref"
     pre = shared_launches.get(1, L.tiny_pretraining)  # also test_launch's loss-falls run: read only
     pre_ckpt = pre / "checkpoints" / f"step_{30:08d}"
-    _ok(L.single(["--config", "ds_configs/tiny/refine.yaml", "--output-dir", str(ref), "--max-steps", "10",
-                  "--init-checkpoint", str(pre_ckpt)]))
-    return {"root": root, "pre": pre_ckpt, "ref": ref / "checkpoints" / f"step_{10:08d}"}
+    proc = _ok(L.single(["--config", "ds_configs/tiny/refine.yaml", "--output-dir", str(ref), "--max-steps", "10",
+                         "--init-checkpoint", str(pre_ckpt)]))
+    return {"root": root, "pre": pre_ckpt, "ref": ref / "checkpoints" / f"step_{10:08d}", "ref_proc": proc}
 
 
 def _piqa_file(root):
@@ -130,6 +130,30 @@ def test_sft_provenance_agrees_with_itself(sft, tmp_path):
     heldout = json.loads(result.read_text())
     assert heldout["policy"] == "per_document" and "training_critical" in heldout["policy_source"]
     assert heldout["eval_loss"] == pytest.approx(chosen["eval_loss"], rel=1e-5)
+
+
+def test_a_capped_stage_says_so_in_its_records_and_to_the_next_stage(stages, sft, tmp_path):
+    """--max-steps: the schedule over N steps, the stage completes, and its completion record, its
+    run record and the next stage's launch say it was capped; the SFT run writes final/ (with the
+    run's tokenizer) like the other stages, and `generate --model RUN` and `report --out
+    RUN/run_record.json` work as the README writes them."""
+    pre_run, ref_run = stages["pre"].parent.parent, stages["ref"].parent.parent
+    done = json.loads((pre_run / "stage_complete.json").read_text())
+    assert done["total_steps"] == 30 and done["planned_steps"] > 30 and "capped by --max-steps" in done["capped"]
+    assert "caps this stage at 10 of the" in stages["ref_proc"].stdout + stages["ref_proc"].stderr
+    warned = stages["ref_proc"].stdout + stages["ref_proc"].stderr
+    assert len([line for line in warned.splitlines() if line.lstrip().startswith("kernels ")]) == 1
+    assert "kernel choice:" not in warned and "kernels requested" not in warned
+    assert f"--init-checkpoint {stages['pre']} comes from a stage capped by --max-steps" in warned, warned[-3000:]
+    out, _ = sft
+    assert json.loads((out / "stage_complete.json").read_text())["final"] == "final"
+    assert (out / "final" / "tokenizer.json").is_file() and (out / "best").is_dir()
+    _cli("report", "--run", ref_run, "--out", ref_run / "run_record.json")
+    doc = json.loads((ref_run / "run_record.json").read_text())
+    assert doc["optimizer_schedule"]["capped"] and any("capped by --max-steps" in x for x in doc["known_limitations"])
+    assert doc["tokenizer_hash"]
+    gen = _cli("generate", "--model", out, "--prompt", "The for statement", "--max-new-tokens", "3")
+    assert f"--model {out}: the run's final complete checkpoint is" in gen.stderr and "loaded checkpoint" in gen.stderr
 
 
 def _digest(run):

@@ -144,6 +144,10 @@ def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launch
            f"{first[:12]}" in said, L.explain(resumed)
     assert refined["data_source"]["commit"] == first
     assert moved != first and "resuming at step 3" in resumed.stdout, L.explain(resumed)
+    # a readable console: no line per HTTP request of the Hub client, the kernels stated once
+    console = resumed.stdout + resumed.stderr
+    assert "HTTP Request:" not in console and "kernel choice:" not in console, console[-3000:]
+    assert len([line for line in console.splitlines() if line.lstrip().startswith("kernels ")]) == 1
     L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), L.model_weights(
         ref / "checkpoints" / f"step_{STEPS:08d}"))
     assert _losses(out) == _losses(ref)

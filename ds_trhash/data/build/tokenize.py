@@ -37,6 +37,7 @@ from ds_trhash.data.build.chunk_store import RUN_FORMAT, ChunkStore, WorkDirErro
 from ds_trhash.data.build.inputs import JSONL, TEXT, InputSpec, Record, Skipped, decode_record, iter_records
 from ds_trhash.data.build.parts import BadRecordLimit, join_stores, part_dir, remove_stale_temporaries, work_dir
 from ds_trhash.data.formats.shards import MAX_TOKEN_ID, ShardError, check_source_name
+from ds_trhash.data.build.tokenize_progress import TokenizeProgress
 from ds_trhash.data.formats.tokenizer import EOS_ID, PathLike, load_tokenizer, tokenizer_file, tokenizer_sha256
 
 DEFAULT_CHUNK_RECORDS = 2048
@@ -272,8 +273,13 @@ def _encode(job: TokenizeJob, store: ChunkStore, log: Callable[[str], None]) -> 
         size = job.chunk_records
         return not any(wanted(n) for n in range(first // size, (first + records - 1) // size + 1))
 
-    chunks = _chunks(iter_records(job.inputs, job.text_field, unwanted), job.chunk_records, wanted, seen)
-    _encode_all(job, chunks, store, limit.add)
+    progress = TokenizeProgress(job.source, job.inputs)  # stderr: a live line on a terminal, else plain lines
+    chunks = _chunks(progress.observe(iter_records(job.inputs, job.text_field, unwanted)), job.chunk_records,
+                     wanted, seen)
+    try:
+        _encode_all(job, chunks, store, lambda record: (limit.add(record), progress.chunk(record)))
+    finally:
+        progress.close()
     total_chunks = -(-seen[0] // job.chunk_records)
     summary = {"records": seen[0], "chunks": total_chunks}
     store.mark_done(summary)

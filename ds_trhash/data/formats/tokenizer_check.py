@@ -40,6 +40,10 @@ def data_tokenizer_identity(recorded: Mapping[str, str | None], tokenizer_dir,
     data.tokenizer). A corpus that records none (the release's manifests never do) is taken to
     be tokenized with the configured data.tokenizer, and the launch says so."""
     known = next((h for h in recorded.values() if h), None)
+    if known is not None and tokenizer_dir is None:
+        return known, False, (f"the data records tokenizer {known[:12]}… but data.tokenizer is not set: final/ and "
+                              "exports of this run will carry no tokenizer.json (generate and the run record need "
+                              "it); set data.tokenizer to the directory the data was tokenized with",)
     if known is not None:
         return known, False, ()
     if tokenizer_dir is None:

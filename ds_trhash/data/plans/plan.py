@@ -158,6 +158,21 @@ class RuleResult:
     detail: str
 
 
+DERIVE = "derive the refinement plan from the pretraining plan with `ds-trhash data plan --refinement-of PRE.json --out REF.json`"
+
+
+def _core_differences(ref_doc: Mapping, pre_doc: Mapping) -> str:
+    """What differs between two unique cores, by field: a name or revision apart from the corpus."""
+    fields = [f"{key} {ref_doc.get(key)!r} vs {pre_doc.get(key)!r}" for key in FINGERPRINT_KEYS
+              if ref_doc.get(key) != pre_doc.get(key)]
+    try:
+        if _unique_core(ref_doc).get("sources") != _unique_core(pre_doc).get("sources"):
+            fields.append("the unique core's sources (a changed shard or row count, even when totals match)")
+    except PlanError:
+        pass
+    return "; ".join(fields) or "their canonical form"
+
+
 def _refinement_rules(ref_doc: Mapping, pre_doc: Mapping) -> list[RuleResult]:
     phases = ref_doc.get("phases") if isinstance(ref_doc.get("phases"), list) else []
     phase = phases[0] if phases and isinstance(phases[0], Mapping) else {}
@@ -167,21 +182,25 @@ def _refinement_rules(ref_doc: Mapping, pre_doc: Mapping) -> list[RuleResult]:
         ref_fp, pre_fp = unique_core_fingerprint(ref_doc), unique_core_fingerprint(pre_doc)
         same = ref_fp == pre_fp
         fp_detail = (f"unique core fingerprint {ref_fp} == the pretraining plan's" if same else
-                     f"refinement unique core fingerprint {ref_fp} != pretraining plan's {pre_fp}: the corpus differs "
-                     "(a changed shard or row counts even when totals match); derive it with "
-                     "`ds-trhash data plan --refinement-of`")
+                     f"refinement unique core fingerprint {ref_fp} != pretraining plan's {pre_fp}: the plans differ in "
+                     f"{_core_differences(ref_doc, pre_doc)}; {DERIVE}")
     except PlanError as exc:
         same, fp_detail = False, str(exc)
+    # a pretraining plan given as the refinement's fails the shape rules first: say how to make one
+    shape = "" if len(phases) == 1 and not replayed else f"; {DERIVE}"
     return [
-        RuleResult("one_phase", len(phases) == 1, f"refinement plan has {len(phases)} phase(s), must have exactly one"),
+        RuleResult("one_phase", len(phases) == 1,
+                   f"refinement plan has {len(phases)} phase(s), must have exactly one{shape}"),
         RuleResult("phase_name", phase.get("name") == UNIQUE_CORE,
                    f"refinement phase is named {phase.get('name')!r}, must be {UNIQUE_CORE!r}"),
         RuleResult("phase_passes", phase.get("passes") == 1,
-                   f"refinement phase has passes {phase.get('passes')!r}, must be 1"),
+                   f"refinement phase has passes {phase.get('passes')!r}, must be 1{shape}"),
         RuleResult("trained_equals_unique", trained == unique,
-                   f"refinement trained_tokens {trained} {'==' if trained == unique else '!='} unique_tokens {unique}"),
+                   f"refinement trained_tokens {trained} {'==' if trained == unique else '!='} unique_tokens {unique}"
+                   f"{shape}"),
         RuleResult("source_passes", not replayed,
-                   "every source passes once" if not replayed else f"refinement source_passes must all be 1, got {replayed}"),
+                   "every source passes once" if not replayed else f"refinement source_passes must all be 1, got {replayed}"
+                   f"{shape}"),
         RuleResult("fingerprint", same, fp_detail),
     ]
 

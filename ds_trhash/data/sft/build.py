@@ -54,6 +54,13 @@ class SFTBuildError(UserError, ValueError):
     """The SFT set cannot be built; the message lists what is wrong and how to fix it."""
 
 
+class InvalidExamples(SFTBuildError):
+    """Examples the builder refuses: the first line says what to do, then one line per example."""
+
+    def message_lines(self) -> list[str]:
+        return [line.rstrip() for line in str(self).splitlines() if line.strip()]
+
+
 def load_tokenizer_identity(path_or_dir: str | os.PathLike) -> tuple[Tokenizer, str]:
     """(tokenizer, tokenizer hash); the hash is the identity checked against the model's
     tokenizer at training time, so the build and that check both come through here."""
@@ -159,11 +166,11 @@ def _write_partition(out: Path, name: str, source: Path, source_name: str, token
 
 
 def _invalid_listing(invalid: list[InvalidRecord]) -> str:
-    lines = [f"{len(invalid)} invalid SFT example(s):"]
+    lines = [f"{len(invalid)} invalid SFT example(s): fix or remove them, or rebuild with --drop-invalid to skip "
+             "them (they are then counted in the manifest); one per line below"]
     lines += [f"  {item}" for item in invalid[:MAX_LISTED_ERRORS]]
     if len(invalid) > MAX_LISTED_ERRORS:
         lines.append(f"  ... and {len(invalid) - MAX_LISTED_ERRORS} more")
-    lines.append("Fix or remove them, or rebuild with --drop-invalid to skip them (they are then counted in the manifest).")
     return "\n".join(lines)
 
 
@@ -212,7 +219,7 @@ def build_sft_dataset(train_jsonl: str | os.PathLike, eval_jsonl: str | os.PathL
         for name, source in zip(PARTITIONS, (Path(train_jsonl), Path(eval_jsonl))):
             stats[name] = _write_partition(tmp / name, name, source, source_name or source.stem, tokenizer, seq_len, vocab, invalid)
         if invalid and not drop_invalid:
-            raise SFTBuildError(_invalid_listing(invalid))
+            raise InvalidExamples(_invalid_listing(invalid))
         empty = [name for name, s in stats.items() if s.examples == 0]
         if empty:
             raise SFTBuildError(f"no valid example left in partition(s) {', '.join(empty)}; an SFT set needs train and held-out examples")

@@ -84,10 +84,9 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if stage == SFT and cfg.eval.select == "min_eval_loss" and not cfg.eval.heldout:
         raise b.fail("eval.select", "min_eval_loss picks best/ by held-out loss, which eval.heldout false "
                                     "never computes; set eval.heldout true or eval.select last", "eval.heldout")
-    export_final = cfg.training.export_final if cfg.training.export_final is not None else stage != SFT
-    if cfg.training.cleanup_after_success != "off" and not export_final:
+    if cfg.training.cleanup_after_success != "off" and cfg.training.export_final is False:
         raise b.fail("training.cleanup_after_success", "cleanup deletes checkpoints only after a verified final/ "
-                                                       "export, which this stage does not write; set "
+                                                       "export, which training.export_final false turns off; set "
                                                        "training.export_final true or cleanup_after_success off",
                      "training.export_final")
     if cfg.kernels.require_liger and cfg.kernels.policy == "pytorch":

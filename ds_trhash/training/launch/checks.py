@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
+from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
 from ds_trhash.errors import UserError
 
 Log = Callable[[str], None]
@@ -196,7 +197,8 @@ def probe_writable(output_dir: Path) -> None:
 def resolve_init_checkpoint(path: str | os.PathLike | None, log: Log = print) -> str | None:
     """``--init-checkpoint`` as given: a checkpoint or export directory, or a run's output
     directory, meaning that run's final complete checkpoint (whatever the process count named
-    its steps). The choice is said at start."""
+    its steps), or its ``final/`` once cleanup removed it (``checkpoints.run_source``). The
+    choice is said at start."""
     if path is None:
         return None
     src = Path(path)
@@ -205,19 +207,11 @@ def resolve_init_checkpoint(path: str | os.PathLike | None, log: Log = print) ->
                                "(<run>/checkpoints/step_N), an export, or a run's --output-dir")
     if not src.is_dir():
         raise LaunchCheckError(f"--init-checkpoint {src} is not a directory")
-    if ckpt.checkpoints_root(src).is_dir() and not (src / ckpt.MANIFEST).is_file():
-        found = ckpt.list_checkpoints(src)
-        passed: list[str] = []
-        for info in reversed(found):
-            ok, why = ckpt.trusted(info.path)
-            if ok:
-                for line in passed:
-                    log(f"--init-checkpoint {src}: {line}, passed over")
-                log(f"--init-checkpoint {src}: the run's final complete checkpoint is {info.path}")
-                return str(info.path)
-            passed.append(f"{info.name} is {why}")
-        listing = "; ".join(reversed(passed)) or "none at all"
-        raise LaunchCheckError(f"--init-checkpoint {src} is a run directory without a complete checkpoint ({listing})")
+    if is_run_dir(src):
+        try:
+            return str(model_of_run(src, "--init-checkpoint", log))
+        except ckpt.CheckpointError as exc:
+            raise LaunchCheckError(str(exc)) from None
     return str(src)
 
 

@@ -90,7 +90,7 @@ class LaunchPlan:
             sft_manifest_sha256=data.sft_manifest_sha256,
             source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
             pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()),
-            data_source=data.data_source)
+            data_source=data.data_source, planned_steps=data.planned_steps)
 
 
 def launch_device() -> torch.device:
@@ -151,6 +151,9 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
         if rank == 0:
             log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
+    capped = ckpt.capped_by(ckpt.read_source_metadata(output.init_dir)) if output.init_dir else None
+    if capped and rank == 0:  # e.g. refinement from a pretraining cut short: legal, but it should be said
+        log.warning("--init-checkpoint %s comes from a stage %s", output.init_dir, capped)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     classes = list(parts) if parts is not None else training_parts()
     builders = build_callbacks(classes, cfg)

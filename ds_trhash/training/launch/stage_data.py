@@ -57,6 +57,7 @@ def _rank0_first(rank: int, fn):
 class StageData:
     batches: object  # loop.StepBatches
     total_steps: int
+    planned_steps: int | None = None  # what the data holds; more than total_steps when --max-steps capped it
     plan: object | None = None  # ReplayPlan (pretraining, refinement)
     eval_batches: object | None = None  # SFTBatches over the eval partition
     tokenizer_dir: str | None = None
@@ -98,6 +99,16 @@ def _share_downloads(corpus, cfg: tcfg.TrainConfig, rank: int, world: int) -> No
     if nodes > 1 and corpus.commit != LOCAL_COMMIT:
         corpus.store = StagedStore(corpus.store, Path(cfg.output_dir) / STAGING_DIR, rank // per_node, nodes,
                                    expected={shard.path: shard.sha256 for shard in corpus.shards.values()})
+
+
+def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
+    """Said at start when ``training.max_steps`` cuts the stage short (what --max-steps means)."""
+    total = _max_steps(cfg, planned)
+    if total >= planned:
+        return ()
+    return (f"training.max_steps {total} caps this stage at {total} of the {planned} optimizer steps its data holds: "
+            "the whole schedule runs over those steps, the stage completes, and its checkpoints, "
+            "stage_complete.json and run record say it was capped",)
 
 
 def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
@@ -146,6 +157,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     else:
         plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
     plan = _checked_plan(cfg, plan_path)
+    planned = plan_steps(plan, tcfg.tokens_per_step(cfg, world))
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
@@ -164,9 +176,10 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
-    data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
+    data = StageData(batches=None, total_steps=_max_steps(cfg, steps), planned_steps=planned, plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes + tokenizer_notes,
+                     tokenizer_sha256=identity, tokenizer_assumed=assumed,
+                     notes=notes + tokenizer_notes + _cap_note(cfg, planned),
                      shards_dir=corpus.store.description, data_source=corpus.record,
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
                               f"({corpus.layout} layout)")
@@ -211,9 +224,11 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     if cfg.eval.heldout:
         eval_packs = pack(data.partition("eval"), cfg.data.seq_len, policy)
         eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
-    total = _max_steps(cfg, batches.steps_per_epoch * cfg.training.epochs)
-    return StageData(batches=batches, total_steps=total, eval_batches=eval_batches,
+    planned = batches.steps_per_epoch * cfg.training.epochs
+    return StageData(batches=batches, total_steps=_max_steps(cfg, planned), planned_steps=planned,
+                     eval_batches=eval_batches,
                      tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
                      sft_dir=str(Path(sft_dir).resolve()),
                      sft_manifest_sha256=sha256_file(Path(sft_dir) / "manifest.json"),
+                     notes=_cap_note(cfg, planned),
                      describe=f"SFT set {sft_dir}")

@@ -129,3 +129,14 @@ def test_refusals_send_nothing_and_change_nothing(hub, capsys, tmp_path, monkeyp
     monkeypatch.setenv("HF_TOKEN", "hf_WRONGtokenVALUE0123456789")
     code, _, err = publish(capsys, root2)
     assert code == 2 and "401" in err and "<redacted>" in err and "WRONGtoken" not in err
+
+
+def test_no_token_says_how_to_give_one_and_sends_nothing(hub, capsys, tmp_path, monkeypatch):
+    """Without HF_TOKEN: the fix (export HF_TOKEN), not "run the same command again to resume"."""
+    root = released(tmp_path / "release")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    before = tree_digest(tmp_path)
+    code, _, err = publish(capsys, root)
+    assert code == 2 and "HF_TOKEN is not set" in err and "export HF_TOKEN=hf_..." in err, err
+    assert "run the same command again" not in err
+    assert hub.requests == [] and tree_digest(tmp_path) == before

@@ -80,3 +80,15 @@ def test_a_line_that_is_not_utf8_names_the_file_and_line_and_nothing_is_built(tm
     err = capsys.readouterr().err
     assert f"{train}: line 5 is not UTF-8 text (byte 0xe9 at column" in err and "Traceback" not in err, err
     assert tree_digest(tmp_path) == before
+
+
+def test_several_invalid_examples_are_listed_one_per_line(tmp_path, tokenizer_dir, capsys):
+    bad = ['{"broken', '{"messages": []}', '[1, 2]', '{"messages": [{"role": "user", "content": "hi"}]}']
+    train, evaluation = _inputs(tmp_path, bad=bad)
+    argv = ["sft", "build", "--input", train, "--eval-input", evaluation, "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "256", "--out", str(tmp_path / "sft")]
+    assert _run(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: 4 invalid SFT example(s): fix or remove them, or rebuild with --drop-invalid")
+    assert len(lines) == 5 and all(line.startswith("  ") and "train.jsonl:" in line for line in lines[1:]), lines
+    assert not (tmp_path / "sft").exists()
