@@ -1,4 +1,4 @@
-"""The cache directory's files: entry names, verified markers, pins, usage, stale partials.
+"""The cache directory's files: entry names, verified markers, holds, usage, stale partials.
 
 One cache directory serves every rank of a node. For a shard entry ``<root>/<source>/<file>``:
 
@@ -8,8 +8,10 @@ One cache directory serves every rank of a node. For a shard entry ``<root>/<sou
 - ``<file>.partial-<pid>-<thread>``: a download in flight, created at its full size so that the
   bytes it will take are counted from the first moment.
 - ``<file>.lock``: held (exclusive) by the one process downloading it; the other ranks wait.
-- ``<file>.pin``: held shared by every reader of the entry; eviction needs it exclusive (never
-  blocks), so a shard in use is never removed. Its mtime is the entry's last use (LRU order).
+- ``<file>.hold``: locked shared by every reader that holds the entry (for as long as the shard is
+  in its working set); eviction needs it exclusive (never blocks), so a shard in use is never
+  removed. Its mtime is the entry's last use (LRU order). (``<file>.pin``: the same file as
+  earlier versions named it; skipped, so an old cache directory is still read.)
 
 The names come from manifests and plans (untrusted input): each part must be a bare file name,
 and every path is checked to stay inside the cache directory before anything is created,
@@ -32,9 +34,10 @@ from ds_trhash.safe_names import UnsafeNameError, bare_name
 
 MARKER = ".verified.json"
 PARTIAL = ".partial-"
-LOCK, PIN = ".lock", ".pin"
+LOCK, HOLD = ".lock", ".hold"
+OLD_HOLD = ".pin"  # what earlier versions called the hold file
 EVICT_LOCK = ".evict.lock"
-_SIDE = (MARKER, LOCK, PIN)
+_SIDE = (MARKER, LOCK, HOLD, OLD_HOLD)
 
 
 class CacheError(UserError, ValueError):
@@ -86,28 +89,40 @@ def write_marker(partial: Path, final: Path, sha256: str, size: int) -> None:
     os.replace(tmp, side(final, MARKER))
 
 
-def touch(path: Path) -> None:
-    pin = side(path, PIN)
-    pin.touch()
-    os.utime(pin)
+class Hold:
+    """A shared lock on an entry's hold file (created if needed), taken now and kept until
+    ``release``: while any reader holds it, the entry is never evicted. Taking it marks the
+    entry's last use."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: Optional[int] = os.open(side(path, HOLD), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            os.utime(self._fd)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing drops the lock
 
 
 @contextlib.contextmanager
-def pinned(path: Path) -> Iterator[None]:
-    """Hold a shared pin on an entry (created if needed) for the block's duration."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+def held(path: Path) -> Iterator[None]:
+    """Hold an entry for the block's duration."""
+    hold = Hold(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.utime(fd)
         yield
     finally:
-        os.close(fd)  # closing drops the lock
+        hold.release()
 
 
 def try_evict(path: Path) -> bool:
-    """Remove an unpinned entry and its marker; False when some reader holds its pin."""
-    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+    """Remove an entry no reader holds, and its marker; False when some reader holds it."""
+    fd = os.open(side(path, HOLD), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,7 +175,7 @@ def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Pa
                 continue
             if PARTIAL not in name:
                 try:
-                    last = side(path, PIN).stat().st_mtime
+                    last = side(path, HOLD).stat().st_mtime
                 except OSError:
                     last = 0.0
                 entries.append((last, path))

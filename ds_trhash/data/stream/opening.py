@@ -118,7 +118,7 @@ class Corpus:
         return {"store": self.store.identity, "commit": self.commit}
 
     def min_cache_bytes(self, ranks_on_node: int) -> int:
-        """One largest planned shard per rank of the node: what the ranks pin at once."""
+        """One largest planned shard per rank of the node: the least the ranks must hold at once."""
         return ranks_on_node * max((s.size for s in self.shards.values()), default=0)
 
     def check_cache_bound(self, max_bytes: int, ranks_on_node: int, setting: str) -> None:
@@ -129,8 +129,12 @@ class Corpus:
                 f"at once (the largest planned shard is {need // max(ranks_on_node, 1)} bytes): the smallest bound "
                 f"that works is {need} bytes = {need / GIB:.6g} GiB; raise data.cache_gb or {CACHE_ENV}")
 
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = 2) -> ShardCache:
-        return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch)
+    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = 2,
+                   ranks_on_node: int = 1) -> ShardCache:
+        """The node's cache of this corpus; each of the node's ``ranks_on_node`` readers holds at
+        most its share of ``max_bytes`` at once."""
+        return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch,
+                          ranks_on_node=ranks_on_node)
 
 
 def _shown(problems: list[str]) -> str:

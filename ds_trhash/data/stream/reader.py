@@ -16,11 +16,14 @@ how far a run got, so a resume only needs the global row cursor:
 Step s of global batch G covers global rows [s·G, (s+1)·G); micro-step m of rank r takes
 the ``micro_batch`` rows starting at s·G + (m·world_size + r)·micro_batch. The set of rows
 in an optimizer step therefore depends on G only.
+
+Shards are read through a working set (``working_set``): a shard is checked, held and mapped
+once when this rank's current or next few micro-batches first need it, and released when they
+no longer do, so a micro-batch of shards already in the set touches no file.
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -33,18 +36,21 @@ import torch
 from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
-from ds_trhash.data.formats.layout import sources_dir
+from ds_trhash.data.formats.layout import shard_path_under, sources_dir
 from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
-from ds_trhash.data.formats.shards import read_rows
 from ds_trhash.data.formats.tokenizer import PathLike
+from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 
 
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 2
+_LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched
+_HELD_MICRO_BATCHES = 8  # whose shards stay in the working set
+_SHARDS_MEMO = 64
 
 RowRef = tuple[str, str, int]  # (source, file, row within the file)
+Key = tuple[str, str]
 
 
 class ReaderError(UserError, ValueError):
@@ -156,6 +162,9 @@ class ReplayReader:
         self.num_rows = start
         self._segment_starts = [segment.start for segment in self.segments]
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
+        self._shards_memo: OrderedDict[tuple[int, int], tuple[Key, ...]] = OrderedDict()
+        budget = cache.hold_budget if cache is not None else None
+        self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
 
     # -- order -------------------------------------------------------------------------
     def _window_size(self) -> int:
@@ -210,11 +219,22 @@ class ReplayReader:
         global_batch = micro_batch * grad_accum * world_size
         return step * global_batch + (micro_step * world_size + rank) * micro_batch
 
-    def _pinned(self, source: str, file: str):
-        """The shard's local path, pinned in the cache (never evicted) while it is read."""
+    def _open_shard(self, key: Key) -> MappedShard:
+        """A shard entering the working set: held and mapped by the cache, or mapped from the
+        shard directory (its names checked where they are read)."""
+        source, file = key
         if self.cache is not None:
-            return self.cache.pinned(source, file)
-        return contextlib.nullcontext(self.shards_dir / source / file)
+            return self.cache.hold_shard(source, file, self.seq_len)
+        return MappedShard(key, shard_path_under(self.shards_dir, source, file), self.seq_len)
+
+    @property
+    def shard_wait_s(self) -> float:
+        """Seconds spent bringing shards into the working set (checks, holds, downloads waited for)."""
+        return self._working.open_s
+
+    def close(self) -> None:
+        """Release every shard of the working set (the cache itself is its owner's to close)."""
+        self._working.close()
 
     def batch(
         self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
@@ -236,34 +256,46 @@ class ReplayReader:
         first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
         refs = self.global_rows(first, micro_batch)
         windows = self._read(refs)
-        if self.cache is not None:
-            self._plan_cache(refs, step, micro_step, rank, world_size, micro_batch, grad_accum)
+        ahead = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
+        if self.cache is not None:  # in plan order; the cache skips what it holds or has fetched
+            self.cache.prefetch(dict.fromkeys(key for keys in ahead[:_LOOKAHEAD_MICRO_BATCHES] for key in keys))
+        self._working.keep_only({(s, f) for s, f, _ in refs}.union(*ahead))
         tensor = torch.from_numpy(windows)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
     def _read(self, refs: list[RowRef]) -> np.ndarray:
-        """Read the rows, one memory-mapped pass per shard file."""
+        """Read the rows from the working set's maps, shard by shard."""
         out = np.empty((len(refs), self.seq_len + 1), dtype=np.int64)
-        by_file: dict[tuple[str, str], list[int]] = {}
-        for index, (source, file, _) in enumerate(refs):
-            by_file.setdefault((source, file), []).append(index)
-        for (source, file), indices in by_file.items():
-            with self._pinned(source, file) as path:
-                out[indices] = read_rows(path, [refs[i][2] for i in indices], self.seq_len)
+        by_file: dict[Key, tuple[list[int], list[int]]] = {}
+        for index, (source, file, row) in enumerate(refs):
+            positions, rows = by_file.setdefault((source, file), ([], []))
+            positions.append(index)
+            rows.append(row)
+        for key, (positions, rows) in by_file.items():
+            self._working.get(key).read_into(out, positions, rows)
         return out
 
-    def _plan_cache(self, refs: list[RowRef], step: int, micro_step: int, rank: int, world_size: int,
-                    micro_batch: int, grad_accum: int) -> None:
-        """Prefetch this rank's next micro-batches' shards, in plan order."""
-        upcoming: list[tuple[str, str]] = []
-        for _ in range(_LOOKAHEAD_MICRO_BATCHES):
+    def _shards_at(self, first: int, count: int) -> tuple[Key, ...]:
+        """The shards of global rows [first, first + count), in order of first use (remembered:
+        the same micro-batches are looked ahead at again and again)."""
+        keys = self._shards_memo.get((first, count))
+        if keys is None:
+            keys = tuple(dict.fromkeys((s, f) for s, f, _ in self.global_rows(first, count)))
+            self._shards_memo[(first, count)] = keys
+            if len(self._shards_memo) > _SHARDS_MEMO:
+                self._shards_memo.popitem(last=False)
+        return keys
+
+    def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
+                  grad_accum: int) -> list[tuple[Key, ...]]:
+        """The shards of each of this rank's next micro-batches (as many as the working set keeps)."""
+        upcoming = []
+        for _ in range(_HELD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
                 step, micro_step = step + 1, 0
             first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
-            for source, file, _ in self.global_rows(first, micro_batch):
-                if (source, file) not in upcoming:
-                    upcoming.append((source, file))
-        self.cache.prefetch(upcoming)
+            upcoming.append(self._shards_at(first, micro_batch))
+        return upcoming

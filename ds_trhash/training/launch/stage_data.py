@@ -4,8 +4,9 @@
 asks the data package its one question (``data.stream.shared_corpus``: the store's commit, every
 planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
 and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
-builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining reader
-and its shard cache are created only by ``StageData.start``, once every launch check has passed.
+builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining stream
+(its reader, background assembly and shard cache) is created only by ``StageData.start``, once
+every launch check has passed, and closed by ``StageData.stop``, which the trainer calls in a ``finally``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
@@ -22,7 +24,7 @@ from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
 from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.steps import BatchLayout, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -66,6 +68,8 @@ class StageData:
     describe: str = ""
     # Creates what reading needs on disk (the shard cache); called once every check has passed.
     start: Callable[[], None] | None = None
+    # Closes what ``start`` opened (the stream's thread, the shard cache); the trainer's ``finally``.
+    stop: Callable[[], None] | None = None
 
 
 def embedded_root(cfg: tcfg.TrainConfig) -> Path:
@@ -120,8 +124,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     check_tokenizer_matches(tokenizer_dir, recorded)
     identity, assumed, notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
-    max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
-    corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
+    max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
+    corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes,
@@ -131,10 +135,12 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
 
     def start() -> None:
         # One cache per node: every rank of this node opens the same folder; each shard is
-        # downloaded once and verified (size and SHA-256) before any rank reads it.
-        cache = corpus.open_cache(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache", max_bytes)
-        reader = ReplayReader(plan, None, cfg.seed, cache=cache)
-        data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+        # downloaded once and verified (size and SHA-256) before any rank reads it. The next
+        # steps' batches are assembled in the background, in pinned memory on CUDA.
+        layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+        stream = open_stream(corpus, plan, cfg.seed, layout, cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache",
+                             max_bytes, node_ranks, pin_memory=torch.cuda.is_available(), end=data.total_steps)
+        data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
     return data
