@@ -12,8 +12,8 @@ The bound covers every entry and partial download under ``cache_dir`` (the few h
 markers, holds and locks beside each are not counted). To make room, the least recently used entries
 that no rank holds are evicted under one eviction lock; a reader holds the shards of its working
 set (a shared lock each, taken once per shard, ``working_set``), never more bytes at once than
-its share of the bound (the bound over the node's ranks), so the smallest bound that always works
-is one largest shard per rank of the node. A prefetch only ever uses room it can make without
+its share of the bound (the bound over the node's ranks, less room for its prefetches, at least
+one shard), so the smallest bound that always works is one largest shard per rank of the node. A prefetch only ever uses room it can make without
 waiting, so it never blocks a read.
 
 Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
@@ -95,7 +95,7 @@ class ShardCache:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
-        self.hold_budget = self.max_bytes // max(1, int(ranks_on_node))  # what one reader may hold at once
+        self.hold_budget = self._hold_budget(shards, max(1, int(ranks_on_node)))
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
         self._shards = dict(shards)
@@ -114,6 +114,13 @@ class ShardCache:
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- bookkeeping -------------------------------------------------------------------
+    def _hold_budget(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
+        """The bytes one reader may hold at once: its share of the bound, less room for the
+        prefetches it queues (a reader that held its whole share would leave them none), and
+        never less than one largest shard (the launch refuses a bound below one per rank)."""
+        largest = max((shard.size for shard in shards.values()), default=0)
+        return max(largest, self.max_bytes // ranks_on_node - self.prefetch_depth * largest)
+
     def _expected(self, key: Key) -> ExpectedShard:
         shard = self._shards.get(key)
         if shard is None:
