@@ -280,29 +280,27 @@ class ShardCache:
         with self.held(source, file) as path:
             return path
 
-    def prefetch(self, upcoming: Iterable[Key]) -> None:
+    def prefetch(self, upcoming: Iterable[Key]) -> bool:
         """Queue the next few shards (``prefetch`` of them) for a background download, leaving out
-        those this process holds or has found verified since: called for every micro-batch, it
-        touches no file and wakes the worker only when a shard comes into view."""
+        those this process holds or has found verified since: it touches no file and wakes the
+        worker only when a shard comes into view. True when every shard left was queued (False:
+        more than ``prefetch`` were, ask again)."""
         if self.prefetch_depth == 0:
-            return
+            return True
         with self._cond:
             if self._closed:
                 raise CacheError("prefetch on a closed ShardCache")
-            wanted: list[Key] = []
-            for key in upcoming:
-                key = (key[0], key[1])
-                if key not in wanted and key not in self._holding and key not in self._ready:
-                    wanted.append(key)
-                if len(wanted) == self.prefetch_depth:
-                    break
-            if not wanted or (wanted == list(self._queue)):
-                return
+            left = [key for key in dict.fromkeys((k[0], k[1]) for k in upcoming)
+                    if key not in self._holding and key not in self._ready]
+            wanted = left[: self.prefetch_depth]
+            if not wanted or wanted == list(self._queue):
+                return len(left) == len(wanted)
             self._queue = deque(wanted)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
+            return len(left) == len(wanted)
 
     def _raise_worker_error(self) -> None:
         """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""

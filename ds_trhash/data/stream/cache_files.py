@@ -37,6 +37,9 @@ PARTIAL = ".partial-"
 LOCK, HOLD = ".lock", ".hold"
 OLD_HOLD = ".pin"  # what earlier versions called the hold file
 EVICT_LOCK = ".evict.lock"
+# How often a waiter retries a held lock: the default 50 ms made a read that met its shard being
+# prefetched (or the eviction lock taken) wait up to 50 ms more than the download took.
+LOCK_POLL_S = 0.002
 _SIDE = (MARKER, LOCK, HOLD, OLD_HOLD)
 
 
@@ -137,11 +140,11 @@ def try_evict(path: Path) -> bool:
 
 def download_lock(path: Path) -> FileLock:
     path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(side(path, LOCK)), is_singleton=False, preserve_lock_file=True)
+    return FileLock(str(side(path, LOCK)), is_singleton=False, preserve_lock_file=True, poll_interval=LOCK_POLL_S)
 
 
 def evict_lock(cache_dir: Path) -> FileLock:
-    return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True)
+    return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True, poll_interval=LOCK_POLL_S)
 
 
 def is_stale_partial(path: Path) -> bool:

@@ -18,8 +18,9 @@ the ``micro_batch`` rows starting at s·G + (m·world_size + r)·micro_batch. Th
 in an optimizer step therefore depends on G only.
 
 Shards are read through a working set (``working_set``): a shard is checked, held and mapped
-once when this rank's current or next few micro-batches first need it, and released when they
-no longer do, so a micro-batch of shards already in the set touches no file.
+once when a micro-batch of this rank first needs it, and released once its last few
+micro-batches have not read it and the next ones (those it prefetches for) do not need it, so a
+micro-batch of shards already in the set touches no file.
 """
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched
-_HELD_MICRO_BATCHES = 8  # whose shards stay in the working set
-_SHARDS_MEMO = 64
+_LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched (and stay in the working set)
+_RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
+_ROWS_MEMO = 16
 
 RowRef = tuple[str, str, int]  # (source, file, row within the file)
 Key = tuple[str, str]
@@ -162,7 +163,9 @@ class ReplayReader:
         self.num_rows = start
         self._segment_starts = [segment.start for segment in self.segments]
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
-        self._shards_memo: OrderedDict[tuple[int, int], tuple[Key, ...]] = OrderedDict()
+        self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
+        self._prefetched: Optional[tuple] = None  # what the last complete prefetch call was for
+        self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
         budget = cache.hold_budget if cache is not None else None
         self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
 
@@ -254,14 +257,41 @@ class ReplayReader:
                 f"{self.num_rows} rows; automatic dataset repetition is forbidden"
             )
         first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
-        refs = self.global_rows(first, micro_batch)
+        refs = self._rows_at(first, micro_batch)[0]
         windows = self._read(refs)
-        ahead = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
-        if self.cache is not None:  # in plan order; the cache skips what it holds or has fetched
-            self.cache.prefetch(dict.fromkeys(key for keys in ahead[:_LOOKAHEAD_MICRO_BATCHES] for key in keys))
-        self._working.keep_only({(s, f) for s, f, _ in refs}.union(*ahead))
+        upcoming: tuple[Key, ...] = ()
+        if self.cache is not None:
+            upcoming = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
+            self._prefetch(upcoming, self._window_ahead(first, rank, world_size, micro_batch, grad_accum))
+        self._working.next_read(_RECENT_MICRO_BATCHES, upcoming)
         tensor = torch.from_numpy(windows)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
+
+    def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
+        """The next micro-batches' shards first, then this rank's of the next shuffle window (all
+        of a window's shards are wanted at its first rows: the micro-batches alone see them too
+        late). The cache skips what it holds or has fetched; asked again only when that changes."""
+        wanted = (upcoming, ahead)
+        if wanted != self._prefetched:
+            complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
+            self._prefetched = wanted if complete is not False else None
+
+    def _window_ahead(self, first: int, rank: int, world_size: int, micro_batch: int,
+                      grad_accum: int) -> tuple[Key, ...]:
+        """The shards of this rank's rows in the window after the one holding global row
+        ``first``, within its segment (() at a segment's last window), in order of first use."""
+        index = bisect.bisect_right(self._segment_starts, first) - 1
+        segment, size = self.segments[index], self._window_size()
+        window = (first - segment.start) // size + 1
+        if window * size >= segment.length:
+            return ()
+        memo_key = (index, window, rank, world_size, micro_batch, grad_accum)
+        if memo_key not in self._ahead_memo:
+            start, step_rows = segment.start + window * size, micro_batch * grad_accum * world_size
+            mine = (ref[:2] for i, ref in enumerate(self._window(index, window))
+                    if ((start + i) % step_rows // micro_batch) % world_size == rank)
+            self._ahead_memo = {memo_key: tuple(dict.fromkeys(mine))}  # one window at a time
+        return self._ahead_memo[memo_key]
 
     def _read(self, refs: list[RowRef]) -> np.ndarray:
         """Read the rows from the working set's maps, shard by shard."""
@@ -275,27 +305,30 @@ class ReplayReader:
             self._working.get(key).read_into(out, positions, rows)
         return out
 
-    def _shards_at(self, first: int, count: int) -> tuple[Key, ...]:
-        """The shards of global rows [first, first + count), in order of first use (remembered:
-        the same micro-batches are looked ahead at again and again)."""
-        keys = self._shards_memo.get((first, count))
-        if keys is None:
-            keys = tuple(dict.fromkeys((s, f) for s, f, _ in self.global_rows(first, count)))
-            self._shards_memo[(first, count)] = keys
-            if len(self._shards_memo) > _SHARDS_MEMO:
-                self._shards_memo.popitem(last=False)
-        return keys
+    def _rows_at(self, first: int, count: int) -> tuple[list[RowRef], tuple[Key, ...]]:
+        """Global rows [first, first + count) and their shards in order of first use, remembered
+        for the few micro-batches that are looked ahead at before they are read."""
+        found = self._rows_memo.get((first, count))
+        if found is None:
+            refs = self.global_rows(first, count)
+            found = refs, tuple(dict.fromkeys((s, f) for s, f, _ in refs))
+            self._rows_memo[(first, count)] = found
+            if len(self._rows_memo) > _ROWS_MEMO:
+                self._rows_memo.popitem(last=False)
+        return found
 
     def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
-                  grad_accum: int) -> list[tuple[Key, ...]]:
-        """The shards of each of this rank's next micro-batches (as many as the working set keeps)."""
-        upcoming = []
-        for _ in range(_HELD_MICRO_BATCHES):
+                  grad_accum: int) -> tuple[Key, ...]:
+        """The shards of this rank's next few micro-batches, in plan order (run per micro-batch:
+        kept to a few dictionary look-ups)."""
+        upcoming: tuple[Key, ...] = ()
+        for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
                 step, micro_step = step + 1, 0
             first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
-            upcoming.append(self._shards_at(first, micro_batch))
+            keys = self._rows_at(first, micro_batch)[1]
+            upcoming = upcoming + tuple(k for k in keys if k not in upcoming) if upcoming else keys
         return upcoming

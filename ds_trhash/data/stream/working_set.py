@@ -3,8 +3,9 @@
 A shard enters the set once: its names are checked and its path resolved, it is verified and
 held in the node cache (or found in the shard directory), and its tokens are memory-mapped, one
 map per shard. From then on its rows are cut from memory, so reading a micro-batch makes no
-file-system call; the shard leaves the set (its hold released, its map closed) when the reader's
-next micro-batches no longer need it, or when the rank's share of the cache is full.
+file-system call; the shard leaves the set (its hold released, its map closed) once the reader's
+last few micro-batches have not read it and its next ones do not need it, or when the rank's
+share of the cache is full.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class MappedShard:
     def __init__(self, key: Key, path: Path, seq_len: int, on_release: Optional[Callable[[], None]] = None) -> None:
         self.key, self.where, self.seq_len = key, str(path), seq_len
         self._on_release = on_release
-        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        # a plain array over the map: indexing a memmap object costs more than reading the rows
+        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r").view(np.ndarray)
         if len(self.tokens) < seq_len + 1 or (len(self.tokens) - 1) % seq_len:
             count = len(self.tokens)
             self.release()
@@ -35,12 +37,13 @@ class MappedShard:
         self.size = int(self.tokens.nbytes)
 
     def read_into(self, out: np.ndarray, positions: Sequence[int], rows: Sequence[int]) -> None:
-        """``out[positions[i]]`` = the window of row ``rows[i]`` (int64, seq_len + 1 tokens)."""
-        length = self.seq_len
+        """``out[positions[i]]`` = the window of row ``rows[i]`` (int64, seq_len + 1 tokens); a
+        slice per row (a micro-batch takes a few rows of each shard: faster than one gather)."""
+        tokens, length = self.tokens, self.seq_len
         for position, row in zip(positions, rows):
             if not 0 <= row < self.rows:
                 raise ShardError(f"row {row} is outside {self.where}, which has {self.rows} rows")
-            out[position] = self.tokens[row * length: row * length + length + 1]
+            out[position] = tokens[row * length: row * length + length + 1]
 
     def release(self) -> None:
         self.tokens = None  # the only reference to the map (rows are copied out): unmapped now
@@ -58,6 +61,8 @@ class WorkingSet:
                  size_of: Optional[Callable[[Key], int]] = None) -> None:
         self._opener, self._budget, self._size_of = opener, budget, size_of
         self._open: OrderedDict[Key, MappedShard] = OrderedDict()
+        self._last_read: dict[Key, int] = {}  # the read (``tick``) that last used each open shard
+        self.tick = 0
         self.open_s = 0.0  # seconds spent bringing shards in (checks, holds, waiting for downloads)
         self.opened = 0
 
@@ -78,19 +83,28 @@ class WorkingSet:
             self.opened += 1
         else:
             self._open.move_to_end(key)
+        self._last_read[key] = self.tick
         return shard
 
     def _make_room(self, size: int) -> None:
         held = sum(shard.size for shard in self._open.values())
         while self._open and held + size > self._budget:
-            _, oldest = self._open.popitem(last=False)
+            key, oldest = self._open.popitem(last=False)
+            del self._last_read[key]
             held -= oldest.size
             oldest.release()
 
-    def keep_only(self, keys: Collection[Key]) -> None:
-        """Release every open shard not in ``keys``."""
-        for key in [key for key in self._open if key not in keys]:
+    def next_read(self, recent: int, upcoming: Collection[Key] = ()) -> None:
+        """One read done: release the shards none of the last ``recent`` reads used and
+        ``upcoming`` (the next reads' shards, when known) does not name."""
+        self.tick += 1
+        oldest = self.tick - recent
+        for key in [key for key, last in self._last_read.items() if last < oldest and key not in upcoming]:
+            del self._last_read[key]
             self._open.pop(key).release()
 
     def close(self) -> None:
-        self.keep_only(())
+        for shard in self._open.values():
+            shard.release()
+        self._open.clear()
+        self._last_read.clear()
