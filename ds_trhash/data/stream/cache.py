@@ -9,12 +9,12 @@ stops naming the shard and both hashes. Nothing unverified is ever returned, and
 killed mid-download leaves only a partial file, which the next scan deletes.
 
 The bound covers every entry and partial download under ``cache_dir`` (the few hundred bytes of
-markers, holds and locks beside each are not counted). To make room, the least recently used entries
-that no rank holds are evicted under one eviction lock; a reader holds the shards of its working
-set (a shared lock each, taken once per shard, ``working_set``), never more bytes at once than
-its share of the bound (the bound over the node's ranks, less room for its prefetches, at least
-one shard), so the smallest bound that always works is one largest shard per rank of the node. A prefetch only ever uses room it can make without
-waiting, so it never blocks a read.
+markers, holds and locks beside each are not counted). To make room, the least recently used
+entries that no rank holds are evicted under one eviction lock; a reader holds the shards of its
+working set (a shared lock each, taken once per shard, ``working_set``), never more bytes at once
+than its share of the bound (the bound over the node's ranks, less room for its prefetches, at
+least one shard), so the smallest bound that always works is one largest shard per rank of the
+node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
 
 Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
 walk: cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for
@@ -143,8 +143,8 @@ class ShardCache:
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             with cf.evict_lock(self.cache_dir):
-                used, entries = cf.scan(self.cache_dir)
-                files = len(entries)
+                used, files = cf.usage(self.cache_dir)
+                entries = cf.scan(self.cache_dir)[1] if used + size > self.max_bytes else []  # the LRU order
                 for _, victim in entries:
                     if used + size <= self.max_bytes:
                         break

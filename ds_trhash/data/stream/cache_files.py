@@ -159,27 +159,45 @@ def is_stale_partial(path: Path) -> bool:
     return True
 
 
-def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
-    """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
-    entries); stale partials are deleted on the way (they count no more) unless ``prune`` is
-    false: an observer that only measures (it then counts them, and takes no download's lock)."""
-    used, entries = 0, []
+def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
+    """(path, bytes, complete) of every entry and partial download under the cache, as plain
+    strings (a walk runs at every download: no path objects per file); stale partials are
+    deleted on the way (they count no more) unless ``prune`` is false."""
     for folder, _, names in os.walk(cache_dir):
         for name in names:
-            path = Path(folder) / name
-            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(path):
-                path.unlink(missing_ok=True)
+            full = os.path.join(folder, name)
+            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(Path(full)):
+                Path(full).unlink(missing_ok=True)
                 continue
             if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
                 continue  # a few hundred bytes of bookkeeping per entry, not counted
             try:
-                used += path.stat().st_size
+                size = os.stat(full).st_size
             except OSError:
                 continue
-            if PARTIAL not in name:
-                try:
-                    last = side(path, HOLD).stat().st_mtime
-                except OSError:
-                    last = 0.0
-                entries.append((last, path))
+            yield full, size, PARTIAL not in name
+
+
+def usage(cache_dir: Path, prune: bool = True) -> tuple[int, int]:
+    """(bytes of every entry and partial download, complete entries): ``scan`` without the order."""
+    used = entries = 0
+    for _, size, complete in _counted(cache_dir, prune):
+        used, entries = used + size, entries + complete
+    return used, entries
+
+
+def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
+    """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
+    entries, least recently used first); stale partials are deleted on the way (they count no
+    more) unless ``prune`` is false: an observer that only measures (it then counts them, and
+    takes no download's lock)."""
+    used, entries = 0, []
+    for full, size, complete in _counted(cache_dir, prune):
+        used += size
+        if complete:
+            try:
+                last = os.stat(full + HOLD).st_mtime
+            except OSError:
+                last = 0.0
+            entries.append((last, Path(full)))
     return used, sorted(entries)

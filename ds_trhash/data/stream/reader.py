@@ -271,7 +271,7 @@ class ReplayReader:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all
         of a window's shards are wanted at its first rows: the micro-batches alone see them too
         late). The cache skips what it holds or has fetched; asked again only when that changes."""
-        wanted = (upcoming, ahead)
+        wanted = (frozenset(upcoming), ahead)  # the same shards in another order: nothing new to queue
         if wanted != self._prefetched:
             complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
             self._prefetched = wanted if complete is not False else None
