@@ -112,6 +112,7 @@ class ShardCache:
         self._holding: dict[Key, int] = {}  # holds this process has on each entry now
         self._ready: set[Key] = set()  # entries the prefetcher found verified, not held since
         self.root.mkdir(parents=True, exist_ok=True)
+        self._resolved_root = self.root.resolve()
 
     # -- bookkeeping -------------------------------------------------------------------
     def _hold_budget(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
@@ -196,7 +197,7 @@ class ShardCache:
         """The entry is present and verified (fetched now if needed); the caller holds it. Seconds
         spent waiting count only for a read (``wait``), not for the prefetcher."""
         shard = self._expected(key)
-        path = cf.entry_path(self.root, *key)
+        path = cf.entry_path(self.root, *key, self._resolved_root)
         if cf.trusted(path, shard.sha256, shard.size):
             return True
         started = time.monotonic()
@@ -225,7 +226,7 @@ class ShardCache:
         resolved) here."""
         self._raise_worker_error()
         key = (source, file)
-        path = cf.entry_path(self.root, source, file)
+        path = cf.entry_path(self.root, source, file, self._resolved_root)
         hold = cf.Hold(path)
         with self._cond:
             self._holding[key] = self._holding.get(key, 0) + 1
@@ -241,16 +242,17 @@ class ShardCache:
         try:
             shard = self._expected(key)
             try:
-                stamp = path.stat().st_mtime_ns
+                st: Optional[os.stat_result] = path.stat()
             except OSError:
-                stamp = None
-            if stamp is not None and self._seen.get(key) == stamp:  # verified here before, unchanged since
+                st = None
+            if st is not None and self._seen.get(key) == st.st_mtime_ns:  # verified here before, unchanged since
                 self._count("hits")
-            elif stamp is not None and cf.trusted(path, shard.sha256, shard.size):
+            elif st is not None and cf.trusted(path, shard.sha256, shard.size, st):
                 self._count("hits")
             else:
                 self._ensure(key, wait=True)
-            self._seen[key] = path.stat().st_mtime_ns
+                st = None
+            self._seen[key] = (st or path.stat()).st_mtime_ns
         except BaseException:
             release()
             raise
@@ -317,7 +319,7 @@ class ShardCache:
                 key = self._queue.popleft()
                 self._busy += 1
             try:
-                path = cf.entry_path(self.root, *key)
+                path = cf.entry_path(self.root, *key, self._resolved_root)
                 shard = self._expected(key)
                 ready = cf.trusted(path, shard.sha256, shard.size)
                 if not ready:

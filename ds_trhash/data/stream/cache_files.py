@@ -47,8 +47,9 @@ class CacheError(UserError, ValueError):
     """The cache cannot serve a shard (unknown shard, too small a bound, a name that escapes)."""
 
 
-def entry_path(root: Path, source: str, file: str) -> Path:
-    """``root/source/file`` for bare names only; refuses anything that would land elsewhere."""
+def entry_path(root: Path, source: str, file: str, resolved_root: Optional[Path] = None) -> Path:
+    """``root/source/file`` for bare names only; refuses anything that would land elsewhere
+    (``resolved_root``: ``root.resolve()``, when the caller knows it already)."""
     for what, name in (("source", source), ("file", file)):
         try:
             bare_name(name, f"shard {what} name")
@@ -56,7 +57,7 @@ def entry_path(root: Path, source: str, file: str) -> Path:
             raise CacheError(f"shard {what} name {name!r} is not a bare file name; the plan or manifest naming it "
                              f"is malformed ({exc})") from None
     path = root / source / file
-    if not path.resolve().is_relative_to(root.resolve()):
+    if not path.resolve().is_relative_to(resolved_root or root.resolve()):
         raise CacheError(f"cache entry {path} would lie outside the cache directory {root}")
     return path
 
@@ -73,10 +74,11 @@ def read_marker(path: Path) -> Optional[dict]:
     return doc if isinstance(doc, dict) else None
 
 
-def trusted(path: Path, sha256: str, size: int) -> bool:
-    """The entry is complete and its marker still describes it (no hashing)."""
+def trusted(path: Path, sha256: str, size: int, st: Optional[os.stat_result] = None) -> bool:
+    """The entry is complete and its marker still describes it (no hashing); ``st``: its stat,
+    when the caller took it already."""
     try:
-        st = path.stat()
+        st = st or path.stat()
     except OSError:
         return False
     marker = read_marker(path)

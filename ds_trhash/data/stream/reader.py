@@ -165,6 +165,8 @@ class ReplayReader:
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
         self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
         self._prefetched: Optional[tuple] = None  # what the last complete prefetch call was for
+        self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look, and the first row of
+        self._looked_next: Optional[int] = None  # the micro-batch after it (which reuses that look)
         self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
         budget = cache.hold_budget if cache is not None else None
         self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
@@ -261,11 +263,23 @@ class ReplayReader:
         windows = self._read(refs)
         upcoming: tuple[Key, ...] = ()
         if self.cache is not None:
-            upcoming = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
-            self._prefetch(upcoming, self._window_ahead(first, rank, world_size, micro_batch, grad_accum))
+            upcoming = self._look_ahead(first, step, micro_step, rank, world_size, micro_batch, grad_accum)
         self._working.next_read(_RECENT_MICRO_BATCHES, upcoming)
         tensor = torch.from_numpy(windows)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
+
+    def _look_ahead(self, first: int, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
+                    grad_accum: int) -> tuple[Key, ...]:
+        """The shards of the next micro-batches (kept in the working set), prefetched with those
+        of the next window. Looked at every other micro-batch of a sequential read: the one right
+        after a look was in it, and so is its successor."""
+        if first == self._looked_next:
+            self._looked_next = None
+            return self._looked
+        upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
+        self._looked = upcoming
+        self._prefetch(upcoming, self._window_ahead(first, rank, world_size, micro_batch, grad_accum))
+        return upcoming
 
     def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all
@@ -318,10 +332,11 @@ class ReplayReader:
         return found
 
     def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
-                  grad_accum: int) -> tuple[Key, ...]:
-        """The shards of this rank's next few micro-batches, in plan order (run per micro-batch:
-        kept to a few dictionary look-ups)."""
+                  grad_accum: int) -> tuple[tuple[Key, ...], Optional[int]]:
+        """(the shards of this rank's next few micro-batches in plan order, the first row of the
+        next one or None at the plan's end)."""
         upcoming: tuple[Key, ...] = ()
+        following = None
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
@@ -329,6 +344,7 @@ class ReplayReader:
             first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
+            following = first if following is None else following
             keys = self._rows_at(first, micro_batch)[1]
             upcoming = upcoming + tuple(k for k in keys if k not in upcoming) if upcoming else keys
-        return upcoming
+        return upcoming, following
