@@ -166,11 +166,8 @@ def _gate_up_kernel(
 @triton.autotune(configs=_ROW_TILE_CONFIGS, key=["K", "N", "A_INDIRECT", "SWIGLU_BWD", "DOT_PRECISION"])
 @triton.jit
 def _grouped_mm_kernel(
-    a_ptr, order_ptr, offsets_ptr, b_ptr, out_ptr, g_ptr, u_ptr,
-    E, K, N, w0, w1,
-    stride_am, stride_ak,
-    stride_be, stride_bk, stride_bn,
-    stride_om, stride_gm,
+    a_ptr, order_ptr, offsets_ptr, b_ptr, out_ptr, g_ptr, u_ptr, E, K, N, w0, w1,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_om, stride_gm,
     TOPK: tl.constexpr, A_INDIRECT: tl.constexpr, SWIGLU_BWD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -214,6 +211,7 @@ def _grouped_mm_kernel(
         acc = acc * scale[:, None]
 
     out_ok = row_ok[:, None] & col_ok[None, :]
+    o_off = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if SWIGLU_BWD:
         gu_off = rows.to(tl.int64)[:, None] * stride_gm + cols[None, :]
         g = tl.load(g_ptr + gu_off, mask=out_ok, other=0.0).to(tl.float32)
@@ -222,22 +220,17 @@ def _grouped_mm_kernel(
         silu = g * sig
         d_g = acc * u * (sig * (1.0 + g * (1.0 - sig)))
         d_u = acc * silu
-        o_off = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out_ptr + o_off, d_g.to(out_ptr.dtype.element_ty), mask=out_ok)
         tl.store(out_ptr + o_off + N, d_u.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
-        o_off = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.autotune(configs=_DW_CONFIGS, key=["P", "Q", "A_INDIRECT", "B_INDIRECT", "SPLITS", "DOT_PRECISION"])
 @triton.jit
 def _grouped_dw_kernel(
-    a_ptr, b_ptr, order_ptr, offsets_ptr, part_ptr,
-    P, Q, w0, w1,
-    stride_am, stride_ap,
-    stride_bm, stride_bq,
-    stride_ps, stride_pe, stride_pp,
+    a_ptr, b_ptr, order_ptr, offsets_ptr, part_ptr, P, Q, w0, w1,
+    stride_am, stride_ap, stride_bm, stride_bq, stride_ps, stride_pe, stride_pp,
     TOPK: tl.constexpr, A_INDIRECT: tl.constexpr, B_INDIRECT: tl.constexpr,
     SCALE_BY_SLOT: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -17,6 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # loopback stand-in (tests/release/hub_server.py); anything else meets a closed loopback port and
 # fails at once instead of waiting on the network. Set before huggingface_hub is imported.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+
 os.environ.pop("HF_TOKEN", None)
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The venv's bin comes first on PATH: the `deepspeed` launcher and the `ds-trhash` commands the
@@ -39,6 +40,16 @@ def _signal_handlers_restored():
     from ds_trhash.training.callbacks.stop import uninstall
 
     uninstall()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_shard_cache(tmp_path_factory):
+    """The default shard cache is node-local scratch shared by every launch of the machine; each
+    xdist worker's launches get one of their own (under its own temporary folder), so that workers
+    running side by side never evict each other's shards or count them against their bounds (a
+    test that checks a cache names its own ``data.cache_dir``)."""
+    os.environ["DS_TRHASH_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "default-shard-cache")
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.checkpoints.state import rng_path
 from ds_trhash.checkpoints.state import (
     ENGINE_TAG,
@@ -96,7 +97,7 @@ def global_batch(flat_critical: Mapping[str, Any], world_size: int) -> tuple[int
     mb, ga = flat_critical.get("batch.micro_batch"), flat_critical.get("batch.grad_accum")
     if not isinstance(mb, int) or not isinstance(ga, int):
         return None
-    return mb * ga * world_size, mb, ga, world_size
+    return step_rows(mb, ga, world_size), mb, ga, world_size
 
 
 def _describe_global_batch(g: tuple[int, int, int, int] | None, world_size: int) -> str:

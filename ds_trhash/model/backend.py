@@ -143,6 +143,68 @@ def _expert_shape_problem(config: Any, dtype: Optional[torch.dtype]) -> Optional
 # ------------------------------------------------------------------ policy
 
 
+def _fused_backends(policy: str, on_cuda: bool, require_liger: bool, notes: list[str]) -> tuple[str, str, str]:
+    """(loss, norm, rope): Liger on CUDA when importable, else PyTorch (``notes`` says why)."""
+    liger_err = _liger_available() if on_cuda else "not on a usable CUDA device"
+    if policy == "pytorch":
+        if require_liger and on_cuda:
+            raise BackendError(
+                "kernel policy 'pytorch' contradicts require_liger: Liger is required by this "
+                "profile; use kernels.policy auto or triton")
+        notes.append("policy pytorch: PyTorch experts, chunked loss, PyTorch norm")
+        return "chunked", "pytorch", "pytorch"
+    if liger_err is None:
+        notes.append("Liger fused linear CE + RMSNorm + RoPE")
+        return "liger", "liger", "liger"
+    if require_liger and on_cuda:
+        raise BackendError(
+            f"Liger could not be imported ({liger_err}); Liger is required by this profile; "
+            "install liger-kernel (pip install liger-kernel) or use a profile without "
+            "kernels.require_liger")
+    msg = f"Liger unavailable ({liger_err}): chunked loss and PyTorch norm"
+    if require_liger:
+        msg += " (require_liger applies on CUDA only)"
+    notes.append(msg)
+    log = logger.warning if on_cuda else logger.info
+    log("kernel fallback: %s", msg)
+    return "chunked", "pytorch", "pytorch"
+
+
+def _triton_experts_problem(policy: str, device: torch.device, on_cuda: bool, config: Any,
+                            dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why the Triton routed experts cannot run here, or None when they can."""
+    runnable = on_cuda or (device.type == "cpu" and _interpreter_enabled())
+    if policy == "auto" and not on_cuda:
+        return f"device {device} is not a usable CUDA device"
+    if not runnable:
+        return (f"device {device} cannot run Triton: no usable CUDA device and "
+                "TRITON_INTERPRET=1 is not set (the CPU interpreter must be enabled "
+                "before triton is imported)")
+    import_err = _triton_kernels_available()
+    if import_err is not None:
+        return f"the Triton experts kernel does not import ({import_err})"
+    problem = _expert_shape_problem(config, dtype)
+    if problem is None and not on_cuda and dtype == torch.bfloat16:
+        problem = "the Triton CPU interpreter computes bf16 wrongly (use fp32 or fp16 on CPU)"
+    return problem
+
+
+def _experts_backend(policy: str, device: torch.device, on_cuda: bool, config: Any,
+                     dtype: Optional[torch.dtype], notes: list[str]) -> str:
+    if policy == "pytorch":
+        return "pytorch"
+    problem = _triton_experts_problem(policy, device, on_cuda, config, dtype)
+    if problem is None:
+        notes.append("Triton routed experts" + ("" if on_cuda else " (CPU interpreter)"))
+        return "triton"
+    if policy == "triton":
+        raise BackendError(f"kernel policy 'triton' cannot run: {problem}; use policy auto or pytorch")
+    msg = f"PyTorch routed experts: {problem}"
+    notes.append(msg)
+    (logger.warning if on_cuda else logger.info)("kernel fallback: %s", msg)
+    return "pytorch"
+
+
 def resolve(policy: str, device: torch.device | str, config: Any = None, require_liger: bool = False,
             dtype: Optional[torch.dtype] = None) -> KernelChoice:
     """Pick the implementations for `device`/`config` under `policy` ("auto"|"triton"|"pytorch").
@@ -155,64 +217,8 @@ def resolve(policy: str, device: torch.device | str, config: Any = None, require
     device = torch.device(device)
     on_cuda = _cuda_usable(device)
     notes: list[str] = []
-
-    # ---- loss / norm / rope: Liger on CUDA when importable
-    liger_err = _liger_available() if on_cuda else "not on a usable CUDA device"
-    if policy == "pytorch":
-        if require_liger and on_cuda:
-            raise BackendError(
-                "kernel policy 'pytorch' contradicts require_liger: Liger is required by this "
-                "profile; use kernels.policy auto or triton")
-        loss, norm, rope = "chunked", "pytorch", "pytorch"
-        notes.append("policy pytorch: PyTorch experts, chunked loss, PyTorch norm")
-    elif liger_err is None:
-        loss, norm, rope = "liger", "liger", "liger"
-        notes.append("Liger fused linear CE + RMSNorm + RoPE")
-    else:
-        if require_liger and on_cuda:
-            raise BackendError(
-                f"Liger could not be imported ({liger_err}); Liger is required by this profile; "
-                "install liger-kernel (pip install liger-kernel) or use a profile without "
-                "kernels.require_liger")
-        loss, norm, rope = "chunked", "pytorch", "pytorch"
-        msg = f"Liger unavailable ({liger_err}): chunked loss and PyTorch norm"
-        if require_liger:
-            msg += " (require_liger applies on CUDA only)"
-        notes.append(msg)
-        log = logger.warning if on_cuda else logger.info
-        log("kernel fallback: %s", msg)
-
-    # ---- routed experts
-    if policy == "pytorch":
-        experts = "pytorch"
-    else:
-        runnable = on_cuda or (device.type == "cpu" and _interpreter_enabled())
-        problem: Optional[str] = None
-        if policy == "auto" and not on_cuda:
-            problem = f"device {device} is not a usable CUDA device"
-        elif not runnable:
-            problem = (f"device {device} cannot run Triton: no usable CUDA device and "
-                       "TRITON_INTERPRET=1 is not set (the CPU interpreter must be enabled "
-                       "before triton is imported)")
-        if problem is None:
-            import_err = _triton_kernels_available()
-            if import_err is not None:
-                problem = f"the Triton experts kernel does not import ({import_err})"
-        if problem is None:
-            problem = _expert_shape_problem(config, dtype)
-        if problem is None and not on_cuda and dtype == torch.bfloat16:
-            problem = "the Triton CPU interpreter computes bf16 wrongly (use fp32 or fp16 on CPU)"
-        if problem is None:
-            experts = "triton"
-            notes.append("Triton routed experts" + ("" if on_cuda else " (CPU interpreter)"))
-        elif policy == "triton":
-            raise BackendError(f"kernel policy 'triton' cannot run: {problem}; use policy auto or pytorch")
-        else:
-            experts = "pytorch"
-            msg = f"PyTorch routed experts: {problem}"
-            notes.append(msg)
-            (logger.warning if on_cuda else logger.info)("kernel fallback: %s", msg)
-
+    loss, norm, rope = _fused_backends(policy, on_cuda, require_liger, notes)
+    experts = _experts_backend(policy, device, on_cuda, config, dtype, notes)
     choice = KernelChoice(experts=experts, loss=loss, norm=norm, rope=rope,
                           reason=f"policy {policy} on {device}: " + "; ".join(notes))
     logger.info("kernel choice: experts=%s loss=%s norm=%s rope=%s (%s)",

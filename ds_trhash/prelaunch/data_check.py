@@ -13,6 +13,10 @@ from pathlib import Path
 
 from ds_trhash.training.launch.stage_data import StageData, embedded_root, prepare_pretrain_data, prepare_sft_data
 
+# A check run before GPUs are rented answers within seconds: it waits out a Hub outage only this
+# long (a training launch waits data.hub_wait_minutes).
+PREFLIGHT_HUB_WAIT_S = 8.0
+
 
 def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> tuple[StageData, str]:
     """(the launch's StageData, what was checked); raises the trainer's user errors when the data
@@ -25,7 +29,7 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
         name = "SFT set" if embedded else f"SFT set {data.sft_dir}"
         return data, (f"{where}{name}: manifest hashes, vocabulary, labels and tokenizer check out; "
                       f"{data.batches.steps_per_epoch} steps per epoch, {data.total_steps} steps")
-    data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none")
+    data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none", hub_wait_s=PREFLIGHT_HUB_WAIT_S)
     hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
     source = data.data_source or {}

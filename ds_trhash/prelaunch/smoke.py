@@ -36,6 +36,7 @@ import torch
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.argtypes import positive_float, positive_int
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval import commands as eval_commands
@@ -153,8 +154,9 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
     data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
     mb = cfg.batch.micro_batch
-    first = int(state["data_cursor"]) // mb  # step index of the next unseen rows in a 1-process layout
-    last = reader.num_rows // mb
+    per_step = step_rows(mb, 1, 1)  # the reader's steps here: one process, one micro-batch each
+    first = int(state["data_cursor"]) // per_step  # step index of the next unseen rows
+    last = reader.num_rows // per_step
     which = "after the trained ones" if first < last else "trained last (the smoke covered the whole plan)"
     first = min(first, max(0, last - batches))
     idx = range(first, min(last, first + batches))
@@ -162,10 +164,75 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = ({"input_ids": x, "labels": y} for x, y in (reader.batch(s, 0, 0, 1, mb, 1) for s in idx))
     result = heldout_loss(model.to(device), rows, device)
-    return result["eval_loss"], f"loss on {len(idx) * mb} plan rows {which} ({result['eval_tokens']:,} tokens)"
+    return result["eval_loss"], f"loss on {len(idx) * per_step} plan rows {which} ({result['eval_tokens']:,} tokens)"
 
 
 # ----------------------------------------------------------------------------- the run
+
+
+def _step_train(argv: list[str], n: int, run_dir: Path, final: Path, workdir: Path, timeout) -> dict:
+    t0 = time.perf_counter()
+    _launch("train", argv, workdir / "logs" / "train.log", timeout)
+    step_s, tokens, which = fig.typical_step(fig.step_seconds(run_dir / "metrics.csv"))
+    peak, kind = fig.peak_memory(final)
+    _say("train", f"{n} steps: {step_s:.3f} s per step ({which}), {tokens / step_s:,.0f} tokens/s, "
+                  f"peak memory {gib(peak)} ({kind})")
+    return {"seconds": time.perf_counter() - t0, "step_seconds": step_s, "tokens_per_step": tokens,
+            "tokens_per_second": tokens / step_s, "peak_memory_bytes": peak, "peak_memory_kind": kind}
+
+
+def _step_save(cfg, world: int, final: Path) -> dict:
+    try:
+        ok, why = ckpt.verify(final)
+        if not ok:
+            raise fig.FiguresError(f"{final.name} is {why}")
+        size, save_s = fig.directory_bytes(final), fig.save_seconds(final)
+    except (OSError, fig.FiguresError) as exc:
+        raise StepFailed("save", str(exc)) from None
+    predicted = estimate(cfg, tcfg.model_config(cfg), world, probe_devices().kind)
+    _say("save", f"{final.name}: {gib(size)} in {save_s:.2f} s (estimated {gib(predicted.checkpoint)})")
+    return {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
+
+
+def _step_resume(argv: list[str], half: int, n: int, final: Path, workdir: Path, timeout) -> dict:
+    aside = workdir / f"uninterrupted_{final.name}"
+    os.replace(final, aside)
+    t0 = time.perf_counter()
+    _launch("resume", argv + ["--resume", "auto"], workdir / "logs" / "resume.log", timeout)
+    if not ckpt.verify(final)[0]:
+        raise StepFailed("resume", f"the resumed launch left no complete {final.name}")
+    same, how = _weights_equal(aside, final)
+    _say("resume", f"step {half} -> {n}: {how}")
+    return {"from_step": half, "to_step": n, "seconds": time.perf_counter() - t0, "identical": same}
+
+
+def _step_evaluate(cfg, final: Path, workdir: Path, world: int, batches: int) -> dict:
+    t0 = time.perf_counter()
+    loss, what = _evaluate(cfg, final, workdir, world, batches)
+    seconds = time.perf_counter() - t0
+    _say("evaluate", f"{what}: {loss:.4f} in {seconds:.1f} s")
+    return {"loss": loss, "what": what, "seconds": seconds}
+
+
+def _step_export(final: Path, workdir: Path) -> dict:
+    t0 = time.perf_counter()
+    if _command(export_command.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
+        raise StepFailed("export", "ds-trhash export failed (its output is above)")
+    done = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
+    _say("export", f"{gib(done['bytes'])} in {done['seconds']:.1f} s")
+    return done
+
+
+def _step_project(cfg, world: int, workdir: Path, step_s: float, save: dict) -> dict:
+    size, save_s = save["checkpoint_bytes"], save["save_seconds"]
+    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
+    projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
+                                plan.peak_kept(), size)
+    _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "
+                    f"{save_s:.2f} s = {format_duration(projection.wall_seconds)} on {world} process(es); disk "
+                    f"{projection.kept_checkpoints} checkpoints kept at once x {gib(size)} = {gib(projection.disk_bytes)}")
+    return projection.to_dict()
 
 
 @os_errors_as(fig.FiguresError)  # a scratch file that cannot be read or written fails the step
@@ -177,63 +244,19 @@ def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -
              "--set", "training.log_every=1", "--set", f"checkpoint.every_steps={half}",
              "--set", "checkpoint.keep_last=null", "--set", "checkpoint.packs=null"]
     argv = deepspeed_command(str(Path(args.config).resolve()), world, _passthrough(args) + owned)
-    report: dict = {"config": args.config, "processes": world, "steps": n, "workdir": str(workdir)}
-
-    t0 = time.perf_counter()
-    _launch("train", argv, workdir / "logs" / "train.log", args.timeout)
-    step_s, tokens, which = fig.typical_step(fig.step_seconds(run_dir / "metrics.csv"))
     final = ckpt.checkpoints_root(run_dir) / ckpt.step_dir_name(n)
-    peak, kind = fig.peak_memory(final)
-    report["train"] = {"seconds": time.perf_counter() - t0, "step_seconds": step_s, "tokens_per_step": tokens,
-                       "tokens_per_second": tokens / step_s, "peak_memory_bytes": peak, "peak_memory_kind": kind}
-    _say("train", f"{n} steps: {step_s:.3f} s per step ({which}), {tokens / step_s:,.0f} tokens/s, "
-                  f"peak memory {gib(peak)} ({kind})")
-
+    report: dict = {"config": args.config, "processes": world, "steps": n, "workdir": str(workdir)}
+    report["train"] = _step_train(argv, n, run_dir, final, workdir, args.timeout)
     at["step"] = "save"
-    try:
-        ok, why = ckpt.verify(final)
-        if not ok:
-            raise fig.FiguresError(f"{final.name} is {why}")
-        size, save_s = fig.directory_bytes(final), fig.save_seconds(final)
-    except (OSError, fig.FiguresError) as exc:
-        raise StepFailed("save", str(exc)) from None
-    devices = probe_devices()
-    model_cfg = tcfg.model_config(cfg)
-    predicted = estimate(cfg, model_cfg, world, devices.kind)
-    report["save"] = {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
-    _say("save", f"{final.name}: {gib(size)} in {save_s:.2f} s (estimated {gib(predicted.checkpoint)})")
-
+    report["save"] = _step_save(cfg, world, final)
     at["step"] = "resume"
-    aside = workdir / f"uninterrupted_{final.name}"
-    os.replace(final, aside)
-    t0 = time.perf_counter()
-    _launch("resume", argv + ["--resume", "auto"], workdir / "logs" / "resume.log", args.timeout)
-    if not ckpt.verify(final)[0]:
-        raise StepFailed("resume", f"the resumed launch left no complete {final.name}")
-    same, how = _weights_equal(aside, final)
-    report["resume"] = {"from_step": half, "to_step": n, "seconds": time.perf_counter() - t0, "identical": same}
-    _say("resume", f"step {half} -> {n}: {how}")
-
-    at["step"], t0 = "evaluate", time.perf_counter()
-    loss, what = _evaluate(cfg, final, workdir, world, args.eval_batches)
-    report["evaluate"] = {"loss": loss, "what": what, "seconds": time.perf_counter() - t0}
-    _say("evaluate", f"{what}: {loss:.4f} in {report['evaluate']['seconds']:.1f} s")
-
-    at["step"], t0 = "export", time.perf_counter()
-    if _command(export_command.register, ["export", "--checkpoint", str(final), "--out", str(workdir / "export")]):
-        raise StepFailed("export", "ds-trhash export failed (its output is above)")
-    report["export"] = {"bytes": fig.directory_bytes(workdir / "export"), "seconds": time.perf_counter() - t0}
-    _say("export", f"{gib(report['export']['bytes'])} in {report['export']['seconds']:.1f} s")
-
+    report["resume"] = _step_resume(argv, half, n, final, workdir, args.timeout)
+    at["step"] = "evaluate"
+    report["evaluate"] = _step_evaluate(cfg, final, workdir, world, args.eval_batches)
+    at["step"] = "export"
+    report["export"] = _step_export(final, workdir)
     at["step"] = "project"
-    data, _ = resolve_stage_data(cfg, model_cfg, world, deep=False, scratch=workdir)
-    plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
-    projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
-                                plan.peak_kept(), size)
-    report["projection"] = projection.to_dict()
-    _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "
-                    f"{save_s:.2f} s = {format_duration(projection.wall_seconds)} on {world} process(es); disk "
-                    f"{projection.kept_checkpoints} checkpoints kept at once x {gib(size)} = {gib(projection.disk_bytes)}")
+    report["projection"] = _step_project(cfg, world, workdir, report["train"]["step_seconds"], report["save"])
     return report
 
 

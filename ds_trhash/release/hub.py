@@ -82,6 +82,20 @@ def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str
           commit_message=f"ds-trhash sync: {unit.kind} {unit.name}", repo_type=repo_type, revision=revision)
 
 
+@dataclass
+class _Pass:
+    """One sync pass: where it writes, what it reports, how it speaks."""
+
+    api: Any
+    repo_id: str
+    repo_type: str | None
+    revision: str | None
+    lock_dir: Path
+    report: SyncReport
+    say: Log
+    dry_run: bool
+
+
 def sync(
     local_dir: str | os.PathLike,
     repo_id: str,
@@ -109,80 +123,102 @@ def sync(
     if keep_last < 1:
         raise SyncError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
     prefix = check_prefix(path_in_repo)
-    say: Log = lambda line: log(redact(line))  # noqa: E731
     check_repo_id(repo_id)
-    report = SyncReport(repo_id=repo_id, dry_run=dry_run)
-    root = Path(local_dir)
-    lock_dir = discover_lock_dir(root)
     if incremental and prune_local:
         raise SyncError("--incremental trusts the record of earlier passes; --prune-local needs every unit "
                         "verified now: use one of them")
-    with sync_lock(lock_dir, lock_timeout):
-        records = read_verified(lock_dir) if incremental else {}
-        plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, repo_id, prefix))
-                        if incremental else None)
-        for unit in plan.units:
-            unit.prefix = prefix
-        report.already_remote += plan.recorded
-        for name in plan.recorded:
-            say(f"{name}: verified on {repo_id} by an earlier sync (sync_verified.json); not checked again")
-        if prune_local and not plan.prunable:
-            raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
-                            f"single {plan.units[0].kind} {root}")
-        report.skipped = dict(plan.skipped)
-        for name, why in plan.skipped.items():
-            say(f"skip {name}: it is {why}; only complete checkpoints are uploaded")
+    root = Path(local_dir)
+    one = _Pass(api, repo_id, repo_type, revision, discover_lock_dir(root), SyncReport(repo_id=repo_id, dry_run=dry_run),
+                lambda line: log(redact(line)), dry_run)
+    with sync_lock(one.lock_dir, lock_timeout):
+        plan = _units(one, root, prefix, incremental, prune_local)
         verified: set[str] = set()
         try:
-            if not dry_run and plan.units:
-                call_hub(f"creating {repo_id}", api.create_repo, repo_id, repo_type=repo_type, private=True,
-                      exist_ok=True)
-            elif plan.units:
-                probe_hub(api, repo_id, repo_type, revision)
+            _open_repo(one, plan)
             for unit in plan.units:
-                # a Hub that cannot be read fails a dry run too: it could not say what it would upload
-                remote = remote_files(api, repo_id, unit, repo_type=repo_type, revision=revision)
-                before = remote_differences(api, repo_id, unit, remote=remote)
-                if not before:
-                    report.already_remote.append(unit.name)
+                if _sync_unit(one, unit):
                     verified.add(unit.name)
-                    if not dry_run:
-                        mark_verified(lock_dir, unit, repo_id)
-                    say(f"{unit.name}: already on {repo_id}, every file verified")
-                    continue
-                if dry_run:
-                    report.would_upload.append(unit.name)
-                    say(f"would upload {unit.name} ({len(unit.files)} files)")
-                    continue
-                say(f"uploading {unit.name} ({len(unit.files)} files) to {repo_id}")
-                _upload(api, repo_id, unit, stale_remote_files(unit, remote), repo_type, revision)
-                report.uploaded.append(unit.name)
-                after = remote_differences(api, repo_id, unit, repo_type=repo_type, revision=revision)
-                if after:
-                    raise SyncError(f"{unit.name} does not verify on {repo_id} after upload; nothing was pruned:\n"
-                                    + "\n".join(f"  - {p}" for p in after))
-                verified.add(unit.name)
-                mark_verified(lock_dir, unit, repo_id)
-                report.verified.append(unit.name)
-                say(f"{unit.name}: every file verified on {repo_id}")
         except SyncError as exc:
-            report.error = str(exc)
-            raise SyncError(str(exc), report) from None
-
+            one.report.error = str(exc)
+            raise SyncError(str(exc), one.report) from None
         if prune_local:
-            assume = verified | set(report.would_upload) if dry_run else verified
-            prune, keep = prune_candidates(plan, assume, keep_last)
-            report.kept = [u.name for u in keep]
-            for unit in prune:
-                if dry_run:
-                    report.would_prune.append(unit.name)
-                    say(f"would prune local {unit.name} once verified on the Hub")
-                    continue
-                remove_dir(unit.path)
-                update_verified(lock_dir, remove=(unit.name,))
-                report.pruned.append(unit.name)
-                say(f"pruned local {unit.name} (verified on {repo_id})")
-    return report
+            _prune(one, plan, verified, keep_last)
+    return one.report
+
+
+def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: bool):
+    """The units under ``root`` (those an earlier pass verified left out when ``incremental``)."""
+    records = read_verified(one.lock_dir) if incremental else {}
+    plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, one.repo_id, prefix))
+                    if incremental else None)
+    for unit in plan.units:
+        unit.prefix = prefix
+    one.report.already_remote += plan.recorded
+    for name in plan.recorded:
+        one.say(f"{name}: verified on {one.repo_id} by an earlier sync (sync_verified.json); not checked again")
+    if prune_local and not plan.prunable:
+        raise SyncError(f"--prune-local needs the run output directory (the one holding checkpoints/), not the "
+                        f"single {plan.units[0].kind} {root}")
+    one.report.skipped = dict(plan.skipped)
+    for name, why in plan.skipped.items():
+        one.say(f"skip {name}: it is {why}; only complete checkpoints are uploaded")
+    return plan
+
+
+def _open_repo(one: _Pass, plan) -> None:
+    """Create the repository (private) before an upload; a dry run only proves it can read it."""
+    if not plan.units:
+        return
+    if one.dry_run:
+        probe_hub(one.api, one.repo_id, one.repo_type, one.revision)
+    else:
+        call_hub(f"creating {one.repo_id}", one.api.create_repo, one.repo_id, repo_type=one.repo_type, private=True,
+                 exist_ok=True)
+
+
+def _sync_unit(one: _Pass, unit: Unit) -> bool:
+    """Upload one unit unless the Hub holds it already, then verify it; whether it is verified
+    (a dry run verifies nothing it would upload). A Hub that cannot be read fails a dry run too:
+    it could not say what it would upload."""
+    api, repo_id, report = one.api, one.repo_id, one.report
+    remote = remote_files(api, repo_id, unit, repo_type=one.repo_type, revision=one.revision)
+    if not remote_differences(api, repo_id, unit, remote=remote):
+        report.already_remote.append(unit.name)
+        if not one.dry_run:
+            mark_verified(one.lock_dir, unit, repo_id)
+        one.say(f"{unit.name}: already on {repo_id}, every file verified")
+        return True
+    if one.dry_run:
+        report.would_upload.append(unit.name)
+        one.say(f"would upload {unit.name} ({len(unit.files)} files)")
+        return False
+    one.say(f"uploading {unit.name} ({len(unit.files)} files) to {repo_id}")
+    _upload(api, repo_id, unit, stale_remote_files(unit, remote), one.repo_type, one.revision)
+    report.uploaded.append(unit.name)
+    after = remote_differences(api, repo_id, unit, repo_type=one.repo_type, revision=one.revision)
+    if after:
+        raise SyncError(f"{unit.name} does not verify on {repo_id} after upload; nothing was pruned:\n"
+                        + "\n".join(f"  - {p}" for p in after))
+    mark_verified(one.lock_dir, unit, repo_id)
+    report.verified.append(unit.name)
+    one.say(f"{unit.name}: every file verified on {repo_id}")
+    return True
+
+
+def _prune(one: _Pass, plan, verified: set[str], keep_last: int) -> None:
+    """Delete verified local checkpoints beyond the newest ``keep_last`` (a dry run says which)."""
+    assume = verified | set(one.report.would_upload) if one.dry_run else verified
+    prune, keep = prune_candidates(plan, assume, keep_last)
+    one.report.kept = [u.name for u in keep]
+    for unit in prune:
+        if one.dry_run:
+            one.report.would_prune.append(unit.name)
+            one.say(f"would prune local {unit.name} once verified on the Hub")
+            continue
+        remove_dir(unit.path)
+        update_verified(one.lock_dir, remove=(unit.name,))
+        one.report.pruned.append(unit.name)
+        one.say(f"pruned local {unit.name} (verified on {one.repo_id})")
 
 
 def summary(report: SyncReport | Mapping[str, Any]) -> str:

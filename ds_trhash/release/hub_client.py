@@ -1,25 +1,22 @@
-"""The Hub client plumbing of ``sync`` and ``sync --watch``: the access token, the ``HfApi``
-built from it, the error every Hub failure becomes, and the calls that talk to the Hub.
+"""The Hub client plumbing of ``sync`` and ``sync --watch``: the error every Hub failure becomes,
+the client, and the calls that talk to the Hub.
 
-It exists so that one module alone knows where the token comes from (``HF_TOKEN`` in the
-environment, passed to ``HfApi`` explicitly so the library never falls back to a token file)
-and scrubs it from every message (``redact``): a client error is re-raised as ``SyncError``
-without its original, token-bearing exception chain (docs/contracts.md §9).
+The token policy, the client, the repository-id check and the scrubbing of messages are
+``ds_trhash.hub_access``'s, the one policy of every Hub request of the project: ``HF_TOKEN`` from
+the environment only, passed to ``HfApi`` explicitly so the library never falls back to a token
+file; a client error is re-raised as ``SyncError`` without its original, token-bearing exception
+chain (docs/contracts.md §9).
 """
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ds_trhash import hub_access
 from ds_trhash.errors import UserError
+from ds_trhash.hub_access import TOKEN_ENV, redact
 
-if TYPE_CHECKING:
-    from ds_trhash.release.hub import SyncReport
-
-TOKEN_ENV = "HF_TOKEN"
-_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
+__all__ = ["TOKEN_ENV", "Log", "SyncError", "call_hub", "check_repo_id", "make_api", "probe_hub", "redact"]
 
 Log = Callable[[str], None]
 
@@ -27,7 +24,7 @@ Log = Callable[[str], None]
 class SyncError(UserError, RuntimeError):
     """A sync that did not complete; ``report`` says what was done before it stopped."""
 
-    def __init__(self, message: str, report: "SyncReport | None" = None):
+    def __init__(self, message: str, report: Any = None):  # report: release.hub.SyncReport
         super().__init__(redact(message))
         self.report = report
 
@@ -36,40 +33,15 @@ class SyncError(UserError, RuntimeError):
         return str(self).splitlines() or [""]
 
 
-def redact(text: str) -> str:
-    """Remove the access token (and anything shaped like a Hub token) from text."""
-    token = os.environ.get(TOKEN_ENV)
-    if token and len(token) >= 4:
-        text = text.replace(token, "<redacted>")
-    return _TOKEN_PATTERN.sub("hf_<redacted>", text)
-
-
 def check_repo_id(repo_id: str) -> None:
-    """A repository id the Hub accepts (``namespace/name`` of letters, digits, ``-_.``), before
-    anything is read, locked or sent."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise SyncError(f"--repo-id {repo_id!r} is not a valid repository id ({' '.join(str(exc).split())[:200]}); "
-                        "use namespace/name with letters, digits, '-', '_' and '.'") from None
+    """A repository id the Hub accepts, before anything is read, locked or sent."""
+    hub_access.check_repo_id(repo_id, "--repo-id", SyncError)
 
 
 def make_api(*, require_token: bool = True) -> Any:
-    """An ``HfApi`` authenticated by ``HF_TOKEN`` only.
-
-    Without the variable: an error when a token is required, else an anonymous client
-    (``token=False``: never read from a token file).
-    """
-    from huggingface_hub import HfApi
-
-    token = os.environ.get(TOKEN_ENV) or None
-    if token is None and require_token:
-        raise SyncError(f"{TOKEN_ENV} is not set: export it in the environment of this process (tokens are never "
-                        "read from files, arguments or configs)")
-    return HfApi(token=token if token is not None else False)
+    """An ``HfApi`` authenticated by ``HF_TOKEN`` only (anonymous, never a token file, without it
+    unless a token is required)."""
+    return hub_access.make_api(SyncError, require_token=require_token, what="sync")
 
 
 def call_hub(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

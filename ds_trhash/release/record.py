@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.batch_layout import step_rows, step_tokens
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_utf8, sha256_file, utf8_lines, write_json_atomic
@@ -192,26 +193,30 @@ def _select(checkpoints: list[dict[str, Any]], rule: str) -> str | None:
 # --------------------------------------------------------------------------- collection
 
 
-def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathLike | None = None,
-                       selection_rule: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """(fields, provenance) read from a run output directory; absent facts are left out."""
+class _Fields:
+    """The record's known fields and, for each, where it came from (absent values stay out)."""
 
-    run = Path(run_dir)
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+        self.prov: dict[str, str] = {}
+
+    def put(self, name: str, value: Any, source: str | None) -> None:
+        if value is not None:
+            self.fields[name], self.prov[name] = value, source or "run files"
+
+
+def _check_run_dir(run: Path) -> None:
     if not run.is_dir():
         raise RecordError(f"{run} is not a run output directory (it does not exist or is no directory); "
                           "pass the --output-dir of a training launch")
     if not any((run / name).exists() for name in ("config.json", "metrics.csv", "checkpoints")):
         raise RecordError(f"{run} is not a run output directory (it holds no config.json, metrics.csv or "
                           "checkpoints/); pass the --output-dir of a training launch")
-    fields: dict[str, Any] = {}
-    prov: dict[str, str] = {}
 
-    def put(name: str, value: Any, source: str | None) -> None:
-        if value is not None:
-            fields[name], prov[name] = value, source or "run files"
 
-    rows = read_metrics(run / "metrics.csv")
-    piqa = read_piqa_rows(run / "piqa.jsonl")
+def _checkpoint_entries(run: Path, rows: list[dict[str, str]],
+                        piqa: dict[int, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one entry per checkpoint, the trainer states of the complete ones, oldest first)."""
     checkpoints, states, unreadable = [], [], []
     for info in list_checkpoints(run):
         state = _read_json(info.path / "trainer_state.json")
@@ -231,63 +236,89 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
         raise RecordError(f"{run}: the trainer_state.json of every checkpoint is missing or unreadable "
                           f"({', '.join(unreadable[-3:])}); a record built without them would say nothing: "
                           "restore them, or report on the run's copy that has them")
-    if checkpoints:
-        put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json, metrics.csv and piqa.jsonl")
-    names = {c["step"]: c["name"] for c in checkpoints}
-    if piqa:
-        put("piqa", [{**row, "checkpoint": names.get(step, "source" if step == 0 else None)}
-                     for step, row in sorted(piqa.items())], f"{run}/piqa.jsonl (written by the trainer)")
-    state = states[-1] if states else {}
-    where = "trainer_state.json of the newest complete checkpoint"
-    crit = state.get("training_critical") or {}
+    return checkpoints, states
 
-    put("framework_commit", state.get("framework_commit"), where)
-    put("stage", state.get("stage"), where)
-    put("source_checkpoint", state.get("init_checkpoint"), where)
-    put("source_checkpoint_hash", *_source_hash(state.get("init_checkpoint")))
-    put("dataset_revision", *_dataset_revision(state))
-    put("data_fingerprint", *_data_fingerprint(state))
+
+def _effective_batch(crit: Mapping[str, Any], world: Any) -> dict[str, Any] | None:
+    micro, accum = crit.get("batch.micro_batch"), crit.get("batch.grad_accum")
+    if None in (micro, accum, world):
+        return None
+    seq_len = crit.get("data.seq_len")
+    return {"sequences": step_rows(micro, accum, world), "micro_batch": micro, "grad_accum": accum,
+            "world_size": world, "tokens": step_tokens(micro, accum, world, seq_len) if seq_len else None}
+
+
+def _state_fields(out: _Fields, state: Mapping[str, Any], where: str) -> None:
+    """What the newest complete checkpoint's trainer_state.json says about the run."""
+    crit = state.get("training_critical") or {}
+    out.put("framework_commit", state.get("framework_commit"), where)
+    out.put("stage", state.get("stage"), where)
+    out.put("source_checkpoint", state.get("init_checkpoint"), where)
+    out.put("source_checkpoint_hash", *_source_hash(state.get("init_checkpoint")))
+    out.put("dataset_revision", *_dataset_revision(state))
+    out.put("data_fingerprint", *_data_fingerprint(state))
     if "lora" in state:
-        put("model_mode", "LoRA" if state["lora"] else "full", where)
+        out.put("model_mode", "LoRA" if state["lora"] else "full", where)
     schedule = {k: v for k, v in crit.items() if k.startswith(("optimizer.", "schedule."))}
     if schedule:
         schedule["total_steps"] = state.get("total_steps")
-        put("optimizer_schedule", schedule, where)
-    put("world_size", state.get("world_size"), where)
-    put("hardware", state.get("hardware"), where)
-    put("precision", crit.get("precision"), where)
-    micro, accum, world = crit.get("batch.micro_batch"), crit.get("batch.grad_accum"), state.get("world_size")
-    if None not in (micro, accum, world):
-        seqs = micro * accum * world
-        seq_len = crit.get("data.seq_len")
-        put("effective_batch", {"sequences": seqs, "micro_batch": micro, "grad_accum": accum, "world_size": world,
-                                "tokens": seqs * seq_len if seq_len else None}, where)
+        out.put("optimizer_schedule", schedule, where)
+    out.put("world_size", state.get("world_size"), where)
+    out.put("hardware", state.get("hardware"), where)
+    out.put("precision", crit.get("precision"), where)
+    out.put("effective_batch", _effective_batch(crit, state.get("world_size")), where)
+
+
+def _kernel_path(out: _Fields, checkpoints: list[dict[str, Any]]) -> None:
     used = [c["backends_used"] for c in checkpoints if c["complete"] and c["backends_used"]]
     if used:
         distinct = [dict(b) for b in {json.dumps(b, sort_keys=True): b for b in used}.values()]
-        put("kernel_path", distinct[0] if len(distinct) == 1 else distinct,
-            "backends_used recorded at run time in trainer_state.json (not the configured policy)")
+        out.put("kernel_path", distinct[0] if len(distinct) == 1 else distinct,
+                "backends_used recorded at run time in trainer_state.json (not the configured policy)")
 
+
+def _selection_fields(out: _Fields, run: Path, checkpoints: list[dict[str, Any]], selection_rule: str | None) -> None:
+    chosen = _read_json(run / "selection.json")
+    if selection_rule is None and chosen and chosen.get("rule") in SELECTION_RULES:
+        # the rule the run itself applied when it wrote best/
+        out.put("selection_rule", chosen["rule"], f"{run}/selection.json")
+        out.put("selected_checkpoint", {**chosen["selected"], "published_as": "best/"}, f"{run}/selection.json")
+    elif selection_rule is not None:
+        if selection_rule not in SELECTION_RULES:
+            raise RecordError(f"selection rule {selection_rule!r} is not computable here; allowed: "
+                              f"{list(SELECTION_RULES)} (or pass selected_checkpoint with your own rule text)")
+        out.put("selection_rule", selection_rule, "given")
+        out.put("selected_checkpoint", _select([c for c in checkpoints if c["complete"]], selection_rule),
+                f"computed by rule {selection_rule!r} over the complete checkpoints")
+
+
+def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathLike | None = None,
+                       selection_rule: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(fields, provenance) read from a run output directory; absent facts are left out."""
+    run = Path(run_dir)
+    _check_run_dir(run)
+    out = _Fields()
+    rows = read_metrics(run / "metrics.csv")
+    piqa = read_piqa_rows(run / "piqa.jsonl")
+    checkpoints, states = _checkpoint_entries(run, rows, piqa)
+    if checkpoints:
+        out.put("checkpoints", checkpoints, "checkpoints/*/trainer_state.json, metrics.csv and piqa.jsonl")
+    names = {c["step"]: c["name"] for c in checkpoints}
+    if piqa:
+        out.put("piqa", [{**row, "checkpoint": names.get(step, "source" if step == 0 else None)}
+                         for step, row in sorted(piqa.items())], f"{run}/piqa.jsonl (written by the trainer)")
+    state = states[-1] if states else {}
+    _state_fields(out, state, "trainer_state.json of the newest complete checkpoint")
+    _kernel_path(out, checkpoints)
     export = None
     if export_dir is not None:
         export = _read_json(Path(export_dir) / EXPORT_MANIFEST)
         if export is None:
             raise RecordError(f"{export_dir} has no readable {EXPORT_MANIFEST}; is it a complete export?")
-        put("export_safetensors_sha256", export["weights"]["sha256"], f"{export_dir}/{EXPORT_MANIFEST}")
-    put("tokenizer_hash", *_tokenizer_hash(state, export))
-    chosen = _read_json(run / "selection.json")
-    if selection_rule is None and chosen and chosen.get("rule") in SELECTION_RULES:
-        # the rule the run itself applied when it wrote best/
-        put("selection_rule", chosen["rule"], f"{run}/selection.json")
-        put("selected_checkpoint", {**chosen["selected"], "published_as": "best/"}, f"{run}/selection.json")
-    elif selection_rule is not None:
-        if selection_rule not in SELECTION_RULES:
-            raise RecordError(f"selection rule {selection_rule!r} is not computable here; allowed: "
-                              f"{list(SELECTION_RULES)} (or pass selected_checkpoint with your own rule text)")
-        put("selection_rule", selection_rule, "given")
-        put("selected_checkpoint", _select([c for c in checkpoints if c["complete"]], selection_rule),
-            f"computed by rule {selection_rule!r} over the complete checkpoints")
-    return fields, prov
+        out.put("export_safetensors_sha256", export["weights"]["sha256"], f"{export_dir}/{EXPORT_MANIFEST}")
+    out.put("tokenizer_hash", *_tokenizer_hash(state, export))
+    _selection_fields(out, run, checkpoints, selection_rule)
+    return out.fields, out.prov
 
 
 # --------------------------------------------------------------------------- writing

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ds_trhash import hub_access
 from ds_trhash.checkpoints import CHECKPOINTS, MANIFEST, list_checkpoints
 from ds_trhash.checkpoints.run_lock import RUN_LOCK, is_alive
 from ds_trhash.checkpoints.sync_guard import read_verified
@@ -59,14 +60,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def check_args(run_dir: str | os.PathLike, repo_id: str, prefix: str, every: float, pass_timeout: float) -> str:
     """Refusals that need no network; returns the normalised prefix."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise SyncError(f"--repo {repo_id!r} is not a Hub repository id: {exc}") from None
-    if "/" not in repo_id:
-        raise SyncError(f"--repo {repo_id!r}: give OWNER/NAME, so the backup lands in the intended namespace")
+    problem = hub_access.repo_id_problem(repo_id)
+    if problem:
+        raise SyncError(f"--repo {repo_id!r} is not a Hub repository id: {problem}")
     for name, value in (("--every", every), ("--pass-timeout", pass_timeout)):
         if not value > 0 or value == float("inf"):
             raise SyncError(f"{name} must be a positive number of seconds, got {value}")

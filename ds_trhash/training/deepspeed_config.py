@@ -20,6 +20,8 @@ import collections.abc
 import copy
 from typing import Any, Mapping
 
+from ds_trhash.batch_layout import step_rows
+
 __all__ = ["OWNED", "OBSERVERS", "owned_problems", "merge", "deepspeed_problem", "critical_items",
            "with_monitor_defaults", "features_on", "MONITORS"]
 
@@ -180,8 +182,8 @@ def deepspeed_problem(merged: dict, section: Mapping[str, Any]) -> tuple[str, st
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    merged = dict(merged, train_batch_size=merged["train_micro_batch_size_per_gpu"]
-                  * merged["gradient_accumulation_steps"] * world)
+    merged = dict(merged, train_batch_size=step_rows(merged["train_micro_batch_size_per_gpu"],
+                                                     merged["gradient_accumulation_steps"], world))
     seen: set = set()
     leaves = list(_leaves(section))
     try:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_trhash.batch_layout import step_rows, step_tokens
+
 __all__ = ["BatchLayout", "resolve", "check_static"]
 
 
@@ -32,11 +34,11 @@ class BatchLayout:
     @property
     def rows(self) -> int:
         """Sequences per optimizer step over all ranks."""
-        return self.micro_batch * self.grad_accum * self.world_size
+        return step_rows(self.micro_batch, self.grad_accum, self.world_size)
 
     @property
     def global_tokens(self) -> int:
-        return self.rows * self.seq_len
+        return step_tokens(self.micro_batch, self.grad_accum, self.world_size, self.seq_len)
 
     def describe(self) -> str:
         how = "derived from batch.global_tokens" if self.derived else "per-rank batch"
@@ -85,13 +87,13 @@ def resolve(seq_len: int, micro_batch: int, grad_accum: int | None, global_token
     if static:
         return static
     rows = global_tokens // seq_len
-    per_step = micro_batch * world_size
+    per_step = step_rows(micro_batch, 1, world_size)  # rows per accumulation step
     if rows % per_step == 0:
         derived = rows // per_step
         if grad_accum is not None and grad_accum != derived:
             return ("batch.grad_accum", f"{grad_accum} disagrees with batch.global_tokens {global_tokens:,} on "
                                         f"world size {world_size}: {seq_len} x {micro_batch} x {grad_accum} x "
-                                        f"{world_size} = {seq_len * per_step * grad_accum:,} tokens; drop "
+                                        f"{world_size} = {step_tokens(micro_batch, grad_accum, world_size, seq_len):,} tokens; drop "
                                         f"batch.grad_accum (derived: {derived} here) or set batch.global_tokens null")
         return BatchLayout(seq_len, micro_batch, derived, world_size, derived=True)
     head = (f"batch.global_tokens {global_tokens:,} ({rows} rows of {seq_len}) does not split over world size "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.serialization
 
 from ds_trhash.checkpoints import run_lock
+from ds_trhash.data.stream.store import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
@@ -201,6 +202,27 @@ def launch_rank_and_world() -> tuple[int, int]:
     return env_int("RANK"), max(1, env_int("WORLD_SIZE"))
 
 
+def _refused(e: UserError, rank: int, output_dir: str | None) -> int:
+    """An expected refusal: its message (rank 0), or, for a Hub that stayed away mid-run, one line
+    from the rank that met it (its peers may be waiting inside a step) with what to run next."""
+    if isinstance(e, StoreUnavailable):
+        rank_line(f"error: rank {rank}: {e}; {_relaunch_advice(output_dir)}")
+    elif rank == 0:
+        print(f"error: {e}", file=sys.stderr)
+    return e.exit_code
+
+
+def _relaunch_advice(output_dir: str | None) -> str:
+    """After the Hub stayed away longer than data.hub_wait_minutes: what is kept, what to run."""
+    from ds_trhash import checkpoints as ckpt
+
+    found = [c for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if output_dir is not None else []
+    if not found:
+        return "no checkpoint was written: run the same command again once the Hub answers"
+    return (f"training stopped; the last complete checkpoint ({found[-1].path.name}) is kept, and the same command "
+            "with --resume auto continues from it once the Hub answers")
+
+
 def rank_line(text: str) -> None:
     """One line on stderr in a single write: every rank shares the launcher's pipe, and print()
     writes the text and its newline separately, so two ranks' lines could run together."""
@@ -247,9 +269,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
                       f"checkpoint ({state.stop_reason}); exiting 0")
     except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return _refused(e, rank, output_dir)
     except Exception as e:
         cause = disk_failure(e, output_dir) if output_dir is not None else None
         if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)

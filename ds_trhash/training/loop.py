@@ -17,44 +17,17 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
-from ds_trhash.training.callbacks.base import Callback
+from ds_trhash.training.callbacks.base import Callback, StepBatches, TrainState  # the loop's names too
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
 log = logging.getLogger("ds_trhash.loop")
-
-
-
-class StepBatches(Protocol):
-    """Where micro-batches come from: a pure function of the step (so resume is exact)."""
-
-    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]: ...
-
-    def epoch_of(self, step: int) -> int: ...
-
-
-@dataclass
-class TrainState:
-    step: int  # optimizer steps completed
-    total_steps: int
-    epoch: int = 0  # the epoch being trained, from 0; in on_epoch_end the one just finished
-    # epochs completed after ``step`` (0 = the source checkpoint). Every record of an epoch
-    # (console, metrics.csv, piqa.jsonl, checkpoints, selection.json) uses this number.
-    epochs_done: int = 0
-    tokens_seen: int = 0  # input tokens over all ranks
-    supervised_seen: int = 0
-    stop_requested: bool = False
-    stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
-    last: dict = field(default_factory=dict)  # metrics of the last step
-    step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
-    steps_timed: int = 0
 
 
 _HOST_GROUP = None

@@ -116,6 +116,12 @@ class HubServer:
         self.arrived: dict[str, threading.Event] = {}
         self.file_faults: dict[str, list[str]] = {}  # resolve path -> faults, one per request (see DatasetFaults)
         self.stall_s = 30.0  # how long a "stall" fault keeps the connection silent
+        # an outage: until ``outage_until`` (time.monotonic()), every request is answered with
+        # ``outage_status`` and these headers (e.g. Retry-After, or the rate-limit headers of a 429)
+        self.outage_until = 0.0
+        self.outage_status = 503
+        self.outage_headers: dict[str, str] = {}
+        self.outage_answers = 0  # requests answered by the outage
         self.served: dict[str, int] = {}  # resolve path -> complete GETs answered
         self.observers: list[Any] = []  # callables(endpoint) run on every request (e.g. "is the local dir intact?")
         self.lock = threading.Lock()
@@ -181,9 +187,14 @@ class _Handler(BaseHTTPRequestHandler):
                     observe(name)
                 self.hub.counts[name] = self.hub.counts.get(name, 0) + 1
                 drop = self.hub.counts[name] in self.hub.drop.get(name, ())
+                outage = time.monotonic() < self.hub.outage_until
+                self.hub.outage_answers += outage
             if drop:
                 self._drop()
                 return
+            if outage:
+                raise _HTTPError(self.hub.outage_status, "the Hub is down for maintenance", **{"_headers": dict(
+                    self.hub.outage_headers)})
             gate = self.hub.hold.get(name)
             if gate is not None:  # keep the client waiting (mid-request) until the test opens the gate
                 self.hub.arrived.setdefault(name, threading.Event()).set()
@@ -200,7 +211,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_raw(status, doc, headers)
                 return
         except _HTTPError as err:
-            status, doc, headers = err.status, {"error": err.message, **err.extra}, {"X-Error-Message": err.message}
+            extra = {k: v for k, v in err.extra.items() if k != "_headers"}
+            status, doc, headers = err.status, {"error": err.message, **extra}, {"X-Error-Message": err.message}
+            headers.update(err.extra.get("_headers", {}))
             if err.code:
                 headers["X-Error-Code"] = err.code
         payload = json.dumps(doc).encode()

@@ -8,11 +8,14 @@ TensorBoard's own reader.
 The two-node run streams its shards from the loopback Hub stand-in through the real client, each
 node with its own cache, while the one-node reference reads the same plan from the local corpus:
 equal losses are then bit-identity of the streamed read; each shard is downloaded once per node
-and the token is in no file written.
+and the token is in no file written. In the middle of that run the Hub goes down for a while
+(every request answered 503 with Retry-After): the nodes wait it out, saying so, and the losses
+are still the reference's.
 """
 import csv
 import json
 import re
+import time
 
 import pytest
 
@@ -26,6 +29,20 @@ pytestmark = pytest.mark.launch
 STEPS = L.REFERENCE_STEPS
 STOP = 6  # the two-node run's checkpoint resumed on one node, which trains the rest
 REPO = "team/embedded-multinode"
+OUTAGE_S = 12.0  # the Hub's outage, from the third shard request on
+
+
+def _outage_after(hub, requests: int):
+    """An observer that takes the Hub down (503, Retry-After: 2) once ``requests`` shard GETs arrived."""
+    seen = {"n": 0}
+
+    def observe(name):
+        if name == "resolve":
+            seen["n"] += 1
+            if seen["n"] == requests:
+                hub.outage_headers = {"Retry-After": "2"}
+                hub.outage_until = time.monotonic() + OUTAGE_S
+    return observe
 
 
 def _args(out, *extra):
@@ -45,6 +62,7 @@ def runs(tmp_path_factory, shared_launches):
     paths = build_embedded(one_node.parent / "embedded", seq_len=128)  # the corpus that run built: read, not rebuilt
     with HubServer(TOKEN, deadline_s=900) as hub:
         seed_dataset(hub, REPO, corpus_files(paths.shards_dir))
+        hub.observers.append(_outage_after(hub, 3))
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60")
         streamed = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
                     "--set", f"data.tokenizer={paths.tokenizer_dir}"]
@@ -54,6 +72,7 @@ def runs(tmp_path_factory, shared_launches):
         for proc in nodes:
             assert proc.returncode == 0, L.explain(proc)
         served = {p: n for p, n in hub.served.items() if p.endswith(".bin")}
+        assert hub.outage_answers >= 2, "the outage never met a request"
         yield root, nodes, served, (streamed, env)
 
 
@@ -73,6 +92,13 @@ def test_two_nodes_match_two_processes_on_one_node_step_by_step(runs):
                      nodes[0].stdout + nodes[0].stderr)
     assert wait and int(wait[1]) + int(wait[2]) >= 1, L.explain(nodes[0])  # node 0 downloaded what it read
     assert "data wait on rank" not in nodes[1].stdout + nodes[1].stderr
+
+
+def test_the_hubs_outage_was_waited_out_one_line_per_wait(runs):
+    said = "".join(proc.stdout + proc.stderr for proc in runs[1])
+    waits = re.findall(r"Hub answers HTTP 503 for \S+ .*; retrying in 2 s, waited [\dms ]+ of 30 m", said)
+    assert waits, said[-4000:]
+    assert "Traceback" not in said
 
 
 def test_expert_load_is_summed_over_both_nodes(runs):

@@ -18,25 +18,23 @@ Then every shard of every manifest is checked on the Hub (``list_repo_tree``): p
 equal to the manifest's ``bytes``, its LFS SHA-256 equal to the manifest's ``sha256``; and each
 manifest's own bytes (git blob id). The verified head commit is printed, for a plan's ``revision``.
 
-The token is the client's (``HF_TOKEN``); it is never written, and scrubbed from every message.
+The token is ``HF_TOKEN`` from the environment (``ds_trhash.hub_access``, the project's one Hub policy);
+it is never written, and scrubbed from every message.
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
-from huggingface_hub import HfApi
-
+from ds_trhash import hub_access
 from ds_trhash.errors import UserError
 from ds_trhash.io import read_json_object, sha256_file
 
 from ds_trhash.data.build.parts import REPORT_FILE
 
 TARGET_PREFIX = "hf://datasets/"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _PART_DIR = re.compile(r".+\.part-\d+-of-\d+$")
 MANIFEST_NAME = "manifest.json"
 
@@ -45,19 +43,15 @@ class PublishError(UserError, OSError):
     """A corpus that cannot be published as given, or a publish that did not verify."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_scrub(message))
-
-
-def _scrub(text: str) -> str:
-    token = os.environ.get("HF_TOKEN")
-    text = " ".join(str(text).split())
-    return text.replace(token, "<redacted>") if token and len(token) >= 4 else text
+        super().__init__(hub_access.redact(" ".join(str(message).split())))
 
 
 def parse_target(target: str) -> str:
     repo = target[len(TARGET_PREFIX):] if target.startswith(TARGET_PREFIX) else ""
-    if not _REPO_ID.match(repo):
-        raise PublishError(f"{target!r} is not hf://datasets/OWNER/REPO; name the dataset repository to publish to")
+    problem = hub_access.repo_id_problem(repo) if repo else "no repository named"
+    if problem:
+        raise PublishError(f"{target!r} is not hf://datasets/OWNER/REPO ({problem}); name the dataset repository to "
+                           "publish to")
     return repo
 
 
@@ -104,7 +98,7 @@ def _hub(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return call(*args, **kwargs)
     except Exception as exc:  # the client raises HTTP, connection and validation errors alike
-        raise PublishError(f"{what} failed ({type(exc).__name__}: {exc}); run the same command again to resume") from None
+        raise hub_access.failure(exc, what, PublishError, transient_hint="run the same command again to resume") from None
 
 
 def _mismatch(path: str, entry: Any, size: int, sha256: str | None, blob_id: str | None) -> str | None:
@@ -152,7 +146,7 @@ def publish_corpus(root: Path, target: str, log: Callable[[str], None] = print) 
         raise PublishError(f"corpus directory {root} does not exist")
     manifests = corpus_manifests(root)
     files = corpus_files(root)
-    api = HfApi()
+    api = hub_access.make_api(PublishError, require_token=True, what="`data publish`")
     _hub(f"creating {repo_id}", api.create_repo, repo_id, repo_type="dataset", exist_ok=True)
     ignore = [".*", "**/.*", "*.part-*-of-*/**", "**/*.part-*-of-*/**"]
     _hub(f"uploading {len(files)} files to {repo_id}", api.upload_folder, repo_id=repo_id, repo_type="dataset",

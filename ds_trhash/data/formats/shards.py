@@ -119,6 +119,55 @@ def _encode(tokenizer, texts: list[str]) -> Iterator[np.ndarray]:
         yield np.append(np.asarray(encoding.ids, dtype=np.int64), EOS_ID)
 
 
+def _check_shard_settings(source_name: str, seq_len: int, rows_per_shard: int, vocab_size: int) -> None:
+    check_source_name(source_name)
+    if seq_len < 1 or rows_per_shard < 1:
+        raise ShardError(f"seq_len ({seq_len}) and rows_per_shard ({rows_per_shard}) must be positive")
+    if not 0 < vocab_size <= MAX_TOKEN_ID + 1:
+        raise ShardError(f"vocab_size {vocab_size} does not fit uint16 shards (at most {MAX_TOKEN_ID + 1})")
+
+
+def _write_documents(writer: _ShardWriter, documents: Iterable[np.ndarray], source_name: str, vocab_size: int) -> int:
+    """Every document into ``writer``, each checked against ``vocab_size``: the number written."""
+    count = 0
+    for ids in documents:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            bad = int(ids[(ids >= vocab_size) | (ids < 0)][0])
+            raise ShardError(
+                f"document {count} of source {source_name!r} has token id {bad}, outside [0, {vocab_size}) "
+                "(vocab_size; uint16 shards hold at most 65536 ids); use a tokenizer matching vocab_size"
+            )
+        writer.add(ids)
+        count += 1
+    return count
+
+
+def _source_manifest(writer: _ShardWriter, source_name: str, seq_len: int, rows_per_shard: int, vocab_size: int,
+                     tokenizer_hash: str, documents: int, dropped: int) -> dict:
+    total_rows = sum(shard["rows"] for shard in writer.shards)
+    return {
+        # the release's source-manifest fields ...
+        "format": SHARD_FORMAT,
+        "source": source_name,
+        "weight": 1.0,  # a mixture weight; one tokenized source on its own weighs 1
+        "seq_len": seq_len,
+        "dtype": DTYPE,
+        "rows": total_rows,
+        "trained_tokens": total_rows * seq_len,
+        "source_tokens_consumed": writer.stream_tokens - dropped,
+        # ... and ours
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_hash,
+        "rows_per_shard": rows_per_shard,
+        "documents": documents,
+        "stream_tokens": writer.stream_tokens,
+        "dropped_tokens": dropped,
+        "total_rows": total_rows,
+        "shards": writer.shards,
+    }
+
+
 def write_shards(
     source_name: str,
     documents: Iterable[np.ndarray],
@@ -133,11 +182,7 @@ def write_shards(
     The source directory is built under a temporary name and renamed at the end, so a
     crash never leaves a directory that looks complete.
     """
-    check_source_name(source_name)
-    if seq_len < 1 or rows_per_shard < 1:
-        raise ShardError(f"seq_len ({seq_len}) and rows_per_shard ({rows_per_shard}) must be positive")
-    if not 0 < vocab_size <= MAX_TOKEN_ID + 1:
-        raise ShardError(f"vocab_size {vocab_size} does not fit uint16 shards (at most {MAX_TOKEN_ID + 1})")
+    _check_shard_settings(source_name, seq_len, rows_per_shard, vocab_size)
     final_dir = Path(out_dir) / source_name
     if final_dir.exists():
         raise ShardError(f"{final_dir} already exists; shards are immutable, delete it or choose another --out")
@@ -146,44 +191,15 @@ def write_shards(
     tmp_dir.mkdir(parents=True)
     try:
         writer = _ShardWriter(tmp_dir, seq_len, rows_per_shard)
-        count = 0
-        for ids in documents:
-            ids = np.asarray(ids, dtype=np.int64)
-            if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-                bad = int(ids[(ids >= vocab_size) | (ids < 0)][0])
-                raise ShardError(
-                    f"document {count} of source {source_name!r} has token id {bad}, outside [0, {vocab_size}) "
-                    "(vocab_size; uint16 shards hold at most 65536 ids); use a tokenizer matching vocab_size"
-                )
-            writer.add(ids)
-            count += 1
+        count = _write_documents(writer, documents, source_name, vocab_size)
         dropped = writer.finish()
         if not writer.shards:
             raise ShardError(
                 f"source {source_name!r} has {writer.stream_tokens} tokens, fewer than one row of "
                 f"{seq_len + 1}; add text or lower seq_len"
             )
-        total_rows = sum(shard["rows"] for shard in writer.shards)
-        manifest = {
-            # the release's source-manifest fields ...
-            "format": SHARD_FORMAT,
-            "source": source_name,
-            "weight": 1.0,  # a mixture weight; one tokenized source on its own weighs 1
-            "seq_len": seq_len,
-            "dtype": DTYPE,
-            "rows": total_rows,
-            "trained_tokens": total_rows * seq_len,
-            "source_tokens_consumed": writer.stream_tokens - dropped,
-            # ... and ours
-            "vocab_size": vocab_size,
-            "tokenizer_sha256": tokenizer_hash,
-            "rows_per_shard": rows_per_shard,
-            "documents": count,
-            "stream_tokens": writer.stream_tokens,
-            "dropped_tokens": dropped,
-            "total_rows": total_rows,
-            "shards": writer.shards,
-        }
+        manifest = _source_manifest(writer, source_name, seq_len, rows_per_shard, vocab_size, tokenizer_hash,
+                                    count, dropped)
         (tmp_dir / MANIFEST_FILE).write_text(json_text(manifest), encoding="utf-8")
         publish_dir(tmp_dir, final_dir, replace=False, fsync=False)
     except BaseException:

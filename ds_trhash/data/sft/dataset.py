@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ds_trhash.data.sft.chat import CHAT_TEMPLATE_ID, EOS_ID, EOS_TOKEN, PAD_ID, SUPERVISION_MODES
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.errors import UserError
 from ds_trhash.safe_names import UnsafeNameError, resolve_under
 from ds_trhash.model.loss import IGNORE_INDEX
@@ -354,7 +355,7 @@ class SFTBatches:
         if len({(p.seq_len, p.policy) for p in packs}) != 1:
             raise SFTDataError("packs mix window lengths or packing policies; pack one partition with one seq_len and policy")
         self.packs, self.micro_batch, self.world_size, self.rank, self.seed = packs, micro_batch, world_size, rank, seed
-        self.global_batch = micro_batch * world_size
+        self.global_batch = step_rows(micro_batch, 1, world_size)  # one micro-batch on every rank
         slots = len(packs) // self.global_batch if drop_last else math.ceil(len(packs) / self.global_batch)
         if slots == 0:
             raise SFTDataError(f"{len(packs)} packs make no full global batch of micro_batch {micro_batch} x world_size {world_size}; "

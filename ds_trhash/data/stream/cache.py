@@ -176,9 +176,9 @@ class ShardCache:
             if partial is None:
                 return False
             try:
-                self.store.download(shard.path, partial, shard.size)
+                streamed = self.store.download(shard.path, partial, shard.size)  # hashed as it was written
                 size = partial.stat().st_size
-                digest = sha256_file(partial) if size == shard.size else f"<{size} bytes, not {shard.size}>"
+                digest = (streamed or sha256_file(partial)) if size == shard.size else f"<{size} bytes, not {shard.size}>"
                 if digest == shard.sha256:
                     cf.write_marker(partial, path, shard.sha256, shard.size)
                     with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice

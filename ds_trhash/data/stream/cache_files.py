@@ -41,6 +41,7 @@ EVICT_LOCK = ".evict.lock"
 # prefetched (or the eviction lock taken) wait up to 50 ms more than the download took.
 LOCK_POLL_S = 0.002
 _SIDE = (MARKER, LOCK, HOLD, OLD_HOLD)
+_PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")  # exactly the partials the cache names (partial_path)
 
 
 class CacheError(UserError, ValueError):
@@ -168,16 +169,19 @@ def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
     for folder, _, names in os.walk(cache_dir):
         for name in names:
             full = os.path.join(folder, name)
-            if prune and PARTIAL in name and not name.endswith(LOCK) and is_stale_partial(Path(full)):
+            partial = _PARTIAL_NAME.search(name) is not None
+            if prune and partial and is_stale_partial(Path(full)):
                 Path(full).unlink(missing_ok=True)
                 continue
             if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
                 continue  # a few hundred bytes of bookkeeping per entry, not counted
+            if not partial and not os.path.isfile(full + MARKER):
+                continue  # not written by the cache (no verified marker): never counted, replaced or evicted
             try:
                 size = os.stat(full).st_size
             except OSError:
                 continue
-            yield full, size, PARTIAL not in name
+            yield full, size, not partial
 
 
 def usage(cache_dir: Path, prune: bool = True) -> tuple[int, int]:

@@ -28,11 +28,13 @@ from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)
 from ds_trhash.data.plans.plan import plan_doc
+from ds_trhash.data.stream.pinning import pinned_commit
 from ds_trhash.data.stream.store import LOCAL_COMMIT, LocalStore, ShardStore, StoreFile, open_store
 
 Key = tuple[str, str]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHOWN = 5
+PREFETCH_SHARDS = 2  # shards the cache fetches ahead of the reader (ShardCache prefetch)
 
 
 class CorpusError(UserError, ValueError):
@@ -111,25 +113,39 @@ class Corpus:
     manifests: dict[str, SourceManifest]
     layout: str = LAYOUT_OURS
     shards: dict[Key, ExpectedShard] = field(default_factory=dict)  # the planned ones
+    plan: Optional[Mapping] = None  # the plan document read (its phases say which sources are read at once)
 
     @property
     def record(self) -> dict:
-        """What checkpoints and the run record keep: the store and the commit read (never a token)."""
-        return {"store": self.store.identity, "commit": self.commit}
+        """What checkpoints and the run record keep (never a token): the store, the revision asked
+        for and the commit it resolved to, and every planned shard's SHA-256 as its manifest gave
+        it, so a later stage or resume proves it reads the same bytes (``stream.pinning``)."""
+        return {"store": self.store.identity, "commit": self.commit, "revision": getattr(self.store, "revision", None),
+                "shards": {shard.path: shard.sha256 for shard in sorted(self.shards.values(), key=lambda s: s.path)}}
 
-    def min_cache_bytes(self, ranks_on_node: int) -> int:
-        """One largest planned shard per rank of the node: the least the ranks must hold at once."""
-        return ranks_on_node * max((s.size for s in self.shards.values()), default=0)
+    def sources_at_once(self) -> int:
+        """The most sources one phase interleaves: a reader holds a shard of each at once."""
+        return max((len(phase["sources"]) for phase in plan_doc(self.plan)["phases"]), default=1) if self.plan else 1
+
+    def min_cache_bytes(self, ranks_on_node: int, prefetch: int = PREFETCH_SHARDS) -> int:
+        """What the node's ranks hold at once, and the prefetch beside it, in largest shards: a
+        shard of every source read at once (or one per rank, when the ranks outnumber them), plus
+        the shards fetched ahead. Below this the cache evicts what it is about to read again."""
+        largest = max((s.size for s in self.shards.values()), default=0)
+        return largest * (max(ranks_on_node, self.sources_at_once()) + prefetch)
 
     def check_cache_bound(self, max_bytes: int, ranks_on_node: int, setting: str) -> None:
         need = self.min_cache_bytes(ranks_on_node)
         if max_bytes < need:
+            largest = max((s.size for s in self.shards.values()), default=0)
             raise CacheError(
-                f"{setting} allows {max_bytes} bytes, but {ranks_on_node} rank(s) on this node read one shard each "
-                f"at once (the largest planned shard is {need // max(ranks_on_node, 1)} bytes): the smallest bound "
-                f"that works is {need} bytes = {need / GIB:.6g} GiB; raise data.cache_gb or {CACHE_ENV}")
+                f"{setting} allows {max_bytes} bytes, but the cache must hold {need // max(largest, 1)} of the largest "
+                f"planned shard ({largest} bytes) at once: a shard of each of the {self.sources_at_once()} sources read "
+                f"at once (or one per rank: {ranks_on_node} on this node, whichever is more), plus {PREFETCH_SHARDS} "
+                f"fetched ahead; the smallest bound that works is {need} bytes = {need / GIB:.6g} GiB; raise "
+                f"data.cache_gb or {CACHE_ENV}")
 
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = 2,
+    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS,
                    ranks_on_node: int = 1) -> ShardCache:
         """The node's cache of this corpus; each of the node's ``ranks_on_node`` readers holds at
         most its share of ``max_bytes`` at once."""
@@ -142,13 +158,19 @@ def _shown(problems: list[str]) -> str:
     return "; ".join(problems[:_SHOWN]) + more
 
 
-def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> list[str]:
-    """``--deep``: the bytes of every planned shard (local in place, remote through a temp file)."""
+def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard],
+                   listing: Optional[Mapping[str, StoreFile]] = None) -> list[str]:
+    """``--deep``: the bytes of every planned shard. A local shard is hashed in place; a remote one
+    whose listing carries the store's own SHA-256 (the Hub's LFS record, compared with the manifest
+    when the listing was read) is not downloaded; any other is hashed through a temporary file."""
     problems = []
+    listing = listing or {}
     with tempfile.TemporaryDirectory(prefix="ds-trhash-deep-") as tmp:
         for (source, file), shard in shards.items():
             if isinstance(store, LocalStore):
                 digest = sha256_file(store.root / shard.path)
+            elif getattr(listing.get(shard.path), "sha256", None):
+                digest = listing[shard.path].sha256  # the store's own record, not a download
             else:
                 dest = Path(tmp) / "shard"
                 dest.write_bytes(b"")
@@ -161,16 +183,16 @@ def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard]) -> li
 
 
 def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
-                deep: bool = False, store: Optional[ShardStore] = None) -> Corpus:
+                deep: bool = False, store: Optional[ShardStore] = None, hub_wait_s: Optional[float] = None) -> Corpus:
     """The plan's corpus, checked as the module docstring says; raises CorpusError / StoreError."""
     doc = plan_doc(plan)
-    store = store or open_store(shards_dir, doc, origin)
+    store = store or open_store(shards_dir, doc, origin, hub_wait_s)
     commit = store.resolve(pinned)
     listing = store.list_files()
     layout, manifests = read_manifests(store, listing, sorted({s for s, _ in planned_shards(doc)}), doc["seq_len"])
     corpus = corpus_at(doc, store, commit, layout, manifests, listing)
     if deep:
-        problems = _hash_problems(store, corpus.shards)
+        problems = _hash_problems(store, corpus.shards, listing)
         if problems:
             raise CorpusError(f"the shards in {store.description} do not match their manifests' SHA-256: "
                               f"{_shown(problems)}; restore them, or re-tokenize and re-plan")
@@ -201,14 +223,17 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
         at = "" if commit == LOCAL_COMMIT else f" at commit {commit}"
         raise CorpusError(f"the shards in {store.description}{at} do not match the plan: {_shown(problems)}; "
                           "restore them, or re-tokenize and re-plan")
-    return Corpus(store, commit, manifests, layout, shards)
+    return Corpus(store, commit, manifests, layout, shards, plan=doc)
 
 
-def shared_corpus(plan, shards_dir: Optional[str], origin: str, pinned: str | None, rank: int, world: int,
-                   deep: bool) -> Corpus:
+def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, world: int,
+                   deep: bool, hub_wait_s: Optional[float] = None) -> Corpus:
     """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
-    answer, or its refusal, to every rank: N ranks never make N look-ups at once."""
-    store = open_store(shards_dir, plan_doc(plan), origin)
+    answer, or its refusal, to every rank: N ranks never make N look-ups at once. ``saved``: the
+    record this launch is held to (``stream.pinning``): its commit is read again when it is of this
+    store."""
+    store = open_store(shards_dir, plan_doc(plan), origin, hub_wait_s)
+    pinned = pinned_commit(saved, store)
     if not (dist.is_initialized() and world > 1):
         return open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
     payload: list = [None]

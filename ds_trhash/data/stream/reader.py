@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
@@ -221,8 +222,7 @@ class ReplayReader:
     # -- batches -----------------------------------------------------------------------
     @staticmethod
     def _first_row(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> int:
-        global_batch = micro_batch * grad_accum * world_size
-        return step * global_batch + (micro_step * world_size + rank) * micro_batch
+        return step * step_rows(micro_batch, grad_accum, world_size) + (micro_step * world_size + rank) * micro_batch
 
     def _open_shard(self, key: Key) -> MappedShard:
         """A shard entering the working set: held and mapped by the cache, or mapped from the
@@ -252,7 +252,7 @@ class ReplayReader:
             )
         if not 0 <= micro_step < grad_accum or step < 0:
             raise ReaderError(f"micro_step {micro_step} must lie in [0, {grad_accum}) and step {step} be >= 0")
-        global_batch = micro_batch * grad_accum * world_size
+        global_batch = step_rows(micro_batch, grad_accum, world_size)
         if (step + 1) * global_batch > self.num_rows:
             raise ReaderError(
                 f"step {step} needs global rows up to {(step + 1) * global_batch}, but the plan holds "
@@ -301,9 +301,9 @@ class ReplayReader:
             return ()
         memo_key = (index, window, rank, world_size, micro_batch, grad_accum)
         if memo_key not in self._ahead_memo:
-            start, step_rows = segment.start + window * size, micro_batch * grad_accum * world_size
+            start, rows = segment.start + window * size, step_rows(micro_batch, grad_accum, world_size)
             mine = (ref[:2] for i, ref in enumerate(self._window(index, window))
-                    if ((start + i) % step_rows // micro_batch) % world_size == rank)
+                    if ((start + i) % rows // micro_batch) % world_size == rank)
             self._ahead_memo = {memo_key: tuple(dict.fromkeys(mine))}  # one window at a time
         return self._ahead_memo[memo_key]
 

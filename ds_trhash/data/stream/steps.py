@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
 from ds_trhash.data.stream.reader import ReplayReader
 
@@ -33,7 +34,7 @@ class BatchLayout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world_size
+        return step_rows(self.micro_batch, self.grad_accum, self.world_size)
 
 
 @dataclass(frozen=True)

@@ -11,31 +11,72 @@ A callback is made in two steps, both from the config:
 * ``prepare(cfg)`` runs before the model exists and may refuse the launch (a malformed input
   file fails in seconds); it returns a builder, or None when the config does not ask for it;
 * the builder gets the ``RunContext`` once the engine exists and returns the callback.
+
+The step state the hooks are given (``TrainState``) and the batch source's shape
+(``StepBatches``) live here, with the hooks, and the loop imports them: a callback module never
+imports the loop (nor the loop a callback), so the interface sits below both.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-if TYPE_CHECKING:  # type names only: the loop imports this module, and these import much more
+if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from ds_trhash.data.sft.dataset import SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
-    from ds_trhash.training.callbacks.faults import FaultInjection
-    from ds_trhash.training.callbacks.stop import StopAgreement
     from ds_trhash.training.config import TrainConfig
     from ds_trhash.training.display import Progress
-    from ds_trhash.training.loop import StepBatches, TrainState
     from ds_trhash.training.records.expert_load import ExpertLoadWriter
     from ds_trhash.training.records.metrics_csv import MetricsWriter
     from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
+
+
+class StepBatches(Protocol):
+    """Where micro-batches come from: a pure function of the step (so resume is exact)."""
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]: ...
+
+    def epoch_of(self, step: int) -> int: ...
+
+
+@dataclass
+class TrainState:
+    step: int  # optimizer steps completed
+    total_steps: int
+    epoch: int = 0  # the epoch being trained, from 0; in on_epoch_end the one just finished
+    # epochs completed after ``step`` (0 = the source checkpoint). Every record of an epoch
+    # (console, metrics.csv, piqa.jsonl, checkpoints, selection.json) uses this number.
+    epochs_done: int = 0
+    tokens_seen: int = 0  # input tokens over all ranks
+    supervised_seen: int = 0
+    stop_requested: bool = False
+    stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
+    last: dict = field(default_factory=dict)  # metrics of the last step
+    step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
+    steps_timed: int = 0
+
+
+class StopQuestion(Protocol):
+    """What the stop callback asks once per step (``callbacks.stop.StopAgreement``; named by
+    its shape so that this module does not import the callbacks that import it)."""
+
+    def __call__(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class FaultPoints(Protocol):
+    """Where a deliberate crash may happen (``callbacks.faults.FaultInjection``, by its shape)."""
+
+    def maybe_kill(self, kind: str, step: int) -> None: ...
 
 
 class Callback:
@@ -101,8 +142,8 @@ class RunContext:
     eval_batches: SFTBatches | None = None  # over the held-out partition, when configured
     tokenizer_dir: str | None = None
     protect_steps: set[int] = field(default_factory=set)  # never rotated away
-    stop: StopAgreement | None = None  # asked once per step on every rank
-    faults: FaultInjection | None = None
+    stop: StopQuestion | None = None  # asked once per step on every rank
+    faults: FaultPoints | None = None
     barrier: Callable[[], Any] = lambda: None
     monitor: MonitorSink | None = None  # DeepSpeed's monitors (TensorBoard, CSV, W&B)
     expert_load: ExpertLoadWriter | None = None  # expert_load.csv

@@ -6,7 +6,7 @@ The combination checks run at load time (from ``reading.config_from_dict``); ``c
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import deepspeed_config as dsc
@@ -15,8 +15,13 @@ from ds_trhash.training import global_batch
 from .layout import _generated_deepspeed
 from .schema import SFT, BatchSection, ConfigError, TrainConfig
 
-if TYPE_CHECKING:
-    from .reading import _Builder
+
+class _Builder(Protocol):
+    """What these checks use of ``reading._Builder`` (reading imports this module, so by shape):
+    an error at a key that names the file or override that set it, and those of related keys."""
+
+    def fail(self, key: str, problem: str, *related: str) -> ConfigError: ...
+
 
 def _model_facts(preset: str) -> tuple[int, int | None]:
     """(num_experts, max_seq_len) of a preset, from the model package when it is importable."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
@@ -60,7 +61,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """
     cfg = for_world(cfg, world_size)
     generated = _generated_deepspeed(cfg)
-    generated["train_batch_size"] *= world_size
+    generated["train_batch_size"] = step_rows(cfg.batch.micro_batch, cfg.batch.grad_accum, world_size)
     section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
     return dsc.merge(generated, section)
 
@@ -75,7 +76,7 @@ def _generated_deepspeed(cfg: TrainConfig) -> dict:
     return {
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": ga,
-        "train_batch_size": mb * ga,
+        "train_batch_size": step_rows(mb, ga, 1),
         "gradient_clipping": cfg.optimizer.grad_clip,
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": fp16,

@@ -110,6 +110,12 @@ class DataSection:
     shards_dir: str | None = None
     cache_dir: str | None = None
     cache_gb: float = _f(1.0, check=_positive)
+    # How long a Hub store waits out an outage (503s, 429s, no connection) before the run stops with
+    # a checkpoint: each wait is one line, Retry-After and rate limits are honoured.
+    hub_wait_minutes: float = _f(30.0, check=_positive)
+    # A cache folder on a network filesystem (nfs, lustre, gpfs, cifs, fuse) is refused unless this
+    # says its locks work and only one node uses it.
+    cache_on_network_fs: bool = False
     sft_dir: str | None = None
     tokenizer: str | None = None
     seq_len: int = _f(2048, check=_positive)

@@ -121,6 +121,16 @@ def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageDa
             log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
 
 
+def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
+    """Whose corpus record this launch reads again: its own checkpoint's on a resume; on a fresh
+    refinement, the pretraining checkpoint's (refinement never resolves the branch again)."""
+    if output.saved is not None:
+        return {"saved_source": output.saved.get("data_source"), "read_by": "this run"}
+    if cfg.stage == "refinement" and output.init_dir:
+        return {"saved_source": ckpt.read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
+    return {}
+
+
 def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
                 checked: OutputSide | None = None) -> LaunchPlan:
     """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
@@ -134,7 +144,7 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world, saved_source=(output.saved or {}).get("data_source")))
+            else prepare_pretrain_data(cfg, rank, world, **held_to(cfg, output)))
     for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
         if rank == 0:
             log.info(note)

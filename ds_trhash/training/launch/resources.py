@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.data.stream.cache import cache_bytes_from
+from ds_trhash.data.stream.cache_place import cache_dir_of
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import ranks_on_node
 from ds_trhash.model import backend
@@ -244,7 +245,7 @@ def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int
     needs = [(f"checkpoints ({new} more x {gib(footprint.checkpoint)}, at most {kept} at once)",
               Path(cfg.output_dir), new * footprint.checkpoint)]
     if cfg.data.kind == "pretrain":
-        cache_dir = Path(cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache")
+        cache_dir = cache_dir_of(cfg.data.cache_dir)
         needs.append(("shard cache (one per node)", cache_dir, cache_bytes_from(cfg.data.cache_gb, os.environ)))
     return needs
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
 from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
 from ds_trhash.data.stream.opening import resume_commit, shared_corpus
+from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
+from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.stream.steps import BatchLayout, open_stream
@@ -89,17 +91,19 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
-                          saved_source: dict | None = None) -> StageData:
-    """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
-    cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
-    ``data_source`` a resumed checkpoint recorded (its commit is read again)."""
-    if cfg.data.plan is None:
-        paths = _embedded(cfg, rank)
-        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
-    else:
-        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
+    """The corpus of this launch is the one ``saved`` records (``data.stream.pinning``): the same
+    bytes under every planned name, else a refusal naming a file; a note when the branch moved."""
+    fix = ("point data.shards_dir (or the plan's dataset) at the corpus it read, or start a new run"
+           if read_by == "this run" else "refine on the corpus pretraining read (same store, or a copy of the "
+           "same bytes), or pretrain again on this one")
+    check_same_bytes(saved, corpus.record, read_by, fix)
+    moved = moved_note(saved, corpus.store, corpus.commit, read_by) if rank == 0 and saved else None
+    return (moved,) if moved else ()
+
+
+def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
+    """The replay plan, checked against the config: its seq_len, its vocabulary, the token target."""
     plan = load_plan(plan_path)
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
@@ -115,20 +119,44 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
     else:
         check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
+    return plan
+
+
+def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
+                          saved_source: dict | None = None, hub_wait_s: float | None = None,
+                          read_by: str = "this run") -> StageData:
+    """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
+    cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
+    ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
+    long a Hub store waits out an outage (default: ``data.hub_wait_minutes``). ``read_by``: whose
+    record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement)."""
+    if cfg.data.plan is None:
+        paths = _embedded(cfg, rank)
+        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
+        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
+    else:
+        plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
+    plan = _checked_plan(cfg, plan_path)
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
-    pinned = resume_commit(shards_dir, plan.doc, saved_source)
-    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), pinned, rank, world, deep=shard_hashes == "all")
+    resume_commit(shards_dir, plan.doc, saved_source)  # asking for another commit explicitly is refused
+    wait_s = cfg.data.hub_wait_minutes * 60 if hub_wait_s is None else hub_wait_s
+    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), saved_source, rank, world, deep=shard_hashes == "all",
+                           hub_wait_s=wait_s)
+    notes = _held_to(saved_source, corpus, read_by, rank)
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     check_tokenizer_matches(tokenizer_dir, recorded)
-    identity, assumed, notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
+    identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
     corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
+    cache_dir = cache_dir_of(cfg.data.cache_dir)
+    check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
+                      cfg.data.cache_on_network_fs)
     data = StageData(batches=None, total_steps=_max_steps(cfg, steps), plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes,
+                     tokenizer_sha256=identity, tokenizer_assumed=assumed, notes=notes + tokenizer_notes,
                      shards_dir=corpus.store.description, data_source=corpus.record,
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
                               f"({corpus.layout} layout)")
@@ -138,8 +166,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         # downloaded once and verified (size and SHA-256) before any rank reads it. The next
         # steps' batches are assembled in the background, in pinned memory on CUDA.
         layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
-        stream = open_stream(corpus, plan, cfg.seed, layout, cfg.data.cache_dir or Path(cfg.output_dir) / "shard_cache",
-                             max_bytes, node_ranks, pin_memory=torch.cuda.is_available(), end=data.total_steps)
+        stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
+                             pin_memory=torch.cuda.is_available(), end=data.total_steps)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

@@ -44,6 +44,7 @@ def test_a_held_entry_cannot_be_evicted(tmp_path):
 def test_scan_counts_entries_and_partials_and_drops_stale_partials(tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "s" / ("a.bin" + cf.MARKER)).write_text("{}")  # an entry of the cache: it wrote a marker
     (tmp_path / "s" / "b.bin.partial-99-1").write_bytes(b"y" * 7)  # no live downloader holds b's lock
     live = cf.download_lock(tmp_path / "s" / "c.bin")
     with live:
@@ -58,9 +59,19 @@ def test_a_measuring_scan_counts_a_stale_partial_and_leaves_it(tmp_path):
     it must not remove what a killed run left before a later run has looked at it."""
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "s" / ("a.bin" + cf.MARKER)).write_text("{}")  # an entry of the cache: it wrote a marker
     stale = tmp_path / "s" / "b.bin.partial-99-1"
     stale.write_bytes(b"y" * 7)
     used, entries = cf.scan(tmp_path, prune=False)
     assert used == 17 and [p.name for _, p in entries] == ["a.bin"] and stale.exists()
     assert not (tmp_path / "s" / "b.bin.lock").exists()  # no lock was taken (nor created) for it
     assert cf.scan(tmp_path)[0] == 10 and not stale.exists()
+
+
+def test_a_file_the_cache_did_not_write_is_never_counted_or_evicted(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "precious.txt").write_bytes(b"p" * 50)  # no verified marker beside it: not the cache's
+    (tmp_path / "s" / "notes.partial-draft").write_bytes(b"q" * 5)  # not a partial of the cache's naming
+    used, entries = cf.scan(tmp_path)
+    assert used == 0 and entries == []
+    assert (tmp_path / "precious.txt").read_bytes() == b"p" * 50 and (tmp_path / "s" / "notes.partial-draft").exists()

@@ -16,7 +16,9 @@ def test_a_good_corpus_answers_with_every_planned_shard(root):
     corpus = open_corpus(plan_for(root), str(root))
     assert corpus.commit == "local" and len(corpus.shards) == 12
     assert {s.size for s in corpus.shards.values()} == {SHARD_BYTES}
-    assert corpus.min_cache_bytes(3) == 3 * SHARD_BYTES
+    assert corpus.sources_at_once() == 2  # the plan interleaves sources a and b
+    assert corpus.min_cache_bytes(3) == (3 + 2) * SHARD_BYTES  # one a rank (3 > 2 sources), 2 prefetched
+    assert corpus.min_cache_bytes(1) == (2 + 2) * SHARD_BYTES  # one a source, 2 prefetched
 
 
 def test_missing_truncated_and_changed_shards_are_named(root):
@@ -50,8 +52,10 @@ def test_a_source_without_manifest_names_it(root):
 
 def test_bound_and_resume_commit_rules(root):
     corpus = open_corpus(plan_for(root), str(root))
-    with pytest.raises(CacheError, match=rf"smallest bound that works is {2 * SHARD_BYTES} bytes"):
-        corpus.check_cache_bound(SHARD_BYTES, 2, "data.cache_gb")
+    with pytest.raises(CacheError, match=rf"a shard of each of the 2 sources read at once .* plus 2 fetched ahead; the "
+                                         rf"smallest bound that works is {4 * SHARD_BYTES} bytes"):
+        corpus.check_cache_bound(3 * SHARD_BYTES, 2, "data.cache_gb")
+    corpus.check_cache_bound(4 * SHARD_BYTES, 2, "data.cache_gb")
     assert resume_commit(str(root), {}, {"commit": "local"}) is None
     saved = {"commit": "a" * 40}
     assert resume_commit(None, {"dataset": "hf://datasets/o/r", "revision": "main"}, saved) == "a" * 40

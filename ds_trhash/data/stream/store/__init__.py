@@ -26,22 +26,24 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _hub_store(repo_id: str, revision: str) -> ShardStore:
+def _hub_store(repo_id: str, revision: str, hub_wait_s: Optional[float]) -> ShardStore:
     from ds_trhash.data.stream.store.hub import HubStore  # lazy, as above
 
-    return HubStore(repo_id, revision)
+    return HubStore(repo_id, revision, **({"budget_s": hub_wait_s} if hub_wait_s is not None else {}))
 
 
-def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str) -> ShardStore:
-    """The store of a launch; ``origin`` names the config for messages."""
+def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str,
+               hub_wait_s: Optional[float] = None) -> ShardStore:
+    """The store of a launch; ``origin`` names the config for messages. ``hub_wait_s``: how long
+    a Hub store waits out an outage (``data.hub_wait_minutes``; None: the default 30 minutes)."""
     if shards_dir is None:
         dataset, revision = plan_doc.get("dataset"), plan_doc.get("revision") or "main"
         if not isinstance(dataset, str) or not dataset.startswith(HF_PREFIX):
             raise StoreError(f"{origin}: data.shards_dir is null and the plan's dataset {dataset!r} is not an "
                              "hf://datasets/OWNER/REPO repository; set data.shards_dir to the shards' directory")
         repo, pinned = parse_hf_url(dataset, f"the plan's dataset")
-        return _hub_store(repo, pinned or str(revision))
+        return _hub_store(repo, pinned or str(revision), hub_wait_s)
     if shards_dir.startswith("hf://"):
         repo, revision = parse_hf_url(shards_dir, f"{origin}: data.shards_dir")
-        return _hub_store(repo, revision or "main")  # a mirror has its own branches
+        return _hub_store(repo, revision or "main", hub_wait_s)  # a mirror has its own branches
     return LocalStore(shards_dir)

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from ds_trhash.errors import UserError
+from ds_trhash.hub_access import repo_id_problem
 from ds_trhash.safe_names import UnsafeNameError, relative_path
 
 
 HF_PREFIX = "hf://datasets/"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_REPO_SHAPE = re.compile(r"^[^/]+/[^/]+$")  # the cheap part; the rest is the client's validator
 
 
 class StoreError(UserError, ValueError):
@@ -25,7 +26,7 @@ class StoreError(UserError, ValueError):
 
 
 class StoreUnavailable(StoreError, ConnectionError):
-    """A transient failure outlived its retries: names the file and the endpoint."""
+    """A transient failure outlived its wait budget: names the file and the endpoint."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,15 @@ def relative_name(path: str, origin: str) -> str:
 
 
 def parse_hf_url(url: str, origin: str) -> tuple[str, Optional[str]]:
-    """``hf://datasets/OWNER/REPO[@REVISION]`` -> (repo id, revision or None)."""
-    rest = url[len(HF_PREFIX):] if url.startswith(HF_PREFIX) else None
+    """``hf://datasets/OWNER/REPO[@REVISION]`` -> (repo id, revision or None); the repository id
+    by ``hub_access.repo_id_problem``, the one check of every id."""
+    rest = url[len(HF_PREFIX):] if isinstance(url, str) and url.startswith(HF_PREFIX) else None
     repo, _, revision = (rest or "").partition("@")
-    if rest is None or not _REPO_ID.match(repo) or (rest.count("@") and not revision):
+    if rest is None or (rest.count("@") and not revision) or not _REPO_SHAPE.match(repo):
         raise StoreError(f"{origin}: {url!r} is not hf://datasets/OWNER/REPO[@REVISION]")
+    problem = repo_id_problem(repo)
+    if problem:
+        raise StoreError(f"{origin}: {url!r} is not hf://datasets/OWNER/REPO[@REVISION] ({problem})")
     return repo, revision or None
 
 
@@ -70,5 +75,7 @@ class ShardStore(Protocol):
     def read_json(self, path: str) -> Any:
         """The decoded JSON file at ``path``."""
 
-    def download(self, path: str, dest: Path, size: int) -> None:
-        """Write the file's ``size`` bytes into ``dest`` (an existing file, overwritten from 0)."""
+    def download(self, path: str, dest: Path, size: int) -> Optional[str]:
+        """Write the file's ``size`` bytes into ``dest`` (an existing file, overwritten from 0) and
+        return the sha256 of the bytes written, hashed as they were written, so the cache never
+        reads a shard back to verify it (None: this store cannot; the cache then hashes the file)."""

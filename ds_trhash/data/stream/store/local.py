@@ -1,9 +1,9 @@
 """A corpus in a local (or mounted) directory: the store of ``data.shards_dir: /some/dir``."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,11 +56,16 @@ class LocalStore:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise StoreError(f"{full} is not valid UTF-8 JSON: {exc}") from None
 
-    def download(self, path: str, dest: Path, size: int) -> None:
+    def download(self, path: str, dest: Path, size: int) -> str:
+        """Copy the file into ``dest``; returns the sha256 of the bytes copied (hashed on the way)."""
         src = self._path(path)
+        digest = hashlib.sha256()
         try:
             with open(src, "rb") as fin, open(dest, "r+b") as fout:
-                shutil.copyfileobj(fin, fout, _CHUNK)
+                while block := fin.read(_CHUNK):
+                    fout.write(block)
+                    digest.update(block)
                 fout.truncate()
         except FileNotFoundError:
             raise StoreError(f"shard {src} is missing from the shard store") from None
+        return digest.hexdigest()

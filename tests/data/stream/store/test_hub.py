@@ -27,8 +27,9 @@ def rows(reader, steps=6):
 def test_rows_from_the_hub_equal_rows_from_local_disk(hub_corpus, tmp_path):
     hub, root, plan = hub_corpus
     corpus = open_corpus(plan, None, store=fast_store())
-    assert len(corpus.commit) == 40 and corpus.record == {"store": f"hf:{hub.url}/datasets/{REPO}",
-                                                         "commit": corpus.commit}
+    assert len(corpus.commit) == 40 and corpus.record == {
+        "store": f"hf:{hub.url}/datasets/{REPO}", "commit": corpus.commit, "revision": "main",
+        "shards": {shard.path: shard.sha256 for shard in corpus.shards.values()}}  # every planned shard's hash
     with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES) as cache:
         remote = rows(ReplayReader(plan, None, 5, cache=cache))
         local = rows(ReplayReader(plan, root, 5))
@@ -114,3 +115,80 @@ def test_the_token_is_in_no_file_written(hub_corpus, tmp_path):
         rows(ReplayReader(plan, None, 5, cache=cache))
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert written and not [p for p in written if TOKEN.encode() in p.read_bytes()]
+
+
+def test_an_outage_with_retry_after_is_waited_out_with_one_line_per_wait(hub_corpus, tmp_path):
+    """Every request answered 503 with Retry-After for a while (listing and downloads alike): the
+    store waits as the Hub asks, says so once per wait, and delivers the same bytes."""
+    import time
+
+    hub, root, plan = hub_corpus
+    lines: list[str] = []
+    store = HubStore(REPO, "main", backoff_s=0.01, say=lines.append)
+    corpus = open_corpus(plan, None, store=store)
+    hub.outage_headers = {"Retry-After": "1"}
+    hub.outage_until = time.monotonic() + 2.5
+    started = time.monotonic()
+    with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0) as cache:
+        assert cache.get("a", "shard-00001.bin").read_bytes() == (root / FILE).read_bytes()
+    waited = time.monotonic() - started
+    assert hub.outage_answers >= 2 and 2.0 <= waited < 10  # Retry-After (1 s), not the 0.01 s backoff
+    assert len(lines) == hub.outage_answers
+    assert all(line.startswith(f"Hub answers HTTP 503 for {FILE}") and "retrying in 1 s, waited" in line
+               and line.endswith("of 30 m") for line in lines)
+
+
+def test_a_rate_limit_waits_for_its_reset(hub_corpus):
+    import time
+
+    hub, root, plan = hub_corpus
+    lines: list[str] = []
+    store = HubStore(REPO, "main", backoff_s=0.01, say=lines.append)
+    hub.outage_status = 429
+    hub.outage_headers = {"RateLimit": '"resolvers";r=0;t=1', "RateLimit-Policy": '"fixed window";"resolvers";q=3000;w=300'}
+    hub.outage_until = time.monotonic() + 0.5
+    started = time.monotonic()
+    assert len(store.resolve()) == 40
+    assert time.monotonic() - started >= 1.0 and lines and "HTTP 429" in lines[0] and "retrying in 1 s" in lines[0]
+
+
+def test_an_outage_longer_than_the_budget_stops_naming_it(hub_corpus, tmp_path):
+    import time
+
+    hub, root, plan = hub_corpus
+    corpus = open_corpus(plan, None, store=HubStore(REPO, "main", backoff_s=0.2, budget_s=1.0, say=lambda line: None))
+    hub.outage_until = time.monotonic() + 60
+    before = tree_digest(tmp_path)
+    with pytest.raises(StoreUnavailable, match=rf"cannot get {FILE} .* from the Hub at {hub.url} after \d+ attempts "
+                                               r"over \d+ s \(last: HTTP 503\).*relaunch later"):
+        with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0) as cache:
+            cache.get("a", "shard-00001.bin")
+    hub.outage_until = 0.0
+    assert not [p for p in (tmp_path / "cache").rglob("*.partial-*")]
+    assert {k: v for k, v in tree_digest(tmp_path).items() if not k.startswith("cache")} == before
+
+
+def test_a_shard_is_hashed_as_it_streams_in_never_read_back(hub_corpus, tmp_path, monkeypatch):
+    from ds_trhash.data.stream import cache as cache_module
+
+    hub, root, plan = hub_corpus
+    corpus = open_corpus(plan, None, store=fast_store())
+
+    def no_rereads(path):
+        raise AssertionError(f"{path} was read back to hash it")
+
+    monkeypatch.setattr(cache_module, "sha256_file", no_rereads)
+    hub.file_faults[FILE] = ["drop"]  # a cut transfer: resumed by Range, still hashed once
+    with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0) as cache:
+        assert cache.get("a", "shard-00001.bin").read_bytes() == (root / FILE).read_bytes()
+
+
+def test_deep_checks_read_the_hubs_own_hashes_instead_of_downloading(hub_corpus):
+    hub, root, plan = hub_corpus
+    corpus = open_corpus(plan, None, deep=True, store=fast_store())
+    assert corpus.shards and not [p for p in hub.served if p.endswith(".bin")]  # the listing's LFS sha256 compared
+    other = bytearray((root / FILE).read_bytes())
+    other[3] ^= 0xFF
+    seed_dataset(hub, REPO, {FILE: bytes(other)})  # main moves to other bytes, same size, the old manifest
+    with pytest.raises(CorpusError, match="a/shard-00001.bin has sha256 [0-9a-f]{64} in the listing, its manifest"):
+        open_corpus(plan, None, deep=True, store=fast_store())
