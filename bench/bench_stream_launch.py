@@ -5,10 +5,13 @@ reading its batches, streamed from the loopback Hub against the same plan read f
 
 The tiny pretraining config on the embedded demo corpus (built once), 2 CPU ranks through the
 `deepspeed` launcher, no checkpoints until the last step. Each launch prints at the end of its
-stage, on rank 0, ``data wait on rank 0: D s of S s in N step(s) (P %) reading batches`` (and, for
-a node cache, how much of D waited for shard downloads): this script runs the local and the Hub
-launch ``--repeat`` times each, alternating (local, hub, local, hub...) so that the machine's load
-at one moment does not decide the comparison, and prints every launch's line and the medians.
+stage, on rank 0, ``data wait on rank 0: W s of S s in N step(s) (P %) waiting for batches;
+assembling them took A s in the background: R s reading rows (..), H s waiting for shards (..)``
+(docs/operations.md): P is the data wait share, the part of step time the training thread
+waited for its batches; A = R + H is what reading cost off the step's path (A / S is what the
+share would be if the batches were read inside the step). This script runs the local and the
+Hub launch ``--repeat`` times each, alternating (local, hub, local, hub...) so that the machine's
+load at one moment does not decide the comparison, and prints every launch's line and the medians.
 The Hub run starts with an empty cache each time (every shard downloaded during the run, with
 prefetch), which is the cold worst case; the server runs in this script's process.
 """
@@ -31,10 +34,12 @@ from tests.training import launch_utils as L  # noqa: E402
 
 TOKEN = "hf_benchstreamlaunchtoken"
 HUB_REPO = "bench/embedded"
-LINE = re.compile(r"data wait on rank 0: ([\d.]+) s of ([\d.]+) s in (\d+) step\(s\) \(([\d.]+) %\)[^\n]*")
+LINE = re.compile(r"data wait on rank 0: ([\d.]+) s of ([\d.]+) s in (\d+) step\(s\) \(([\d.]+) %\) waiting for "
+                  r"batches; assembling them took ([\d.]+) s [^:]*: ([\d.]+) s reading rows \([\d.]+ %\), ([\d.]+) s "
+                  r"waiting for shards[^\n]*")
 
 
-def launch(out: Path, steps: int, extra: list[str], **env: str) -> tuple[float, str]:
+def launch(out: Path, steps: int, extra: list[str], **env: str) -> tuple[float, float, str]:
     args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(steps),
             "--set", f"training.max_steps={steps}", "--set", "training.log_every=10", "--set", "checkpoint.packs=null",
             "--set", f"checkpoint.every_steps={steps}", "--set", "checkpoint.keep_last=null", *extra]
@@ -42,7 +47,8 @@ def launch(out: Path, steps: int, extra: list[str], **env: str) -> tuple[float, 
     found = LINE.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
         sys.exit(f"launch in {out} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return float(found.group(4)), found.group(0)
+    step_s, assembly_s = float(found.group(2)), float(found.group(5))
+    return float(found.group(4)), 100.0 * assembly_s / step_s if step_s > 0 else 0.0, found.group(0)
 
 
 def main() -> None:
@@ -57,14 +63,16 @@ def main() -> None:
         sources = {"local": (common + ["--set", f"data.shards_dir={paths.shards_dir}"], {}),
                    "hub": (common + ["--set", f"data.shards_dir=hf://datasets/{HUB_REPO}"],
                            dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1"))}
-        shares: dict[str, list[float]] = {name: [] for name in sources}
+        shares: dict[str, list[tuple[float, float]]] = {name: [] for name in sources}
         for i in range(args.repeat):
             for name, (extra, env) in sources.items():
-                share, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra, **env)
-                shares[name].append(share)
+                share, inline, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra, **env)
+                shares[name].append((share, inline))
                 print(f"{name:5s} pass {i + 1}: {line}", flush=True)
         for name, values in shares.items():
-            print(f"data wait, {name}: median {statistics.median(values):.1f} % of step time over {len(values)} launch(es)")
+            print(f"data wait share, {name}: median {statistics.median(v[0] for v in values):.1f} % of step time "
+                  f"over {len(values)} launch(es); the assembly took the equivalent of "
+                  f"{statistics.median(v[1] for v in values):.1f} % of it, in the background")
 
 
 if __name__ == "__main__":

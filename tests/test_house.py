@@ -83,8 +83,7 @@ def test_the_length_count_sees_methods_and_nested_functions():
 MICRO = {"micro_batch", "mb", "micro"}
 FACTORS = {"grad_accum", "ga", "accum", "world_size", "world"}
 LAYOUT_MODULE = "ds_trhash/batch_layout.py"
-# TEMPORARY: the stream reader is being reworked elsewhere (issue 31); it takes step_rows with that
-LAYOUT_ELSEWHERE = {"ds_trhash/data/stream/reader.py"}
+LAYOUT_ELSEWHERE: set[str] = set()  # modules allowed their own product (none left)
 
 
 def _factors(node) -> set[str]:

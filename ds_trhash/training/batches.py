@@ -3,42 +3,36 @@ function of the optimizer step, so an exact resume only needs the step number.""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ds_trhash.batch_layout import step_rows
+from ds_trhash.data.stream.steps import DataFigures, RankStream
 
 
 @dataclass
 class PretrainBatches:
-    """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size."""
+    """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size. The
+    stream (data layer) assembles them and owns the reading's lifetime; the launch closes it."""
 
-    reader: object  # ds_trhash.data.stream.reader.ReplayReader
-    micro_batch: int
-    grad_accum: int
-    rank: int
-    world_size: int
-    data_s: float = field(default=0.0, compare=False)  # this process's seconds reading its batches
+    stream: RankStream
+
+    @property
+    def rank(self) -> int:
+        return self.stream.layout.rank
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        started = time.perf_counter()
-        out = []
-        for m in range(self.grad_accum):
-            inputs, labels = self.reader.batch(
-                step, m, self.rank, self.world_size, self.micro_batch, self.grad_accum
-            )
-            out.append({"input_ids": inputs, "labels": labels})
-        self.data_s += time.perf_counter() - started
-        return out
+        return [{"input_ids": inputs, "labels": labels} for inputs, labels in self.stream.micro_batches(step)]
 
     def epoch_of(self, step: int) -> int:
         return 0
 
     def cursor(self, step: int) -> int:
         """The global row index the next step starts at (saved in checkpoints)."""
-        return step * step_rows(self.micro_batch, self.grad_accum, self.world_size)
+        return step * self.stream.layout.global_batch
+
+    def data_figures(self) -> DataFigures:
+        return self.stream.figures()
 
 
 @dataclass
@@ -71,19 +65,28 @@ class SFTStepBatches:
     def cursor(self, step: int) -> int:
         return step * self.grad_accum
 
+    def data_figures(self) -> None:
+        return None  # packed in memory: nothing streamed
 
-def data_wait_line(batches: object, step_seconds: float, steps: int) -> str | None:
-    """How much of this process's step time went to reading its batches, and how much of that to
-    waiting for shard downloads (the node cache's ``waited_s``): the figure that says whether the
-    data keeps up with the model. None for batches that are not read from shards."""
-    data_s = getattr(batches, "data_s", None)
-    if data_s is None or steps < 1:
+
+def _share(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f} %" if whole > 0 else "0.0 %"
+
+
+def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int) -> str | None:
+    """Whether the data keeps up with the model, in parts that add up: of the step time, the
+    seconds the training thread waited for its batches; apart from it (in the background, or
+    inside that wait when assembling on the training thread), the seconds assembling them took,
+    split into reading rows and waiting for shards, with the node cache's counts. None for
+    batches that are not streamed from shards."""
+    if figures is None or steps < 1:
         return None
-    share = 100.0 * data_s / step_seconds if step_seconds > 0 else 0.0
-    line = f"data wait on rank {batches.rank}: {data_s:.3f} s of {step_seconds:.3f} s in {steps} step(s) ({share:.1f} %) reading batches"
-    cache = getattr(getattr(batches, "reader", None), "cache", None)
-    if cache is not None:
-        c = cache.stats()
-        line += (f"; {c['waited_s']:.3f} s of it waiting for shards ({c['misses']} fetched on demand, "
-                 f"{c['prefetched']} prefetched, {c['hits']} cache hits)")
+    f, assembly = figures, figures.assembly_s
+    where = "in the background" if f.background else "on the training thread, inside that wait"
+    line = (f"data wait on rank {f.rank}: {f.queue_wait_s:.3f} s of {step_seconds:.3f} s in {steps} step(s) "
+            f"({_share(f.queue_wait_s, step_seconds)}) waiting for batches; assembling them took {assembly:.3f} s "
+            f"{where}: {f.read_s:.3f} s reading rows ({_share(f.read_s, assembly)}), {f.shard_wait_s:.3f} s "
+            f"waiting for shards ({_share(f.shard_wait_s, assembly)})")
+    if f.cached:
+        line += f" ({f.fetched} fetched on demand, {f.prefetched} prefetched, {f.hits} cache hits)"
     return line

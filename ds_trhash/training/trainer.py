@@ -184,11 +184,19 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     ``checked``: what ``check_output_side`` decided under the run lock. ``on_first_write``: called
     once every check passed, right before the launch's first write (the run lock is kept then)."""
     plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
-    cfg, data = plan.cfg, plan.data
     if on_first_write is not None:
         on_first_write()
-    start_writing(plan, rank)
+    try:
+        start_writing(plan, rank)
+        return _train_stage(plan, rank, world)
+    finally:  # every way out (the end, a stop, an error): the data's thread and shard cache closed
+        if plan.data.stop is not None:
+            plan.data.stop()
 
+
+def _train_stage(plan: LaunchPlan, rank: int, world: int) -> loop.TrainState:
+    """The stage once its data is open: model, engine, restored state, callbacks, the loop."""
+    cfg, data = plan.cfg, plan.data
     model = build_model(plan, rank)
     ds_config = tcfg.to_deepspeed_dict(cfg, world)
     engine = build_engine(model, cfg, ds_config, data.total_steps,
@@ -200,7 +208,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
     if rank == 0:
         announce(plan, progress, model, engine, ds_config, state)
     run = run_context(plan, rank, engine.engine, model, progress, state)
-    # the callbacks close the records, the display and the shard cache, even when a step raises
+    # the callbacks close the records and the display, even when a step raises
     callbacks = make_callbacks(list(plan.builders), run)
     guard = NonFiniteGuard.from_config(cfg, log=progress.message)
     run.callbacks.insert(0, guard)  # its before_save runs first at every save: no checkpoint of diverged weights
@@ -208,7 +216,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
-        wait = data_wait_line(data.batches, state.step_seconds, state.steps_timed)
+        wait = data_wait_line(data.batches.data_figures(), state.step_seconds, state.steps_timed)
         if wait:
             progress.message(wait)
     return state

@@ -1,6 +1,10 @@
 """Packed SFT batches as the loop sees them, and the proof that per-document packing isolates
 examples: no token of one example can change another example's logits."""
 
+import re
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +15,14 @@ from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.assembly import THREAD_NAME
+from ds_trhash.data.stream.reader import ReaderError
+from ds_trhash.data.stream.steps import BatchLayout, RankStream, open_stream
+from ds_trhash.training import loop
+from ds_trhash.training.callbacks.base import Callback
+from tests.training.test_loop import FakeEngine, TokenModel
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, data_wait_line
-from tests.data.hub_corpus import REPO, hub_corpus  # noqa: F401  (the fixture)
+from tests.data.hub_corpus import REPO, hub_corpus, plan_for, write_corpus  # noqa: F401  (the fixture)
 
 SEQ = 128
 
@@ -87,19 +97,92 @@ def test_steps_follow_epochs_and_grad_accumulation(partition):
     assert torch.equal(second[1]["input_ids"], inner.batch(1, 3)["input_ids"])
 
 
-def test_data_wait_line_reports_the_share_of_step_time_spent_reading_and_waiting_for_shards(hub_corpus, tmp_path):
-    """The stage-end line: seconds reading batches against step seconds, and of those the seconds
-    waiting for downloads through the node cache (counts from the cache itself)."""
+def test_data_wait_line_adds_up_queue_waits_read_time_and_shard_waits(hub_corpus, tmp_path):
+    """The stage-end line: the seconds the training thread waited for its batches, as a part of
+    the step seconds; and the seconds assembling them took, split into reading rows and waiting
+    for shards (downloads through the node cache among them), each a part of that whole, with
+    the cache's own counts."""
     hub, _, doc = hub_corpus
     corpus = open_corpus(doc, f"hf://datasets/{REPO}")
-    with corpus.open_cache(tmp_path / "cache", 2**30, prefetch=0) as cache:
-        batches = PretrainBatches(ReplayReader(doc, None, 0, cache=cache), micro_batch=2, grad_accum=2, rank=0,
-                                  world_size=1)
+    layout = BatchLayout(micro_batch=2, grad_accum=2, rank=0, world_size=1)
+    with RankStream(ReplayReader(doc, None, 0, cache=corpus.open_cache(tmp_path / "cache", 2**30, prefetch=0)),
+                    layout) as stream:
+        batches = PretrainBatches(stream)
         batches.micro_batches(0)
-        line = data_wait_line(batches, 10.0, 1)
-        stats = cache.stats()
-    assert batches.data_s > 0 and line.startswith(f"data wait on rank 0: {batches.data_s:.3f} s of 10.000 s in 1 step(s)")
-    waited = float(line.split("; ")[1].split(" s of it")[0])
-    assert 0 < waited <= batches.data_s and stats["misses"] >= 1, line
-    assert f"{stats['misses']} fetched on demand, 0 prefetched, {stats['hits']} cache hits)" in line, line
-    assert data_wait_line(SFTStepBatches(None, 1, "cross_document"), 10.0, 1) is None  # not read from shards
+        figures = batches.data_figures()
+        line = data_wait_line(figures, 10.0, 1)
+        stats = stream.reader.cache.stats()
+    assert figures.queue_wait_s > 0 and figures.background
+    assert line.startswith(f"data wait on rank 0: {figures.queue_wait_s:.3f} s of 10.000 s in 1 step(s) "), line
+    found = re.search(r"assembling them took ([\d.]+) s in the background: ([\d.]+) s reading rows \(([\d.]+) %\), "
+                      r"([\d.]+) s waiting for shards \(([\d.]+) %\)", line)
+    whole, read, read_share, waited, wait_share = map(float, found.groups())
+    assert abs(read + waited - whole) <= 0.0015 and abs(read_share + wait_share - 100.0) <= 0.15, line
+    assert 0 < waited and stats["misses"] >= 1, line  # the shards came from the Hub on demand
+    assert f"({stats['misses']} fetched on demand, 0 prefetched, {stats['hits']} cache hits)" in line, line
+    assert data_wait_line(SFTStepBatches(None, 1, "cross_document").data_figures(), 10.0, 1) is None  # not streamed
+
+
+class _Exit(Callback):
+    """Ends the stage at step 2 the way ``way`` says."""
+
+    def __init__(self, way):
+        self.way = way
+
+    def on_step_end(self, state, metrics):
+        if state.step == 2 and self.way == "stop":
+            state.stop_requested = True
+        elif state.step == 2 and self.way == "hook_error":
+            raise RuntimeError("a callback bug")
+        elif state.step == 2 and self.way == "interrupt":
+            raise KeyboardInterrupt
+
+
+class _FailingEngine(FakeEngine):
+    def __call__(self, *a, **k):
+        if self.backward_calls == 4:  # step 3 of grad_accum 2
+            raise OSError("device lost")
+        return super().__call__(*a, **k)
+
+
+@pytest.mark.parametrize("way", ["end", "stop", "step_error", "hook_error", "data_error", "interrupt"])
+def test_every_way_out_of_a_stage_closes_the_stream_and_leaves_no_thread(tmp_path, monkeypatch, way):
+    """The trainer's run_stage (its own ``finally``) around a real loop over a real stream: the stage
+    ends, is stopped, or fails in a step, a callback or the data; the assembly thread is gone and
+    the cache closed every time (the callbacks close nothing of the data)."""
+    from ds_trhash.training import trainer
+    from ds_trhash.training.launch.stage_data import StageData
+
+    root = write_corpus(tmp_path / "corpus")
+    doc = plan_for(root)
+    steps = 12 + 2 if way == "data_error" else 6  # 48 rows, 4 per step: step 12 is past the plan
+    layout = BatchLayout(micro_batch=2, grad_accum=2, rank=0, world_size=1)
+    data = StageData(batches=None, total_steps=steps)
+    opened = []
+
+    def start():
+        stream = open_stream(open_corpus(doc, str(root)), doc, 0, layout, tmp_path / "cache", 2**30, 1, end=steps)
+        opened.append(stream)
+        data.batches, data.stop = PretrainBatches(stream), stream.close
+
+    data.start = start
+    plan = SimpleNamespace(data=data, output=SimpleNamespace(damaged=[]))
+    monkeypatch.setattr(trainer, "plan_launch", lambda *a, **k: plan)
+
+    def train(plan, rank, world):
+        engine = (_FailingEngine if way == "step_error" else FakeEngine)(TokenModel())
+        return loop.run(engine, plan.data.batches, loop.TrainState(step=0, total_steps=steps), [_Exit(way)],
+                        torch.device("cpu"), 1, lr_of=lambda: 0.1)
+
+    monkeypatch.setattr(trainer, "_train_stage", train)
+    raised = {"end": None, "stop": None, "step_error": OSError, "hook_error": RuntimeError,
+              "data_error": ReaderError, "interrupt": KeyboardInterrupt}[way]
+    if raised is None:
+        state = trainer.run_stage(None, None, 0, 1)
+        assert state.step == (2 if way == "stop" else steps)
+    else:
+        with pytest.raises(raised):
+            trainer.run_stage(None, None, 0, 1)
+    stream = opened[0]
+    assert stream.closed and stream.reader.cache._closed and not stream.reader.cache._holding
+    assert not [t for t in threading.enumerate() if t.name in (THREAD_NAME, "shard-prefetch") and t.is_alive()]

@@ -39,13 +39,18 @@ class CorpusDir:
 
     def shard_path(self, source: str, file: str, origin: str = "the plan") -> Path:
         """Where a shard lies; a name that would leave the corpus (``..``, a symlink out) is refused."""
-        bare_name(source, origin, "source")
-        bare_name(file, origin, f"{source}.file")
-        return resolve_under(self.sources_dir, f"{source}/{file}", origin, f"{source}/{file}")
+        return shard_path_under(self.sources_dir, source, file, origin)
 
     @property
     def seq_len(self) -> int:
         return next(iter(self.sources.values())).seq_len
+
+
+def shard_path_under(sources_dir: Path, source: str, file: str, origin: str = "the plan") -> Path:
+    """``sources_dir / source / file`` for bare names that stay inside it (no symlink out)."""
+    bare_name(source, origin, "source")
+    bare_name(file, origin, f"{source}.file")
+    return resolve_under(sources_dir, f"{source}/{file}", origin, f"{source}/{file}")
 
 
 def read_json(path: Path, what: str) -> object:

@@ -9,10 +9,16 @@ stops naming the shard and both hashes. Nothing unverified is ever returned, and
 killed mid-download leaves only a partial file, which the next scan deletes.
 
 The bound covers every entry and partial download under ``cache_dir`` (the few hundred bytes of
-markers, pins and locks beside each are not counted). To make room, the least recently used entries
-that no rank has pinned are evicted under one eviction lock; a reader pins the shard it reads
-(a shared lock), so the smallest bound that always works is one largest shard per rank of the
+markers, holds and locks beside each are not counted). To make room, the least recently used
+entries that no rank holds are evicted under one eviction lock; a reader holds the shards of its
+working set (a shared lock each, taken once per shard, ``working_set``), never more bytes at once
+than its share of the bound (the bound over the node's ranks, less room for its prefetches, at
+least one shard), so the smallest bound that always works is one largest shard per rank of the
 node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
+
+Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
+walk: cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for
+the rare caller (tests, a stage's end).
 
 The file layout and the locks are in ``cache_files``.
 """
@@ -27,13 +33,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 from ds_trhash.io import sha256_file
 
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache_files import CacheError
 from ds_trhash.data.stream.store import ShardStore
+from ds_trhash.data.stream.working_set import MappedShard
 
 GIB = 1024**3
 DEFAULT_CACHE_GB = 1.0
@@ -84,10 +91,11 @@ def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
 
 class ShardCache:
     def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, ExpectedShard],
-                 commit: str = "local", prefetch: int = 2) -> None:
+                 commit: str = "local", prefetch: int = 2, ranks_on_node: int = 1) -> None:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
+        self.hold_budget = self._hold_budget(shards, max(1, int(ranks_on_node)))
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
         self._shards = dict(shards)
@@ -100,9 +108,20 @@ class ShardCache:
         self._closed = False
         self._error: Optional[BaseException] = None
         self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
+        self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) at this process's last scan
+        self._holding: dict[Key, int] = {}  # holds this process has on each entry now
+        self._ready: set[Key] = set()  # entries the prefetcher found verified, not held since
         self.root.mkdir(parents=True, exist_ok=True)
+        self._resolved_root = self.root.resolve()
 
     # -- bookkeeping -------------------------------------------------------------------
+    def _hold_budget(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
+        """The bytes one reader may hold at once: its share of the bound, less room for the
+        prefetches it queues (a reader that held its whole share would leave them none), and
+        never less than one largest shard (the launch refuses a bound below one per rank)."""
+        largest = max((shard.size for shard in shards.values()), default=0)
+        return max(largest, self.max_bytes // ranks_on_node - self.prefetch_depth * largest)
+
     def _expected(self, key: Key) -> ExpectedShard:
         shard = self._shards.get(key)
         if shard is None:
@@ -112,24 +131,29 @@ class ShardCache:
                              f"({self.max_bytes}); raise data.cache_gb or {CACHE_ENV}")
         return shard
 
+    def expected_size(self, key: Key) -> int:
+        return self._expected(key).size
+
     def _count(self, name: str, amount: float = 1) -> None:
         with self._cond:
             self._counts[name] += amount
 
     def _reserve(self, path: Path, size: int, wait: bool) -> Optional[Path]:
-        """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of unpinned
-        entries); None for a prefetch that finds no room now."""
+        """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of entries no
+        reader holds); None for a prefetch that finds no room now."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             with cf.evict_lock(self.cache_dir):
-                used, entries = cf.scan(self.cache_dir)
+                used, files = cf.usage(self.cache_dir)
+                entries = cf.scan(self.cache_dir)[1] if used + size > self.max_bytes else []  # the LRU order
                 for _, victim in entries:
                     if used + size <= self.max_bytes:
                         break
                     victim_size = victim.stat().st_size if victim.exists() else 0
                     if victim != path and cf.try_evict(victim):
-                        used -= victim_size
+                        used, files = used - victim_size, files - 1
                         self._count("evictions")
+                self._usage_seen = (used, files)
                 if used + size <= self.max_bytes:
                     partial = cf.side(path, f"{cf.PARTIAL}{os.getpid()}-{threading.get_ident()}")
                     with open(partial, "wb") as f:
@@ -137,13 +161,15 @@ class ShardCache:
                     return partial
             if not wait:
                 return None
+            if self._closed:
+                raise CacheError(f"the shard cache {self.cache_dir} was closed while {path.name} waited for room")
             if time.monotonic() > deadline:
                 raise CacheError(f"no room for {path.name} in the cache {self.cache_dir} ({self.max_bytes} bytes) "
                                  f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
             time.sleep(0.05)
 
     def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
-        """Download and verify ``key`` into ``path``; the caller holds its download lock and pin."""
+        """Download and verify ``key`` into ``path``; the caller holds its download lock and the entry."""
         seen = []
         for attempt in range(2):
             partial = self._reserve(path, shard.size, wait)
@@ -168,15 +194,16 @@ class ShardCache:
             "restore it, or re-tokenize and re-plan")
 
     def _ensure(self, key: Key, wait: bool) -> bool:
-        """The entry is present and verified (fetched now if needed); the caller holds its pin."""
+        """The entry is present and verified (fetched now if needed); the caller holds it. Seconds
+        spent waiting count only for a read (``wait``), not for the prefetcher."""
         shard = self._expected(key)
-        path = cf.entry_path(self.root, *key)
+        path = cf.entry_path(self.root, *key, self._resolved_root)
         if cf.trusted(path, shard.sha256, shard.size):
             return True
         started = time.monotonic()
         with cf.download_lock(path):  # one download per node; the others wait here
             if cf.trusted(path, shard.sha256, shard.size):
-                self._count("waited_s", time.monotonic() - started)
+                self._count("waited_s", (time.monotonic() - started) if wait else 0.0)
                 return True
             for stale in path.parent.glob(f"{path.name}{cf.PARTIAL}*"):  # we hold its lock: a dead run's
                 stale.unlink(missing_ok=True)
@@ -193,51 +220,89 @@ class ShardCache:
         return done
 
     # -- public API --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def pinned(self, source: str, file: str) -> Iterator[Path]:
-        """A verified local copy of ``source/file``, pinned (never evicted) inside the block."""
+    def _acquire(self, source: str, file: str) -> tuple[Callable[[], None], Path]:
+        """A verified local copy of ``source/file`` (fetched now if needed) and the release of the
+        hold that keeps it from eviction until then. The names are checked (and the path
+        resolved) here."""
         self._raise_worker_error()
         key = (source, file)
-        path = cf.entry_path(self.root, source, file)
-        with cf.pinned(path):
+        path = cf.entry_path(self.root, source, file, self._resolved_root)
+        hold = cf.Hold(path)
+        with self._cond:
+            self._holding[key] = self._holding.get(key, 0) + 1
+            self._ready.discard(key)
+
+        def release() -> None:
+            hold.release()
+            with self._cond:
+                self._holding[key] -= 1
+                if not self._holding[key]:
+                    del self._holding[key]
+
+        try:
             shard = self._expected(key)
             try:
-                stamp = path.stat().st_mtime_ns
+                st: Optional[os.stat_result] = path.stat()
             except OSError:
-                stamp = None
-            if stamp is not None and self._seen.get(key) == stamp:  # verified here before, unchanged since
+                st = None
+            if st is not None and self._seen.get(key) == st.st_mtime_ns:  # verified here before, unchanged since
                 self._count("hits")
-            elif stamp is not None and cf.trusted(path, shard.sha256, shard.size):
+            elif st is not None and cf.trusted(path, shard.sha256, shard.size, st):
                 self._count("hits")
             else:
                 self._ensure(key, wait=True)
-            self._seen[key] = path.stat().st_mtime_ns
+                st = None
+            self._seen[key] = (st or path.stat()).st_mtime_ns
+        except BaseException:
+            release()
+            raise
+        return release, path
+
+    @contextlib.contextmanager
+    def held(self, source: str, file: str) -> Iterator[Path]:
+        """A verified local copy of ``source/file``, held (never evicted) inside the block."""
+        release, path = self._acquire(source, file)
+        try:
             yield path
+        finally:
+            release()
+
+    def hold_shard(self, source: str, file: str, seq_len: int) -> MappedShard:
+        """The verified entry, held and memory-mapped until the returned shard is released: how a
+        reader's working set takes a shard in (the entry is opened here, inside the cache)."""
+        release, path = self._acquire(source, file)
+        try:
+            return MappedShard((source, file), path, seq_len, on_release=release)
+        except BaseException:
+            release()
+            raise
 
     def get(self, source: str, file: str) -> Path:
-        """Path of a verified copy (fetched now if not cached); unpinned once this returns."""
-        with self.pinned(source, file) as path:
+        """Path of a verified copy (fetched now if not cached); no longer held once this returns."""
+        with self.held(source, file) as path:
             return path
 
-    def prefetch(self, upcoming: Iterable[Key]) -> None:
-        """Queue the next few shards (``prefetch`` of them) for a background download."""
+    def prefetch(self, upcoming: Iterable[Key]) -> bool:
+        """Queue the next few shards (``prefetch`` of them) for a background download, leaving out
+        those this process holds or has found verified since: it touches no file and wakes the
+        worker only when a shard comes into view. True when every shard left was queued (False:
+        more than ``prefetch`` were, ask again)."""
         if self.prefetch_depth == 0:
-            return
+            return True
         with self._cond:
             if self._closed:
                 raise CacheError("prefetch on a closed ShardCache")
-            wanted: list[Key] = []
-            for key in upcoming:
-                key = (key[0], key[1])
-                if key not in wanted:
-                    wanted.append(key)
-                if len(wanted) == self.prefetch_depth:
-                    break
+            left = [key for key in dict.fromkeys((k[0], k[1]) for k in upcoming)
+                    if key not in self._holding and key not in self._ready]
+            wanted = left[: self.prefetch_depth]
+            if not wanted or wanted == list(self._queue):
+                return len(left) == len(wanted)
             self._queue = deque(wanted)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
+            return len(left) == len(wanted)
 
     def _raise_worker_error(self) -> None:
         """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
@@ -254,12 +319,17 @@ class ShardCache:
                 key = self._queue.popleft()
                 self._busy += 1
             try:
-                path = cf.entry_path(self.root, *key)
+                path = cf.entry_path(self.root, *key, self._resolved_root)
                 shard = self._expected(key)
-                if not cf.trusted(path, shard.sha256, shard.size):
-                    with cf.pinned(path):
-                        if self._ensure(key, wait=False):
+                ready = cf.trusted(path, shard.sha256, shard.size)
+                if not ready:
+                    with cf.held(path):
+                        ready = self._ensure(key, wait=False)
+                        if ready:
                             self._count("prefetched")
+                if ready:
+                    with self._cond:
+                        self._ready.add(key)
             except ShardIntegrityError as exc:
                 self._error = exc
             except (CacheError, OSError):
@@ -279,11 +349,19 @@ class ShardCache:
         with cf.evict_lock(self.cache_dir):
             return cf.scan(self.cache_dir)[0]
 
+    def counters(self) -> dict:
+        """This process's counts, and the node's usage as its last scan found it ("bytes" and
+        "files" None before any): no lock taken, nothing walked."""
+        used, files = self._usage_seen or (None, None)
+        with self._cond:
+            return {"bytes": used, "files": files, "max_bytes": self.max_bytes, **self._counts}
+
     def stats(self) -> dict:
+        """``counters()`` with the usage walked now, under the eviction lock: for rare callers."""
         with cf.evict_lock(self.cache_dir):
             used, entries = cf.scan(self.cache_dir)
-        with self._cond:
-            return {"bytes": used, "files": len(entries), "max_bytes": self.max_bytes, **self._counts}
+        self._usage_seen = (used, len(entries))
+        return self.counters()
 
     def close(self) -> None:
         with self._cond:

@@ -1,4 +1,4 @@
-"""The cache directory's files: entry names, verified markers, pins, usage, stale partials.
+"""The cache directory's files: entry names, verified markers, holds, usage, stale partials.
 
 One cache directory serves every rank of a node. For a shard entry ``<root>/<source>/<file>``:
 
@@ -8,8 +8,10 @@ One cache directory serves every rank of a node. For a shard entry ``<root>/<sou
 - ``<file>.partial-<pid>-<thread>``: a download in flight, created at its full size so that the
   bytes it will take are counted from the first moment.
 - ``<file>.lock``: held (exclusive) by the one process downloading it; the other ranks wait.
-- ``<file>.pin``: held shared by every reader of the entry; eviction needs it exclusive (never
-  blocks), so a shard in use is never removed. Its mtime is the entry's last use (LRU order).
+- ``<file>.hold``: locked shared by every reader that holds the entry (for as long as the shard is
+  in its working set); eviction needs it exclusive (never blocks), so a shard in use is never
+  removed. Its mtime is the entry's last use (LRU order). (``<file>.pin``: the same file as
+  earlier versions named it; skipped, so an old cache directory is still read.)
 
 The names come from manifests and plans (untrusted input): each part must be a bare file name,
 and every path is checked to stay inside the cache directory before anything is created,
@@ -32,9 +34,13 @@ from ds_trhash.safe_names import UnsafeNameError, bare_name
 
 MARKER = ".verified.json"
 PARTIAL = ".partial-"
-LOCK, PIN = ".lock", ".pin"
+LOCK, HOLD = ".lock", ".hold"
+OLD_HOLD = ".pin"  # what earlier versions called the hold file
 EVICT_LOCK = ".evict.lock"
-_SIDE = (MARKER, LOCK, PIN)
+# How often a waiter retries a held lock: the default 50 ms made a read that met its shard being
+# prefetched (or the eviction lock taken) wait up to 50 ms more than the download took.
+LOCK_POLL_S = 0.002
+_SIDE = (MARKER, LOCK, HOLD, OLD_HOLD)
 _PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")  # exactly the partials the cache names (partial_path)
 
 
@@ -42,8 +48,9 @@ class CacheError(UserError, ValueError):
     """The cache cannot serve a shard (unknown shard, too small a bound, a name that escapes)."""
 
 
-def entry_path(root: Path, source: str, file: str) -> Path:
-    """``root/source/file`` for bare names only; refuses anything that would land elsewhere."""
+def entry_path(root: Path, source: str, file: str, resolved_root: Optional[Path] = None) -> Path:
+    """``root/source/file`` for bare names only; refuses anything that would land elsewhere
+    (``resolved_root``: ``root.resolve()``, when the caller knows it already)."""
     for what, name in (("source", source), ("file", file)):
         try:
             bare_name(name, f"shard {what} name")
@@ -51,7 +58,7 @@ def entry_path(root: Path, source: str, file: str) -> Path:
             raise CacheError(f"shard {what} name {name!r} is not a bare file name; the plan or manifest naming it "
                              f"is malformed ({exc})") from None
     path = root / source / file
-    if not path.resolve().is_relative_to(root.resolve()):
+    if not path.resolve().is_relative_to(resolved_root or root.resolve()):
         raise CacheError(f"cache entry {path} would lie outside the cache directory {root}")
     return path
 
@@ -68,10 +75,11 @@ def read_marker(path: Path) -> Optional[dict]:
     return doc if isinstance(doc, dict) else None
 
 
-def trusted(path: Path, sha256: str, size: int) -> bool:
-    """The entry is complete and its marker still describes it (no hashing)."""
+def trusted(path: Path, sha256: str, size: int, st: Optional[os.stat_result] = None) -> bool:
+    """The entry is complete and its marker still describes it (no hashing); ``st``: its stat,
+    when the caller took it already."""
     try:
-        st = path.stat()
+        st = st or path.stat()
     except OSError:
         return False
     marker = read_marker(path)
@@ -87,28 +95,40 @@ def write_marker(partial: Path, final: Path, sha256: str, size: int) -> None:
     os.replace(tmp, side(final, MARKER))
 
 
-def touch(path: Path) -> None:
-    pin = side(path, PIN)
-    pin.touch()
-    os.utime(pin)
+class Hold:
+    """A shared lock on an entry's hold file (created if needed), taken now and kept until
+    ``release``: while any reader holds it, the entry is never evicted. Taking it marks the
+    entry's last use."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: Optional[int] = os.open(side(path, HOLD), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            os.utime(self._fd)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing drops the lock
 
 
 @contextlib.contextmanager
-def pinned(path: Path) -> Iterator[None]:
-    """Hold a shared pin on an entry (created if needed) for the block's duration."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+def held(path: Path) -> Iterator[None]:
+    """Hold an entry for the block's duration."""
+    hold = Hold(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.utime(fd)
         yield
     finally:
-        os.close(fd)  # closing drops the lock
+        hold.release()
 
 
 def try_evict(path: Path) -> bool:
-    """Remove an unpinned entry and its marker; False when some reader holds its pin."""
-    fd = os.open(side(path, PIN), os.O_RDWR | os.O_CREAT, 0o644)
+    """Remove an entry no reader holds, and its marker; False when some reader holds it."""
+    fd = os.open(side(path, HOLD), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -123,11 +143,11 @@ def try_evict(path: Path) -> bool:
 
 def download_lock(path: Path) -> FileLock:
     path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(side(path, LOCK)), is_singleton=False, preserve_lock_file=True)
+    return FileLock(str(side(path, LOCK)), is_singleton=False, preserve_lock_file=True, poll_interval=LOCK_POLL_S)
 
 
 def evict_lock(cache_dir: Path) -> FileLock:
-    return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True)
+    return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True, poll_interval=LOCK_POLL_S)
 
 
 def is_stale_partial(path: Path) -> bool:
@@ -142,30 +162,48 @@ def is_stale_partial(path: Path) -> bool:
     return True
 
 
-def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
-    """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
-    entries); stale partials are deleted on the way (they count no more) unless ``prune`` is
-    false: an observer that only measures (it then counts them, and takes no download's lock)."""
-    used, entries = 0, []
+def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
+    """(path, bytes, complete) of every entry and partial download under the cache, as plain
+    strings (a walk runs at every download: no path objects per file); stale partials are
+    deleted on the way (they count no more) unless ``prune`` is false."""
     for folder, _, names in os.walk(cache_dir):
         for name in names:
-            path = Path(folder) / name
-            if prune and _PARTIAL_NAME.search(name) and is_stale_partial(path):
-                path.unlink(missing_ok=True)
+            full = os.path.join(folder, name)
+            partial = _PARTIAL_NAME.search(name) is not None
+            if prune and partial and is_stale_partial(Path(full)):
+                Path(full).unlink(missing_ok=True)
                 continue
             if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
                 continue  # a few hundred bytes of bookkeeping per entry, not counted
-            partial = _PARTIAL_NAME.search(name) is not None
-            if not partial and not side(path, MARKER).is_file():
+            if not partial and not os.path.isfile(full + MARKER):
                 continue  # not written by the cache (no verified marker): never counted, replaced or evicted
             try:
-                used += path.stat().st_size
+                size = os.stat(full).st_size
             except OSError:
                 continue
-            if not partial:
-                try:
-                    last = side(path, PIN).stat().st_mtime
-                except OSError:
-                    last = 0.0
-                entries.append((last, path))
+            yield full, size, not partial
+
+
+def usage(cache_dir: Path, prune: bool = True) -> tuple[int, int]:
+    """(bytes of every entry and partial download, complete entries): ``scan`` without the order."""
+    used = entries = 0
+    for _, size, complete in _counted(cache_dir, prune):
+        used, entries = used + size, entries + complete
+    return used, entries
+
+
+def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
+    """(bytes of every entry and partial download under the cache, [(last use, entry)] of complete
+    entries, least recently used first); stale partials are deleted on the way (they count no
+    more) unless ``prune`` is false: an observer that only measures (it then counts them, and
+    takes no download's lock)."""
+    used, entries = 0, []
+    for full, size, complete in _counted(cache_dir, prune):
+        used += size
+        if complete:
+            try:
+                last = os.stat(full + HOLD).st_mtime
+            except OSError:
+                last = 0.0
+            entries.append((last, Path(full)))
     return used, sorted(entries)

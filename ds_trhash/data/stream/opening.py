@@ -145,8 +145,12 @@ class Corpus:
                 f"fetched ahead; the smallest bound that works is {need} bytes = {need / GIB:.6g} GiB; raise "
                 f"data.cache_gb or {CACHE_ENV}")
 
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS) -> ShardCache:
-        return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch)
+    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS,
+                   ranks_on_node: int = 1) -> ShardCache:
+        """The node's cache of this corpus; each of the node's ``ranks_on_node`` readers holds at
+        most its share of ``max_bytes`` at once."""
+        return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch,
+                          ranks_on_node=ranks_on_node)
 
 
 def _shown(problems: list[str]) -> str:

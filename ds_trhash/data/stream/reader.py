@@ -16,11 +16,15 @@ how far a run got, so a resume only needs the global row cursor:
 Step s of global batch G covers global rows [s·G, (s+1)·G); micro-step m of rank r takes
 the ``micro_batch`` rows starting at s·G + (m·world_size + r)·micro_batch. The set of rows
 in an optimizer step therefore depends on G only.
+
+Shards are read through a working set (``working_set``): a shard is checked, held and mapped
+once when a micro-batch of this rank first needs it, and released once its last few
+micro-batches have not read it and the next ones (those it prefetches for) do not need it, so a
+micro-batch of shards already in the set touches no file.
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -30,21 +34,25 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
-from ds_trhash.data.formats.layout import sources_dir
+from ds_trhash.data.formats.layout import shard_path_under, sources_dir
 from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
-from ds_trhash.data.formats.shards import read_rows
 from ds_trhash.data.formats.tokenizer import PathLike
+from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 
 
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 2
+_LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched (and stay in the working set)
+_RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
+_ROWS_MEMO = 16
 
 RowRef = tuple[str, str, int]  # (source, file, row within the file)
+Key = tuple[str, str]
 
 
 class ReaderError(UserError, ValueError):
@@ -156,6 +164,13 @@ class ReplayReader:
         self.num_rows = start
         self._segment_starts = [segment.start for segment in self.segments]
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
+        self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
+        self._prefetched: Optional[tuple] = None  # what the last complete prefetch call was for
+        self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look, and the first row of
+        self._looked_next: Optional[int] = None  # the micro-batch after it (which reuses that look)
+        self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
+        budget = cache.hold_budget if cache is not None else None
+        self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
 
     # -- order -------------------------------------------------------------------------
     def _window_size(self) -> int:
@@ -207,14 +222,24 @@ class ReplayReader:
     # -- batches -----------------------------------------------------------------------
     @staticmethod
     def _first_row(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> int:
-        global_batch = micro_batch * grad_accum * world_size
-        return step * global_batch + (micro_step * world_size + rank) * micro_batch
+        return step * step_rows(micro_batch, grad_accum, world_size) + (micro_step * world_size + rank) * micro_batch
 
-    def _pinned(self, source: str, file: str):
-        """The shard's local path, pinned in the cache (never evicted) while it is read."""
+    def _open_shard(self, key: Key) -> MappedShard:
+        """A shard entering the working set: held and mapped by the cache, or mapped from the
+        shard directory (its names checked where they are read)."""
+        source, file = key
         if self.cache is not None:
-            return self.cache.pinned(source, file)
-        return contextlib.nullcontext(self.shards_dir / source / file)
+            return self.cache.hold_shard(source, file, self.seq_len)
+        return MappedShard(key, shard_path_under(self.shards_dir, source, file), self.seq_len)
+
+    @property
+    def shard_wait_s(self) -> float:
+        """Seconds spent bringing shards into the working set (checks, holds, downloads waited for)."""
+        return self._working.open_s
+
+    def close(self) -> None:
+        """Release every shard of the working set (the cache itself is its owner's to close)."""
+        self._working.close()
 
     def batch(
         self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
@@ -227,35 +252,91 @@ class ReplayReader:
             )
         if not 0 <= micro_step < grad_accum or step < 0:
             raise ReaderError(f"micro_step {micro_step} must lie in [0, {grad_accum}) and step {step} be >= 0")
-        global_batch = micro_batch * grad_accum * world_size
+        global_batch = step_rows(micro_batch, grad_accum, world_size)
         if (step + 1) * global_batch > self.num_rows:
             raise ReaderError(
                 f"step {step} needs global rows up to {(step + 1) * global_batch}, but the plan holds "
                 f"{self.num_rows} rows; automatic dataset repetition is forbidden"
             )
         first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
-        refs = self.global_rows(first, micro_batch)
+        refs = self._rows_at(first, micro_batch)[0]
         windows = self._read(refs)
+        upcoming: tuple[Key, ...] = ()
         if self.cache is not None:
-            self._plan_cache(refs, step, micro_step, rank, world_size, micro_batch, grad_accum)
+            upcoming = self._look_ahead(first, step, micro_step, rank, world_size, micro_batch, grad_accum)
+        self._working.next_read(_RECENT_MICRO_BATCHES, upcoming)
         tensor = torch.from_numpy(windows)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
+    def _look_ahead(self, first: int, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
+                    grad_accum: int) -> tuple[Key, ...]:
+        """The shards of the next micro-batches (kept in the working set), prefetched with those
+        of the next window. Looked at every other micro-batch of a sequential read: the one right
+        after a look was in it, and so is its successor."""
+        if first == self._looked_next:
+            self._looked_next = None
+            return self._looked
+        upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
+        self._looked = upcoming
+        self._prefetch(upcoming, self._window_ahead(first, rank, world_size, micro_batch, grad_accum))
+        return upcoming
+
+    def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
+        """The next micro-batches' shards first, then this rank's of the next shuffle window (all
+        of a window's shards are wanted at its first rows: the micro-batches alone see them too
+        late). The cache skips what it holds or has fetched; asked again only when that changes."""
+        wanted = (frozenset(upcoming), ahead)  # the same shards in another order: nothing new to queue
+        if wanted != self._prefetched:
+            complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
+            self._prefetched = wanted if complete is not False else None
+
+    def _window_ahead(self, first: int, rank: int, world_size: int, micro_batch: int,
+                      grad_accum: int) -> tuple[Key, ...]:
+        """The shards of this rank's rows in the window after the one holding global row
+        ``first``, within its segment (() at a segment's last window), in order of first use."""
+        index = bisect.bisect_right(self._segment_starts, first) - 1
+        segment, size = self.segments[index], self._window_size()
+        window = (first - segment.start) // size + 1
+        if window * size >= segment.length:
+            return ()
+        memo_key = (index, window, rank, world_size, micro_batch, grad_accum)
+        if memo_key not in self._ahead_memo:
+            start, rows = segment.start + window * size, step_rows(micro_batch, grad_accum, world_size)
+            mine = (ref[:2] for i, ref in enumerate(self._window(index, window))
+                    if ((start + i) % rows // micro_batch) % world_size == rank)
+            self._ahead_memo = {memo_key: tuple(dict.fromkeys(mine))}  # one window at a time
+        return self._ahead_memo[memo_key]
+
     def _read(self, refs: list[RowRef]) -> np.ndarray:
-        """Read the rows, one memory-mapped pass per shard file."""
+        """Read the rows from the working set's maps, shard by shard."""
         out = np.empty((len(refs), self.seq_len + 1), dtype=np.int64)
-        by_file: dict[tuple[str, str], list[int]] = {}
-        for index, (source, file, _) in enumerate(refs):
-            by_file.setdefault((source, file), []).append(index)
-        for (source, file), indices in by_file.items():
-            with self._pinned(source, file) as path:
-                out[indices] = read_rows(path, [refs[i][2] for i in indices], self.seq_len)
+        by_file: dict[Key, tuple[list[int], list[int]]] = {}
+        for index, (source, file, row) in enumerate(refs):
+            positions, rows = by_file.setdefault((source, file), ([], []))
+            positions.append(index)
+            rows.append(row)
+        for key, (positions, rows) in by_file.items():
+            self._working.get(key).read_into(out, positions, rows)
         return out
 
-    def _plan_cache(self, refs: list[RowRef], step: int, micro_step: int, rank: int, world_size: int,
-                    micro_batch: int, grad_accum: int) -> None:
-        """Prefetch this rank's next micro-batches' shards, in plan order."""
-        upcoming: list[tuple[str, str]] = []
+    def _rows_at(self, first: int, count: int) -> tuple[list[RowRef], tuple[Key, ...]]:
+        """Global rows [first, first + count) and their shards in order of first use, remembered
+        for the few micro-batches that are looked ahead at before they are read."""
+        found = self._rows_memo.get((first, count))
+        if found is None:
+            refs = self.global_rows(first, count)
+            found = refs, tuple(dict.fromkeys((s, f) for s, f, _ in refs))
+            self._rows_memo[(first, count)] = found
+            if len(self._rows_memo) > _ROWS_MEMO:
+                self._rows_memo.popitem(last=False)
+        return found
+
+    def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
+                  grad_accum: int) -> tuple[tuple[Key, ...], Optional[int]]:
+        """(the shards of this rank's next few micro-batches in plan order, the first row of the
+        next one or None at the plan's end)."""
+        upcoming: tuple[Key, ...] = ()
+        following = None
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
@@ -263,7 +344,7 @@ class ReplayReader:
             first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
-            for source, file, _ in self.global_rows(first, micro_batch):
-                if (source, file) not in upcoming:
-                    upcoming.append((source, file))
-        self.cache.prefetch(upcoming)
+            following = first if following is None else following
+            keys = self._rows_at(first, micro_batch)[1]
+            upcoming = upcoming + tuple(k for k in keys if k not in upcoming) if upcoming else keys
+        return upcoming, following

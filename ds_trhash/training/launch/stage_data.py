@@ -4,8 +4,9 @@
 asks the data package its one question (``data.stream.shared_corpus``: the store's commit, every
 planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
 and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
-builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining reader
-and its shard cache are created only by ``StageData.start``, once every launch check has passed.
+builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining stream
+(its reader, background assembly and shard cache) is created only by ``StageData.start``, once
+every launch check has passed, and closed by ``StageData.stop``, which the trainer calls in a ``finally``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
@@ -26,7 +28,7 @@ from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.stream.store.staged import STAGING_DIR, StagedStore
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.steps import BatchLayout, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -71,6 +73,8 @@ class StageData:
     describe: str = ""
     # Creates what reading needs on disk (the shard cache); called once every check has passed.
     start: Callable[[], None] | None = None
+    # Closes what ``start`` opened (the stream's thread, the shard cache); the trainer's ``finally``.
+    stop: Callable[[], None] | None = None
 
 
 def embedded_root(cfg: tcfg.TrainConfig) -> Path:
@@ -170,8 +174,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     check_tokenizer_matches(tokenizer_dir, recorded)
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
-    max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
-    corpus.check_cache_bound(max_bytes, ranks_on_node(world), f"data.cache_gb / {CACHE_ENV}")
+    max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
+    corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
     _share_downloads(corpus, cfg, rank, world)
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
@@ -186,10 +190,12 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
 
     def start() -> None:
         # One cache per node: every rank of this node opens the same folder; each shard is
-        # downloaded once and verified (size and SHA-256) before any rank reads it.
-        cache = corpus.open_cache(claim(cache_dir), max_bytes)
-        reader = ReplayReader(plan, None, cfg.seed, cache=cache)
-        data.batches = PretrainBatches(reader, cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+        # downloaded once and verified (size and SHA-256) before any rank reads it. The next
+        # steps' batches are assembled in the background, in pinned memory on CUDA.
+        layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+        stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
+                             pin_memory=torch.cuda.is_available(), end=data.total_steps)
+        data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
     return data

@@ -1,4 +1,4 @@
-"""The node cache over a local store: the bound, LRU eviction, pins, markers, several processes
+"""The node cache over a local store: the bound, LRU eviction, holds, markers, several processes
 sharing one directory, a download killed with SIGKILL, names that would escape the directory."""
 from __future__ import annotations
 
@@ -59,15 +59,15 @@ def test_bound_is_never_exceeded_and_the_least_recently_used_goes_first(store, t
     cache.close()
 
 
-def test_a_pinned_shard_is_never_evicted(store, tmp_path):
+def test_a_held_shard_is_never_evicted(store, tmp_path):
     cache = cache_for(store, tmp_path / "cache", SHARD_BYTES, prefetch=0)
-    with cache.pinned("a", "shard-00000.bin") as path:
+    with cache.held("a", "shard-00000.bin") as path:
         other = cache_for(store, tmp_path / "cache", SHARD_BYTES, prefetch=0)
         other.prefetch_depth = 1
         other.prefetch([("a", "shard-00001.bin")])  # a prefetch finds no room and gives up
         assert other.wait_idle() and path.exists() and other.stats()["prefetched"] == 0
         other.close()
-    cache.get("a", "shard-00001.bin")  # unpinned now: evicted for the next one
+    cache.get("a", "shard-00001.bin")  # no longer held: evicted for the next one
     assert not path.exists() and cache.stats()["evictions"] == 1
 
 
@@ -111,7 +111,7 @@ def test_markers_spare_a_later_run_the_hashing_and_catch_a_changed_entry(store, 
 def _reader(root, cache_dir, limit, keys, samples):
     cache = cache_for(root, cache_dir, limit)
     for key in keys:
-        with cache.pinned(*key) as path:
+        with cache.held(*key) as path:
             assert path.stat().st_size == SHARD_BYTES
         cache.prefetch(keys[keys.index(key) + 1:])
         samples.put(cache.usage())

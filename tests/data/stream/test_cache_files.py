@@ -8,7 +8,8 @@ from ds_trhash.data.stream import cache_files as cf
 
 def test_entry_paths_stay_inside_the_cache(tmp_path):
     assert cf.entry_path(tmp_path, "web", "tokens-00000.bin") == tmp_path / "web" / "tokens-00000.bin"
-    for source, file in [("..", "x"), ("web", "../x"), ("web", "a/b"), ("web", "x.pin"), ("web", "x.partial-1")]:
+    for source, file in [("..", "x"), ("web", "../x"), ("web", "a/b"), ("web", "x.pin"), ("web", "x.hold"),
+                         ("web", "x.partial-1")]:
         with pytest.raises(cf.CacheError, match="not a bare file name"):
             cf.entry_path(tmp_path, source, file)
     (tmp_path / "out").symlink_to(tmp_path.parent)
@@ -28,15 +29,15 @@ def test_a_marker_vouches_only_for_the_file_it_describes(tmp_path):
     assert not cf.trusted(final, "h", 4)
 
 
-def test_a_pinned_entry_cannot_be_evicted(tmp_path):
+def test_a_held_entry_cannot_be_evicted(tmp_path):
     entry = tmp_path / "s" / "f.bin"
     entry.parent.mkdir()
     entry.write_bytes(b"x")
-    with cf.pinned(entry):
+    with cf.held(entry):
         assert not cf.try_evict(entry) and entry.exists()
     assert cf.try_evict(entry) and not entry.exists()
-    fd = os.open(cf.side(entry, cf.PIN), os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the pin file is kept (never unlinked under a reader)
+    fd = os.open(cf.side(entry, cf.HOLD), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the hold file is kept (never unlinked under a reader)
     os.close(fd)
 
 

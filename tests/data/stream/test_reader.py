@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-import contextlib
-
 from ds_trhash.data.plans.plan import derive_refinement
 from ds_trhash.data.plans.build import build_plan
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
 from ds_trhash.data.stream.opening import CorpusError, check_plan_manifests, open_corpus
 from ds_trhash.data.formats.shards import load_manifests, read_rows, write_shards
+from ds_trhash.data.stream.working_set import MappedShard
 
 L, R = 4, 5
 
@@ -131,12 +130,17 @@ def test_no_batch_beyond_the_plan(corpus):
 class RecordingCache:
     """Stands in for ShardCache to observe which shards a rank asks for."""
 
+    hold_budget = None
+
     def __init__(self, root):
         self.root, self.got, self.prefetched = root, set(), []
 
-    def pinned(self, source, file):
+    def expected_size(self, key):
+        return (self.root / key[0] / key[1]).stat().st_size
+
+    def hold_shard(self, source, file, seq_len):
         self.got.add((source, file))
-        return contextlib.nullcontext(self.root / source / file)
+        return MappedShard((source, file), self.root / source / file, seq_len)
 
     def prefetch(self, upcoming):
         self.prefetched.append(list(upcoming))

@@ -64,7 +64,7 @@ def test_persistent_faults_stop_naming_the_file_and_endpoint(hub_corpus, tmp_pat
     with pytest.raises(ShardIntegrityError, match=r"shard a/shard-00001.bin from .*two downloads hashed [0-9a-f]{64} "
                                                   r"and [0-9a-f]{64}, its manifest records sha256"):
         cache.get("a", "shard-00001.bin")
-    assert not [p for p in (tmp_path / "cache").rglob("shard-00001.bin*") if not p.name.endswith((".lock", ".pin"))]
+    assert not [p for p in (tmp_path / "cache").rglob("shard-00001.bin*") if not p.name.endswith((".lock", ".hold"))]
 
 
 def test_missing_shard_is_refused_at_open_naming_it(hub_corpus, tmp_path):

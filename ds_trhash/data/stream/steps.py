@@ -1,0 +1,155 @@
+"""One rank's stream of micro-batches, step after step: what a training step reads.
+
+``RankStream`` cuts each step's micro-batches from the plan's reader (``reader``), one step or two
+ahead of the step being trained, on a background thread (``assembly``), in pinned host memory
+when the launch trains on CUDA. It owns what the reading holds: ``close`` (or leaving its
+``with`` block) stops the thread, closes the node cache and releases every shard, and the launch
+calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
+(``DataFigures``): counters only, no file walked, cheap enough to ask at every step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ds_trhash.batch_layout import step_rows
+from ds_trhash.data.stream.assembly import Ahead
+from ds_trhash.data.stream.reader import ReplayReader
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
+DEFAULT_AHEAD = 2
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the global batch is cut: step s covers global rows [s·G, (s+1)·G) whatever the world size."""
+    micro_batch: int
+    grad_accum: int
+    rank: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return step_rows(self.micro_batch, self.grad_accum, self.world_size)
+
+
+@dataclass(frozen=True)
+class DataFigures:
+    """What this process's reading cost so far. The training thread waited ``queue_wait_s`` (a part
+    of its step time) for steps that were not yet assembled; assembling them took ``read_s``
+    (cutting rows into tensors) plus ``shard_wait_s`` (bringing shards into the working set:
+    checks, holds, downloads waited for), two parts of ``assembly_s``. Cache figures are this
+    process's counts; ``cache_bytes`` / ``cache_files`` are the node's usage as its last scan saw
+    it (None before any, or without a cache)."""
+    rank: int
+    steps: int
+    background: bool
+    queue_wait_s: float
+    read_s: float
+    shard_wait_s: float
+    cached: bool = False
+    fetched: int = 0  # shards downloaded because a read needed them
+    prefetched: int = 0
+    hits: int = 0  # shards found verified in the cache as they entered the working set
+    evictions: int = 0
+    cache_bytes: Optional[int] = None
+    cache_files: Optional[int] = None
+    max_bytes: Optional[int] = None
+
+    @property
+    def assembly_s(self) -> float:
+        return self.read_s + self.shard_wait_s
+
+
+class RankStream:
+    def __init__(self, reader: ReplayReader, layout: BatchLayout, ahead: int = DEFAULT_AHEAD,
+                 pin_memory: bool = False, end: Optional[int] = None) -> None:
+        """``ahead``: steps assembled in the background (0: on the caller's thread, as it asks);
+        ``end``: the step the stage stops before (nothing is assembled ahead from there)."""
+        self.reader, self.layout, self.pin_memory = reader, layout, pin_memory
+        self._ahead: Optional[Ahead] = Ahead(self._assemble, ahead, end) if ahead > 0 else None
+        self._lock = threading.Lock()
+        self._assembly_s = self._shard_s = self._sync_wait_s = 0.0
+        self._steps = 0
+        self.closed = False
+
+    def _assemble(self, step: int) -> list[Batch]:
+        started = time.perf_counter()
+        layout, out = self.layout, []
+        for micro in range(layout.grad_accum):
+            inputs, labels = self.reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch,
+                                               layout.grad_accum)
+            if self.pin_memory:  # the copy to the device then runs asynchronously
+                inputs, labels = inputs.pin_memory(), labels.pin_memory()
+            out.append((inputs, labels))
+        with self._lock:  # both at once: the figures always add up
+            self._assembly_s += time.perf_counter() - started
+            self._shard_s = self.reader.shard_wait_s
+        return out
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of optimizer step ``step``, in micro-step order."""
+        if self.closed:
+            raise RuntimeError("batches asked of a closed RankStream")
+        if self._ahead is not None:
+            batches = self._ahead.get(step)
+        else:
+            started = time.perf_counter()
+            batches = self._assemble(step)
+            self._sync_wait_s += time.perf_counter() - started
+        self._steps += 1
+        return batches
+
+    def figures(self) -> DataFigures:
+        with self._lock:
+            assembly, shard = self._assembly_s, self._shard_s
+        waited = self._ahead.wait_s if self._ahead is not None else self._sync_wait_s
+        common = dict(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
+                      queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
+        cache = self.reader.cache
+        if cache is None:
+            return DataFigures(**common)
+        c = cache.counters()
+        return DataFigures(**common, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
+                           evictions=c["evictions"], cache_bytes=c["bytes"], cache_files=c["files"],
+                           max_bytes=c["max_bytes"])
+
+    def close(self) -> None:
+        """Stop the background thread, close the cache (its prefetcher joined, a wait for room cut
+        short), release every shard. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._ahead is not None:
+                self._ahead.request_stop()
+            if self.reader.cache is not None:
+                self.reader.cache.close()
+            if self._ahead is not None:
+                self._ahead.close()
+        finally:
+            if self._ahead is None or not self._ahead.running:  # never under a thread still reading
+                self.reader.close()
+
+    def __enter__(self) -> "RankStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
+                ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None) -> RankStream:
+    """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``);
+    a failure after the cache opened closes it again."""
+    cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node)
+    try:
+        return RankStream(ReplayReader(plan, None, seed, cache=cache), layout, ahead=ahead, pin_memory=pin_memory,
+                          end=end)
+    except BaseException:
+        cache.close()
+        raise
