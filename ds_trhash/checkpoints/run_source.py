@@ -59,9 +59,11 @@ def model_of_run(run: str | os.PathLike, flag: str, log: Callable[[str], None]) 
             log(f"{flag} {src}: the completed stage's last checkpoint is gone (cleanup); using its {src / FINAL_DIR}")
             return src / FINAL_DIR
     for info in reversed(found):
-        if trusted(info.path)[0]:  # verified, and its own records agree
+        ok, why = trusted(info.path)  # verified, and its own records agree
+        if ok:
             log(f"{flag} {src}: the run's final complete checkpoint is {info.path}")
             return info.path
+        log(f"{flag} {src}: {info.name} is {why}, passed over")
     listing = "; ".join(f"{c.name} is {trusted(c.path)[1]}" for c in found) or "none at all"
     raise CheckpointError(f"{flag} {src} is a run directory without a complete checkpoint or {FINAL_DIR}/ "
                           f"({listing}); pass a checkpoint directory (<run>/checkpoints/step_N) or an export")

@@ -60,5 +60,5 @@ def test_init_checkpoint_of_a_run_passes_over_an_inconsistent_last_step(tmp_path
     assert "step_00000004 is inconsistent (data_cursor is 0" in lines[0] and "passed over" in lines[0]
     only = tmp_path / "only"
     save(only, 4, trainer_state=consistent(4, data_cursor=0), write_engine_state=engine(4))
-    with pytest.raises(LaunchCheckError, match=r"without a complete checkpoint \(step_00000004 is inconsistent"):
+    with pytest.raises(LaunchCheckError, match=r"without a complete checkpoint or final/ \(step_00000004 is inconsistent"):
         resolve_init_checkpoint(only, log=log)
