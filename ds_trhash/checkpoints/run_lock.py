@@ -152,8 +152,8 @@ def _open(out: Path) -> tuple[int, bool, bool]:
         out.mkdir(parents=True, exist_ok=True)
         return os.open(out / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644), created, existed
     except OSError as exc:
-        raise CheckpointError(f"cannot create the run lock {out / RUN_LOCK}: {exc.strerror or exc}; choose a "
-                              "writable --output-dir") from None
+        raise CheckpointError(f"cannot write to {out}: {exc.strerror or exc}; choose a writable --output-dir "
+                              f"(cannot create the run lock {out / RUN_LOCK})") from None
 
 
 def _still_named(fd: int, path: Path) -> bool:
