@@ -98,6 +98,63 @@ def _run_ds_to_universal(source_tag_dir: Path, out_tag_dir: Path, log_path: Path
         ds_to_universal.main(args)
 
 
+def _remove_interrupted_conversions(reshard_dir: Path) -> None:
+    """Delete the ``*.tmp`` folders of conversions a crash interrupted: they were never published,
+    and each holds a full copy of the optimizer state."""
+    if reshard_dir.is_dir():
+        for stale in reshard_dir.iterdir():
+            if ".tmp" in stale.name and stale.is_dir():
+                shutil.rmtree(stale)
+
+
+def _convert_into(ckpt: Path, tmp: Path) -> None:
+    """Run DeepSpeed's converter on ``ckpt`` into ``tmp``; a failure is raised with the end of
+    ``convert.log``, where the converter printed what it choked on."""
+    try:
+        _run_ds_to_universal(ckpt / ENGINE_TAG, tmp / ENGINE_TAG, tmp / "convert.log")
+    except Exception as exc:
+        tail = (tmp / "convert.log").read_text(encoding="utf-8", errors="replace")[-2000:] \
+            if (tmp / "convert.log").is_file() else ""
+        raise CheckpointError(f"DeepSpeed's universal conversion of {ckpt} failed: {exc!r}\n{tail}") from exc
+
+
+def _convert_and_publish(ckpt: Path, step: int, target: Path, source_sha: str, log: Log) -> None:
+    """Convert into ``<target>.tmp`` and rename it to ``target`` only once ``UNIVERSAL.json`` (the
+    source manifest's hash, every converted file's size and SHA-256) is on disk, so a half-done
+    conversion is never taken for a finished one."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    log(f"--reshard: converting {ckpt} to DeepSpeed's universal format in {target}")
+    _convert_into(ckpt, tmp)
+    write_json(tmp / UNIVERSAL_RECORD, {
+        "format": UNIVERSAL_FORMAT, "source": str(ckpt.resolve()), "source_manifest_sha256": source_sha,
+        "step": step, "source_world_size": int(read_trainer_state(ckpt)["world_size"]),
+        "files": _synced_entries(tmp)})
+    fsync_tree(tmp)
+    publish_dir(tmp, target, replace=False)
+    log(f"--reshard: converted in {time.perf_counter() - t0:.1f}s")
+
+
+def _ensure_universal(ckpt: Path, step: int, target: Path, log: Log) -> None:
+    """Rank 0's part of ``convert_to_universal``: verify the source right before using it, then
+    reuse a finished conversion of exactly this source or replace whatever else is at ``target``."""
+    ok, reason = verify(ckpt)
+    if not ok:
+        raise ResumeError(f"cannot reshard {ckpt}: it is {reason}")
+    source_sha = sha256_file(ckpt / MANIFEST)
+    _remove_interrupted_conversions(target.parent)
+    reuse, why = _universal_record_ok(target, source_sha) if target.is_dir() else (False, "absent")
+    if reuse:
+        log(f"--reshard: reusing the universal conversion {target}")
+        return
+    if target.exists():
+        log(f"--reshard: discarding {target} ({why}); converting again")
+        remove_dir(target)
+    _convert_and_publish(ckpt, step, target, source_sha, log)
+
+
 def convert_to_universal(
     ckpt_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -121,39 +178,7 @@ def convert_to_universal(
     error: BaseException | None = None
     if rank == 0:
         try:
-            ok, reason = verify(ckpt)
-            if not ok:
-                raise ResumeError(f"cannot reshard {ckpt}: it is {reason}")
-            source_sha = sha256_file(ckpt / MANIFEST)
-            if target.parent.is_dir():  # conversions interrupted by a crash
-                for stale in target.parent.iterdir():
-                    if ".tmp" in stale.name and stale.is_dir():
-                        shutil.rmtree(stale)
-            reuse, why = _universal_record_ok(target, source_sha) if target.is_dir() else (False, "absent")
-            if reuse:
-                log(f"--reshard: reusing the universal conversion {target}")
-            else:
-                if target.exists():
-                    log(f"--reshard: discarding {target} ({why}); converting again")
-                    remove_dir(target)
-                tmp = target.with_name(target.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                t0 = time.perf_counter()
-                log(f"--reshard: converting {ckpt} to DeepSpeed's universal format in {target}")
-                try:
-                    _run_ds_to_universal(ckpt / ENGINE_TAG, tmp / ENGINE_TAG, tmp / "convert.log")
-                except Exception as exc:
-                    tail = (tmp / "convert.log").read_text(encoding="utf-8", errors="replace")[-2000:] \
-                        if (tmp / "convert.log").is_file() else ""
-                    raise CheckpointError(f"DeepSpeed's universal conversion of {ckpt} failed: {exc!r}\n{tail}") from exc
-                write_json(tmp / UNIVERSAL_RECORD, {
-                    "format": UNIVERSAL_FORMAT, "source": str(ckpt.resolve()), "source_manifest_sha256": source_sha,
-                    "step": step, "source_world_size": int(read_trainer_state(ckpt)["world_size"]),
-                    "files": _synced_entries(tmp)})
-                fsync_tree(tmp)
-                publish_dir(tmp, target, replace=False)
-                log(f"--reshard: converted in {time.perf_counter() - t0:.1f}s")
+            _ensure_universal(ckpt, step, target, log)
         except BaseException as exc:  # reach the barrier first, so no rank waits forever
             error = exc
     barrier()

@@ -109,6 +109,78 @@ def _describe_global_batch(g: tuple[int, int, int, int] | None, world_size: int)
     return f"{g[0]} rows per step (micro_batch {g[1]} × grad_accum {g[2]} × {g[3]} rank{'s' if g[3] != 1 else ''})"
 
 
+def _run_identity_problems(state: TrainerState, *, stage: str | None, world_size: int, lora_enabled: bool,
+                           reshard: bool) -> list[str]:
+    """Stage, world size and LoRA: what the run is, before any setting; each difference says the
+    way out (a new stage, the saved rank count, ``--reshard``), since none is a setting to edit."""
+    problems: list[str] = []
+    if stage is not None and state.stage != stage:
+        problems.append(f"stage: checkpoint {state.stage!r}, this run {stage!r} — a run never loads another "
+                        "stage into the same output directory; use a new output_dir with --init-checkpoint")
+    if state.world_size != world_size and not reshard:
+        problems.append(f"world_size: checkpoint {state.world_size}, this run {world_size} — relaunch with "
+                        f"{state.world_size} ranks, or convert the checkpoint with --reshard first")
+    if bool(state.lora) != bool(lora_enabled):
+        kinds = {True: "LoRA", False: "full-parameter"}
+        problems.append(f"lora: checkpoint is {kinds[bool(state.lora)]}, this run is {kinds[bool(lora_enabled)]} "
+                        "— a full-parameter run never resumes LoRA state (or the reverse); start a new stage "
+                        "with --init-checkpoint")
+    return problems
+
+
+def _global_batch_problems(old: Mapping[str, Any], new: Mapping[str, Any], saved_world: int,
+                           world_size: int) -> list[str]:
+    """A ``--reshard`` may change the batch layout but not the rows per step: the data order, the
+    step count and the schedule depend on them."""
+    before_g, after_g = global_batch(old, saved_world), global_batch(new, world_size)
+    # Settings without any batch layout (neither side records one) leave nothing to compare;
+    # one side without it cannot prove the global batch unchanged and is refused.
+    if (before_g, after_g) != (None, None) and (before_g is None or after_g is None or before_g[0] != after_g[0]):
+        return [
+            f"global batch: checkpoint {_describe_global_batch(before_g, saved_world)}, this run "
+            f"{_describe_global_batch(after_g, world_size)} — --reshard keeps the global batch (the data "
+            "order, the step count and the schedule depend on it); choose batch.micro_batch and "
+            f"batch.grad_accum with micro_batch·grad_accum·{world_size} = "
+            f"{before_g[0] if before_g else '?'}"]
+    return []
+
+
+def _setting_differences(old: Mapping[str, Any], new: Mapping[str, Any], skip: tuple[str, ...]) -> list[str]:
+    """Every training-critical key whose value differs (or is on one side only), in key order,
+    so the operator sees all of them at once; ``skip`` holds the keys compared another way."""
+    problems: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        if key in skip:
+            continue
+        before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if before != after:
+            problems.append(f"{key}: checkpoint {before!r}, this run {after!r}")
+    return problems
+
+
+def _plan_and_step_problems(state: TrainerState, plan_sha256: str | None, total_steps: int,
+                            finished_ok: bool) -> list[str]:
+    """A plan file edited in place, and a checkpoint that leaves nothing to train (at the last step
+    only when ``finished_ok``, see ``check_resume_compatible``)."""
+    problems: list[str] = []
+    if plan_sha256 is not None and state.plan_sha256 != plan_sha256:
+        problems.append(f"plan_sha256: checkpoint {state.plan_sha256!r}, this run {plan_sha256!r} — the replay "
+                        "plan file changed; a changed plan is a new stage")
+    if state.step > total_steps or (state.step == total_steps and not finished_ok):
+        problems.append(f"step: checkpoint is at step {state.step}, at or past the end of this run "
+                        f"({total_steps} steps) — nothing is left to train")
+    return problems
+
+
+def _missing_part_problems(found: Mapping[str, bool] | None) -> list[str]:
+    """The state parts the checkpoint lacks (when ``found`` was given): a resume never restarts one."""
+    problems: list[str] = []
+    for part in REQUIRED_STATE_PARTS:
+        if found is not None and not found.get(part, False):
+            problems.append(f"{part}: no {part} state was found in the checkpoint — a resume never restarts it")
+    return problems
+
+
 def check_resume_compatible(
     saved_state: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -138,48 +210,17 @@ def check_resume_compatible(
     exits 0, so a supervised chain restarted after a reboot goes on); an explicit ``--resume DIR``
     of the last step is refused, and past the last step always is.
     """
-    problems: list[str] = []
     state = TrainerState.from_dict(saved_state)
-    if stage is not None and state.stage != stage:
-        problems.append(f"stage: checkpoint {state.stage!r}, this run {stage!r} — a run never loads another "
-                        "stage into the same output directory; use a new output_dir with --init-checkpoint")
-    if state.world_size != world_size and not reshard:
-        problems.append(f"world_size: checkpoint {state.world_size}, this run {world_size} — relaunch with "
-                        f"{state.world_size} ranks, or convert the checkpoint with --reshard first")
-    if bool(state.lora) != bool(lora_enabled):
-        kinds = {True: "LoRA", False: "full-parameter"}
-        problems.append(f"lora: checkpoint is {kinds[bool(state.lora)]}, this run is {kinds[bool(lora_enabled)]} "
-                        "— a full-parameter run never resumes LoRA state (or the reverse); start a new stage "
-                        "with --init-checkpoint")
+    problems = _run_identity_problems(state, stage=stage, world_size=world_size, lora_enabled=lora_enabled,
+                                      reshard=reshard)
     old, new = _flatten(state.training_critical), _flatten(current)
     layout_keys: tuple[str, ...] = ()
     if reshard:
         layout_keys = RESHARD_LAYOUT_KEYS
-        before_g, after_g = global_batch(old, state.world_size), global_batch(new, world_size)
-        # Settings without any batch layout (neither side records one) leave nothing to compare;
-        # one side without it cannot prove the global batch unchanged and is refused.
-        if (before_g, after_g) != (None, None) and (before_g is None or after_g is None or before_g[0] != after_g[0]):
-            problems.append(
-                f"global batch: checkpoint {_describe_global_batch(before_g, state.world_size)}, this run "
-                f"{_describe_global_batch(after_g, world_size)} — --reshard keeps the global batch (the data "
-                "order, the step count and the schedule depend on it); choose batch.micro_batch and "
-                f"batch.grad_accum with micro_batch·grad_accum·{world_size} = "
-                f"{before_g[0] if before_g else '?'}")
-    for key in sorted(set(old) | set(new)):
-        if key in layout_keys:
-            continue
-        before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
-        if before != after:
-            problems.append(f"{key}: checkpoint {before!r}, this run {after!r}")
-    if plan_sha256 is not None and state.plan_sha256 != plan_sha256:
-        problems.append(f"plan_sha256: checkpoint {state.plan_sha256!r}, this run {plan_sha256!r} — the replay "
-                        "plan file changed; a changed plan is a new stage")
-    if state.step > total_steps or (state.step == total_steps and not finished_ok):
-        problems.append(f"step: checkpoint is at step {state.step}, at or past the end of this run "
-                        f"({total_steps} steps) — nothing is left to train")
-    for part in REQUIRED_STATE_PARTS:
-        if found is not None and not found.get(part, False):
-            problems.append(f"{part}: no {part} state was found in the checkpoint — a resume never restarts it")
+        problems += _global_batch_problems(old, new, state.world_size, world_size)
+    problems += _setting_differences(old, new, skip=layout_keys)
+    problems += _plan_and_step_problems(state, plan_sha256, total_steps, finished_ok)
+    problems += _missing_part_problems(found)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ResumeError(

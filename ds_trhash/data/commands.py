@@ -158,11 +158,9 @@ def _embedded(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    """Add the ``data`` command group to the ``ds-trhash`` CLI."""
-    data = subparsers.add_parser("data", help="pretraining data: tokenizer, token shards, replay plans, demo corpus")
-    sub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
-
+def _add_train_tokenizer(sub: "argparse._SubParsersAction") -> None:
+    """``data train-tokenizer``: it reads what ``data tokenize`` reads, so the vocabulary is learned
+    from the same texts the shards are made of."""
     p = sub.add_parser("train-tokenizer", help="train a byte-level BPE (</s>=0, <pad>=1, <s>=2, <unk>=3)")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="what `data tokenize` reads: text, JSONL, JSONL.gz or Parquet files")
@@ -175,8 +173,10 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.set_defaults(func=_train_tokenizer, error_label=p.prog)
     writes_dirs(p, "--out")
 
-    add_corpus_commands(sub, os_errors_as(CommandError))
 
+def _add_plan(sub: "argparse._SubParsersAction") -> None:
+    """``data plan``: one command either builds a plan from manifests or derives a refinement plan
+    from an existing one (``_plan`` refuses a mix of the two)."""
     p = sub.add_parser("plan", help="build an immutable replay plan, or derive its refinement plan")
     p.add_argument("--manifest", nargs="+", metavar="DIR_OR_FILE",
                    help="manifest.json files, source directories, or shard roots; or one corpus in the release's "
@@ -195,6 +195,10 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--out", required=True, metavar="PLAN.json")
     p.set_defaults(func=_plan, error_label=p.prog)
 
+
+def _add_plan_tools(sub: "argparse._SubParsersAction") -> None:
+    """``data correct-plan``, ``fingerprint`` and ``check-refinement``: the commands that work on a
+    plan once it exists (correct it, name it, check it the way a launch does)."""
     p = sub.add_parser("correct-plan", help="replay phases without shards already trained twice (unique core kept)")
     p.add_argument("plan", metavar="PLAN", help="the uncorrected plan")
     p.add_argument("--double-exposed", nargs="+", required=True, metavar="SOURCE=N",
@@ -213,6 +217,10 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--pretraining", required=True, metavar="PRE", help="the pretraining plan it refines")
     p.set_defaults(func=_check_refinement, error_label=p.prog)
 
+
+def _add_embedded(sub: "argparse._SubParsersAction") -> None:
+    """``data embedded``: the offline demo corpus, built from text every Python install has, so a
+    first run needs no download."""
     p = sub.add_parser("embedded", help="build the offline demo corpus from pydoc_data.topics")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seq-len", type=int, default=128)
@@ -220,4 +228,16 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_embedded, error_label=p.prog)
     writes_dirs(p, "--out")
+
+
+def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    """Add the ``data`` command group to the ``ds-trhash`` CLI, its commands in the order ``--help``
+    lists them: tokenizer, corpus, plans, demo corpus."""
+    data = subparsers.add_parser("data", help="pretraining data: tokenizer, token shards, replay plans, demo corpus")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    _add_train_tokenizer(sub)
+    add_corpus_commands(sub, os_errors_as(CommandError))
+    _add_plan(sub)
+    _add_plan_tools(sub)
+    _add_embedded(sub)
     return data

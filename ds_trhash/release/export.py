@@ -219,6 +219,76 @@ def _refuse_existing(out: Path) -> None:
         raise ExportError(f"{out} already exists and is not empty; an export never overwrites: choose a new directory")
 
 
+def _export_stage(stage: str | None) -> str | None:
+    """The stage's canonical name, or None; a name that is no stage is an ``ExportError`` like any
+    other refusal of an export."""
+    if stage is None:
+        return None
+    try:
+        return Stage.parse(stage, what="export stage").value
+    except StageError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _write_weights(tmp: Path, tensors: Mapping[str, torch.Tensor], dtype_name: str, stage: str | None) -> Path:
+    """Write ``model.safetensors`` and read it back from disk: an export is published only if every
+    tensor on disk equals the one meant to be written."""
+    weights = tmp / WEIGHTS
+    _save_weights(tensors, weights, {"format": "pt", "producer": EXPORT_FORMAT, "dtype": dtype_name,
+                                     "stage": str(stage)})
+    fsync_path(weights)
+    _compare(tensors, _read_back(weights))
+    return weights
+
+
+def _write_bundle(tmp: Path, model_config: Mapping[str, Any], dtype_name: str, run_doc: Mapping[str, Any],
+                  template: str, tokenizer_dir: str | os.PathLike | None) -> None:
+    """The files beside the weights that make the folder loadable by transformers: model code and
+    config, run.json, the chat template and, when given, the tokenizer."""
+    hf_bundle.write_model_files(tmp, model_config, dtype_name)
+    write_json(tmp / RUN, run_doc, fsync=False)
+    hf_bundle.write_chat_template(tmp, template)
+    if tokenizer_dir is not None:
+        _copy_tokenizer(tokenizer_dir, tmp)
+        hf_bundle.write_tokenizer_files(tmp, template, model_config["max_seq_len"])
+
+
+def _export_manifest(tmp: Path, weights: Path, tensors: Mapping[str, torch.Tensor], dtype_name: str,
+                     model_config: Mapping[str, Any], stage: str | None, created: str | None) -> dict[str, Any]:
+    """The manifest of the files written into ``tmp``, each synced first so the hash recorded is
+    that of what is on disk."""
+    others = {}
+    for path in sorted(tmp.iterdir()):
+        if path.name != WEIGHTS:
+            fsync_path(path)
+            others[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+    integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
+    return {
+        "format": EXPORT_FORMAT,
+        "created": created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "weights": {"file": WEIGHTS, "sha256": sha256_file(weights), "size": weights.stat().st_size,
+                    "dtype": dtype_name, "tensors": len(tensors), "integer_tensors": integer},
+        "vocab_size": model_config["vocab_size"],
+        "stage": stage,
+        "tokenizer": others.get(TOKENIZER, {}).get("sha256"),
+        "chat_template": hf_bundle.CHAT_TEMPLATE_FILE,
+        "files": others,
+    }
+
+
+def _publish_export(tmp: Path, manifest: Mapping[str, Any], out: Path) -> None:
+    """Write the manifest last, then rename the finished folder to ``out`` in one step, so a reader
+    sees either no export or a whole one."""
+    write_json(tmp / EXPORT_MANIFEST, manifest, fsync=False)
+    fsync_path(tmp / EXPORT_MANIFEST)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is meant to be read
+    fsync_path(tmp)
+    try:
+        publish_dir(tmp, out, replace=False)  # atomic; replaces only an empty directory
+    except OSError as exc:
+        raise ExportError(f"cannot move the export into {out}: {exc}") from None
+
+
 def export_safetensors(
     state_dict: Mapping[str, torch.Tensor],
     out_dir: str | os.PathLike,
@@ -240,11 +310,7 @@ def export_safetensors(
     out = Path(out_dir)
     _refuse_existing(out)
     dtype_name, float_dtype = parse_dtype(dtype)
-    if stage is not None:
-        try:
-            stage = Stage.parse(stage, what="export stage").value
-        except StageError as exc:
-            raise ExportError(str(exc)) from None
+    stage = _export_stage(stage)
     if extra_meta and ("stage" in extra_meta or "lora" in extra_meta):
         raise ExportError("extra_meta may not set 'stage' or 'lora'; pass stage= (LoRA exports are always merged)")
     tensors = _prepare(state_dict, model_config, float_dtype)
@@ -254,42 +320,10 @@ def export_safetensors(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        weights = tmp / WEIGHTS
-        _save_weights(tensors, weights, {"format": "pt", "producer": EXPORT_FORMAT, "dtype": dtype_name,
-                                         "stage": str(stage)})
-        fsync_path(weights)
-        _compare(tensors, _read_back(weights))
-        hf_bundle.write_model_files(tmp, model_config, dtype_name)
-        write_json(tmp / RUN, run_doc, fsync=False)
-        hf_bundle.write_chat_template(tmp, template)
-        if tokenizer_dir is not None:
-            _copy_tokenizer(tokenizer_dir, tmp)
-            hf_bundle.write_tokenizer_files(tmp, template, model_config["max_seq_len"])
-        others = {}
-        for path in sorted(tmp.iterdir()):
-            if path.name != WEIGHTS:
-                fsync_path(path)
-                others[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
-        integer = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if not v.is_floating_point()}
-        manifest = {
-            "format": EXPORT_FORMAT,
-            "created": created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "weights": {"file": WEIGHTS, "sha256": sha256_file(weights), "size": weights.stat().st_size,
-                        "dtype": dtype_name, "tensors": len(tensors), "integer_tensors": integer},
-            "vocab_size": model_config["vocab_size"],
-            "stage": stage,
-            "tokenizer": others.get(TOKENIZER, {}).get("sha256"),
-            "chat_template": hf_bundle.CHAT_TEMPLATE_FILE,
-            "files": others,
-        }
-        write_json(tmp / EXPORT_MANIFEST, manifest, fsync=False)
-        fsync_path(tmp / EXPORT_MANIFEST)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is meant to be read
-        fsync_path(tmp)
-        try:
-            publish_dir(tmp, out, replace=False)  # atomic; replaces only an empty directory
-        except OSError as exc:
-            raise ExportError(f"cannot move the export into {out}: {exc}") from None
+        weights = _write_weights(tmp, tensors, dtype_name, stage)
+        _write_bundle(tmp, model_config, dtype_name, run_doc, template, tokenizer_dir)
+        manifest = _export_manifest(tmp, weights, tensors, dtype_name, model_config, stage, created)
+        _publish_export(tmp, manifest, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -316,6 +350,34 @@ def _check_tokenizer(tok: str | os.PathLike | None, recorded: str | None, *, exp
     how = ("pass --force-tokenizer to export with it anyway (recorded in run.json)" if explicit
            else "the file changed since training; pass --tokenizer DIR with the run's tokenizer")
     raise ExportError(f"{file} has sha256 {actual[:12]}…, but {ckpt} was trained with tokenizer {recorded[:12]}…; {how}")
+
+
+def _source_record(ckpt: Path, trainer_state: Mapping[str, Any],
+                   forced: dict[str, str] | None) -> dict[str, Any]:
+    """What run.json keeps of the checkpoint an export came from: the next stage's guards, the
+    evaluation and a reader downstream need it without the checkpoint at hand."""
+    manifest_path = ckpt / MANIFEST
+    extra = {
+        "source_checkpoint": str(ckpt),
+        "source_step": trainer_state.get("step"),
+        # a stage cut short by --max-steps stays recognisable downstream (checkpoints.capped_by)
+        "total_steps": trainer_state.get("total_steps"),
+        "planned_steps": trainer_state.get("planned_steps"),
+        "source_manifest_sha256": sha256_file(manifest_path) if manifest_path.is_file() else None,
+        "source_lora": bool(trainer_state.get("lora")),
+        "family": trainer_state.get("family"),
+        "plan_fingerprint": trainer_state.get("plan_fingerprint"),
+        # what the next stage's guard compares: the exact unique core, and the tokenizer identity
+        "plan_doc": trainer_state.get("plan_doc"),
+        "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
+        "framework_commit": trainer_state.get("framework_commit"),
+        "backends_used": trainer_state.get("backends_used"),
+        # what `ds-trhash eval heldout` packs the eval partition with by default
+        "packing_policy": (trainer_state.get("training_critical") or {}).get("data.packing.policy"),
+    }
+    if forced is not None:
+        extra["tokenizer_forced"] = forced
+    return extra
 
 
 def export_checkpoint(
@@ -356,27 +418,7 @@ def export_checkpoint(
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     stage = trainer_state.get("stage")
-    manifest_path = ckpt / MANIFEST
-    extra = {
-        "source_checkpoint": str(ckpt),
-        "source_step": trainer_state.get("step"),
-        # a stage cut short by --max-steps stays recognisable downstream (checkpoints.capped_by)
-        "total_steps": trainer_state.get("total_steps"),
-        "planned_steps": trainer_state.get("planned_steps"),
-        "source_manifest_sha256": sha256_file(manifest_path) if manifest_path.is_file() else None,
-        "source_lora": bool(trainer_state.get("lora")),
-        "family": trainer_state.get("family"),
-        "plan_fingerprint": trainer_state.get("plan_fingerprint"),
-        # what the next stage's guard compares: the exact unique core, and the tokenizer identity
-        "plan_doc": trainer_state.get("plan_doc"),
-        "tokenizer_sha256": trainer_state.get("tokenizer_sha256"),
-        "framework_commit": trainer_state.get("framework_commit"),
-        "backends_used": trainer_state.get("backends_used"),
-        # what `ds-trhash eval heldout` packs the eval partition with by default
-        "packing_policy": (trainer_state.get("training_critical") or {}).get("data.packing.policy"),
-    }
-    if forced is not None:
-        extra["tokenizer_forced"] = forced
+    extra = _source_record(ckpt, trainer_state, forced)
     return export_safetensors(state, out_dir, dtype=dtype, model_config=model_config, tokenizer_dir=tok,
                               chat_template=chat_template, stage=stage, extra_meta=extra,
                               created=trainer_state.get("created"))

@@ -49,8 +49,19 @@ def _shape_key(cfg: TrainConfig, name: str) -> str:
 
 
 def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
-    stage = cfg.stage
+    """Settings that are each valid alone but cannot run together, refused at load time with the
+    keys involved; the first problem found is the one raised, so the order of the checks holds."""
     shape = _model_shape(cfg, b)
+    _check_engine_settings(cfg, b)
+    _check_stage_data(cfg, b)
+    _check_feature_pairs(cfg, b)
+    _check_model_fit(cfg, shape, b)
+    _check_schedule_and_batch(cfg, b)
+    _check_deepspeed_section(cfg, b)
+
+
+def _check_engine_settings(cfg: TrainConfig, b: _Builder) -> None:
+    """ZeRO stage, shard cache and non-finite handling: what DeepSpeed and the data reader can do."""
     if cfg.zero.stage == 3:
         raise b.fail("zero.stage", "DeepSpeed MoE does not support ZeRO-3 (every TR-HASH model is MoE); "
                                    "use 0, 1 or 2")
@@ -61,6 +72,12 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
         raise b.fail("training.nonfinite", "skip_step zeroes a step's gradients before the optimizer applies "
                                            "them, which needs zero.stage 0 and precision fp32 (ZeRO keeps its own "
                                            "gradient partitions); use stop, or zero.stage 0 with fp32")
+
+
+def _check_stage_data(cfg: TrainConfig, b: _Builder) -> None:
+    """What the stage allows: SFT trains on an SFT set (LoRA, a source stage, epochs, best/ by
+    held-out loss); every other stage on token shards and a replay plan, full-parameter, one pass."""
+    stage = cfg.stage
     if stage == SFT and cfg.data.kind != "sft":
         raise b.fail("data.kind", f"stage {SFT} trains on a tokenized SFT set; data.kind must be sft, "
                                   f"got {cfg.data.kind}", "stage")
@@ -84,6 +101,11 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     if stage == SFT and cfg.eval.select == "min_eval_loss" and not cfg.eval.heldout:
         raise b.fail("eval.select", "min_eval_loss picks best/ by held-out loss, which eval.heldout false "
                                     "never computes; set eval.heldout true or eval.select last", "eval.heldout")
+
+
+def _check_feature_pairs(cfg: TrainConfig, b: _Builder) -> None:
+    """An option that depends on another one being on (or off): cleanup on the final export, Liger
+    on a kernel policy that can pick it, compiling on no expert parallelism."""
     if cfg.training.cleanup_after_success != "off" and cfg.training.export_final is False:
         raise b.fail("training.cleanup_after_success", "cleanup deletes checkpoints only after a verified final/ "
                                                        "export, which training.export_final false turns off; set "
@@ -96,6 +118,11 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
         raise b.fail("kernels.compile", "compiling the expert-parallel layers (their all-to-all token exchange) "
                                         "is not supported; use kernels.compile none with parallel.ep_size > 1",
                      "parallel.ep_size")
+
+
+def _check_model_fit(cfg: TrainConfig, shape: TRHashConfig, b: _Builder) -> None:
+    """The data and the expert parallelism against the model's shape: a corpus sized for it, an
+    ep_size that splits its experts evenly, a sequence that fits its context."""
     if cfg.model.preset != "tiny":
         # null paths mean "the embedded demo corpus", which is sized for the tiny preset only
         # (a null data.shards_dir beside a plan means the plan's own dataset, stage_data.py).
@@ -113,6 +140,11 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
         raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {shape.max_seq_len}-token context "
                                      f"(positions) of {describe_model(cfg)}; allowed: 1..{shape.max_seq_len}",
                      _shape_key(cfg, "max_seq_len"))
+
+
+def _check_schedule_and_batch(cfg: TrainConfig, b: _Builder) -> None:
+    """One way to size the warmup; and a global batch that is wrong whatever the world size is
+    refused at load time already, not after a launch has started."""
     sc = cfg.schedule
     if sc.warmup_tokens is not None and sc.warmup_fraction is not None:
         raise b.fail("schedule.warmup_tokens", f"{sc.warmup_tokens} and schedule.warmup_fraction "
@@ -122,7 +154,6 @@ def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     problem = global_batch.check_static(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens)
     if problem:
         raise b.fail(problem[0], problem[1], "batch.global_tokens", "data.seq_len")
-    _check_deepspeed_section(cfg, b)
 
 
 def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
