@@ -142,6 +142,7 @@ def test_bad_enum_lists_allowed_values(tmp_path):
     ({**TINY, "lora": {"dropout": 1.0}}, "lora.dropout", "[0, 1)"),
     ({**SFT_TINY, "data": {"kind": "sft", "target_tokens": 10}}, "data.target_tokens", "epochs"),
     ({**TINY, "optimizer": {"lr": ".inf"}}, "optimizer.lr", "number"),
+    ({**TINY, "data": {"prefetch_minutes": -1}}, "data.prefetch_minutes", ">= 0"),
 ])
 def test_impossible_values_and_combinations(tmp_path, doc, key, needle):
     path, err = error(tmp_path, doc)

@@ -16,6 +16,12 @@ than its share of the bound (the bound over the node's ranks, less room for its 
 least one shard), so the smallest bound that always works is one largest shard per rank of the
 node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
 
+A prefetched shard stays held (by the process that fetched it) until its reader takes it into
+its working set, or until it leaves what the reader says it needs next: the reader asks for
+shards in the order it will first read them, so a prefetch never evicts a shard that is read
+before the one it fetches (that one is held already, by a reader or by an earlier prefetch). Each
+process holds at most ``prefetch`` such shards, which is the room the bound keeps for them.
+
 Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
 walk: cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for
 the rare caller (tests, a stage's end).
@@ -102,6 +108,7 @@ class ShardCache:
         self._cond = threading.Condition()
         self._queue: deque[Key] = deque()
         self._busy = 0
+        self._inflight: set[Key] = set()  # the prefetcher's download now
         self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0,
                         "redownloads": 0, "waited_s": 0.0}
         self._worker: Optional[threading.Thread] = None
@@ -110,7 +117,7 @@ class ShardCache:
         self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
         self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) at this process's last scan
         self._holding: dict[Key, int] = {}  # holds this process has on each entry now
-        self._ready: set[Key] = set()  # entries the prefetcher found verified, not held since
+        self._ready: dict[Key, cf.Hold] = {}  # entries the prefetcher verified, held until read or let go
         self.root.mkdir(parents=True, exist_ok=True)
         self._resolved_root = self.root.resolve()
 
@@ -161,12 +168,23 @@ class ShardCache:
                     return partial
             if not wait:
                 return None
+            if self._give_back_prefetched():
+                continue
             if self._closed:
                 raise CacheError(f"the shard cache {self.cache_dir} was closed while {path.name} waited for room")
             if time.monotonic() > deadline:
                 raise CacheError(f"no room for {path.name} in the cache {self.cache_dir} ({self.max_bytes} bytes) "
                                  f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
             time.sleep(0.05)
+
+    def _give_back_prefetched(self) -> bool:
+        """A read that finds no room takes it from this process's prefetched shards, the one read
+        last first (a read comes before what is prefetched for later): True when one was let go."""
+        with self._cond:
+            if not self._ready:
+                return False
+            self._ready.pop(next(reversed(self._ready))).release()
+        return True
 
     def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
         """Download and verify ``key`` into ``path``; the caller holds its download lock and the entry."""
@@ -230,7 +248,9 @@ class ShardCache:
         hold = cf.Hold(path)
         with self._cond:
             self._holding[key] = self._holding.get(key, 0) + 1
-            self._ready.discard(key)
+            prefetched = self._ready.pop(key, None)
+        if prefetched is not None:
+            prefetched.release()  # the reader's own hold (taken above) keeps it from here on
 
         def release() -> None:
             hold.release()
@@ -283,26 +303,33 @@ class ShardCache:
             return path
 
     def prefetch(self, upcoming: Iterable[Key]) -> bool:
-        """Queue the next few shards (``prefetch`` of them) for a background download, leaving out
-        those this process holds or has found verified since: it touches no file and wakes the
-        worker only when a shard comes into view. True when every shard left was queued (False:
-        more than ``prefetch`` were, ask again)."""
+        """Queue the first shards of ``upcoming`` (in the order they are first read) for a
+        background download, leaving out those this process holds or has prefetched: at most
+        ``prefetch`` are queued or kept prefetched at once, and a prefetched shard that left
+        ``upcoming`` is let go. It touches no file and wakes the worker only when a shard comes
+        into view. True when every shard left was queued (False: more were, ask again)."""
         if self.prefetch_depth == 0:
             return True
+        order = list(dict.fromkeys((k[0], k[1]) for k in upcoming))
         with self._cond:
             if self._closed:
                 raise CacheError("prefetch on a closed ShardCache")
-            left = [key for key in dict.fromkeys((k[0], k[1]) for k in upcoming)
-                    if key not in self._holding and key not in self._ready]
-            wanted = left[: self.prefetch_depth]
-            if not wanted or wanted == list(self._queue):
-                return len(left) == len(wanted)
-            self._queue = deque(wanted)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
-                self._worker.start()
-            self._cond.notify_all()
+            self._let_go(set(order))
+            left = [key for key in order if key not in self._holding and key not in self._ready
+                    and key not in self._inflight]
+            wanted = left[: max(0, self.prefetch_depth - len(self._ready) - len(self._inflight))]
+            if wanted != list(self._queue):
+                self._queue = deque(wanted)
+                if wanted and self._worker is None:
+                    self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
+                    self._worker.start()
+                self._cond.notify_all()
             return len(left) == len(wanted)
+
+    def _let_go(self, still_wanted: set[Key]) -> None:
+        """Release the prefetched shards no longer in view (the caller holds ``_cond``)."""
+        for key in [key for key in self._ready if key not in still_wanted]:
+            self._ready.pop(key).release()
 
     def _raise_worker_error(self) -> None:
         """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
@@ -318,18 +345,9 @@ class ShardCache:
                     return
                 key = self._queue.popleft()
                 self._busy += 1
+                self._inflight.add(key)
             try:
-                path = cf.entry_path(self.root, *key, self._resolved_root)
-                shard = self._expected(key)
-                ready = cf.trusted(path, shard.sha256, shard.size)
-                if not ready:
-                    with cf.held(path):
-                        ready = self._ensure(key, wait=False)
-                        if ready:
-                            self._count("prefetched")
-                if ready:
-                    with self._cond:
-                        self._ready.add(key)
+                self._prefetch_one(key)
             except ShardIntegrityError as exc:
                 self._error = exc
             except (CacheError, OSError):
@@ -337,7 +355,30 @@ class ShardCache:
             finally:
                 with self._cond:
                     self._busy -= 1
+                    self._inflight.discard(key)
                     self._cond.notify_all()
+
+    def _prefetch_one(self, key: Key) -> None:
+        """Fetch (or find verified) one queued shard and keep it held for its reader; let go at
+        once when the reader took it meanwhile or the cache closed."""
+        path = cf.entry_path(self.root, *key, self._resolved_root)
+        shard = self._expected(key)
+        hold = cf.Hold(path)
+        try:
+            ready = cf.trusted(path, shard.sha256, shard.size)
+            if not ready:
+                ready = self._ensure(key, wait=False)
+                if ready:
+                    self._count("prefetched")
+        except BaseException:
+            hold.release()
+            raise
+        with self._cond:
+            keep = ready and key not in self._holding and key not in self._ready and not self._closed
+            if keep:
+                self._ready[key] = hold
+        if not keep:
+            hold.release()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
@@ -370,6 +411,8 @@ class ShardCache:
             self._cond.notify_all()
         if self._worker is not None:
             self._worker.join(timeout=30)
+        with self._cond:
+            self._let_go(set())
 
     def __enter__(self) -> "ShardCache":
         return self

@@ -21,10 +21,18 @@ Shards are read through a working set (``working_set``): a shard is checked, hel
 once when a micro-batch of this rank first needs it, and released once its last few
 micro-batches have not read it and the next ones (those it prefetches for) do not need it, so a
 micro-batch of shards already in the set touches no file.
+
+Prefetch follows the plan in time: the reader asks the node cache for the shards it will read
+next in the order of their first read: those of its next micro-batches, its rows of the next
+shuffle window, then every shard the plan reads before ``prefetch_s`` seconds from now at the
+pace measured so far (a shard of a window is wanted at the window's first row, since the
+shuffle may put any of its rows there). The cache fetches the first few of them it does not
+hold yet (``prefetch`` of them, the room its bound keeps) and holds them until they are read.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -50,6 +58,9 @@ _WINDOWS_KEPT = 8
 _LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched (and stay in the working set)
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
 _ROWS_MEMO = 16
+DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
+_PACE_AFTER_S = 1.0  # the pace is measured once the reader has run this long; until then: two windows
+_PLAN_AHEAD_KEYS = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
 RowRef = tuple[str, str, int]  # (source, file, row within the file)
 Key = tuple[str, str]
@@ -141,6 +152,7 @@ class ReplayReader:
         cache: Optional[ShardCache] = None,
         *,
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        prefetch_s: float = DEFAULT_PREFETCH_S,
     ) -> None:
         doc = plan_doc(plan)
         validate_plan_doc(doc)
@@ -151,6 +163,9 @@ class ReplayReader:
         self.seq_len = int(doc["seq_len"])
         self.seed = int(seed)
         self.shuffle_window = int(shuffle_window)
+        self.prefetch_s = max(0.0, float(prefetch_s))
+        self._pace_start: Optional[tuple[float, int]] = None  # (monotonic time, global row) of the first look
+        self._plan_memo: tuple[tuple[int, int], tuple[Key, ...]] = ((-1, -1), ())
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[_Segment] = []
@@ -278,8 +293,68 @@ class ReplayReader:
             return self._looked
         upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
         self._looked = upcoming
-        self._prefetch(upcoming, self._window_ahead(first, rank, world_size, micro_batch, grad_accum))
+        ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
+        later = self.plan_ahead(first, self._horizon_rows(first))
+        self._prefetch(upcoming, ahead + tuple(k for k in later if k not in ahead))
         return upcoming
+
+    def _horizon_rows(self, first: int) -> int:
+        """How many global rows the plan reads in the next ``prefetch_s`` seconds, at the pace
+        this reader has kept since its first look ahead (two windows until that is measured)."""
+        now = time.monotonic()
+        if self._pace_start is None:
+            self._pace_start = (now, first)
+        started, row = self._pace_start
+        if now - started < _PACE_AFTER_S or first <= row:
+            return 2 * self._window_size()
+        return int((first - row) / (now - started) * self.prefetch_s)
+
+    def plan_ahead(self, first: int, rows: int) -> tuple[Key, ...]:
+        """Every shard the plan reads from the start of the next window to the end of the window
+        holding global row ``first + rows - 1``, in order of first read (by window, then source and file), at most
+        ``_PLAN_AHEAD_KEYS``: the shards any rank of the job may need in that time. Arithmetic
+        on the sources' rows, no window is built; remembered per window and horizon."""
+        size = self._window_size()
+        index = bisect.bisect_right(self._segment_starts, first) - 1
+        start = self.segments[index].start + ((first - self.segments[index].start) // size + 1) * size
+        end = self._window_end(min(self.num_rows, first + rows))
+        memo_key = (start, end)
+        if self._plan_memo[0] != memo_key:
+            found: list[tuple[int, str, str]] = []
+            while start < end and index < len(self.segments) and len(found) < _PLAN_AHEAD_KEYS:
+                segment = self.segments[index]
+                stop = min(end, segment.start + segment.length)
+                if start < stop:
+                    found.extend(self._first_reads(segment, start - segment.start, stop - segment.start))
+                index += 1
+                start = max(start, stop)
+            keys = (key for _, *key in sorted(found))
+            self._plan_memo = (memo_key, tuple(dict.fromkeys(tuple(k) for k in keys))[:_PLAN_AHEAD_KEYS])
+        return self._plan_memo[1]
+
+    def _window_end(self, row: int) -> int:
+        """The end of the shuffle window holding global row ``row - 1`` (its rows are read in any
+        order, so a horizon that reaches into a window takes all of it)."""
+        if row <= 0:
+            return 0
+        segment = self.segments[bisect.bisect_right(self._segment_starts, row - 1) - 1]
+        size = self._window_size()
+        return min(segment.start + segment.length, segment.start + -(-(row - segment.start) // size) * size)
+
+    def _first_reads(self, segment: "_Segment", a: int, b: int) -> list[tuple[int, str, str]]:
+        """(global row of the window it is first read in, source, file) of each shard read in
+        segment positions [a, b), at most ``_PLAN_AHEAD_KEYS`` per source."""
+        size, out = self._window_size(), []
+        served_a, served_b = segment._served_before(a), segment._served_before(b)
+        for s, source in enumerate(segment.sources):
+            if served_b[s] <= served_a[s]:
+                continue
+            low = bisect.bisect_right(source.starts, served_a[s]) - 1
+            high = bisect.bisect_right(source.starts, served_b[s] - 1)
+            for i in range(low, min(high, low + _PLAN_AHEAD_KEYS)):
+                position = segment._position(s, max(source.starts[i], served_a[s]))
+                out.append((segment.start + position // size * size, source.name, source.files[i]))
+        return out
 
     def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all

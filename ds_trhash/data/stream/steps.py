@@ -18,7 +18,7 @@ import torch
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
 DEFAULT_AHEAD = 2
@@ -143,13 +143,15 @@ class RankStream:
 
 
 def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
-                ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None) -> RankStream:
-    """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``);
-    a failure after the cache opened closes it again."""
+                ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
+                prefetch_s: float = DEFAULT_PREFETCH_S) -> RankStream:
+    """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``),
+    prefetching what the plan reads in the next ``prefetch_s`` seconds; a failure after the cache
+    opened closes it again."""
     cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node)
     try:
-        return RankStream(ReplayReader(plan, None, seed, cache=cache), layout, ahead=ahead, pin_memory=pin_memory,
-                          end=end)
+        reader = ReplayReader(plan, None, seed, cache=cache, prefetch_s=prefetch_s)
+        return RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end)
     except BaseException:
         cache.close()
         raise

@@ -137,6 +137,9 @@ class DataSection:
     # How long a Hub store waits out an outage (503s, 429s, no connection) before the run stops with
     # a checkpoint: each wait is one line, Retry-After and rate limits are honoured.
     hub_wait_minutes: float = _f(30.0, check=_positive)
+    # How far ahead, in time at the measured pace, the cache fetches the shards the plan reads next
+    # (two at a time per rank, held until read); 0 looks only at the next shuffle window.
+    prefetch_minutes: float = _f(10.0, check=_non_negative)
     # A cache folder on a network filesystem (nfs, lustre, gpfs, cifs, fuse) is refused unless this
     # says its locks work and only one node uses it.
     cache_on_network_fs: bool = False

@@ -194,7 +194,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         # steps' batches are assembled in the background, in pinned memory on CUDA.
         layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
-                             pin_memory=torch.cuda.is_available(), end=data.total_steps)
+                             pin_memory=torch.cuda.is_available(), end=data.total_steps,
+                             prefetch_s=cfg.data.prefetch_minutes * 60)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

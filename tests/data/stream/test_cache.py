@@ -221,3 +221,28 @@ def test_a_bound_that_rounds_to_zero_bytes_names_its_origin():
         cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "1e-12"})
 
 
+
+
+def test_a_prefetched_shard_stays_held_until_read_or_out_of_view(store, tmp_path):
+    """What the reader will read next is never evicted between its prefetch and its read: held
+    by the prefetching process (at most ``prefetch`` shards), let go once read or no longer in
+    view; a read that finds no room takes it back from the shard prefetched for latest."""
+    cache = cache_for(store, tmp_path / "cache", 3 * SHARD_BYTES, prefetch=2)
+    first, second, third = KEYS[0], KEYS[1], KEYS[2]
+    cache.prefetch([first, second, third])
+    assert cache.wait_idle()
+    path = {key: cf.entry_path(cache.root, *key) for key in KEYS}
+    assert not cf.try_evict(path[first]) and not cf.try_evict(path[second])  # held: no one evicts them
+    assert not path[third].exists() and cache.counters()["prefetched"] == 2  # two at most
+    shard = cache.hold_shard(*first, seq_len=8)  # the reader takes it: its hold now, the prefetch's gone
+    cache.prefetch([second, third])
+    assert cache.wait_idle() and path[third].exists()
+    shard.release()
+    assert cf.try_evict(path[first])  # read and released: evictable again
+    cache.prefetch([third])  # second left the view: let go
+    assert cf.try_evict(path[second]) and not cf.try_evict(path[third])
+    with cache.held(*KEYS[3]), cache.held(*KEYS[4]):
+        assert path[third].exists()
+        with cache.held(*KEYS[5]):  # no room but the prefetched third's: taken back
+            assert not path[third].exists() and entry_bytes(tmp_path / "cache") == 3 * SHARD_BYTES
+    cache.close()

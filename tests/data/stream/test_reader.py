@@ -203,3 +203,43 @@ def test_the_plan_is_checked_against_the_manifests(corpus):
     other = dict(doc, tokenizer_sha256="different")
     with pytest.raises(CorpusError, match="expects tokenizer different"):
         open_corpus(other, str(root))
+
+
+def _first_read_order(reader, start, end):
+    """Brute force: the shards of global rows [start, end), ordered by the start of the shuffle
+    window each is first read in, then source and file."""
+    size, segment_starts, first = reader.shuffle_window, [s.start for s in reader.segments], {}
+    for offset, (source, file, _) in enumerate(reader.global_rows(start, end - start)):
+        row = start + offset
+        segment = max(s for s in segment_starts if s <= row)
+        first.setdefault((source, file), segment + (row - segment) // size * size)
+    return [key for _, key in sorted((window, key) for key, window in first.items())]
+
+
+@pytest.mark.parametrize("first", [0, 37, 150, 300, 410])
+def test_plan_ahead_names_the_shards_of_the_horizon_in_first_read_order(first):
+    """Across shuffle windows and passes, what the cache is asked to prefetch next is every shard
+    read from the next window to the horizon, in the order of its first read (arithmetic, no
+    window built), as reading the rows themselves finds it."""
+    doc = synthetic_plan({"a": 200, "b": 120}, passes={"b": 2}, shard_rows=9)
+    reader = ReplayReader(doc, "unused", seed=5, shuffle_window=16)
+    start = (first // 16 + 1) * 16
+    for rows in (20, 90, 400):
+        end = reader._window_end(min(reader.num_rows, first + rows))
+        expected = _first_read_order(reader, start, end) if start < end else []
+        assert list(reader.plan_ahead(first, rows)) == expected[:64], (first, rows)
+
+
+def test_the_prefetch_horizon_follows_the_measured_pace(monkeypatch):
+    """Until the reader has run a second it looks two windows ahead; then as many rows as the
+    plan reads in ``prefetch_s`` seconds at the pace kept since its first look."""
+    from ds_trhash.data.stream import reader as reader_module
+
+    now = [100.0]
+    monkeypatch.setattr(reader_module.time, "monotonic", lambda: now[0])
+    reader = ReplayReader(synthetic_plan({"a": 40}), "unused", seed=0, shuffle_window=8, prefetch_s=600)
+    assert reader._horizon_rows(0) == 16
+    now[0] = 100.5
+    assert reader._horizon_rows(40) == 16  # not measured yet
+    now[0] = 102.0
+    assert reader._horizon_rows(200) == 100 * 600  # 200 rows in 2 s: 10 minutes ahead
