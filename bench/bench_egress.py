@@ -1,0 +1,181 @@
+"""Hub egress and requests of a streamed job by node count (not a test), and the projection to the
+release's plan.
+
+    .venv/bin/python bench/bench_egress.py [--shards 24] [--rows 1024] [--seq-len 128] [--nodes 1 2 4]
+                                           [--repeat 3] [--plan ../shared/release-plans/tr_hash_70b_quality_replay.json]
+
+1. A synthetic corpus (two sources, ``--shards`` shards of ``--rows`` rows each) is served by the
+   loopback Hub stand-in (``tests/release/hub_server.py``, the real ``huggingface_hub`` client) from
+   a process of its own, and read to its end by a plain reader from local disk (rows/s), straight and through a cold node cache filled from that disk.
+2. For each node count N, a fresh Hub serves it to N processes, one per simulated node: each is one
+   rank of a world of N (its rows of every step, micro-batches of 8), reads through a node cache of
+   its own and shares downloads through one staging folder (``data.stream.store.staged``), as a
+   multi-node launch does. Printed: the rows/s of the slowest node against local disk, the shard
+   bytes the Hub served against the corpus bytes the plan reads (egress), and every request the
+   Hub answered, by kind. Goals: streamed at least 0.95x local, egress at most 1.05x.
+3. The projection: the requests of one shard download and of one node's start, measured in 2.,
+   applied to ``--plan``: shard downloads per pass (every planned shard entry once per pass of
+   its phase; a cache smaller than the corpus fetches each again in each pass), bytes, and
+   requests per 5 minutes at the speed goal (786,432 tokens per 0.33 s per 8-GPU node), against
+   the Hub's resolver limits per 5 minutes (anonymous 3,000, free 5,000, PRO 12,000).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_stream import TOKEN, cached_pass, corpus, rows_per_s  # noqa: E402
+from ds_trhash.batch_layout import step_rows  # noqa: E402
+from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
+from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
+from ds_trhash.data.stream.store import HubStore  # noqa: E402
+from ds_trhash.data.stream.store.staged import StagedStore  # noqa: E402
+from tests.data.hub_corpus import corpus_files  # noqa: E402
+from tests.release.hub_server import HubServer, seed_dataset  # noqa: E402
+
+HUB_REPO = "bench/egress"
+MICRO = 8
+GOAL_TOKENS_PER_S = 786_432 / 0.33  # one 8-GPU node at the speed goal
+LIMITS = {"anonymous": 3_000, "free": 5_000, "PRO": 12_000}  # resolver requests per 5 minutes
+
+
+def _serve(conn, root: Path) -> None:
+    """The Hub in a process of its own; answers "stop" with what it served."""
+    with HubServer(TOKEN, deadline_s=3600) as hub:
+        seed_dataset(hub, HUB_REPO, corpus_files(root))
+        hub.counts.clear()
+        hub.served.clear()
+        conn.send(hub.url)
+        conn.recv()
+        conn.send({"counts": dict(hub.counts), "served": dict(hub.served)})
+
+
+def _node(plan: dict, node: int, nodes: int, tmp: Path, out) -> None:
+    """One simulated node: rank ``node`` of ``nodes``, its own cache, the job's staging folder."""
+    store = HubStore(HUB_REPO)
+    corpus_ = open_corpus(plan, None, store=store)
+    if nodes > 1:
+        corpus_.store = StagedStore(corpus_.store, tmp / "staging", node, nodes,
+                                    expected={s.path: s.sha256 for s in corpus_.shards.values()})
+    rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
+    steps = rows // step_rows(MICRO, 1, nodes)
+    with corpus_.open_cache(tmp / f"cache-{node}", 2**40) as cache:
+        reader = ReplayReader(plan, None, 0, cache=cache)
+        started = time.perf_counter()
+        for step in range(steps):
+            reader.batch(step, 0, node, nodes, MICRO, 1)
+        elapsed = time.perf_counter() - started
+        reader.close()
+    out.put((node, steps * MICRO / elapsed, getattr(corpus_.store, "staged_copies", 0)))
+
+
+def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
+    """One streamed read of the whole plan by ``nodes`` simulated nodes: their rows/s, the Hub's
+    counts (requests by kind, complete GETs by path)."""
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(theirs, root), daemon=True)
+    server.start()
+    try:
+        os.environ.update(HF_ENDPOINT=ours.recv(), HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_node, args=(plan, i, nodes, tmp / f"job-{nodes}", results))
+                 for i in range(nodes)]
+        for p in procs:
+            p.start()
+        found = [results.get(timeout=1800) for _ in procs]
+        for p in procs:
+            p.join(60)
+            if p.exitcode != 0:
+                raise SystemExit(f"node process exited {p.exitcode}")
+    finally:
+        ours.send("stop")
+        served = ours.recv()
+        server.join(30)
+    return {"rates": [r for _, r, _ in sorted(found)], "copies": sum(c for _, _, c in found), **served}
+
+
+def _shard_reads(plan: dict) -> tuple[int, int]:
+    """(shard downloads per pass of the plan, their bytes): every shard entry once per pass."""
+    count = size = 0
+    for phase in plan["phases"]:
+        for entries in phase["sources"].values():
+            count += len(entries) * int(phase["passes"])
+            size += sum((int(e["rows"]) * int(plan["seq_len"]) + 1) * 2 for e in entries) * int(phase["passes"])
+    return count, size
+
+
+def projection(plan_path: Path, per_shard: float, per_start: float, node_counts: list[int]) -> None:
+    plan = json.loads(plan_path.read_text())
+    downloads, size = _shard_reads(plan)
+    tokens = int(plan["trained_tokens"])
+    print(f"projection to {plan_path.name}: {downloads} shard downloads, {size / 1e9:,.0f} GB, "
+          f"{tokens / 1e9:,.0f}B trained tokens per pass")
+    for nodes in node_counts:
+        seconds = tokens / (GOAL_TOKENS_PER_S * nodes)
+        requests = downloads * per_shard + nodes * per_start
+        per_5 = requests / seconds * 300
+        print(f"  {nodes} node(s) x 8 GPUs: pass {seconds / 3600:,.1f} h; Hub egress {size / 1e9:,.0f} GB for the job "
+              f"(each node downloading alone: {nodes * size / 1e9:,.0f} GB); {requests:,.0f} requests per pass, "
+              f"{per_5:,.1f} per 5 minutes ({', '.join(f'{k} {v:,}' for k, v in LIMITS.items())})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", type=int, default=24)
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of each read; the medians are printed")
+    ap.add_argument("--plan", type=Path, default=REPO.parent / "shared" / "release-plans" /
+                    "tr_hash_70b_quality_replay.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        root = tmp / "corpus"
+        plan = corpus(root, args.shards, args.rows, args.seq_len)
+        plan["dataset"] = f"hf://datasets/{HUB_REPO}"
+        bins = {p: len(b) for p, b in corpus_files(root).items() if p.endswith(".bin")}
+        rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
+        direct = statistics.median(rows_per_s(ReplayReader(plan, root, 0), rows) for _ in range(args.repeat))
+        local = statistics.median(cached_pass(plan, open_corpus(plan, str(root)), tmp / f"cache-local-{i}", rows)[0]
+                                  for i in range(args.repeat))
+        print(f"corpus: {rows:,} rows of {args.seq_len} tokens, {len(bins)} shards, {sum(bins.values()) / 2**20:.1f} MiB; "
+              f"read from local disk: {direct:,.0f} rows/s straight, {local:,.0f} rows/s through a cold node cache "
+              "(the streamed figures below compare with this one)")
+        per_shard = per_start = 0.0
+        for nodes in args.nodes:
+            rounds = [job(plan, root, nodes, tmp / f"round-{i}") for i in range(args.repeat)]
+            found = rounds[-1]  # the counts are the same in every round; the rate is the median
+            found["rates"] = [statistics.median(r["rates"][i] for r in rounds) for i in range(nodes)]
+            served = sum(n * bins[p] for p, n in found["served"].items()
+                         if p.endswith(".bin"))
+            shard_gets = sum(n for p, n in found["served"].items() if p.endswith(".bin"))
+            requests = sum(found["counts"].values())
+            slowest = min(found["rates"]) * nodes  # the job's rows/s is set by its slowest node
+            print(f"{nodes} node(s): streamed {slowest:,.0f} rows/s for the job = {slowest / local:.3f} of local disk "
+                  f"(goal 0.95: {'met' if slowest >= 0.95 * local else 'NOT met'}); Hub egress {served / 2**20:.1f} MiB "
+                  f"= {served / sum(bins.values()):.3f} x the corpus read (goal <= 1.05: "
+                  f"{'met' if served <= 1.05 * sum(bins.values()) else 'NOT met'}); {shard_gets} shard GETs, "
+                  f"{found['copies']} copies from staging; {requests} requests: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(found["counts"].items())))
+            shard_requests = sum(v for k, v in found["counts"].items() if k == "resolve") - nodes * 2  # manifests
+            per_shard = max(per_shard, shard_requests / max(1, shard_gets))
+            per_start = max(per_start, (requests - shard_requests) / nodes)
+        print(f"measured: {per_shard:.2f} requests per shard download, {per_start:.1f} per node start")
+        if args.plan.is_file():
+            projection(args.plan, per_shard, per_start, args.nodes)
+
+
+if __name__ == "__main__":
+    main()
