@@ -73,12 +73,28 @@ def _share(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f} %" if whole > 0 else "0.0 %"
 
 
+def byte_size(n: float) -> str:
+    """Bytes for people, in the largest binary unit that keeps them at least 1 ("3.2 GiB", "512 B")."""
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def downloaded(figures: DataFigures, seconds: float) -> str:
+    """This process's downloads in one figure: the bytes of the shards it downloaded and verified
+    (on demand and prefetched) and their average rate over ``seconds`` ("42.0 MiB at 1.1 MiB/s")."""
+    rate = f" at {byte_size(figures.downloaded_bytes / seconds)}/s" if seconds > 0 else ""
+    return f"{byte_size(figures.downloaded_bytes)}{rate}"
+
+
 def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int) -> str | None:
     """Whether the data keeps up with the model, in parts that add up: of the step time, the
     seconds the training thread waited for its batches; apart from it (in the background, or
     inside that wait when assembling on the training thread), the seconds assembling them took,
-    split into reading rows and waiting for shards, with the node cache's counts. None for
-    batches that are not streamed from shards."""
+    split into reading rows and waiting for shards, with the node cache's counts and the bytes
+    downloaded (the one line that reports a streamed stage's downloads). None for batches that
+    are not streamed from shards."""
     if figures is None or steps < 1:
         return None
     f, assembly = figures, figures.assembly_s
@@ -88,5 +104,6 @@ def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int)
             f"{where}: {f.read_s:.3f} s reading rows ({_share(f.read_s, assembly)}), {f.shard_wait_s:.3f} s "
             f"waiting for shards ({_share(f.shard_wait_s, assembly)})")
     if f.cached:
-        line += f" ({f.fetched} fetched on demand, {f.prefetched} prefetched, {f.hits} cache hits)"
+        line += (f" ({f.fetched} fetched on demand, {f.prefetched} prefetched, {f.hits} cache hits; "
+                 f"downloaded {downloaded(f, step_seconds)})")
     return line

@@ -21,7 +21,7 @@ from ds_trhash.data.stream.steps import BatchLayout, RankStream, open_stream
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks.base import Callback
 from tests.training.test_loop import FakeEngine, TokenModel
-from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, data_wait_line
+from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, byte_size, data_wait_line
 from tests.data.hub_corpus import REPO, hub_corpus, plan_for, write_corpus  # noqa: F401  (the fixture)
 
 SEQ = 128
@@ -119,8 +119,20 @@ def test_data_wait_line_adds_up_queue_waits_read_time_and_shard_waits(hub_corpus
     whole, read, read_share, waited, wait_share = map(float, found.groups())
     assert abs(read + waited - whole) <= 0.0015 and abs(read_share + wait_share - 100.0) <= 0.15, line
     assert 0 < waited and stats["misses"] >= 1, line  # the shards came from the Hub on demand
-    assert f"({stats['misses']} fetched on demand, 0 prefetched, {stats['hits']} cache hits)" in line, line
+    # the downloads in one figure: this process's bytes and their average rate over the step time;
+    # once the stream closed, the bytes are exactly every entry of the fresh cache (each counted once)
+    assert figures.downloaded_bytes > 0
+    entries = [p for p in (tmp_path / "cache").rglob("*.bin") if p.is_file()]
+    assert stream.figures().downloaded_bytes == sum(p.stat().st_size for p in entries)
+    assert line.endswith(f"({stats['misses']} fetched on demand, 0 prefetched, {stats['hits']} cache hits; "
+                         f"downloaded {byte_size(figures.downloaded_bytes)} at "
+                         f"{byte_size(figures.downloaded_bytes / 10.0)}/s)"), line
     assert data_wait_line(SFTStepBatches(None, 1, "cross_document").data_figures(), 10.0, 1) is None  # not streamed
+
+
+def test_byte_sizes_are_said_in_the_largest_unit_that_keeps_them_at_least_one():
+    assert [byte_size(n) for n in (0, 512, 1536, 3 * 2**20, 2.5 * 2**30)] == [
+        "0 B", "512 B", "1.5 KiB", "3.0 MiB", "2.50 GiB"]
 
 
 class _Exit(Callback):

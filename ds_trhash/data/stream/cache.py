@@ -109,8 +109,12 @@ class ShardCache:
         self._queue: deque[Key] = deque()
         self._busy = 0
         self._inflight: set[Key] = set()  # the prefetcher's download now
+        # changes whenever what a prefetch call would queue may have changed (a shard held or
+        # released, a prefetch done or let go): a reader that was told "not all queued" asks
+        # again only then, not at every micro-batch
+        self.generation = 0
         self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0,
-                        "redownloads": 0, "waited_s": 0.0}
+                        "redownloads": 0, "waited_s": 0.0, "downloaded_bytes": 0}
         self._worker: Optional[threading.Thread] = None
         self._closed = False
         self._error: Optional[BaseException] = None
@@ -184,6 +188,7 @@ class ShardCache:
             if not self._ready:
                 return False
             self._ready.pop(next(reversed(self._ready))).release()
+            self.generation += 1
         return True
 
     def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
@@ -201,6 +206,7 @@ class ShardCache:
                     cf.write_marker(partial, path, shard.sha256, shard.size)
                     with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice
                         os.replace(partial, path)
+                    self._count("downloaded_bytes", shard.size)
                     return True
             finally:
                 partial.unlink(missing_ok=True)
@@ -249,6 +255,7 @@ class ShardCache:
         with self._cond:
             self._holding[key] = self._holding.get(key, 0) + 1
             prefetched = self._ready.pop(key, None)
+            self.generation += 1
         if prefetched is not None:
             prefetched.release()  # the reader's own hold (taken above) keeps it from here on
 
@@ -258,6 +265,7 @@ class ShardCache:
                 self._holding[key] -= 1
                 if not self._holding[key]:
                     del self._holding[key]
+                self.generation += 1
 
         try:
             shard = self._expected(key)
@@ -330,6 +338,7 @@ class ShardCache:
         """Release the prefetched shards no longer in view (the caller holds ``_cond``)."""
         for key in [key for key in self._ready if key not in still_wanted]:
             self._ready.pop(key).release()
+            self.generation += 1
 
     def _raise_worker_error(self) -> None:
         """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
@@ -356,6 +365,7 @@ class ShardCache:
                 with self._cond:
                     self._busy -= 1
                     self._inflight.discard(key)
+                    self.generation += 1
                     self._cond.notify_all()
 
     def _prefetch_one(self, key: Key) -> None:

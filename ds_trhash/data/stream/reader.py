@@ -35,7 +35,6 @@ import bisect
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
@@ -55,7 +54,7 @@ from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 2  # whose shards are prefetched (and stay in the working set)
+_LOOKAHEAD_MICRO_BATCHES = 4  # whose shards are prefetched (and stay in the working set); looked at every 4th
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
 _ROWS_MEMO = 16
 DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
@@ -131,16 +130,36 @@ class _Segment:
         return counts
 
     def order(self, a: int, b: int) -> list[RowRef]:
-        """Rows at segment positions [a, b) in WFQ order."""
+        """Rows at segment positions [a, b) in WFQ order: each row placed at its rank
+        (``_position``, computed for all of a source's rows at once), no sort, exact."""
         first, last = self._served_before(a), self._served_before(b)
-        keyed = [
-            (Fraction(k, source.total), s, k)
-            for s, source in enumerate(self.sources)
-            for k in range(first[s], last[s])
-        ]
-        keyed.sort()
-        assert len(keyed) == b - a, "weighted fair queuing ranks are inconsistent"
-        return [self.sources[s].locate(k) for _, s, k in keyed]
+        out: list[Optional[RowRef]] = [None] * (b - a)
+        for s, source in enumerate(self.sources):
+            if last[s] <= first[s]:
+                continue
+            ks = np.arange(first[s], last[s], dtype=self._dtype())
+            ranks = self._positions(s, ks) - a
+            assert 0 <= ranks.min() and ranks.max() < b - a, "weighted fair queuing ranks are inconsistent"
+            files = np.searchsorted(np.asarray(source.starts, dtype=ks.dtype), ks, side="right") - 1
+            within = ks - np.asarray(source.starts, dtype=ks.dtype)[files]
+            for rank, index, row in zip(ranks.tolist(), files.tolist(), within.tolist()):
+                out[rank] = (source.name, source.files[index], row)
+        assert all(ref is not None for ref in out), "weighted fair queuing ranks are inconsistent"
+        return out  # type: ignore[return-value]
+
+    def _dtype(self):
+        """int64 while k·n_t cannot overflow it (sources under 2^31 rows), else exact Python ints."""
+        return np.int64 if max(source.total for source in self.sources) < 2**31 else object
+
+    def _positions(self, s: int, ks: np.ndarray) -> np.ndarray:
+        """``_position(s, k)`` for every k of ``ks`` at once."""
+        n_s, ranks = self.sources[s].total, ks.copy()
+        for t, other in enumerate(self.sources):
+            if t < s:
+                ranks += np.minimum(other.total, ks * other.total // n_s + 1)
+            elif t > s:
+                ranks += np.minimum(other.total, -(-ks * other.total // n_s))
+        return ranks
 
 
 class ReplayReader:
@@ -166,6 +185,7 @@ class ReplayReader:
         self.prefetch_s = max(0.0, float(prefetch_s))
         self._pace_start: Optional[tuple[float, int]] = None  # (monotonic time, global row) of the first look
         self._plan_memo: tuple[tuple[int, int], tuple[Key, ...]] = ((-1, -1), ())
+        self._far: tuple[tuple[int, int], float, tuple[Key, ...]] = ((-1, -1), 0.0, ())  # (window, when, keys)
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[_Segment] = []
@@ -180,9 +200,10 @@ class ReplayReader:
         self._segment_starts = [segment.start for segment in self.segments]
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
         self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
-        self._prefetched: Optional[tuple] = None  # what the last complete prefetch call was for
-        self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look, and the first row of
-        self._looked_next: Optional[int] = None  # the micro-batch after it (which reuses that look)
+        self._prefetched: Optional[tuple] = None  # (what the last prefetch call named, None when all was
+        # queued, else the cache's generation then)
+        self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look, and the first rows of
+        self._looked_next: tuple[int, ...] = ()  # the micro-batches after it that reuse that look
         self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
         budget = cache.hold_budget if cache is not None else None
         self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
@@ -286,22 +307,33 @@ class ReplayReader:
     def _look_ahead(self, first: int, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
                     grad_accum: int) -> tuple[Key, ...]:
         """The shards of the next micro-batches (kept in the working set), prefetched with those
-        of the next window. Looked at every other micro-batch of a sequential read: the one right
-        after a look was in it, and so is its successor."""
-        if first == self._looked_next:
-            self._looked_next = None
+        of the next window and the plan's horizon. Looked at every fourth micro-batch of a
+        sequential read: the three after a look were in it, and so is the one after them."""
+        if self._looked_next and first == self._looked_next[0]:
+            self._looked_next = self._looked_next[1:]
             return self._looked
         upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
         self._looked = upcoming
-        ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
-        later = self.plan_ahead(first, self._horizon_rows(first))
-        self._prefetch(upcoming, ahead + tuple(k for k in later if k not in ahead))
+        self._prefetch(upcoming, self._far_ahead(first, rank, world_size, micro_batch, grad_accum))
         return upcoming
 
-    def _horizon_rows(self, first: int) -> int:
+    def _far_ahead(self, first: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
+        """This rank's shards of the next window, then the plan's within the horizon: looked at
+        again when ``first`` enters another window, or a second after the last look (the pace
+        may have changed), else the last answer."""
+        now = time.monotonic()
+        index = bisect.bisect_right(self._segment_starts, first) - 1
+        window = (index, (first - self.segments[index].start) // self._window_size())
+        if self._far[0] != window or now - self._far[1] > _PACE_AFTER_S:
+            ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
+            later = self.plan_ahead(first, self._horizon_rows(first, now))
+            self._far = (window, now, ahead + tuple(k for k in later if k not in ahead))
+        return self._far[2]
+
+    def _horizon_rows(self, first: int, now: Optional[float] = None) -> int:
         """How many global rows the plan reads in the next ``prefetch_s`` seconds, at the pace
         this reader has kept since its first look ahead (two windows until that is measured)."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self._pace_start is None:
             self._pace_start = (now, first)
         started, row = self._pace_start
@@ -359,11 +391,15 @@ class ReplayReader:
     def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all
         of a window's shards are wanted at its first rows: the micro-batches alone see them too
-        late). The cache skips what it holds or has fetched; asked again only when that changes."""
+        late). The cache skips what it holds or has fetched; asked again only when that changes:
+        the shards named, or (after a call that could not queue them all) the cache's state."""
         wanted = (frozenset(upcoming), ahead)  # the same shards in another order: nothing new to queue
-        if wanted != self._prefetched:
-            complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
-            self._prefetched = wanted if complete is not False else None
+        if self._prefetched is not None and self._prefetched[0] == wanted and \
+                self._prefetched[1] in (None, getattr(self.cache, "generation", None)):
+            return
+        generation = getattr(self.cache, "generation", None)
+        complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
+        self._prefetched = (wanted, None if complete is not False else generation)
 
     def _window_ahead(self, first: int, rank: int, world_size: int, micro_batch: int,
                       grad_accum: int) -> tuple[Key, ...]:
@@ -407,11 +443,11 @@ class ReplayReader:
         return found
 
     def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
-                  grad_accum: int) -> tuple[tuple[Key, ...], Optional[int]]:
-        """(the shards of this rank's next few micro-batches in plan order, the first row of the
-        next one or None at the plan's end)."""
+                  grad_accum: int) -> tuple[tuple[Key, ...], tuple[int, ...]]:
+        """(the shards of this rank's next few micro-batches in plan order, the first rows of
+        those of them but the last, which reuse this look: the last one looks again)."""
         upcoming: tuple[Key, ...] = ()
-        following = None
+        following: list[int] = []
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
@@ -419,7 +455,7 @@ class ReplayReader:
             first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
-            following = first if following is None else following
+            following.append(first)
             keys = self._rows_at(first, micro_batch)[1]
             upcoming = upcoming + tuple(k for k in keys if k not in upcoming) if upcoming else keys
-        return upcoming, following
+        return upcoming, tuple(following[:-1])

@@ -43,8 +43,9 @@ class DataFigures:
     of its step time) for steps that were not yet assembled; assembling them took ``read_s``
     (cutting rows into tensors) plus ``shard_wait_s`` (bringing shards into the working set:
     checks, holds, downloads waited for), two parts of ``assembly_s``. Cache figures are this
-    process's counts; ``cache_bytes`` / ``cache_files`` are the node's usage as its last scan saw
-    it (None before any, or without a cache)."""
+    process's counts (``downloaded_bytes``: the bytes of the shards it downloaded and verified, on
+    demand or prefetched); ``cache_bytes`` / ``cache_files`` are the node's usage as its last scan
+    saw it (None before any, or without a cache)."""
     rank: int
     steps: int
     background: bool
@@ -56,6 +57,7 @@ class DataFigures:
     prefetched: int = 0
     hits: int = 0  # shards found verified in the cache as they entered the working set
     evictions: int = 0
+    downloaded_bytes: int = 0
     cache_bytes: Optional[int] = None
     cache_files: Optional[int] = None
     max_bytes: Optional[int] = None
@@ -115,8 +117,8 @@ class RankStream:
             return DataFigures(**common)
         c = cache.counters()
         return DataFigures(**common, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
-                           evictions=c["evictions"], cache_bytes=c["bytes"], cache_files=c["files"],
-                           max_bytes=c["max_bytes"])
+                           evictions=c["evictions"], downloaded_bytes=int(c["downloaded_bytes"]),
+                           cache_bytes=c["bytes"], cache_files=c["files"], max_bytes=c["max_bytes"])
 
     def close(self) -> None:
         """Stop the background thread, close the cache (its prefetcher joined, a wait for room cut

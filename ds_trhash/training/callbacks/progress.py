@@ -1,14 +1,20 @@
-"""The live progress line (or panel) of rank 0, with the shard cache's counts when the stage
-streams its shards; closing it stops the display (the data layer closes the cache)."""
+"""The live progress line (or panel) of rank 0, with the shard cache's counts and this process's
+downloads (bytes and average rate: one figure for all of them, no line or bar per file) when the
+stage streams its shards; closing it stops the display (the data layer closes the cache)."""
 from __future__ import annotations
 
+import time
+
+from ds_trhash.training.batches import downloaded
 from ds_trhash.training.callbacks.base import Callback, RunContext
 
 
 class ProgressCallback(Callback):
-    def __init__(self, progress, model, every: int, figures=None):
-        """``figures``: a callable returning the stream's ``DataFigures`` (or None), read per step."""
+    def __init__(self, progress, model, every: int, figures=None, clock=time.monotonic):
+        """``figures``: a callable returning the stream's ``DataFigures`` (or None), read per step;
+        ``clock``: the download rate is averaged from this callback's start (the launch's steps)."""
         self.progress, self.model, self.every, self.figures = progress, model, every, figures
+        self.clock, self.started = clock, clock()
 
     @classmethod
     def from_run(cls, run: RunContext) -> "ProgressCallback":
@@ -21,14 +27,15 @@ class ProgressCallback(Callback):
 
     def extra(self) -> dict | None:
         """The shard cache's state, when the stage streams shards through one: this process's
-        counts and the usage its last scan saw (nothing walked, no lock taken, per step)."""
+        counts and downloads, and the usage its last scan saw (nothing walked, no lock taken, per step)."""
         f = self.figures() if self.figures is not None else None
         if f is None or not f.cached:
             return None
         usage = "?" if f.cache_bytes is None else f"{f.cache_bytes / 2**20:.1f}"
         files = "?" if f.cache_files is None else f.cache_files
         return {"cache": f"{usage}/{f.max_bytes / 2**20:.0f} MiB {files} shards "
-                         f"hit {f.hits} miss {f.fetched} evict {f.evictions}"}
+                         f"hit {f.hits} miss {f.fetched} evict {f.evictions}",
+                "downloaded": downloaded(f, self.clock() - self.started)}
 
     def close(self):
         """The live display stopped (its last state left on screen)."""

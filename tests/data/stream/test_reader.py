@@ -9,7 +9,7 @@ import torch
 
 from ds_trhash.data.plans.plan import derive_refinement
 from ds_trhash.data.plans.build import build_plan
-from ds_trhash.data.stream.reader import ReaderError, ReplayReader
+from ds_trhash.data.stream.reader import _LOOKAHEAD_MICRO_BATCHES, ReaderError, ReplayReader
 from ds_trhash.data.stream.opening import CorpusError, check_plan_manifests, open_corpus
 from ds_trhash.data.formats.shards import load_manifests, read_rows, write_shards
 from ds_trhash.data.stream.working_set import MappedShard
@@ -154,7 +154,9 @@ def test_each_rank_opens_only_its_own_shards(corpus):
         reader.batch(0, 0, rank, 2, 5, 1)
         mine = {(s, f) for s, f, _ in reader.global_rows(rank * 5, 5)}
         assert cache.got == mine
-        upcoming = {(s, f) for s, f, _ in reader.global_rows(10 + rank * 5, 5) + reader.global_rows(20 + rank * 5, 5)}
+        firsts = [first for first in (10 * i + rank * 5 for i in range(1, 1 + _LOOKAHEAD_MICRO_BATCHES))
+                  if first + 5 <= reader.num_rows]  # the next micro-batches of this rank, in the plan
+        upcoming = {(s, f) for first in firsts for s, f, _ in reader.global_rows(first, 5)}
         assert set(cache.prefetched[-1]) == upcoming
 
 

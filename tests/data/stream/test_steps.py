@@ -82,6 +82,16 @@ def test_the_figures_add_up_and_cost_no_walk(store, tmp_path, monkeypatch):
     assert figures.steps == STEPS and figures.background and figures.cached
     assert figures.assembly_s == pytest.approx(figures.read_s + figures.shard_wait_s) and figures.shard_wait_s > 0
     assert figures.hits + figures.fetched > 0 and figures.cache_files is not None
+    # the bytes downloaded: every entry of this fresh cache (nothing evicted), each counted once
+    entries = [p for p in (tmp_path / "cache").rglob("*.bin") if p.is_file()]
+    assert entries and figures.downloaded_bytes == sum(p.stat().st_size for p in entries)
+    warm = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES)
+    with RankStream(ReplayReader(plan_for(store), None, SEED, cache=warm), LAYOUTS[0], end=STEPS) as stream:
+        for step in range(STEPS):
+            stream.micro_batches(step)
+        assert warm.wait_idle()
+        again = stream.figures()
+    assert again.hits > 0 and again.downloaded_bytes == 0  # all verified in the cache: nothing downloaded
 
 
 def test_closing_while_steps_wait_in_the_queue_leaves_no_thread(store, tmp_path):

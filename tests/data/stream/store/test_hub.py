@@ -50,6 +50,8 @@ def test_a_fault_is_survived_with_the_same_bytes(hub_corpus, tmp_path, fault):
     with corpus.open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0) as cache:
         assert cache.get("a", "shard-00001.bin").read_bytes() == (root / FILE).read_bytes()
         assert cache.stats()["redownloads"] == (1 if fault == "corrupt" else 0)
+        # the verified shard's bytes, once, whatever the transfers that failed before it
+        assert cache.counters()["downloaded_bytes"] == (root / FILE).stat().st_size
     assert hub.file_faults[FILE] == []
 
 
