@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from ds_trhash.cli import main as cli
 from ds_trhash.io import sha256_file
@@ -171,3 +172,50 @@ def test_report_into_the_runs_top_folder_as_documented(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "write the report outside the run directory, or the record as RUN/run_record.json" in err, err
     assert tree_digest(tmp_path) == before
+
+
+def test_the_record_carries_a_custom_models_shape(tmp_path):
+    """Issue 34: a shape given in the model: section (here over the tiny preset, every size field
+    changed) reaches the run record's `model` field the way a launch records it: the launch's own
+    plan and trainer-state builder write the checkpoint the record reads (in-process, no launch);
+    config.json, written from the same loaded config, carries it too."""
+    from ds_trhash.training import config as tcfg
+    from ds_trhash.training.callbacks.base import TrainState
+    from ds_trhash.training.launch.plan import plan_launch
+    from ds_trhash.training.launcher import build_arg_parser, config_from_args
+    from ds_trhash.training.trainer import build_model, start_writing, state_recorder
+
+    shape = {"hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1, "shared_width": 192,
+             "num_experts": 6, "expert_width": 24, "route_seed": 7, "hash_channels": 3}
+    out = tmp_path / "run"
+    sets = [part for key, value in shape.items() for part in ("--set", f"model.{key}={value}")]
+    args = build_arg_parser().parse_args(
+        ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "2", *sets])
+    plan = plan_launch(config_from_args(args), args, rank=0, world=1)
+    model = build_model(plan, rank=0)
+
+    def engine(tmp):
+        (tmp / "state").mkdir()
+        torch.save({"module": model.state_dict()}, tmp / "state" / "mp_rank_00_model_states.pt")
+
+    start_writing(plan, rank=0)  # the data's stream: a checkpoint records its cursor
+    try:
+        doc = state_recorder(plan, model)(TrainState(step=2, total_steps=2), "final", {})
+    finally:
+        plan.data.stop()  # what the trainer's finally closes
+    save_checkpoint(out, 2, write_engine_state=engine, trainer_state=doc, rank=0, world_size=1)
+    record = write_run_record(tmp_path / "run_record.json", run_dir=out)
+    assert record["model"] == plan.model_config.to_dict() == model.config.to_dict()
+    assert {key: record["model"][key] for key in shape} == shape and record["model"]["head_dim"] == 32
+    assert record["provenance"]["model"] == "trainer_state.json of the newest complete checkpoint"
+    md = (tmp_path / "run_record.md").read_text()
+    assert '"hidden_size": 96' in md and '"num_experts": 6' in md, md
+    # config.json is the loaded config dumped (trainer.announce): its model: section builds the same shape
+    dumped = tcfg.dump_config(plan.loaded)
+    assert {key: dumped["model"][key] for key in shape} == shape
+    assert tcfg.model_config(tcfg.load_config(_written(tmp_path / "config.json", dumped))) == plan.model_config
+
+
+def _written(path, doc):
+    path.write_text(json.dumps(doc))
+    return path
