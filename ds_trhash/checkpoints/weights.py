@@ -6,8 +6,11 @@ directory, with LoRA adapters merged when the consumer needs plain released tens
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,19 @@ from ds_trhash.checkpoints.store import verify
 from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
 
 # --------------------------------------------------------------------------- weights-only init
+
+
+@contextlib.contextmanager
+def _quiet(module) -> Iterator[None]:
+    """DeepSpeed's consolidator draws a tqdm bar per ZeRO file it reads: in a launch's console
+    (the end-of-stage export, --init-checkpoint) that is a bar per file the user did not ask for.
+    Its bars are disabled while it runs (the module's own ``tqdm`` name, put back after)."""
+    loud = module.tqdm
+    module.tqdm = functools.partial(loud, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = loud
 
 
 def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
@@ -41,9 +57,10 @@ def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
         module = consolidate_checkpoint(tag_dir)
         return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=ENGINE_TAG))
+        with _quiet(zero_to_fp32):
+            return dict(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=ENGINE_TAG))
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     if not model_file.is_file():
         raise CheckpointError(f"{model_file} is missing: no model weights in {ckpt_dir}")

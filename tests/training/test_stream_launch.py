@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,9 +145,14 @@ def test_streamed_launch_killed_mid_download_resumes_bit_identical(shared_launch
            f"{first[:12]}" in said, L.explain(resumed)
     assert refined["data_source"]["commit"] == first
     assert moved != first and "resuming at step 3" in resumed.stdout, L.explain(resumed)
-    # a readable console: no line per HTTP request of the Hub client, the kernels stated once
+    # a readable console: no line per HTTP request of the Hub client and no progress bar per file,
+    # the downloads said in one figure (the end-of-stage data line), the kernels stated once
     console = resumed.stdout + resumed.stderr
     assert "HTTP Request:" not in console and "kernel choice:" not in console, console[-3000:]
+    assert "%|" not in console and "it/s]" not in console, console[-3000:]
+    assert re.search(r"data wait on rank 0: .* cache hits; downloaded [\d.]+ (GiB|MiB|KiB|B) at [\d.]+ "
+                     r"(GiB|MiB|KiB|B)/s\)", console), console[-3000:]
+    assert re.search(r"step \d+/\d+ .* cache=.* downloaded=[\d.]+ (GiB|MiB|KiB|B) at ", console), console[-3000:]
     assert len([line for line in console.splitlines() if line.lstrip().startswith("kernels ")]) == 1
     L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{STEPS:08d}"), L.model_weights(
         ref / "checkpoints" / f"step_{STEPS:08d}"))
