@@ -12,12 +12,17 @@ started, and what cannot run here is skipped with the reason (each one named bel
   parsing: the launcher part with DeepSpeed's own runner parser, ARGS with the trainer's argparse
   and config loader (every --set validated like the file). The launches themselves run in
   tests/training/ (the same configs, the same flags).
+
+The command blocks of docs/*.md are checked by parsing only (nothing runs): their `deepspeed` lines
+as above, their `ds-trhash` lines through the console script's own argparse, their bare `--set`
+overrides through the config loader.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -150,3 +155,49 @@ def test_every_cpu_command_block_runs_as_written(readme_commands, tmp_path, toke
     assert (work / "runs" / "report" / "index.html").is_file()
     assert [c.step for c in list_checkpoints(work / "runs" / "pre")] == [10]  # cleanup --keep packs
     assert {why for _, why in skipped} == {why for _, why in SKIPPED}  # every reason still applies to some command
+
+
+# Shell variables the docs' commands use, with a value each (docs/operations.md's Slurm array task)
+DOC_SHELL_VARS = {"SLURM_ARRAY_TASK_ID": "0"}
+
+
+def _docs_commands() -> list[tuple[str, str]]:
+    return [(path.name, command) for path in sorted((REPO / "docs").glob("*.md"))
+            for block in _blocks(path.read_text(encoding="utf-8")) for command in _commands(block)]
+
+
+def test_every_docs_command_parses(monkeypatch):
+    """Each command of a docs/*.md bash block as the shell splits it: a `deepspeed` line through
+    `_check_launch`; a `ds-trhash` line through the console script's parser (its subcommand, every
+    flag and each argument's form), a preflight or smoke line's config loaded as its launch would;
+    a bare `--set KEY=VALUE` (docs/configs.md) one shell word, validated on the tiny SFT config."""
+    from ds_trhash.cli import build_parser
+    from ds_trhash.training.config import load_config
+    from ds_trhash.training.launcher import config_from_args
+
+    monkeypatch.chdir(REPO)  # the docs run from the repository root
+    checked = {"deepspeed": 0, "ds-trhash": 0, "--set": 0}
+    for doc, command in _docs_commands():
+        line = re.sub(r"\$\{(\w+)\}", lambda m: DOC_SHELL_VARS[m[1]], command)
+        words = shlex.split(line, comments=True)
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # HF_TOKEN=... before the command
+            words.pop(0)
+        kind = words[0]
+        if kind == "export":
+            assert len(words) == 2 and "=" in words[1], f"{doc}: {command}"
+            continue
+        assert kind in checked, f"{doc}: {command}: no check for this kind of command here; add one"
+        checked[kind] += 1
+        try:
+            if kind == "deepspeed":
+                _check_launch(words[1:], REPO)
+            elif kind == "--set":
+                assert len(words) == 2, f"{doc}: {command}: the shell splits the value into {words[1:]}"
+                load_config("ds_configs/tiny/sft.yaml", [words[1]])
+            else:
+                args = build_parser(words[1:]).parse_args(words[1:])
+                if args.command in ("preflight", "smoke"):
+                    config_from_args(args)
+        except SystemExit as e:  # argparse's refusal (its message is on the captured stderr)
+            pytest.fail(f"{doc}: {command}: refused by the parser (exit {e.code})")
+    assert checked["deepspeed"] >= 5 and checked["ds-trhash"] >= 20 and checked["--set"] >= 8, checked
