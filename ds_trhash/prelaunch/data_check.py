@@ -37,4 +37,5 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
     notes = "".join(f"; {note}" for note in data.notes)
     return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
                   f"trained tokens, {data.total_steps} steps; shards from {data.shards_dir}{commit}: every shard "
-                  f"it reads matches its manifest's {hashed}; the cache bound holds one shard per rank{notes}")
+                  f"it reads matches its manifest's {hashed}; the cache bound holds the shards read at once and "
+                  f"those fetched ahead{notes}")
