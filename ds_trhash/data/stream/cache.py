@@ -20,7 +20,10 @@ A prefetched shard stays held (by the process that fetched it) until its reader 
 its working set, or until it leaves what the reader says it needs next: the reader asks for
 shards in the order it will first read them, so a prefetch never evicts a shard that is read
 before the one it fetches (that one is held already, by a reader or by an earlier prefetch). Each
-process holds at most ``prefetch`` such shards, which is the room the bound keeps for them.
+process holds at most what its share of the bound leaves beside its reader's hold budget (at most
+``prefetch`` shards; fetched beyond that, a shard is only marked ready), so the node's readers
+and prefetches never hold more than the bound together, and a read that finds no room takes it
+back from its own process's prefetches.
 
 Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
 walk: cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for
@@ -102,6 +105,7 @@ class ShardCache:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
         self.hold_budget = self._hold_budget(shards, max(1, int(ranks_on_node)))
+        self._hold_allowance = self._prefetch_holds(shards, max(1, int(ranks_on_node)))
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
         self._shards = dict(shards)
@@ -121,7 +125,9 @@ class ShardCache:
         self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
         self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) at this process's last scan
         self._holding: dict[Key, int] = {}  # holds this process has on each entry now
-        self._ready: dict[Key, cf.Hold] = {}  # entries the prefetcher verified, held until read or let go
+        # entries the prefetcher verified: held until read or let go (None: verified, not held,
+        # when this process's share of the bound leaves no room to hold more)
+        self._ready: dict[Key, Optional[cf.Hold]] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self._resolved_root = self.root.resolve()
 
@@ -132,6 +138,22 @@ class ShardCache:
         never less than one largest shard (the launch refuses a bound below one per rank)."""
         largest = max((shard.size for shard in shards.values()), default=0)
         return max(largest, self.max_bytes // ranks_on_node - self.prefetch_depth * largest)
+
+    def _prefetch_holds(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
+        """How many prefetched shards this process may keep held: what its share of the bound
+        leaves beside its reader's hold budget, at most the prefetch depth. So the node's readers
+        and prefetches together never hold more than the bound, and a read always finds room."""
+        largest = max((shard.size for shard in shards.values()), default=0)
+        if largest == 0:
+            return self.prefetch_depth
+        return max(0, min(self.prefetch_depth, (self.max_bytes // ranks_on_node - self.hold_budget) // largest))
+
+    def _drop_ready(self, key: Key) -> None:
+        """Forget a prefetched shard, releasing its hold if it had one (the caller holds ``_cond``)."""
+        hold = self._ready.pop(key)
+        if hold is not None:
+            hold.release()
+        self.generation += 1
 
     def _expected(self, key: Key) -> ExpectedShard:
         shard = self._shards.get(key)
@@ -185,10 +207,10 @@ class ShardCache:
         """A read that finds no room takes it from this process's prefetched shards, the one read
         last first (a read comes before what is prefetched for later): True when one was let go."""
         with self._cond:
-            if not self._ready:
+            held = [key for key, hold in self._ready.items() if hold is not None]
+            if not held:
                 return False
-            self._ready.pop(next(reversed(self._ready))).release()
-            self.generation += 1
+            self._drop_ready(held[-1])
         return True
 
     def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
@@ -337,8 +359,7 @@ class ShardCache:
     def _let_go(self, still_wanted: set[Key]) -> None:
         """Release the prefetched shards no longer in view (the caller holds ``_cond``)."""
         for key in [key for key in self._ready if key not in still_wanted]:
-            self._ready.pop(key).release()
-            self.generation += 1
+            self._drop_ready(key)
 
     def _raise_worker_error(self) -> None:
         """A prefetch that hit a corrupt shard stops the run at the next read, with its message."""
@@ -386,8 +407,9 @@ class ShardCache:
         with self._cond:
             keep = ready and key not in self._holding and key not in self._ready and not self._closed
             if keep:
-                self._ready[key] = hold
-        if not keep:
+                held = sum(kept is not None for kept in self._ready.values())
+                self._ready[key], hold = (hold, None) if held < self._hold_allowance else (None, hold)
+        if hold is not None:
             hold.release()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:

@@ -246,3 +246,18 @@ def test_a_prefetched_shard_stays_held_until_read_or_out_of_view(store, tmp_path
         with cache.held(*KEYS[5]):  # no room but the prefetched third's: taken back
             assert not path[third].exists() and entry_bytes(tmp_path / "cache") == 3 * SHARD_BYTES
     cache.close()
+
+
+def test_prefetches_are_held_only_within_the_processes_share_of_the_bound(store, tmp_path):
+    """Four readers on a node whose bound leaves each one shard beside its hold budget: each
+    keeps one prefetched shard held, and one more is fetched but left evictable, so the node's
+    readers and prefetches together never hold more than the bound."""
+    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 8 * SHARD_BYTES,
+                                                                prefetch=2, ranks_on_node=4)
+    assert cache.hold_budget == SHARD_BYTES
+    cache.prefetch(KEYS[:2])
+    assert cache.wait_idle() and cache.counters()["prefetched"] == 2
+    first, second = (cf.entry_path(cache.root, *key) for key in KEYS[:2])
+    assert not cf.try_evict(first) and cf.try_evict(second)  # the first held, the second only fetched
+    cache.close()
+    assert cf.try_evict(first)  # closing lets go of it
