@@ -9,10 +9,12 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    straight from the directory (no cache), through the node cache filled from the directory, and
    through the node cache filled from the Hub (cold: every shard downloaded on the way, with
    prefetch), and through a warm node cache (every shard already in it and verified, as a
-   resumed run or a second stage finds it). The server runs in a process of its own (a real Hub
+   resumed run or a second stage finds it), and through a cold node cache that another process
+   fills in plan order while the reader runs no prefetch thread (the fill's interpreter work off
+   the reading process, as another rank of the node would do it). The server runs in a process of its own (a real Hub
    is not in the reader's interpreter; a first version served from the reader's process, whose
    serving threads then competed with the reader for one interpreter); the client side, the
-   downloads and the hashing, runs beside the reader, as in training. The four passes run
+   downloads and the hashing, runs beside the reader, as in training. The five passes run
    ``--repeat`` rounds, each round in a rotated order, and the medians are printed: run one
    after the other once, the pass that ran under the heaviest load (or first, before the page
    cache was warm) decided the comparison. The goals: the cold cache at least 0.8 of direct
@@ -74,6 +76,27 @@ def cached_pass(plan: dict, corpus, cache_dir: Path, n: int) -> tuple[float, flo
         return rate, cache.stats()["waited_s"]
 
 
+def _fill_in_order(plan: dict, root: Path, cache_dir: Path, keys: list) -> None:
+    """Another process of the node fetching the plan's shards into the cache, in first-read order."""
+    with open_corpus(plan, str(root)).open_cache(cache_dir, 2**40, prefetch=0) as cache:
+        for key in keys:
+            cache.get(*key)
+
+
+def other_process_pass(plan: dict, root: Path, cache_dir: Path, n: int) -> tuple[float, None]:
+    """Rows/s through a cold node cache that another process fills (as another rank of the node
+    would) while this one reads with no prefetch thread: the fill's interpreter work off the
+    reading process."""
+    keys = list(dict.fromkeys((s, f) for s, f, _ in ReplayReader(plan, root, 0).global_rows(0, n)))
+    filler = mp.get_context("fork").Process(target=_fill_in_order, args=(plan, root, cache_dir, keys), daemon=True)
+    filler.start()
+    try:
+        with open_corpus(plan, str(root)).open_cache(cache_dir, 2**40, prefetch=0) as cache:
+            return rows_per_s(ReplayReader(plan, None, 0, cache=cache), n), None
+    finally:
+        filler.join(60)
+
+
 def timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -104,14 +127,15 @@ def _serve_hub(conn, repos: dict[str, Path]) -> None:
 
 
 def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
-    """The four read passes, ``repeat`` rounds, each round in a rotated order; the medians."""
+    """The five read passes, ``repeat`` rounds, each round in a rotated order; the medians."""
     warm_dir = tmp / "cache-warm"
     cached_pass(plan, open_corpus(plan, str(root)), warm_dir, n)  # filled once, read again by every round
     passes = {"direct": lambda i: (rows_per_s(ReplayReader(plan, root, 0), n), None),
               "local": lambda i: cached_pass(plan, open_corpus(plan, str(root)), tmp / f"cache-local-{i}", n),
               "hub": lambda i: cached_pass(plan, open_corpus(plan, None, store=HubStore("bench/corpus")),
                                            tmp / f"cache-hub-{i}", n),
-              "warm": lambda i: cached_pass(plan, open_corpus(plan, str(root)), warm_dir, n)}
+              "warm": lambda i: cached_pass(plan, open_corpus(plan, str(root)), warm_dir, n),
+              "other": lambda i: other_process_pass(plan, root, tmp / f"cache-other-{i}", n)}
     rates: dict[str, list[float]] = {name: [] for name in passes}
     waited = []
     names = list(passes)
@@ -121,8 +145,9 @@ def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
             rates[name].append(rate)
             if name == "hub":
                 waited.append(wait)
-    direct, via_local, via_hub, warm = (statistics.median(rates[k]) for k in names)
-    print(f"read passes: {repeat} rounds of (direct, local cache, Hub cache, warm cache), rotated; medians")
+    direct, via_local, via_hub, warm, other = (statistics.median(rates[k]) for k in names)
+    print(f"read passes: {repeat} rounds of (direct, local cache, Hub cache, warm cache, cache filled by another "
+          "process), rotated; medians")
     print(f"rows/s  local dir, no cache: {direct:,.0f}")
     print(f"rows/s  node cache from the local dir (cold): {via_local:,.0f} = {via_local / direct:.3f} of direct "
           f"reads (goal 0.8: {'met' if via_local >= 0.8 * direct else 'NOT met'})")
@@ -131,6 +156,8 @@ def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
           f"{via_hub / direct:.3f} of direct reads; reads waited {statistics.median(waited):.2f} s for downloads")
     print(f"rows/s  node cache, warm (every shard verified in it): {warm:,.0f} = {warm / direct:.3f} of direct "
           f"reads (goal 0.95: {'met' if warm >= 0.95 * direct else 'NOT met'})")
+    print(f"rows/s  node cache from the local dir (cold), filled by another process, no prefetch thread: {other:,.0f} = "
+          f"{other / direct:.3f} of direct reads (the fill's interpreter work off the reading process)")
     for name in names:
         print(f"  {name:6s} per round: " + ", ".join(f"{r:,.0f}" for r in rates[name]))
 
