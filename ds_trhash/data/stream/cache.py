@@ -111,8 +111,7 @@ class ShardCache:
         self._shards = dict(shards)
         self._cond = threading.Condition()
         self._queue: deque[Key] = deque()
-        self._busy = 0
-        self._inflight: set[Key] = set()  # the prefetcher's download now
+        self._inflight: set[Key] = set()  # the shard the prefetcher is fetching now
         # changes whenever what a prefetch call would queue may have changed (a shard held or
         # released, a prefetch done or let go): a reader that was told "not all queued" asks
         # again only then, not at every micro-batch
@@ -374,7 +373,6 @@ class ShardCache:
                 if self._closed:
                     return
                 key = self._queue.popleft()
-                self._busy += 1
                 self._inflight.add(key)
             try:
                 self._prefetch_one(key)
@@ -384,7 +382,6 @@ class ShardCache:
                 self._count("prefetch_errors")  # the read that needs it fetches it and reports
             finally:
                 with self._cond:
-                    self._busy -= 1
                     self._inflight.discard(key)
                     self.generation += 1
                     self._cond.notify_all()
@@ -415,7 +412,7 @@ class ShardCache:
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout=timeout)
 
     def usage(self) -> int:
         """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""

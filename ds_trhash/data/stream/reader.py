@@ -4,11 +4,8 @@ The order is a pure function of (plan, seed, shuffle_window), never of world siz
 how far a run got, so a resume only needs the global row cursor:
 
 1. Phases in plan order; a phase with ``passes = p`` is walked p times (one *segment* each).
-2. Within a segment, sources interleave by weighted fair queuing (docs/contracts.md §2): the next row
-   comes from the source with the smallest served/weight, weight = the source's row count
-   in the phase, ties to the smaller source name. Source s's k-th row thus sits at the
-   rank of the key (k / n_s, name) among all keys, which is computed arithmetically, so
-   no per-row table is ever built (a 130B-token plan has ~63M rows).
+2. Within a segment, sources interleave by weighted fair queuing (``order``): computed with
+   integer arithmetic, no per-row table is ever built (a 130B-token plan has ~63M rows).
 3. The seed permutes rows inside consecutive windows of ``shuffle_window`` rows of each
    segment (numpy PCG64 seeded by (seed, phase, pass, window)). Windows keep shard locality,
    so a bounded cache with prefetch keeps up; ``shuffle_window=0`` keeps the WFQ order.
@@ -34,7 +31,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -48,6 +44,7 @@ from ds_trhash.data.stream.cache import ShardCache
 from ds_trhash.data.formats.layout import shard_path_under, sources_dir
 from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
 from ds_trhash.data.formats.tokenizer import PathLike
+from ds_trhash.data.stream.order import RowRef, Segment, SourceRows
 from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 
 
@@ -61,105 +58,11 @@ DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minute
 _PACE_AFTER_S = 1.0  # the pace is measured once the reader has run this long; until then: two windows
 _PLAN_AHEAD_KEYS = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
-RowRef = tuple[str, str, int]  # (source, file, row within the file)
 Key = tuple[str, str]
 
 
 class ReaderError(UserError, ValueError):
     """A batch asks for rows the plan does not hold, or a batch layout is invalid."""
-
-
-@dataclass(frozen=True)
-class _SourceRows:
-    """One source's rows in one phase: entries laid end to end."""
-
-    name: str
-    files: tuple[str, ...]
-    starts: tuple[int, ...]  # first source-row index of each entry
-    total: int
-
-    @classmethod
-    def of(cls, name: str, entries: list[dict]) -> "_SourceRows":
-        starts, total = [], 0
-        for entry in entries:
-            starts.append(total)
-            total += int(entry["rows"])
-        return cls(name, tuple(e["file"] for e in entries), tuple(starts), total)
-
-    def locate(self, k: int) -> RowRef:
-        index = bisect.bisect_right(self.starts, k) - 1
-        return self.name, self.files[index], k - self.starts[index]
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """One pass over one phase, in weighted-fair-queuing order."""
-
-    start: int
-    phase_index: int
-    pass_index: int
-    phase_name: str
-    sources: tuple[_SourceRows, ...]  # sorted by name
-
-    @property
-    def length(self) -> int:
-        return sum(s.total for s in self.sources)
-
-    def _position(self, s: int, k: int) -> int:
-        """Rank of source s's k-th row: rows of other sources whose key sorts before (k/n_s, s)."""
-        n_s, rank = self.sources[s].total, k
-        for t, other in enumerate(self.sources):
-            if t < s:
-                rank += min(other.total, k * other.total // n_s + 1)
-            elif t > s:
-                rank += min(other.total, -(-k * other.total // n_s))
-        return rank
-
-    def _served_before(self, position: int) -> list[int]:
-        """For each source, how many of its rows come before ``position``."""
-        counts = []
-        for s, source in enumerate(self.sources):
-            lo, hi = 0, source.total
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self._position(s, mid) < position:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            counts.append(lo)
-        return counts
-
-    def order(self, a: int, b: int) -> list[RowRef]:
-        """Rows at segment positions [a, b) in WFQ order: each row placed at its rank
-        (``_position``, computed for all of a source's rows at once), no sort, exact."""
-        first, last = self._served_before(a), self._served_before(b)
-        out: list[Optional[RowRef]] = [None] * (b - a)
-        for s, source in enumerate(self.sources):
-            if last[s] <= first[s]:
-                continue
-            ks = np.arange(first[s], last[s], dtype=self._dtype())
-            ranks = self._positions(s, ks) - a
-            assert 0 <= ranks.min() and ranks.max() < b - a, "weighted fair queuing ranks are inconsistent"
-            files = np.searchsorted(np.asarray(source.starts, dtype=ks.dtype), ks, side="right") - 1
-            within = ks - np.asarray(source.starts, dtype=ks.dtype)[files]
-            for rank, index, row in zip(ranks.tolist(), files.tolist(), within.tolist()):
-                out[rank] = (source.name, source.files[index], row)
-        assert all(ref is not None for ref in out), "weighted fair queuing ranks are inconsistent"
-        return out  # type: ignore[return-value]
-
-    def _dtype(self):
-        """int64 while k·n_t cannot overflow it (sources under 2^31 rows), else exact Python ints."""
-        return np.int64 if max(source.total for source in self.sources) < 2**31 else object
-
-    def _positions(self, s: int, ks: np.ndarray) -> np.ndarray:
-        """``_position(s, k)`` for every k of ``ks`` at once."""
-        n_s, ranks = self.sources[s].total, ks.copy()
-        for t, other in enumerate(self.sources):
-            if t < s:
-                ranks += np.minimum(other.total, ks * other.total // n_s + 1)
-            elif t > s:
-                ranks += np.minimum(other.total, -(-ks * other.total // n_s))
-        return ranks
 
 
 class ReplayReader:
@@ -188,12 +91,12 @@ class ReplayReader:
         self._far: tuple[tuple[int, int], float, tuple[Key, ...]] = ((-1, -1), 0.0, ())  # (window, when, keys)
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
         start = 0
         for phase_index, phase in enumerate(doc["phases"]):
-            sources = tuple(_SourceRows.of(name, phase["sources"][name]) for name in sorted(phase["sources"]))
+            sources = tuple(SourceRows.of(name, phase["sources"][name]) for name in sorted(phase["sources"]))
             for pass_index in range(int(phase["passes"])):
-                segment = _Segment(start, phase_index, pass_index, phase["name"], sources)
+                segment = Segment(start, phase_index, pass_index, phase["name"], sources)
                 self.segments.append(segment)
                 start += segment.length
         self.num_rows = start
@@ -373,18 +276,18 @@ class ReplayReader:
         size = self._window_size()
         return min(segment.start + segment.length, segment.start + -(-(row - segment.start) // size) * size)
 
-    def _first_reads(self, segment: "_Segment", a: int, b: int) -> list[tuple[int, str, str]]:
+    def _first_reads(self, segment: "Segment", a: int, b: int) -> list[tuple[int, str, str]]:
         """(global row of the window it is first read in, source, file) of each shard read in
         segment positions [a, b), at most ``_PLAN_AHEAD_KEYS`` per source."""
         size, out = self._window_size(), []
-        served_a, served_b = segment._served_before(a), segment._served_before(b)
+        served_a, served_b = segment.served_before(a), segment.served_before(b)
         for s, source in enumerate(segment.sources):
             if served_b[s] <= served_a[s]:
                 continue
             low = bisect.bisect_right(source.starts, served_a[s]) - 1
             high = bisect.bisect_right(source.starts, served_b[s] - 1)
             for i in range(low, min(high, low + _PLAN_AHEAD_KEYS)):
-                position = segment._position(s, max(source.starts[i], served_a[s]))
+                position = segment.position(s, max(source.starts[i], served_a[s]))
                 out.append((segment.start + position // size * size, source.name, source.files[i]))
         return out
 
@@ -394,10 +297,9 @@ class ReplayReader:
         late). The cache skips what it holds or has fetched; asked again only when that changes:
         the shards named, or (after a call that could not queue them all) the cache's state."""
         wanted = (frozenset(upcoming), ahead)  # the same shards in another order: nothing new to queue
-        if self._prefetched is not None and self._prefetched[0] == wanted and \
-                self._prefetched[1] in (None, getattr(self.cache, "generation", None)):
+        generation = self.cache.generation
+        if self._prefetched is not None and self._prefetched[0] == wanted and self._prefetched[1] in (None, generation):
             return
-        generation = getattr(self.cache, "generation", None)
         complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
         self._prefetched = (wanted, None if complete is not False else generation)
 

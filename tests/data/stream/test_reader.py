@@ -131,6 +131,7 @@ class RecordingCache:
     """Stands in for ShardCache to observe which shards a rank asks for."""
 
     hold_budget = None
+    generation = 0
 
     def __init__(self, root):
         self.root, self.got, self.prefetched = root, set(), []
