@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import threading
 import time
@@ -47,17 +46,15 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional
 from ds_trhash.io import sha256_file
 
 from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache_bound import CACHE_ENV, hold_budget, prefetch_holds
 from ds_trhash.data.stream.cache_files import CacheError
 from ds_trhash.data.stream.store import ShardStore
 from ds_trhash.data.stream.working_set import MappedShard
 
-GIB = 1024**3
-DEFAULT_CACHE_GB = 1.0
-CACHE_ENV = "TOKENIZED_CACHE_GB"
 ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
 
 Key = tuple[str, str]
-__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard", "cache_bytes_from", "GIB", "CACHE_ENV"]
+__all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard"]
 
 
 class ShardIntegrityError(CacheError):
@@ -73,26 +70,6 @@ class ExpectedShard:
     size: int
 
 
-def cache_bytes_from(cfg_value: Optional[float], env: Optional[Mapping[str, str]] = None) -> int:
-    """Cache bound in bytes (GiB units): TOKENIZED_CACHE_GB overrides the config's cache_gb."""
-    env = os.environ if env is None else env
-    raw = env.get(CACHE_ENV, "")
-    origin = f"{CACHE_ENV}={raw!r}"
-    if raw.strip():
-        try:
-            value = float(raw)
-        except ValueError:
-            raise CacheError(f"{origin} is not a number of GiB") from None
-    else:
-        value, origin = (DEFAULT_CACHE_GB if cfg_value is None else float(cfg_value)), f"data.cache_gb={cfg_value!r}"
-    if not math.isfinite(value) or value <= 0:
-        raise CacheError(f"{origin} must be a positive number of GiB")
-    if int(value * GIB) < 1:
-        raise CacheError(f"{origin} is {value!r} GiB, which rounds to 0 bytes; give the cache at least a shard "
-                         "(data.cache_gb is in GiB: 0.1 is about 107 MB)")
-    return int(value * GIB)
-
-
 def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
     """One folder per store and commit inside the node's cache directory."""
     return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
@@ -104,8 +81,9 @@ class ShardCache:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
-        self.hold_budget = self._hold_budget(shards, max(1, int(ranks_on_node)))
-        self._hold_allowance = self._prefetch_holds(shards, max(1, int(ranks_on_node)))
+        ranks, largest = max(1, int(ranks_on_node)), max((shard.size for shard in shards.values()), default=0)
+        self.hold_budget = hold_budget(self.max_bytes, ranks, self.prefetch_depth, largest)
+        self._hold_allowance = prefetch_holds(self.max_bytes, ranks, self.prefetch_depth, largest)
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
         self._shards = dict(shards)
@@ -131,22 +109,6 @@ class ShardCache:
         self._resolved_root = self.root.resolve()
 
     # -- bookkeeping -------------------------------------------------------------------
-    def _hold_budget(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
-        """The bytes one reader may hold at once: its share of the bound, less room for the
-        prefetches it queues (a reader that held its whole share would leave them none), and
-        never less than one largest shard (the launch refuses a bound below one per rank)."""
-        largest = max((shard.size for shard in shards.values()), default=0)
-        return max(largest, self.max_bytes // ranks_on_node - self.prefetch_depth * largest)
-
-    def _prefetch_holds(self, shards: Mapping[Key, ExpectedShard], ranks_on_node: int) -> int:
-        """How many prefetched shards this process may keep held: what its share of the bound
-        leaves beside its reader's hold budget, at most the prefetch depth. So the node's readers
-        and prefetches together never hold more than the bound, and a read always finds room."""
-        largest = max((shard.size for shard in shards.values()), default=0)
-        if largest == 0:
-            return self.prefetch_depth
-        return max(0, min(self.prefetch_depth, (self.max_bytes // ranks_on_node - self.hold_budget) // largest))
-
     def _drop_ready(self, key: Key) -> None:
         """Forget a prefetched shard, releasing its hold if it had one (the caller holds ``_cond``)."""
         hold = self._ready.pop(key)

@@ -23,7 +23,8 @@ from ds_trhash.io import sha256_file
 
 from ds_trhash.safe_names import bare_name
 
-from ds_trhash.data.stream.cache import GIB, CACHE_ENV, CacheError, ExpectedShard, ShardCache
+from ds_trhash.data.stream.cache import CacheError, ExpectedShard, ShardCache
+from ds_trhash.data.stream.cache_bound import CACHE_ENV, GIB
 from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
-from ds_trhash.data.stream.cache import CACHE_ENV, cache_bytes_from
+from ds_trhash.data.stream.cache_bound import CACHE_ENV, cache_bytes_from
 from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
 from ds_trhash.data.stream.pinning import check_same_bytes, moved_note

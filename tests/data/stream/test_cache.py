@@ -10,7 +10,8 @@ import time
 import pytest
 
 from ds_trhash.data.stream import cache_files as cf
-from ds_trhash.data.stream.cache import GIB, CacheError, ExpectedShard, ShardCache, ShardIntegrityError, cache_bytes_from
+from ds_trhash.data.stream.cache import CacheError, ExpectedShard, ShardCache, ShardIntegrityError
+from ds_trhash.data.stream.cache_bound import GIB, cache_bytes_from
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.store import LocalStore
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
