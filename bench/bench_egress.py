@@ -34,30 +34,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_stream import TOKEN, cached_pass, corpus, rows_per_s  # noqa: E402
+from bench.bench_stream import TOKEN, cached_pass, corpus, hub_process, rows_per_s  # noqa: E402
 from ds_trhash.batch_layout import step_rows  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
 from ds_trhash.data.stream.store import HubStore  # noqa: E402
 from ds_trhash.data.stream.store.staged import StagedStore  # noqa: E402
 from tests.data.hub_corpus import corpus_files  # noqa: E402
-from tests.release.hub_server import HubServer, seed_dataset  # noqa: E402
 
 HUB_REPO = "bench/egress"
 MICRO = 8
 GOAL_TOKENS_PER_S = 786_432 / 0.33  # one 8-GPU node at the speed goal
 LIMITS = {"anonymous": 3_000, "free": 5_000, "PRO": 12_000}  # resolver requests per 5 minutes
-
-
-def _serve(conn, root: Path) -> None:
-    """The Hub in a process of its own; answers "stop" with what it served."""
-    with HubServer(TOKEN, deadline_s=3600) as hub:
-        seed_dataset(hub, HUB_REPO, corpus_files(root))
-        hub.counts.clear()
-        hub.served.clear()
-        conn.send(hub.url)
-        conn.recv()
-        conn.send({"counts": dict(hub.counts), "served": dict(hub.served)})
 
 
 def _node(plan: dict, node: int, nodes: int, tmp: Path, out) -> None:
@@ -83,11 +71,8 @@ def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
     """One streamed read of the whole plan by ``nodes`` simulated nodes: their rows/s, the Hub's
     counts (requests by kind, complete GETs by path)."""
     ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(theirs, root), daemon=True)
-    server.start()
-    try:
-        os.environ.update(HF_ENDPOINT=ours.recv(), HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+    with hub_process({HUB_REPO: root}) as hub:
+        os.environ.update(HF_ENDPOINT=hub["url"], HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
         results = ctx.Queue()
         procs = [ctx.Process(target=_node, args=(plan, i, nodes, tmp / f"job-{nodes}", results))
                  for i in range(nodes)]
@@ -98,11 +83,8 @@ def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
             p.join(60)
             if p.exitcode != 0:
                 raise SystemExit(f"node process exited {p.exitcode}")
-    finally:
-        ours.send("stop")
-        served = ours.recv()
-        server.join(30)
-    return {"rates": [r for _, r, _ in sorted(found)], "copies": sum(c for _, _, c in found), **served}
+    return {"rates": [r for _, r, _ in sorted(found)], "copies": sum(c for _, _, c in found),
+            "counts": hub["counts"], "served": hub["served"]}
 
 
 def _shard_reads(plan: dict) -> tuple[int, int]:
@@ -169,7 +151,8 @@ def main() -> None:
                   f"{'met' if served <= 1.05 * sum(bins.values()) else 'NOT met'}); {shard_gets} shard GETs, "
                   f"{found['copies']} copies from staging; {requests} requests: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(found["counts"].items())))
-            shard_requests = sum(v for k, v in found["counts"].items() if k == "resolve") - nodes * 2  # manifests
+            manifests = len({s for phase in plan["phases"] for s in phase["sources"]})  # read once per node
+            shard_requests = found["counts"].get("resolve", 0) - nodes * manifests
             per_shard = max(per_shard, shard_requests / max(1, shard_gets))
             per_start = max(per_start, (requests - shard_requests) / nodes)
         print(f"measured: {per_shard:.2f} requests per shard download, {per_start:.1f} per node start")

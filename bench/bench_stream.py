@@ -107,14 +107,18 @@ def timed(fn) -> float:
 def hub_process(repos: dict[str, Path]):
     """The loopback Hub serving ``repos`` (repository id -> corpus folder) from a process of its
     own, as a real Hub is not in the reader's interpreter; the client side (downloads, hashing)
-    stays in this process, as in training. Yields its URL."""
+    stays in this process, as in training. Yields a dict with its ``url``; once the block ends it
+    also holds what the Hub answered after seeding: ``counts`` (requests by endpoint) and
+    ``served`` (complete GETs by repository path)."""
     ours, theirs = mp.get_context("fork").Pipe()
     server = mp.get_context("fork").Process(target=_serve_hub, args=(theirs, repos), daemon=True)
     server.start()
+    hub = {"url": ours.recv()}
     try:
-        yield ours.recv()
+        yield hub
     finally:
         ours.send("stop")
+        hub.update(ours.recv())
         server.join(30)
 
 
@@ -122,8 +126,11 @@ def _serve_hub(conn, repos: dict[str, Path]) -> None:
     with HubServer(TOKEN, deadline_s=3600) as hub:
         for repo, root in repos.items():
             seed_dataset(hub, repo, corpus_files(root))
+        hub.counts.clear()
+        hub.served.clear()
         conn.send(hub.url)
         conn.recv()
+        conn.send({"counts": dict(hub.counts), "served": dict(hub.served)})
 
 
 def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
@@ -176,8 +183,8 @@ def main() -> None:
         plan = corpus(root, args.shards, args.rows, args.seq_len)
         checks = {rows: corpus(tmp / f"check-{rows}", args.check_shards // 2, rows, args.seq_len) for rows in (16, 256)}
         repos = {"bench/corpus": root, **{f"bench/check-{rows}": tmp / f"check-{rows}" for rows in checks}}
-        with hub_process(repos) as url:
-            os.environ.update(HF_ENDPOINT=url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+        with hub_process(repos) as hub:
+            os.environ.update(HF_ENDPOINT=hub["url"], HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
             n = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
             size = sum(len(b) for b in corpus_files(root).values())
             print(f"corpus: {n:,} rows of {args.seq_len} tokens, {2 * args.shards} shards, {size / 2**20:.1f} MiB")
