@@ -246,9 +246,10 @@ class ReplayReader:
 
     def plan_ahead(self, first: int, rows: int) -> tuple[Key, ...]:
         """Every shard the plan reads from the start of the next window to the end of the window
-        holding global row ``first + rows - 1``, in order of first read (by window, then source and file), at most
-        ``_PLAN_AHEAD_KEYS``: the shards any rank of the job may need in that time. Arithmetic
-        on the sources' rows, no window is built; remembered per window and horizon."""
+        holding global row ``first + rows - 1``, in order of first read (by window, then source
+        and file), at most ``_PLAN_AHEAD_KEYS``: the shards any rank of the job may need in that
+        time. Arithmetic on the sources' rows, no window is built; remembered per window and
+        horizon."""
         size = self._window_size()
         index = bisect.bisect_right(self._segment_starts, first) - 1
         start = self.segments[index].start + ((first - self.segments[index].start) // size + 1) * size
