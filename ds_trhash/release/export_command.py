@@ -11,7 +11,8 @@ import sys
 
 from ds_trhash.io import os_errors_as
 from ds_trhash.outputs import writes_dirs
-from ds_trhash.release.export import FLOAT_DTYPES, ExportError, export_checkpoint
+from ds_trhash.release.export import ExportError, export_checkpoint
+from ds_trhash.release.export_tensors import FLOAT_DTYPES
 
 
 @os_errors_as(ExportError)
