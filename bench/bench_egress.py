@@ -57,7 +57,7 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out) -> None:
                                     expected={s.path: s.sha256 for s in corpus_.shards.values()})
     rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
     steps = rows // step_rows(MICRO, 1, nodes)
-    with corpus_.open_cache(tmp / f"cache-{node}", 2**40) as cache:
+    with corpus_.open_cache(tmp / f"cache-{node}", 2**40, fetch_process=True) as cache:
         reader = ReplayReader(plan, None, 0, cache=cache)
         started = time.perf_counter()
         for step in range(steps):

@@ -7,8 +7,9 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    served by the loopback Hub stand-in (``tests/release/hub_server.py``, the real
    ``huggingface_hub`` client) and read in plan order, micro-batches of 8 rows, by one reader:
    straight from the directory (no cache), through the node cache filled from the directory, and
-   through the node cache filled from the Hub (cold: every shard downloaded on the way, with
-   prefetch), and through a warm node cache (every shard already in it and verified, as a
+   through the node cache filled from the Hub (cold: every shard downloaded on the way, prefetched
+   by the reader's prefetch process as in training, ``data/stream/fetcher.py``), and through a
+   warm node cache (every shard already in it and verified, as a
    resumed run or a second stage finds it), and through a cold node cache that another process
    fills in plan order while the reader runs no prefetch thread (the fill's interpreter work off
    the reading process, as another rank of the node would do it). The server runs in a process of its own (a real Hub
@@ -71,7 +72,9 @@ def rows_per_s(reader: ReplayReader, rows: int, micro: int = 8) -> float:
 def cached_pass(plan: dict, corpus, cache_dir: Path, n: int) -> tuple[float, float]:
     """Rows/s through the node cache in ``cache_dir`` (cold when the folder is new), and the
     seconds the reads waited for downloads."""
-    with corpus.open_cache(cache_dir, 2**40) as cache:
+    with corpus.open_cache(cache_dir, 2**40, fetch_process=True) as cache:
+        cache.prefetch([])  # the prefetch process starts (an interpreter, its imports), as at a stage's start
+        cache.wait_idle()
         rate = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
         return rate, cache.stats()["waited_s"]
 

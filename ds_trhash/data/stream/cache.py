@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -48,6 +49,7 @@ from ds_trhash.io import sha256_file
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache_bound import CACHE_ENV, hold_budget, prefetch_holds
 from ds_trhash.data.stream.cache_files import CacheError
+from ds_trhash.data.stream.fetcher import Fetcher, FetcherGone
 from ds_trhash.data.stream.store import ShardStore
 from ds_trhash.data.stream.working_set import MappedShard
 
@@ -77,7 +79,8 @@ def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
 
 class ShardCache:
     def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, ExpectedShard],
-                 commit: str = "local", prefetch: int = 2, ranks_on_node: int = 1) -> None:
+                 commit: str = "local", prefetch: int = 2, ranks_on_node: int = 1,
+                 fetch_process: bool = False) -> None:
         if max_bytes < 1:
             raise CacheError(f"cache max_bytes must be positive, got {max_bytes}")
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
@@ -86,7 +89,10 @@ class ShardCache:
         self._hold_allowance = prefetch_holds(self.max_bytes, ranks, self.prefetch_depth, largest)
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
-        self._shards = dict(shards)
+        self._shards, self.commit = dict(shards), commit
+        # the prefetch process (``fetcher``): None until the first prefetch starts it; False when
+        # it is not wanted, or could not start or exited (then a thread here prefetches)
+        self._fetcher: Optional[Fetcher | bool] = None if fetch_process else False
         self._cond = threading.Condition()
         self._queue: deque[Key] = deque()
         self._inflight: set[Key] = set()  # the shard the prefetcher is fetching now
@@ -166,7 +172,17 @@ class ShardCache:
 
     def _give_back_prefetched(self) -> bool:
         """A read that finds no room takes it from this process's prefetched shards, the one read
-        last first (a read comes before what is prefetched for later): True when one was let go."""
+        last first (a read comes before what is prefetched for later): True when one was let go.
+        A prefetch process is told to let go of all of them (once: it does so between fills)."""
+        fetcher = self._poll_fetcher()
+        if fetcher is not None:
+            if not fetcher.sent:
+                return False
+            try:
+                fetcher.want(())
+            except FetcherGone as exc:
+                self._fetcher_gone(exc)
+            return True
         with self._cond:
             held = [key for key, hold in self._ready.items() if hold is not None]
             if not held:
@@ -231,6 +247,7 @@ class ShardCache:
         """A verified local copy of ``source/file`` (fetched now if needed) and the release of the
         hold that keeps it from eviction until then. The names are checked (and the path
         resolved) here."""
+        self._poll_fetcher()
         self._raise_worker_error()
         key = (source, file)
         path = cf.entry_path(self.root, source, file, self._resolved_root)
@@ -302,6 +319,14 @@ class ShardCache:
         if self.prefetch_depth == 0:
             return True
         order = list(dict.fromkeys((k[0], k[1]) for k in upcoming))
+        if self._closed:
+            raise CacheError("prefetch on a closed ShardCache")
+        if self._started_fetcher() is not None and self._poll_fetcher() is not None:
+            try:
+                self._fetcher.want(tuple(key for key in order if key not in self._holding))
+                return not order  # asked again whenever this process's holds change
+            except FetcherGone as exc:
+                self._fetcher_gone(exc)
         with self._cond:
             if self._closed:
                 raise CacheError("prefetch on a closed ShardCache")
@@ -371,8 +396,58 @@ class ShardCache:
         if hold is not None:
             hold.release()
 
+    def _started_fetcher(self) -> Optional[Fetcher]:
+        """The prefetch process (``fetcher``), started at the first prefetch; None when prefetches
+        run in this process."""
+        if self._fetcher is None:
+            recipe = {"store": self.store, "cache_dir": self.cache_dir, "max_bytes": self.max_bytes,
+                      "shards": self._shards, "commit": self.commit, "depth": self.prefetch_depth,
+                      "allowance": self._hold_allowance}
+            try:
+                self._fetcher = Fetcher(recipe)
+            except FetcherGone as exc:
+                self._fetcher_gone(exc)
+        return self._fetcher or None
+
+    def _fetcher_gone(self, why: BaseException) -> None:
+        """Prefetch here from now on; said once, on stderr (slower reads, the same bytes)."""
+        fetcher, self._fetcher = self._fetcher, False
+        if isinstance(fetcher, Fetcher):
+            fetcher.close()
+        print(f"note: shard prefetches now run in the reading process: {why}", file=sys.stderr, flush=True)
+
+    def _take_answers(self, answers: list[tuple]) -> None:
+        """What the prefetch process did: its counts, and the error of a corrupt shard (raised
+        at the next read, as a thread's would be)."""
+        for _key, result, counts, usage, copies in answers:
+            with self._cond:
+                for name, amount in counts.items():
+                    self._counts[name] += amount
+                self._counts["prefetch_errors"] += isinstance(result, BaseException)
+            self._usage_seen = usage or self._usage_seen
+            if copies:
+                self.store.staged_copies += copies
+            if isinstance(result, ShardIntegrityError):
+                self._error = result
+
+    def _poll_fetcher(self) -> Optional[Fetcher]:
+        """The prefetch process's answers so far, taken without waiting; the process, if any."""
+        fetcher = self._fetcher or None
+        if fetcher is not None:
+            try:
+                self._take_answers(fetcher.answers())
+            except FetcherGone as exc:
+                self._fetcher_gone(exc)
+                return None
+        return fetcher
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
+        fetcher = self._poll_fetcher()
+        if fetcher is not None:
+            idle, answers = fetcher.wait_idle(timeout)
+            self._take_answers(answers)
+            return idle
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout=timeout)
 
@@ -384,6 +459,7 @@ class ShardCache:
     def counters(self) -> dict:
         """This process's counts, and the node's usage as its last scan found it ("bytes" and
         "files" None before any): no lock taken, nothing walked."""
+        self._poll_fetcher()
         used, files = self._usage_seen or (None, None)
         with self._cond:
             return {"bytes": used, "files": files, "max_bytes": self.max_bytes, **self._counts}
@@ -400,6 +476,9 @@ class ShardCache:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
+            fetcher = self._fetcher
+        if isinstance(fetcher, Fetcher):  # a fill in flight is cut short: its partial is a stale one
+            fetcher.close()
         if self._worker is not None:
             self._worker.join(timeout=30)
         with self._cond:

@@ -147,11 +147,12 @@ class Corpus:
                 f"data.cache_gb or {CACHE_ENV}")
 
     def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS,
-                   ranks_on_node: int = 1) -> ShardCache:
+                   ranks_on_node: int = 1, fetch_process: bool = False) -> ShardCache:
         """The node's cache of this corpus; each of the node's ``ranks_on_node`` readers holds at
-        most its share of ``max_bytes`` at once."""
+        most its share of ``max_bytes`` at once; ``fetch_process``: prefetches are filled by a
+        download process beside this one (``fetcher``), as training does."""
         return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch,
-                          ranks_on_node=ranks_on_node)
+                          ranks_on_node=ranks_on_node, fetch_process=fetch_process)
 
 
 def _shown(problems: list[str]) -> str:

@@ -29,10 +29,12 @@ hold yet (``prefetch`` of them, the room its bound keeps) and holds them until t
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -51,14 +53,15 @@ from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 4  # whose shards are prefetched (and stay in the working set); looked at every 4th
+_LOOKAHEAD_MICRO_BATCHES = 16  # whose shards are prefetched (and stay in the working set); looked at every 16th
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
-_ROWS_MEMO = 16
+_ROWS_MEMO = 40  # more than the micro-batches one look names
 DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
 _PACE_AFTER_S = 1.0  # the pace is measured once the reader has run this long; until then: two windows
 _PLAN_AHEAD_KEYS = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
 Key = tuple[str, str]
+_SHARD_OF = operator.itemgetter(0, 1)  # (source, file) of a RowRef
 
 
 class ReaderError(UserError, ValueError):
@@ -88,7 +91,7 @@ class ReplayReader:
         self.prefetch_s = max(0.0, float(prefetch_s))
         self._pace_start: Optional[tuple[float, int]] = None  # (monotonic time, global row) of the first look
         self._plan_memo: tuple[tuple[int, int], tuple[Key, ...]] = ((-1, -1), ())
-        self._far: tuple[tuple[int, int], float, tuple[Key, ...]] = ((-1, -1), 0.0, ())  # (window, when, keys)
+        self._far: tuple[int, int, float, tuple[Key, ...]] = (0, 0, 0.0, ())  # (window's rows [low, high), when, keys)
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[Segment] = []
@@ -103,8 +106,8 @@ class ReplayReader:
         self._segment_starts = [segment.start for segment in self.segments]
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
         self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
-        self._prefetched: Optional[tuple] = None  # (what the last prefetch call named, None when all was
-        # queued, else the cache's generation then)
+        self._prefetched: Optional[tuple] = None  # the last prefetch call's (upcoming, None when all was
+        # queued else the cache's generation then, ahead)
         self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look, and the first rows of
         self._looked_next: tuple[int, ...] = ()  # the micro-batches after it that reuse that look
         self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
@@ -210,28 +213,42 @@ class ReplayReader:
     def _look_ahead(self, first: int, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
                     grad_accum: int) -> tuple[Key, ...]:
         """The shards of the next micro-batches (kept in the working set), prefetched with those
-        of the next window and the plan's horizon. Looked at every fourth micro-batch of a
-        sequential read: the three after a look were in it, and so is the one after them."""
-        if self._looked_next and first == self._looked_next[0]:
+        of the next window and the plan's horizon. Looked at every 16th micro-batch of a
+        sequential read (at every fourth, the looks took about a tenth of the reading time in
+        ``bench/bench_stream.py``): the 15 after a look were in it, and so is the one after them.
+        The cache is asked again only when what it would be asked changed (``_prefetch``)."""
+        prefetched = self._prefetched
+        if (self._looked_next and first == self._looked_next[0]
+                and (prefetched is None or prefetched[1] in (None, self.cache.generation))):
             self._looked_next = self._looked_next[1:]
             return self._looked
+        # a look: every 16th micro-batch, or sooner when not all was queued and the cache moved on
         upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
+        far = self._far_ahead(first, rank, world_size, micro_batch, grad_accum)
+        if (prefetched is None or upcoming != self._looked or far is not prefetched[2]
+                or prefetched[1] not in (None, self.cache.generation)):
+            self._prefetch(upcoming, far)
         self._looked = upcoming
-        self._prefetch(upcoming, self._far_ahead(first, rank, world_size, micro_batch, grad_accum))
         return upcoming
 
     def _far_ahead(self, first: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
         """This rank's shards of the next window, then the plan's within the horizon: looked at
-        again when ``first`` enters another window, or a second after the last look (the pace
-        may have changed), else the last answer."""
+        again when ``first`` leaves the window of the last look, or a second after it (the pace
+        may have changed), else the last answer (the same object)."""
         now = time.monotonic()
+        low, high, when, keys = self._far
+        if low <= first < high and now - when <= _PACE_AFTER_S:
+            return keys
         index = bisect.bisect_right(self._segment_starts, first) - 1
-        window = (index, (first - self.segments[index].start) // self._window_size())
-        if self._far[0] != window or now - self._far[1] > _PACE_AFTER_S:
-            ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
-            later = self.plan_ahead(first, self._horizon_rows(first, now))
-            self._far = (window, now, ahead + tuple(k for k in later if k not in ahead))
-        return self._far[2]
+        segment, size = self.segments[index], self._window_size()
+        low = segment.start + (first - segment.start) // size * size
+        ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
+        later = self.plan_ahead(first, self._horizon_rows(first, now))
+        keys = ahead + tuple(k for k in later if k not in ahead)
+        if keys == self._far[3]:
+            keys = self._far[3]
+        self._far = (low, min(low + size, segment.start + segment.length), now, keys)
+        return keys
 
     def _horizon_rows(self, first: int, now: Optional[float] = None) -> int:
         """How many global rows the plan reads in the next ``prefetch_s`` seconds, at the pace
@@ -295,14 +312,12 @@ class ReplayReader:
     def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all
         of a window's shards are wanted at its first rows: the micro-batches alone see them too
-        late). The cache skips what it holds or has fetched; asked again only when that changes:
-        the shards named, or (after a call that could not queue them all) the cache's state."""
-        wanted = (frozenset(upcoming), ahead)  # the same shards in another order: nothing new to queue
+        late). The cache skips what it holds or has fetched; the caller asks again only when that
+        changes: the shards named, or (after a call that could not queue them all) the cache's
+        state, remembered here as (upcoming, generation or None when all was queued, ahead)."""
         generation = self.cache.generation
-        if self._prefetched is not None and self._prefetched[0] == wanted and self._prefetched[1] in (None, generation):
-            return
         complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
-        self._prefetched = (wanted, None if complete is not False else generation)
+        self._prefetched = (upcoming, None if complete is not False else generation, ahead)
 
     def _window_ahead(self, first: int, rank: int, world_size: int, micro_batch: int,
                       grad_accum: int) -> tuple[Key, ...]:
@@ -315,10 +330,12 @@ class ReplayReader:
             return ()
         memo_key = (index, window, rank, world_size, micro_batch, grad_accum)
         if memo_key not in self._ahead_memo:
-            start, rows = segment.start + window * size, step_rows(micro_batch, grad_accum, world_size)
-            mine = (ref[:2] for i, ref in enumerate(self._window(index, window))
-                    if ((start + i) % rows // micro_batch) % world_size == rank)
-            self._ahead_memo = {memo_key: tuple(dict.fromkeys(mine))}  # one window at a time
+            rows: Iterable[RowRef] = self._window(index, window)
+            if world_size > 1:
+                start, per_step = segment.start + window * size, step_rows(micro_batch, grad_accum, world_size)
+                offsets = (start + np.arange(len(rows))) % per_step // micro_batch % world_size == rank
+                rows = itertools.compress(rows, offsets.tolist())
+            self._ahead_memo = {memo_key: tuple(dict.fromkeys(map(_SHARD_OF, rows)))}  # one window at a time
         return self._ahead_memo[memo_key]
 
     def _read(self, refs: list[RowRef]) -> np.ndarray:
@@ -349,16 +366,17 @@ class ReplayReader:
                   grad_accum: int) -> tuple[tuple[Key, ...], tuple[int, ...]]:
         """(the shards of this rank's next few micro-batches in plan order, the first rows of
         those of them but the last, which reuse this look: the last one looks again)."""
-        upcoming: tuple[Key, ...] = ()
         following: list[int] = []
+        keys: list[tuple[Key, ...]] = []
+        per_step = step_rows(micro_batch, grad_accum, world_size)
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
                 step, micro_step = step + 1, 0
-            first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
+            first = step * per_step + (micro_step * world_size + rank) * micro_batch
             if first + micro_batch > self.num_rows:
                 break
             following.append(first)
-            keys = self._rows_at(first, micro_batch)[1]
-            upcoming = upcoming + tuple(k for k in keys if k not in upcoming) if upcoming else keys
+            keys.append(self._rows_at(first, micro_batch)[1])
+        upcoming = keys[0] if len(set(keys)) == 1 else tuple(dict.fromkeys(itertools.chain.from_iterable(keys)))
         return upcoming, tuple(following[:-1])

@@ -150,7 +150,7 @@ def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_byt
     """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``),
     prefetching what the plan reads in the next ``prefetch_s`` seconds; a failure after the cache
     opened closes it again."""
-    cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node)
+    cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node, fetch_process=True)
     try:
         reader = ReplayReader(plan, None, seed, cache=cache, prefetch_s=prefetch_s)
         return RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end)

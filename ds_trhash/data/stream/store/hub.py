@@ -50,6 +50,15 @@ class HubStore:
         self.identity = f"hf:{self.endpoint}/datasets/{repo_id}"
         self._api = hub_access.make_api(StoreError)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a download process needs (``fetcher``): the client is made again there, from the
+        same environment (the token never travels)."""
+        return {name: value for name, value in self.__dict__.items() if name != "_api"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._api = hub_access.make_api(StoreError)
+
     @property
     def attempts_made(self) -> int:
         """Requests sent, retries included (tests and the benchmark read it)."""

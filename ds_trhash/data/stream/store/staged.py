@@ -50,6 +50,8 @@ class StagedStore:
         self._expected: dict[str, Optional[str]] = dict(expected or {})  # path -> the manifest's sha256
 
     def __getattr__(self, name: str) -> Any:  # revision, head, patience, ...: the inner store's
+        if name.startswith("__") or "inner" not in self.__dict__:  # copying or unpickling: not yet
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def resolve(self, pinned: Optional[str] = None) -> str:

@@ -1,0 +1,134 @@
+"""The prefetch process's side of ``fetcher`` (see there): the cache's recipe once, then the lists
+of shards its rank wants next; one fill at a time, an answer after each."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache import ShardCache
+from ds_trhash.data.stream.cache_files import CacheError
+from ds_trhash.data.stream.fetcher import STOP_SIGNALS
+
+Key = tuple[str, str]
+_PARENT_POLL_S = 0.5
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return CacheError(f"{type(exc).__name__}: {exc}")
+
+
+class _Worker:
+    """Keeps the first ``depth`` shards of the latest list ready, one fill at a time; reads the
+    rank's messages between fills."""
+
+    def __init__(self, conn: Connection, cache, depth: int, allowance: int) -> None:
+        self.conn, self.cache, self.depth, self.allowance = conn, cache, depth, allowance
+        self.order: tuple[Key, ...] = ()
+        self.ready: dict[Key, Optional[cf.Hold]] = {}  # verified; held while the allowance lasts
+        self.tried: set[Key] = set()  # failed or found no room since the list last changed
+        self.asked_idle = False
+
+    def handle(self, message: tuple) -> None:
+        if message[0] == "want":
+            self.order = tuple(message[1])
+            for key in [key for key in self.ready if key not in self.order]:
+                hold = self.ready.pop(key)
+                if hold is not None:
+                    hold.release()
+            self.tried.clear()
+        elif message[0] == "idle?":
+            if self.next_key() is None:
+                self.conn.send(("idle",))
+            else:
+                self.asked_idle = True
+
+    def next_key(self) -> Optional[Key]:
+        if len(self.ready) >= self.depth:
+            return None
+        return next((key for key in self.order if key not in self.ready and key not in self.tried), None)
+
+    def fill(self, key: Key) -> None:
+        store = self.cache.store
+        copies = getattr(store, "staged_copies", 0)
+        path = cf.entry_path(self.cache.root, *key, self.cache._resolved_root)
+        hold = cf.Hold(path)
+        try:
+            shard = self.cache._expected(key)
+            result: Any = cf.trusted(path, shard.sha256, shard.size)
+            if not result:
+                result = self.cache._ensure(key, wait=False)
+                self.cache._counts["prefetched"] += result
+        except Exception as exc:
+            result = _sendable(exc)
+        if result is True:
+            held = sum(kept is not None for kept in self.ready.values())
+            self.ready[key], hold = (hold, None) if held < self.allowance else (None, hold)
+        else:
+            self.tried.add(key)
+        if hold is not None:
+            hold.release()
+        counts, self.cache._counts = self.cache._counts, dict.fromkeys(self.cache._counts, 0)
+        self.conn.send(("filled", key, result, counts, self.cache._usage_seen,
+                        getattr(store, "staged_copies", 0) - copies))
+
+    def run(self) -> None:
+        while True:
+            key = self.next_key()
+            if key is None and self.asked_idle:
+                self.conn.send(("idle",))
+                self.asked_idle = False
+            if key is None or self.conn.poll(0):
+                try:
+                    self.handle(self.conn.recv())
+                except (EOFError, OSError):
+                    return
+                continue
+            self.fill(key)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit as soon as the rank is gone, even in the middle of a download."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(0)
+
+
+def serve(conn: Connection) -> None:
+    try:
+        recipe = pickle.loads(conn.recv_bytes())
+        cache = ShardCache(recipe["store"], recipe["cache_dir"], recipe["max_bytes"], recipe["shards"],
+                           commit=recipe["commit"], prefetch=0)
+    except Exception as exc:
+        conn.send(("error", _sendable(exc)))
+        return
+    conn.send(("ready",))
+    try:
+        _Worker(conn, cache, recipe["depth"], recipe["allowance"]).run()
+    except OSError:
+        return  # the rank shut the connection while an answer was on its way
+
+
+def main(argv: list[str]) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    conn = Connection(int(argv[0]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+"""The prefetch process: the same rows as direct reads, a bounded cache, a corrupt shard reported at
+the next read, Ctrl-C ignored, gone with its rank, and prefetching in-process when it cannot start."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache import ShardIntegrityError
+from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.reader import ReplayReader
+from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            if open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z":  # exited, not yet reaped
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    doc = plan_for(root)
+    limit = 4 * SHARD_BYTES
+    cache = open_corpus(doc, str(root)).open_cache(tmp_path / "cache", limit, prefetch=2, fetch_process=True)
+    cached, direct = ReplayReader(doc, None, seed=5, cache=cache, shuffle_window=8), ReplayReader(doc, root, seed=5, shuffle_window=8)
+    for step in range(direct.num_rows // 4):
+        a, b = cached.batch(step, 0, 0, 1, 4, 1), direct.batch(step, 0, 0, 1, 4, 1)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert cf.scan(tmp_path / "cache")[0] <= limit
+        assert cache.wait_idle(30)  # every read after the first finds its shards prefetched
+    worker = cache._fetcher.pid
+    counts = cache.counters()
+    assert counts["prefetched"] > 0 and counts["downloaded_bytes"] >= counts["prefetched"] * SHARD_BYTES
+    assert counts["evictions"] > 0 and counts["misses"] <= 2  # 12 shards through a bound of 4
+    cached.close()
+    cache.close()
+    assert gone(worker)
+
+
+def test_a_corrupt_shard_met_by_the_prefetch_process_stops_the_next_read(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    doc = plan_for(root)
+    bad = root / "a" / "shard-00001.bin"
+    bad.write_bytes(bytes(reversed(bad.read_bytes())))  # same size, other bytes
+    cache = open_corpus(doc, str(root)).open_cache(tmp_path / "cache", 10 * SHARD_BYTES, fetch_process=True)
+    cache.prefetch([("a", "shard-00001.bin")])
+    assert cache.wait_idle(30)
+    with pytest.raises(ShardIntegrityError, match="a/shard-00001.bin"):
+        cache.get("a", "shard-00000.bin")
+    assert not list((tmp_path / "cache").rglob("shard-00001.bin*.partial-*"))
+    assert not [p for p in (tmp_path / "cache").rglob("shard-00001.bin") if p.is_file()]
+    cache.close()
+
+
+def test_a_store_that_cannot_travel_is_prefetched_in_process(tmp_path, capfd):
+    root = write_corpus(tmp_path / "store")
+    doc = plan_for(root)
+    corpus = open_corpus(doc, str(root))
+    corpus.store.not_picklable = lambda: None
+    cache = corpus.open_cache(tmp_path / "cache", 10 * SHARD_BYTES, fetch_process=True)
+    cache.prefetch([("b", "shard-00003.bin")])
+    assert cache.wait_idle(30) and cache.counters()["prefetched"] == 1
+    assert "shard prefetches now run in the reading process" in capfd.readouterr().err
+    cache.close()
+
+
+RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from ds_trhash.data.stream.opening import open_corpus
+    from tests.data.hub_corpus import plan_for
+    root, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    stop = []
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    cache = open_corpus(plan_for(root), str(root)).open_cache(cache_dir, 1 << 30, fetch_process=True)
+    cache.prefetch([("a", "shard-00000.bin")])
+    assert cache.wait_idle(30)
+    print(cache._fetcher.pid, flush=True)
+    while not stop:
+        time.sleep(0.05)
+    os.kill(cache._fetcher.pid, 0)  # still there after the group's Ctrl-C
+    print("worker alive after Ctrl-C", flush=True)
+    cache.close()
+    print("closed", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_the_prefetch_process_ignores_ctrl_c_and_goes_with_its_rank(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(root), str(tmp_path / "cache")], stdout=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        worker = int(rank.stdout.readline())
+        os.killpg(rank.pid, signal.SIGINT)  # as the terminal does: the whole group
+        assert rank.stdout.readline().strip() == "worker alive after Ctrl-C"
+        assert rank.stdout.readline().strip() == "closed"
+        assert gone(worker)
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_the_prefetch_process_exits_when_its_rank_is_killed(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    script = RANK.replace("while not stop:", "while True:")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    rank = subprocess.Popen([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], stdout=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+    worker = int(rank.stdout.readline())
+    rank.kill()
+    rank.wait()
+    assert gone(worker)
