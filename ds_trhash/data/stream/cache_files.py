@@ -167,15 +167,16 @@ def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
     strings (a walk runs at every download: no path objects per file); stale partials are
     deleted on the way (they count no more) unless ``prune`` is false."""
     for folder, _, names in os.walk(cache_dir):
+        present = set(names)  # the folder's files: a marker is looked up here, not stat-ed
         for name in names:
+            if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
+                continue  # a few hundred bytes of bookkeeping per entry, not counted
             full = os.path.join(folder, name)
             partial = _PARTIAL_NAME.search(name) is not None
             if prune and partial and is_stale_partial(Path(full)):
                 Path(full).unlink(missing_ok=True)
                 continue
-            if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
-                continue  # a few hundred bytes of bookkeeping per entry, not counted
-            if not partial and not os.path.isfile(full + MARKER):
+            if not partial and name + MARKER not in present:
                 continue  # not written by the cache (no verified marker): never counted, replaced or evicted
             try:
                 size = os.stat(full).st_size
