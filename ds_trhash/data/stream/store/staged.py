@@ -34,7 +34,8 @@ from ds_trhash.data.stream.store.base import ShardStore, StoreFile, copy_hashing
 _CHUNK = 1 << 20
 CLAIM, TAKEN = ".claim", ".taken-"
 STAGING_DIR = "shard_staging"  # under the job's output directory
-POLL_S = 0.1
+POLL_S = 0.1  # the longest wait between two looks for a staged copy
+POLL_FIRST_S = 0.005  # the first: a copy is often staged within milliseconds (the wait doubles up to POLL_S)
 
 
 class StagedStore:
@@ -75,7 +76,7 @@ class StagedStore:
 
     def download(self, path: str, dest: Path, size: int) -> Optional[str]:
         staged = self._folder() / relative_name(path, f"staging of {self.description}")
-        deadline = time.monotonic() + self.claim_timeout_s
+        deadline, wait = time.monotonic() + self.claim_timeout_s, POLL_FIRST_S
         while True:
             if staged.is_file():
                 digest = self._take(staged, dest, path)
@@ -86,7 +87,8 @@ class StagedStore:
             elif time.monotonic() > deadline:  # the claimer died without staging it: claim it again
                 _unlink(_side(staged, CLAIM))
                 deadline = time.monotonic() + self.claim_timeout_s
-            time.sleep(POLL_S)
+            time.sleep(wait)
+            wait = min(POLL_S, 2 * wait)
 
     def _claim(self, staged: Path) -> bool:
         staged.parent.mkdir(parents=True, exist_ok=True)
