@@ -52,3 +52,17 @@ def prefetch_holds(max_bytes: int, ranks_on_node: int, prefetch_depth: int, larg
         return prefetch_depth
     budget = hold_budget(max_bytes, ranks_on_node, prefetch_depth, largest)
     return max(0, min(prefetch_depth, (max_bytes // ranks_on_node - budget) // largest))
+
+
+MOST_PREFETCH = 8  # shards one process fetches ahead at most, however large the bound
+
+
+def prefetch_depth(max_bytes: int, ranks_on_node: int, largest: int, least: int, reading: int) -> int:
+    """How many shards one process fetches ahead: ``least`` (the room the launch's smallest bound
+    keeps for it), and more, up to ``MOST_PREFETCH``, when its share of the bound holds more than
+    twice the ``reading`` shards its reader has open at once: a bound with room to spare then
+    buys time ahead of the reader (the plan names the shards of the next minutes) at no cost."""
+    if largest <= 0:
+        return least
+    spare = max_bytes // max(1, ranks_on_node) // largest - 2 * reading
+    return max(least, min(MOST_PREFETCH, spare))

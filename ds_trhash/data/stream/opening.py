@@ -24,7 +24,7 @@ from ds_trhash.io import sha256_file
 from ds_trhash.safe_names import bare_name
 
 from ds_trhash.data.stream.cache import CacheError, ExpectedShard, ShardCache
-from ds_trhash.data.stream.cache_bound import CACHE_ENV, GIB
+from ds_trhash.data.stream.cache_bound import CACHE_ENV, GIB, prefetch_depth
 from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)
@@ -146,11 +146,15 @@ class Corpus:
                 f"fetched ahead; the smallest bound that works is {need} bytes = {need / GIB:.6g} GiB; raise "
                 f"data.cache_gb or {CACHE_ENV}")
 
-    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: int = PREFETCH_SHARDS,
+    def open_cache(self, cache_dir: os.PathLike | str, max_bytes: int, prefetch: Optional[int] = None,
                    ranks_on_node: int = 1, fetch_process: bool = False) -> ShardCache:
         """The node's cache of this corpus; each of the node's ``ranks_on_node`` readers holds at
-        most its share of ``max_bytes`` at once; ``fetch_process``: prefetches are filled by a
-        download process beside this one (``fetcher``), as training does."""
+        most its share of ``max_bytes`` at once; ``prefetch``: shards fetched ahead (by default
+        ``PREFETCH_SHARDS``, more when the bound has room: ``cache_bound.prefetch_depth``);
+        ``fetch_process``: prefetches run in a process beside this one (``fetcher``), as in training."""
+        if prefetch is None:
+            largest = max((s.size for s in self.shards.values()), default=0)
+            prefetch = prefetch_depth(max_bytes, ranks_on_node, largest, PREFETCH_SHARDS, self.sources_at_once())
         return ShardCache(self.store, cache_dir, max_bytes, self.shards, commit=self.commit, prefetch=prefetch,
                           ranks_on_node=ranks_on_node, fetch_process=fetch_process)
 

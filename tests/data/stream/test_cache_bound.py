@@ -1,0 +1,31 @@
+"""How far ahead a process prefetches: the launch's smallest bound keeps the least, room to spare
+buys more, never past the most, and the node's ranks share the bound."""
+from ds_trhash.data.stream.cache_bound import MOST_PREFETCH, hold_budget, prefetch_depth
+from ds_trhash.data.stream.opening import PREFETCH_SHARDS, open_corpus
+from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
+
+SHARD = 1000
+
+
+def test_the_smallest_bound_keeps_the_least_and_room_to_spare_buys_more():
+    two_sources = (2 + PREFETCH_SHARDS) * SHARD  # what the launch accepts at least, for one rank
+    assert prefetch_depth(two_sources, 1, SHARD, PREFETCH_SHARDS, 2) == PREFETCH_SHARDS
+    assert prefetch_depth(10 * SHARD, 1, SHARD, PREFETCH_SHARDS, 2) == 6  # 10 shards, 4 kept for the reader
+    assert prefetch_depth(2**40, 1, SHARD, PREFETCH_SHARDS, 2) == MOST_PREFETCH
+    assert prefetch_depth(10 * SHARD, 2, SHARD, PREFETCH_SHARDS, 2) == PREFETCH_SHARDS  # 5 shards each
+    assert prefetch_depth(SHARD, 1, 0, PREFETCH_SHARDS, 2) == PREFETCH_SHARDS  # no shard sizes known
+
+
+def test_the_reader_keeps_room_for_the_shards_it_reads_at_once():
+    for bound in range(4 * SHARD, 40 * SHARD, SHARD):
+        depth = prefetch_depth(bound, 1, SHARD, PREFETCH_SHARDS, 2)
+        assert hold_budget(bound, 1, depth, SHARD) >= min(4, bound // SHARD - PREFETCH_SHARDS) * SHARD
+
+
+def test_a_cache_opened_without_a_depth_takes_it_from_its_bound(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    corpus = open_corpus(plan_for(root), str(root))
+    with corpus.open_cache(tmp_path / "small", 4 * SHARD_BYTES) as small, \
+            corpus.open_cache(tmp_path / "large", 100 * SHARD_BYTES) as large, \
+            corpus.open_cache(tmp_path / "asked", 100 * SHARD_BYTES, prefetch=1) as asked:
+        assert (small.prefetch_depth, large.prefetch_depth, asked.prefetch_depth) == (2, MOST_PREFETCH, 1)
