@@ -3,6 +3,7 @@ whole plan (cold, warm, after eviction, across a resume), and its background ass
 every way out, leaving no thread behind."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -28,6 +29,21 @@ def store(tmp_path):
 
 def assembly_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+
+
+def fetch_workers() -> list[int]:
+    """This process's prefetch processes (``fetch_worker``) still running or not yet reaped."""
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        children += open(f"/proc/self/task/{task}/children").read().split()
+    found = []
+    for pid in children:
+        try:
+            if b"fetch_worker" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(int(pid))
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def direct(root, layout: BatchLayout, steps=range(STEPS)) -> list:
@@ -94,16 +110,19 @@ def test_the_figures_add_up_and_cost_no_walk(store, tmp_path, monkeypatch):
     assert again.hits > 0 and again.downloaded_bytes == 0  # all verified in the cache: nothing downloaded
 
 
-def test_closing_while_steps_wait_in_the_queue_leaves_no_thread(store, tmp_path):
-    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES)
+@pytest.mark.parametrize("fetch_process", [False, True], ids=["prefetch-thread", "prefetch-process"])
+def test_closing_while_steps_wait_in_the_queue_leaves_no_thread(store, tmp_path, fetch_process):
+    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES,
+                                                               fetch_process=fetch_process)
     stream = RankStream(ReplayReader(plan_for(store), None, SEED, cache=cache), LAYOUTS[0], ahead=2)
     stream.micro_batches(0)
     deadline = time.monotonic() + 10
     while len(stream._ahead._ready) < 2 and time.monotonic() < deadline:  # steps 1 and 2 assembled, 3 waits
         time.sleep(0.01)
     assert len(stream._ahead._ready) == 2 and assembly_threads()
+    assert bool(fetch_workers()) == fetch_process
     stream.close()
-    assert not assembly_threads() and cache._closed
+    assert not assembly_threads() and cache._closed and not fetch_workers()
     with pytest.raises(RuntimeError, match="closed RankStream"):
         stream.micro_batches(1)
 
@@ -174,14 +193,16 @@ def test_a_step_past_the_plan_is_refused_as_before(store, tmp_path):
     assert not assembly_threads()
 
 
+@pytest.mark.parametrize("fetch_process", [False, True], ids=["prefetch-thread", "prefetch-process"])
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, ValueError])
-def test_leaving_the_block_by_an_exception_closes_everything(store, tmp_path, exc):
-    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES)
+def test_leaving_the_block_by_an_exception_closes_everything(store, tmp_path, exc, fetch_process):
+    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES,
+                                                               fetch_process=fetch_process)
     with pytest.raises(exc):
         with RankStream(ReplayReader(plan_for(store), None, SEED, cache=cache), LAYOUTS[1]) as stream:
             stream.micro_batches(0)
             raise exc()
-    assert not assembly_threads() and cache._closed and not cache._holding
+    assert not assembly_threads() and cache._closed and not cache._holding and not fetch_workers()
     assert cache._worker is None or not cache._worker.is_alive()
 
 
