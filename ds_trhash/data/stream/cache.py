@@ -373,9 +373,9 @@ class ShardCache:
                     self.generation += 1
                     self._cond.notify_all()
 
-    def _prefetch_one(self, key: Key) -> None:
-        """Fetch (or find verified) one queued shard and keep it held for its reader; let go at
-        once when the reader took it meanwhile or the cache closed."""
+    def fetch_ahead(self, key: Key) -> tuple[bool, cf.Hold]:
+        """A prefetch's fill: ``key`` fetched (or found verified) without waiting for room, and
+        held: (verified in the cache now, the hold, which the caller keeps or releases)."""
         path = cf.entry_path(self.root, *key, self._resolved_root)
         shard = self._expected(key)
         hold = cf.Hold(path)
@@ -388,6 +388,19 @@ class ShardCache:
         except BaseException:
             hold.release()
             raise
+        return ready, hold
+
+    def take_counts(self) -> tuple[dict, Optional[tuple[int, int]]]:
+        """(this process's counts since the last call, the usage its last scan saw): what a
+        prefetch process hands back to its rank after each fill."""
+        with self._cond:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return counts, self._usage_seen
+
+    def _prefetch_one(self, key: Key) -> None:
+        """Fetch (or find verified) one queued shard and keep it held for its reader; let go at
+        once when the reader took it meanwhile or the cache closed."""
+        ready, hold = self.fetch_ahead(key)
         with self._cond:
             keep = ready and key not in self._holding and key not in self._ready and not self._closed
             if keep:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Optional
 
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import ShardCache
@@ -31,7 +31,7 @@ class _Worker:
     """Keeps the first ``depth`` shards of the latest list ready, one fill at a time; reads the
     rank's messages between fills."""
 
-    def __init__(self, conn: Connection, cache, depth: int, allowance: int) -> None:
+    def __init__(self, conn: Connection, cache: ShardCache, depth: int, allowance: int) -> None:
         self.conn, self.cache, self.depth, self.allowance = conn, cache, depth, allowance
         self.order: tuple[Key, ...] = ()
         self.ready: dict[Key, Optional[cf.Hold]] = {}  # verified; held while the allowance lasts
@@ -39,6 +39,9 @@ class _Worker:
         self.asked_idle = False
 
     def handle(self, message: tuple) -> None:
+        """A new list lets go of the ready shards it no longer names (the rank holds them now, or
+        the plan moved on) and gives failed ones another try; "idle?" is answered once nothing
+        is left to fill (tests, and a rank that waits for its prefetches)."""
         if message[0] == "want":
             self.order = tuple(message[1])
             for key in [key for key in self.ready if key not in self.order]:
@@ -53,21 +56,19 @@ class _Worker:
                 self.asked_idle = True
 
     def next_key(self) -> Optional[Key]:
+        """The first shard of the list not ready and not failed, while fewer than ``depth`` are ready."""
         if len(self.ready) >= self.depth:
             return None
         return next((key for key in self.order if key not in self.ready and key not in self.tried), None)
 
     def fill(self, key: Key) -> None:
+        """One shard fetched and kept held (while the allowance lasts), and the answer sent: the
+        rank's counts, and the error for the rank to raise at its next read."""
         store = self.cache.store
         copies = getattr(store, "staged_copies", 0)
-        path = cf.entry_path(self.cache.root, *key, self.cache._resolved_root)
-        hold = cf.Hold(path)
+        hold: Optional[cf.Hold] = None
         try:
-            shard = self.cache._expected(key)
-            result: Any = cf.trusted(path, shard.sha256, shard.size)
-            if not result:
-                result = self.cache._ensure(key, wait=False)
-                self.cache._counts["prefetched"] += result
+            result, hold = self.cache.fetch_ahead(key)
         except Exception as exc:
             result = _sendable(exc)
         if result is True:
@@ -77,11 +78,11 @@ class _Worker:
             self.tried.add(key)
         if hold is not None:
             hold.release()
-        counts, self.cache._counts = self.cache._counts, dict.fromkeys(self.cache._counts, 0)
-        self.conn.send(("filled", key, result, counts, self.cache._usage_seen,
-                        getattr(store, "staged_copies", 0) - copies))
+        counts, usage = self.cache.take_counts()
+        self.conn.send(("filled", key, result, counts, usage, getattr(store, "staged_copies", 0) - copies))
 
     def run(self) -> None:
+        """Messages first (a changed list may drop the next fill), then the next fill, else wait."""
         while True:
             key = self.next_key()
             if key is None and self.asked_idle:
