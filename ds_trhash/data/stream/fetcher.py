@@ -39,6 +39,8 @@ from ds_trhash.data.stream.cache_files import CacheError
 
 Key = tuple[str, str]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
+                            "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 _EXIT_WAIT_S = 2.0  # a closing rank waits this long for the worker to finish its fill, then kills it
 
 
@@ -140,9 +142,12 @@ class Fetcher:
 
 def _start(theirs: socket.socket) -> subprocess.Popen:
     """The worker, started with Ctrl-C and SIGTERM blocked (the mask survives exec, so a signal
-    sent to the group during its start-up never reaches it: it ignores them before unblocking)."""
+    sent to the group during its start-up never reaches it: it ignores them before unblocking).
+    It is not a rank: the variables that make a process one are left out of its environment, so
+    what finds a job's ranks by them (``ops.jobs.ranks``, which signals them) passes it by."""
     package_parent = str(Path(__file__).resolve().parents[3])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p))
+    env = {name: value for name, value in os.environ.items() if name not in RANK_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return subprocess.Popen([sys.executable, "-m", "ds_trhash.data.stream.fetch_worker", str(theirs.fileno())],

@@ -37,7 +37,9 @@ def gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(tmp_path):
+def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     root = write_corpus(tmp_path / "store")
     doc = plan_for(root)
     limit = 4 * SHARD_BYTES
@@ -49,6 +51,8 @@ def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(t
         assert cf.scan(tmp_path / "cache")[0] <= limit
         assert cache.wait_idle(30)  # every read after the first finds its shards prefetched
     worker = cache._fetcher.pid
+    environ = open(f"/proc/{worker}/environ", "rb").read().split(b"\0")
+    assert not [v for v in environ if v.split(b"=")[0] in (b"RANK", b"LOCAL_RANK")]  # not a rank (ops.jobs.ranks)
     counts = cache.counters()
     assert counts["prefetched"] > 0 and counts["downloaded_bytes"] >= counts["prefetched"] * SHARD_BYTES
     assert counts["evictions"] > 0 and counts["misses"] <= 2  # 12 shards through a bound of 4
