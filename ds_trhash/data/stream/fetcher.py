@@ -24,6 +24,7 @@ download cut that way leaves a partial file that the next scan deletes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -124,10 +125,8 @@ class Fetcher:
     def close(self) -> None:
         """Shut the connection (the worker exits after the fill in flight; its holds go with it);
         kill it if that takes long. Safe twice."""
-        try:
+        with contextlib.suppress(OSError):  # shut already, or the worker's end is gone: nothing to wake
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._conn.close()
         proc = getattr(self, "_proc", None)

@@ -3,6 +3,7 @@ whole plan (cold, warm, after eviction, across a resume), and its background ass
 every way out, leaving no thread behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,11 +39,9 @@ def fetch_workers() -> list[int]:
         children += open(f"/proc/self/task/{task}/children").read().split()
     found = []
     for pid in children:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # exited and reaped since the listing
             if b"fetch_worker" in open(f"/proc/{pid}/cmdline", "rb").read():
                 found.append(int(pid))
-        except FileNotFoundError:
-            pass
     return found
 
 

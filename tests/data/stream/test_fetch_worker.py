@@ -1,0 +1,77 @@
+"""The prefetch process's loop, driven in-process over a pipe: at most ``depth`` shards ready and
+held, an answer after each fill, a new list letting go of what it no longer names, a failed shard
+tried again only after the list changes, and "idle?" answered once nothing is left."""
+from multiprocessing import Pipe
+
+import pytest
+
+from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache import CacheError
+from ds_trhash.data.stream.fetch_worker import _Worker
+from ds_trhash.data.stream.opening import open_corpus
+from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
+
+KEYS = [("a", f"shard-{i:05d}.bin") for i in range(4)]
+
+
+@pytest.fixture()
+def worker(tmp_path):
+    root = write_corpus(tmp_path / "store")
+    cache = open_corpus(plan_for(root), str(root)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0)
+    ours, theirs = Pipe()
+    yield _Worker(theirs, cache, depth=2, allowance=1), ours, cache
+    cache.close()
+
+
+def fill_all(w: _Worker) -> list:
+    done = []
+    while (key := w.next_key()) is not None:
+        w.fill(key)
+        done.append(key)
+    return done
+
+
+def test_at_most_depth_ready_one_held_and_an_answer_per_fill(worker):
+    w, ours, cache = worker
+    w.handle(("want", KEYS))
+    assert fill_all(w) == KEYS[:2]
+    for key in KEYS[:2]:
+        kind, answered, result, counts, usage, copies = ours.recv()
+        assert (kind, answered, result, copies) == ("filled", key, True, 0)
+        assert counts["prefetched"] == 1 and counts["downloaded_bytes"] == SHARD_BYTES and usage is not None  # as its last scan saw it
+    assert not ours.poll(0)
+    first, second = (cf.entry_path(cache.root, *key) for key in KEYS[:2])
+    assert w.ready[KEYS[0]] is not None and w.ready[KEYS[1]] is None  # the allowance holds one
+    assert not cf.try_evict(first) and cf.try_evict(second)
+
+
+def test_a_new_list_lets_go_of_what_it_no_longer_names(worker):
+    w, ours, cache = worker
+    w.handle(("want", KEYS))
+    fill_all(w)
+    w.handle(("want", KEYS[1:]))  # the rank holds KEYS[0] now
+    assert set(w.ready) == {KEYS[1]} and cf.try_evict(cf.entry_path(cache.root, *KEYS[0]))
+    assert fill_all(w) == [KEYS[2]]
+
+
+def test_a_failed_shard_is_tried_again_only_after_the_list_changes(worker):
+    w, ours, _ = worker
+    unknown = ("a", "shard-00099.bin")
+    w.handle(("want", (unknown, KEYS[0])))
+    assert fill_all(w) == [unknown, KEYS[0]]
+    answer = ours.recv()
+    assert isinstance(answer[2], CacheError) and "not in that source's manifest" in str(answer[2])
+    assert w.next_key() is None and unknown in w.tried
+    w.handle(("want", (unknown,)))
+    assert w.next_key() == unknown
+
+
+def test_idle_is_answered_once_nothing_is_left_to_fill(worker):
+    w, ours, _ = worker
+    w.handle(("want", KEYS[:1]))
+    w.handle(("idle?",))
+    assert not ours.poll(0) and w.asked_idle  # one fill to go
+    fill_all(w)
+    ours.recv()  # its answer
+    w.handle(("idle?",))
+    assert ours.recv() == ("idle",)
