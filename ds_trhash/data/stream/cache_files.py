@@ -48,6 +48,10 @@ class CacheError(UserError, ValueError):
     """The cache cannot serve a shard (unknown shard, too small a bound, a name that escapes)."""
 
 
+class ShardIntegrityError(CacheError):
+    """A shard's bytes do not match the SHA-256 its manifest recorded (after one re-download)."""
+
+
 def entry_path(root: Path, source: str, file: str, resolved_root: Optional[Path] = None) -> Path:
     """``root/source/file`` for bare names only; refuses anything that would land elsewhere
     (``resolved_root``: ``root.resolve()``, when the caller knows it already)."""

@@ -11,7 +11,6 @@ import pytest
 
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import CacheError, ExpectedShard, ShardCache, ShardIntegrityError
-from ds_trhash.data.stream.cache_bound import GIB, cache_bytes_from
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.store import LocalStore
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
@@ -202,63 +201,3 @@ def test_names_that_would_leave_the_cache_are_refused_before_anything_is_written
         cache.get(source, file)
     after = tree_digest(tmp_path)
     assert {k: v for k, v in after.items() if not k.startswith("cache")} == before
-
-
-def test_cache_size_from_env_or_config():
-    assert cache_bytes_from(None, {}) == GIB
-    assert cache_bytes_from(2.5, {}) == int(2.5 * GIB)
-    assert cache_bytes_from(2.5, {"TOKENIZED_CACHE_GB": "0.5"}) == GIB // 2
-    assert cache_bytes_from(2.5, {"TOKENIZED_CACHE_GB": ""}) == int(2.5 * GIB)
-    with pytest.raises(CacheError, match="TOKENIZED_CACHE_GB='lots' is not a number"):
-        cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "lots"})
-    with pytest.raises(CacheError, match="data.cache_gb=0 must be a positive"):
-        cache_bytes_from(0, {})
-
-
-def test_a_bound_that_rounds_to_zero_bytes_names_its_origin():
-    with pytest.raises(CacheError, match=r"data.cache_gb=1e-12 is 1e-12 GiB, which rounds to 0 bytes"):
-        cache_bytes_from(1e-12, {})
-    with pytest.raises(CacheError, match=r"TOKENIZED_CACHE_GB='1e-12' is 1e-12 GiB, which rounds to 0 bytes"):
-        cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "1e-12"})
-
-
-
-
-def test_a_prefetched_shard_stays_held_until_read_or_out_of_view(store, tmp_path):
-    """What the reader will read next is never evicted between its prefetch and its read: held
-    by the prefetching process (at most ``prefetch`` shards), let go once read or no longer in
-    view; a read that finds no room takes it back from the shard prefetched for latest."""
-    cache = cache_for(store, tmp_path / "cache", 3 * SHARD_BYTES, prefetch=2)
-    first, second, third = KEYS[0], KEYS[1], KEYS[2]
-    cache.prefetch([first, second, third])
-    assert cache.wait_idle()
-    path = {key: cf.entry_path(cache.root, *key) for key in KEYS}
-    assert not cf.try_evict(path[first]) and not cf.try_evict(path[second])  # held: no one evicts them
-    assert not path[third].exists() and cache.counters()["prefetched"] == 2  # two at most
-    shard = cache.hold_shard(*first, seq_len=8)  # the reader takes it: its hold now, the prefetch's gone
-    cache.prefetch([second, third])
-    assert cache.wait_idle() and path[third].exists()
-    shard.release()
-    assert cf.try_evict(path[first])  # read and released: evictable again
-    cache.prefetch([third])  # second left the view: let go
-    assert cf.try_evict(path[second]) and not cf.try_evict(path[third])
-    with cache.held(*KEYS[3]), cache.held(*KEYS[4]):
-        assert path[third].exists()
-        with cache.held(*KEYS[5]):  # no room but the prefetched third's: taken back
-            assert not path[third].exists() and entry_bytes(tmp_path / "cache") == 3 * SHARD_BYTES
-    cache.close()
-
-
-def test_prefetches_are_held_only_within_the_processes_share_of_the_bound(store, tmp_path):
-    """Four readers on a node whose bound leaves each one shard beside its hold budget: each
-    keeps one prefetched shard held, and one more is fetched but left evictable, so the node's
-    readers and prefetches together never hold more than the bound."""
-    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 8 * SHARD_BYTES,
-                                                                prefetch=2, ranks_on_node=4)
-    assert cache.hold_budget == SHARD_BYTES
-    cache.prefetch(KEYS[:2])
-    assert cache.wait_idle() and cache.counters()["prefetched"] == 2
-    first, second = (cf.entry_path(cache.root, *key) for key in KEYS[:2])
-    assert not cf.try_evict(first) and cf.try_evict(second)  # the first held, the second only fetched
-    cache.close()
-    assert cf.try_evict(first)  # closing lets go of it

@@ -1,6 +1,10 @@
-"""How far ahead a process prefetches: the launch's smallest bound keeps the least, room to spare
-buys more, never past the most, and the node's ranks share the bound."""
-from ds_trhash.data.stream.cache_bound import MOST_PREFETCH, hold_budget, prefetch_depth
+"""The cache's bound: from the config or the environment (a value that rounds to nothing names its
+origin), and how far ahead a process prefetches: the launch's smallest bound keeps the least,
+room to spare buys more, never past the most, and the node's ranks share the bound."""
+import pytest
+
+from ds_trhash.data.stream.cache_bound import GIB, MOST_PREFETCH, cache_bytes_from, hold_budget, prefetch_depth
+from ds_trhash.data.stream.cache_files import CacheError
 from ds_trhash.data.stream.opening import PREFETCH_SHARDS, open_corpus
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 
@@ -29,3 +33,21 @@ def test_a_cache_opened_without_a_depth_takes_it_from_its_bound(tmp_path):
             corpus.open_cache(tmp_path / "large", 100 * SHARD_BYTES) as large, \
             corpus.open_cache(tmp_path / "asked", 100 * SHARD_BYTES, prefetch=1) as asked:
         assert (small.prefetch_depth, large.prefetch_depth, asked.prefetch_depth) == (2, MOST_PREFETCH, 1)
+
+
+def test_cache_size_from_env_or_config():
+    assert cache_bytes_from(None, {}) == GIB
+    assert cache_bytes_from(2.5, {}) == int(2.5 * GIB)
+    assert cache_bytes_from(2.5, {"TOKENIZED_CACHE_GB": "0.5"}) == GIB // 2
+    assert cache_bytes_from(2.5, {"TOKENIZED_CACHE_GB": ""}) == int(2.5 * GIB)
+    with pytest.raises(CacheError, match="TOKENIZED_CACHE_GB='lots' is not a number"):
+        cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "lots"})
+    with pytest.raises(CacheError, match="data.cache_gb=0 must be a positive"):
+        cache_bytes_from(0, {})
+
+
+def test_a_bound_that_rounds_to_zero_bytes_names_its_origin():
+    with pytest.raises(CacheError, match=r"data.cache_gb=1e-12 is 1e-12 GiB, which rounds to 0 bytes"):
+        cache_bytes_from(1e-12, {})
+    with pytest.raises(CacheError, match=r"TOKENIZED_CACHE_GB='1e-12' is 1e-12 GiB, which rounds to 0 bytes"):
+        cache_bytes_from(1.0, {"TOKENIZED_CACHE_GB": "1e-12"})
