@@ -7,10 +7,8 @@ record never guesses. ``provenance`` says where each known value came from.
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,9 +17,10 @@ from typing import Any
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.batch_layout import step_rows, step_tokens
 from ds_trhash.checkpoints import MANIFEST, list_checkpoints, verify
-from ds_trhash.errors import UserError
-from ds_trhash.io import read_utf8, sha256_file, utf8_lines, write_json_atomic
+from ds_trhash.io import sha256_file, write_json_atomic
 from ds_trhash.release.export_manifest import EXPORT_MANIFEST, TOKENIZER
+from ds_trhash.release.run_files import (RecordError, checkpoint_metrics, git_commit, number, read_json, read_metrics,
+                                         read_piqa_rows)
 from ds_trhash.checkpoints.selection import RULES as SELECTION_RULES
 from ds_trhash.checkpoints.selection import Candidate, choose
 
@@ -37,95 +36,6 @@ RECORD_FIELDS = (
 OPTIONAL_FIELDS = ("model",)
 
 
-class RecordError(UserError, ValueError):
-    """The run record cannot be built from what was given (not a run folder, unknown field)."""
-
-
-# --------------------------------------------------------------------------- readers
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
-    """``git rev-parse HEAD`` of the framework checkout; None outside git."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10, check=True)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def read_metrics(path: Path) -> list[dict[str, str]]:
-    """The rows of a run's metrics.csv. Every cell of a numeric column must be empty or a number
-    (nan and inf included: a diverged loss is a number): anything else would be published as null."""
-    if not path.is_file():
-        return []
-    rows = list(csv.DictReader(utf8_lines(path, RecordError)))
-    for line_no, row in enumerate(rows, 2):
-        for key, text in row.items():
-            if key is None or not text or key.endswith("_backend"):
-                continue
-            try:
-                float(text)
-            except (TypeError, ValueError):
-                raise RecordError(f"{path}: line {line_no}, column {key}: {text!r} is not a number; "
-                                  "restore the file the trainer wrote (or remove that row)") from None
-    return rows
-
-
-def _number(text: str | None) -> float | int | None:
-    if text is None or text == "":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() else value
-
-
-def _checkpoint_metrics(step: int, rows: list[dict[str, str]]) -> dict[str, Any]:
-    """The eval row at ``step`` and the last train row at or before it."""
-    out: dict[str, Any] = {}
-    for row in rows:
-        if _number(row.get("step")) != step:
-            continue
-        for key in ("eval_loss", "eval_ppl", "eval_tokens"):
-            if row.get(key):
-                out[key] = _number(row[key])
-    train = [r for r in rows if r.get("train_loss") and (_number(r.get("step")) or 0) <= step]
-    if train:
-        last = train[-1]
-        # no "epoch": that row may precede the checkpoint's step; the checkpoint records its own
-        for key in ("train_loss", "train_ppl", "lr", "tok_s", "tokens_seen"):
-            if last.get(key):
-                out[key] = _number(last[key])
-        out["train_row_step"] = _number(last.get("step"))
-    return out
-
-
-def read_piqa_rows(path: Path) -> dict[int, dict[str, Any]]:
-    """The run's ``piqa.jsonl`` by step (a step evaluated twice, e.g. around a resume, keeps its
-    last row)."""
-    rows: dict[int, dict[str, Any]] = {}
-    if not path.is_file():
-        return rows
-    for line in read_utf8(path, RecordError).splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows[row["step"]] = {k: row.get(k) for k in ("step", "epoch", "acc", "acc_norm", "n", "warning")}
-    return rows
-
-
 def _source_hash(path: str | None) -> tuple[str | None, str | None]:
     """A checkpoint is identified by the SHA-256 of its MANIFEST.json, an export by its weights."""
     if not path:
@@ -134,7 +44,7 @@ def _source_hash(path: str | None) -> tuple[str | None, str | None]:
     src = Path(path)
     if (src / MANIFEST).is_file():
         return sha256_file(src / MANIFEST), f"SHA-256 of {src / MANIFEST}"
-    export = _read_json(src / EXPORT_MANIFEST)
+    export = read_json(src / EXPORT_MANIFEST)
     if export and "weights" in export:
         return export["weights"]["sha256"], f"weights SHA-256 in {src / EXPORT_MANIFEST}"
     return None, None
@@ -151,7 +61,7 @@ def _dataset_revision(state: Mapping[str, Any]) -> tuple[Any, str | None]:
         return found, "plan_doc in trainer_state.json"
     sft_dir = state.get("sft_dir") or (state.get("training_critical") or {}).get("data.sft_dir")
     if sft_dir:
-        manifest = _read_json(Path(sft_dir) / "manifest.json")
+        manifest = read_json(Path(sft_dir) / "manifest.json")
         if manifest:
             revisions = sorted({str(s.get("revision")) for s in manifest.get("sources", []) if s.get("revision")})
             if revisions:
@@ -222,12 +132,12 @@ def _checkpoint_entries(run: Path, rows: list[dict[str, str]],
     """(one entry per checkpoint, the trainer states of the complete ones, oldest first)."""
     checkpoints, states, unreadable = [], [], []
     for info in list_checkpoints(run):
-        state = _read_json(info.path / "trainer_state.json")
+        state = read_json(info.path / "trainer_state.json")
         if state is None:
             unreadable.append(info.name)
         state = state or {}
         complete = verify(info.path, deep=False)[0]
-        metrics = _checkpoint_metrics(info.step, rows)
+        metrics = checkpoint_metrics(info.step, rows)
         if info.step in piqa:
             metrics.update(piqa_acc=piqa[info.step]["acc"], piqa_acc_norm=piqa[info.step]["acc_norm"])
         checkpoints.append({"name": info.name, "step": info.step, "complete": complete,
@@ -284,7 +194,7 @@ def _kernel_path(out: _Fields, checkpoints: list[dict[str, Any]]) -> None:
 
 
 def _selection_fields(out: _Fields, run: Path, checkpoints: list[dict[str, Any]], selection_rule: str | None) -> None:
-    chosen = _read_json(run / "selection.json")
+    chosen = read_json(run / "selection.json")
     if selection_rule is None and chosen and chosen.get("rule") in SELECTION_RULES:
         # the rule the run itself applied when it wrote best/
         out.put("selection_rule", chosen["rule"], f"{run}/selection.json")
@@ -318,7 +228,7 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
     _kernel_path(out, checkpoints)
     export = None
     if export_dir is not None:
-        export = _read_json(Path(export_dir) / EXPORT_MANIFEST)
+        export = read_json(Path(export_dir) / EXPORT_MANIFEST)
         if export is None:
             raise RecordError(f"{export_dir} has no readable {EXPORT_MANIFEST}; is it a complete export?")
         out.put("export_safetensors_sha256", export["weights"]["sha256"], f"{export_dir}/{EXPORT_MANIFEST}")
@@ -432,5 +342,5 @@ def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | No
 
 def is_run_record(path: str | os.PathLike) -> bool:
     """True for a file an earlier ``write_run_record`` wrote (a JSON object of this format)."""
-    doc = _read_json(Path(path))
+    doc = read_json(Path(path))
     return doc is not None and doc.get("format") == RECORD_FORMAT
