@@ -217,19 +217,23 @@ class ReplayReader:
         sequential read (at every fourth, the looks took about a tenth of the reading time in
         ``bench/bench_stream.py``): the 15 after a look were in it, and so is the one after them.
         The cache is asked again only when what it would be asked changed (``_prefetch``)."""
-        prefetched = self._prefetched
-        if (self._looked_next and first == self._looked_next[0]
-                and (prefetched is None or prefetched[1] in (None, self.cache.generation))):
+        moved_on = self._cache_moved_on()
+        if self._looked_next and first == self._looked_next[0] and not moved_on:
             self._looked_next = self._looked_next[1:]
             return self._looked
         # a look: every 16th micro-batch, or sooner when not all was queued and the cache moved on
         upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
         far = self._far_ahead(first, rank, world_size, micro_batch, grad_accum)
-        if (prefetched is None or upcoming != self._looked or far is not prefetched[2]
-                or prefetched[1] not in (None, self.cache.generation)):
+        if moved_on or upcoming != self._looked or far is not self._prefetched[2]:
             self._prefetch(upcoming, far)
         self._looked = upcoming
         return upcoming
+
+    def _cache_moved_on(self) -> bool:
+        """Ask the cache again: never asked yet, or the last call could not queue everything and
+        the cache's state changed since (a shard held, released or fetched)."""
+        prefetched = self._prefetched
+        return prefetched is None or prefetched[1] not in (None, self.cache.generation)
 
     def _far_ahead(self, first: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
         """This rank's shards of the next window, then the plan's within the horizon: looked at
@@ -368,12 +372,11 @@ class ReplayReader:
         those of them but the last, which reuse this look: the last one looks again)."""
         following: list[int] = []
         keys: list[tuple[Key, ...]] = []
-        per_step = step_rows(micro_batch, grad_accum, world_size)
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
             if micro_step == grad_accum:
                 step, micro_step = step + 1, 0
-            first = step * per_step + (micro_step * world_size + rank) * micro_batch
+            first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
             if first + micro_batch > self.num_rows:
                 break
             following.append(first)
