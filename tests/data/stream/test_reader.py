@@ -161,6 +161,25 @@ def test_each_rank_opens_only_its_own_shards(corpus):
         assert set(cache.prefetched[-1]) == upcoming
 
 
+def test_the_cache_is_asked_again_when_the_shards_named_change_not_their_order(tmp_path):
+    """In a shuffled window the next micro-batches name the same few shards in another order at
+    almost every look (every 16th micro-batch): the cache is asked again only when the shards
+    named change, here at most twice per window of 64 micro-batches (17 times when a new order
+    was enough), and each shard read after the first micro-batch was named to it before."""
+    for source, start in (("a", 1), ("b", 20000)):
+        write_shards(source, [np.arange(start, start + 256 * L + 1)], L, 32, tmp_path, vocab_size=30000,
+                     tokenizer_hash="h")
+    doc = build_plan(load_manifests([tmp_path]), 512 * L, dataset="t", revision="1")
+    cache = RecordingCache(tmp_path)
+    reader = ReplayReader(doc, None, seed=1, cache=cache, shuffle_window=128)
+    for step in range(512 // 2):
+        named = set().union(*map(set, cache.prefetched))
+        opened = set(cache.got)
+        reader.batch(step, 0, 0, 1, 2, 1)
+        assert step == 0 or cache.got - opened <= named
+    assert len(cache.got) == 16 and len(cache.prefetched) <= 2 * 4
+
+
 def test_batches_through_a_bounded_cache_match_direct_reads(corpus, tmp_path):
     root, doc = corpus
     limit = 3 * (R * L + 1) * 2
