@@ -13,7 +13,9 @@ it holds itself), whenever that list changes. The worker keeps at most ``depth``
 fetched and verified in the node cache (``cache.ShardCache._ensure``, never waiting for room),
 each held while its share of the bound allows (``allowance``), and lets go of those that leave the
 list (the rank holds them itself once it reads them). After each fill it answers with what it
-counted, or the error that stopped the fill.
+counted, or the error that stopped the fill; a shard it found verified already counts nothing and
+gets no answer. It starts at a lower priority than its rank (its fills can wait; the rank's reads
+should not) and sets up its store's client first, so that its first download does not.
 
 The worker (``fetch_worker``) is a fresh interpreter (``python -m ds_trhash.data.stream.fetch_worker
 FD``): not a fork of

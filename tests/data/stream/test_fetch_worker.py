@@ -1,14 +1,19 @@
 """The prefetch process's loop, driven in-process over a pipe: at most ``depth`` shards ready and
 held, an answer after each fill, a new list letting go of what it no longer names, a failed shard
-tried again only after the list changes, and "idle?" answered once nothing is left."""
+tried again only after the list changes, and "idle?" answered once nothing is left; the store
+set up before the process says it is ready."""
+import pickle
+import threading
 from multiprocessing import Pipe
+from pathlib import Path
 
 import pytest
 
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import CacheError
-from ds_trhash.data.stream.fetch_worker import _Worker
+from ds_trhash.data.stream.fetch_worker import _Worker, serve
 from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.store.local import LocalStore
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 
 KEYS = [("a", f"shard-{i:05d}.bin") for i in range(4)]
@@ -45,6 +50,18 @@ def test_at_most_depth_ready_one_held_and_an_answer_per_fill(worker):
     assert not cf.try_evict(first) and cf.try_evict(second)
 
 
+def test_a_shard_found_verified_already_is_held_without_an_answer(worker):
+    """Nothing changed that the rank counts: a warm cache costs the reading rank no message."""
+    w, ours, cache = worker
+    w.handle(("want", KEYS[:2]))
+    fill_all(w)
+    assert [ours.recv()[1] for _ in range(2)] == KEYS[:2]
+    w.handle(("want", ()))  # let go of both
+    w.handle(("want", KEYS[:2]))
+    assert fill_all(w) == KEYS[:2] and not ours.poll(0)
+    assert w.ready[KEYS[0]] is not None and not cf.try_evict(cf.entry_path(cache.root, *KEYS[0]))
+
+
 def test_a_new_list_lets_go_of_what_it_no_longer_names(worker):
     w, ours, cache = worker
     w.handle(("want", KEYS))
@@ -75,3 +92,32 @@ def test_idle_is_answered_once_nothing_is_left_to_fill(worker):
     ours.recv()  # its answer
     w.handle(("idle?",))
     assert ours.recv() == ("idle",)
+
+
+class SetUpStore(LocalStore):
+    """A directory store that leaves a file behind when it is set up (in the worker: its copy)."""
+
+    def __init__(self, root: Path, marker: Path) -> None:
+        super().__init__(root)
+        self.marker = marker
+
+    def warm_up(self) -> None:
+        self.marker.write_text("set up")
+
+
+def test_the_store_is_set_up_before_the_process_says_ready(tmp_path):
+    """A Hub store's client is made ready as the process starts, not in its first download (which
+    a read may be waiting for)."""
+    root = write_corpus(tmp_path / "store")
+    cache = open_corpus(plan_for(root), str(root)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0)
+    recipe = {"store": SetUpStore(root, tmp_path / "set-up"), "cache_dir": cache.cache_dir, "max_bytes": cache.max_bytes,
+              "shards": cache._shards, "commit": cache.commit, "depth": 2, "allowance": 1}
+    ours, theirs = Pipe()
+    process = threading.Thread(target=serve, args=(theirs,))
+    process.start()
+    ours.send_bytes(pickle.dumps(recipe))
+    assert ours.recv() == ("ready",) and (tmp_path / "set-up").read_text() == "set up"
+    ours.close()  # the rank is gone: the loop ends
+    process.join(10)
+    assert not process.is_alive()
+    cache.close()

@@ -76,6 +76,10 @@ class ShardStore(Protocol):
     def read_json(self, path: str) -> Any:
         """The decoded JSON file at ``path``."""
 
+    def warm_up(self) -> None:
+        """Set up now what the first download would (a client, its session): a prefetch process
+        calls it as it starts, so that no read waits for that set-up."""
+
     def download(self, path: str, dest: Path, size: int) -> Optional[str]:
         """Write the file's ``size`` bytes into ``dest`` (an existing file, overwritten from 0) and
         return the sha256 of the bytes written, hashed as they were written, so the cache never

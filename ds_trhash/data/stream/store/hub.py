@@ -21,7 +21,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+# Loaded with this module, which only a Hub store imports: a prefetch process loads them as it starts,
+# not at its first download (about 40 ms, which a read waiting for that shard paid).
+from huggingface_hub import constants, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import get_session, hf_raise_for_status, http_stream_backoff
 
 from ds_trhash import hub_access
 from ds_trhash.data.stream.store.base import StoreError, StoreFile, StoreUnavailable, relative_name
@@ -38,8 +42,6 @@ class HubStore:
     def __init__(self, repo_id: str, revision: str = "main", *, attempts: Optional[int] = None,
                  backoff_s: float = hub_access.BACKOFF_START_S, budget_s: float = hub_access.DEFAULT_BUDGET_S,
                  stall_s: Optional[float] = None, say: Optional[hub_access.Say] = None) -> None:
-        from huggingface_hub import constants
-
         self.repo_id, self.revision = repo_id, revision
         self.endpoint = hub_access.endpoint()
         self.patience = hub_access.Patience(budget_s=budget_s, attempts=attempts, backoff_s=backoff_s,
@@ -58,6 +60,13 @@ class HubStore:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._api = hub_access.make_api(StoreError)
+
+    def warm_up(self) -> None:
+        """The client's headers (built once per process: the client also looks up its agent
+        registry then) and its HTTP session (an SSL context): about 50 ms that a new prefetch
+        process spent in its first download, while a read waited for that shard."""
+        hub_access.headers()
+        get_session()
 
     @property
     def attempts_made(self) -> int:
@@ -120,16 +129,12 @@ class HubStore:
         return found
 
     def _url(self, path: str) -> str:
-        from huggingface_hub import hf_hub_url
-
         return hf_hub_url(self.repo_id, relative_name(path, f"hf://datasets/{self.repo_id}"), repo_type="dataset",
                           revision=self._pinned(), endpoint=self.endpoint)
 
     def _get_into(self, path: str, sink, state: dict, limit: int) -> None:
         """One GET, ranged from ``state["offset"]``: appends at most ``limit`` bytes in all, hashing
         them; ``state`` follows every block, so a cut transfer resumes from what was written."""
-        from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
-
         request_headers = hub_access.headers()
         if state["offset"]:
             request_headers["Range"] = f"bytes={state['offset']}-"

@@ -32,6 +32,9 @@ class LocalStore:
     def pin(self, commit: str) -> None:
         pass  # a directory has one state
 
+    def warm_up(self) -> None:
+        """Nothing to set up: a copy needs no client."""
+
     def list_files(self) -> dict[str, StoreFile]:
         """One stat per file (no reads): the cost does not grow with the corpus bytes."""
         found: dict[str, StoreFile] = {}

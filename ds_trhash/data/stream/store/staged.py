@@ -58,6 +58,9 @@ class StagedStore:
     def resolve(self, pinned: Optional[str] = None) -> str:
         return self.inner.resolve(pinned)
 
+    def warm_up(self) -> None:
+        self.inner.warm_up()
+
     def pin(self, commit: str) -> None:
         self.inner.pin(commit)
         self.description = self.inner.description
