@@ -92,8 +92,8 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
             launch_checks.set_aside_checkpoints(plan.output_dir, [name for name, _ in plan.output.damaged],
                                                 time.strftime("%Y%m%dT%H%M%S"), log=log.info)
         barrier()
-    if plan.data.start is not None:
-        plan.data.start()
+    if plan.data.start is not None:  # the stage's first step: the saved one on a resume (``restore``)
+        plan.data.start(int(plan.output.saved["step"]) if plan.output.saved is not None else 0)
 
 
 def restore(plan: LaunchPlan, engine, rank: int) -> loop.TrainState:

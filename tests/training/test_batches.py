@@ -172,13 +172,14 @@ def test_every_way_out_of_a_stage_closes_the_stream_and_leaves_no_thread(tmp_pat
     data = StageData(batches=None, total_steps=steps)
     opened = []
 
-    def start():
-        stream = open_stream(open_corpus(doc, str(root)), doc, 0, layout, tmp_path / "cache", 2**30, 1, end=steps)
+    def start(first_step):
+        stream = open_stream(open_corpus(doc, str(root)), doc, 0, layout, tmp_path / "cache", 2**30, 1, end=steps,
+                             first_step=first_step)
         opened.append(stream)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
-    plan = SimpleNamespace(data=data, output=SimpleNamespace(damaged=[]))
+    plan = SimpleNamespace(data=data, output=SimpleNamespace(damaged=[], saved=None))
     monkeypatch.setattr(trainer, "plan_launch", lambda *a, **k: plan)
 
     def train(plan, rank, world):

@@ -17,8 +17,11 @@ def planned(tmp_path_factory):
     args = build_arg_parser().parse_args(
         ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(root / "run"), "--max-steps", "4"])
     plan = plan_launch(config_from_args(args), args, rank=0, world=1)
-    start_writing(plan, rank=0)  # the shard cache and the plan's reader
-    return plan, build_model(plan, rank=0)
+    start_writing(plan, rank=0)  # the shard cache and the plan's reader, reading step 0 from now on
+    try:
+        yield plan, build_model(plan, rank=0)
+    finally:
+        plan.data.stop()  # what the trainer's finally closes
 
 
 def test_the_model_runs_the_planned_kernels(planned):
@@ -39,3 +42,17 @@ def test_trainer_state_records_the_plan_and_the_step(planned):
     assert doc["model_config"] == plan.model_config.to_dict() and doc["init_checkpoint"] is None
     assert doc["backends_used"] == model.backends_used()
     assert isinstance(doc["peak_memory"], dict) and doc["hardware"].startswith("1 process(es); rank 0 on ")
+
+
+def test_the_stage_starts_reading_its_first_step_before_the_model_is_built(tmp_path):
+    """``start_writing`` opens the stream at the stage's first step (a resume's saved step), so
+    its shards are fetched while the model and engine are built."""
+    from types import SimpleNamespace
+
+    from ds_trhash.training.launch.stage_data import StageData
+
+    started = []
+    for saved, first in ((None, 0), ({"step": 7}, 7)):
+        data = StageData(batches=None, total_steps=10, start=started.append)
+        start_writing(SimpleNamespace(data=data, output=SimpleNamespace(damaged=[], saved=saved)), rank=0)
+    assert started == [0, 7]

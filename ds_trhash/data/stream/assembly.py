@@ -58,6 +58,15 @@ class Ahead(Generic[T]):
             raise error
         return item
 
+    def start(self, step: int) -> None:
+        """Assemble from ``step`` on now, before it is asked for (a stage's first step, while the
+        model and engine are built: its shards are fetched meanwhile); ``get(step)`` then takes
+        what is ready. Nothing is assembled ahead from ``end`` on."""
+        if self.closed:
+            raise RuntimeError("start of a closed background assembly")
+        if (self.end is None or step < self.end) and (self._thread is None or step != self._next):
+            self._restart(step)
+
     def _restart(self, step: int) -> None:
         self._join()
         self._stop, self._next = False, step

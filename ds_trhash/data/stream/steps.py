@@ -73,6 +73,9 @@ class RankStream:
         """``ahead``: steps assembled in the background (0: on the caller's thread, as it asks);
         ``end``: the step the stage stops before (nothing is assembled ahead from there)."""
         self.reader, self.layout, self.pin_memory = reader, layout, pin_memory
+        # the device pinned copies are made for: the assembly thread's own current device is
+        # device 0 until it is set (one CUDA context per rank on GPU 0), as DataLoader's pin thread knows
+        self._device: Optional[int] = torch.cuda.current_device() if pin_memory else None
         self._ahead: Optional[Ahead] = Ahead(self._assemble, ahead, end) if ahead > 0 else None
         self._lock = threading.Lock()
         self._assembly_s = self._shard_s = self._sync_wait_s = 0.0
@@ -81,6 +84,8 @@ class RankStream:
 
     def _assemble(self, step: int) -> list[Batch]:
         started = time.perf_counter()
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         layout, out = self.layout, []
         for micro in range(layout.grad_accum):
             inputs, labels = self.reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch,
@@ -92,6 +97,12 @@ class RankStream:
             self._assembly_s += time.perf_counter() - started
             self._shard_s = self.reader.shard_wait_s
         return out
+
+    def begin(self, step: int) -> None:
+        """Start assembling the stage's first step now, in the background (nothing without
+        background assembly): the shards it reads are fetched while the model is built."""
+        if self._ahead is not None:
+            self._ahead.start(step)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This rank's micro-batches of optimizer step ``step``, in micro-step order."""
@@ -146,14 +157,17 @@ class RankStream:
 
 def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
                 ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
-                prefetch_s: float = DEFAULT_PREFETCH_S) -> RankStream:
+                prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None) -> RankStream:
     """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``),
-    prefetching what the plan reads in the next ``prefetch_s`` seconds; a failure after the cache
-    opened closes it again."""
+    prefetching what the plan reads in the next ``prefetch_s`` seconds, and assembling
+    ``first_step`` from now on when given; a failure after the cache opened closes it again."""
     cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node, fetch_process=True)
     try:
         reader = ReplayReader(plan, None, seed, cache=cache, prefetch_s=prefetch_s)
-        return RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end)
+        stream = RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end)
     except BaseException:
         cache.close()
         raise
+    if first_step is not None:
+        stream.begin(first_step)
+    return stream

@@ -71,8 +71,9 @@ class StageData:
     tokenizer_assumed: bool = False  # the data records no tokenizer: the configured one is taken as its
     notes: tuple[str, ...] = ()  # said once by rank 0 (e.g. that the corpus records no tokenizer)
     describe: str = ""
-    # Creates what reading needs on disk (the shard cache); called once every check has passed.
-    start: Callable[[], None] | None = None
+    # Creates what reading needs on disk (the shard cache) and starts reading the stage's first
+    # step (its argument); called once every check has passed, before the model is built.
+    start: Callable[[int], None] | None = None
     # Closes what ``start`` opened (the stream's thread, the shard cache); the trainer's ``finally``.
     stop: Callable[[], None] | None = None
 
@@ -188,14 +189,15 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
                               f"({corpus.layout} layout)")
 
-    def start() -> None:
+    def start(first_step: int) -> None:
         # One cache per node: every rank of this node opens the same folder; each shard is
         # downloaded once and verified (size and SHA-256) before any rank reads it. The next
-        # steps' batches are assembled in the background, in pinned memory on CUDA.
+        # steps' batches are assembled in the background, in pinned memory on CUDA, from the
+        # first step on at once: its shards are fetched while the model and engine are built.
         layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
-                             prefetch_s=cfg.data.prefetch_minutes * 60)
+                             prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

@@ -15,7 +15,7 @@ from ds_trhash.data.stream.assembly import THREAD_NAME
 from ds_trhash.data.stream.cache import CacheError, ShardIntegrityError
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
-from ds_trhash.data.stream.steps import BatchLayout, RankStream
+from ds_trhash.data.stream.steps import BatchLayout, RankStream, open_stream
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 
 SEED = 3
@@ -213,3 +213,35 @@ def test_a_closed_cache_refuses_to_wait_for_room(store, tmp_path):
         with pytest.raises(CacheError, match="was closed while shard-00001.bin waited for room"):
             cache.get("a", "shard-00001.bin")
     other.close()
+
+
+def test_the_first_step_is_assembled_before_it_is_asked_for(store, tmp_path):
+    """A stage opens its stream at its first step (here a resume at step 5): the step is assembled
+    in the background, its shards fetched, before the loop asks for it, and it holds the direct
+    reader's rows."""
+    layout = LAYOUTS[1]
+    corpus = open_corpus(plan_for(store), str(store))
+    with open_stream(corpus, plan_for(store), SEED, layout, tmp_path / "cache", 100 * SHARD_BYTES, 1, end=STEPS,
+                     first_step=5) as stream:
+        deadline = time.monotonic() + 30
+        while not stream._ahead._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream._ahead._ready and stream._ahead._ready[0][0] == 5
+        assert stream.reader.cache.counters()["misses"] > 0  # read from the store before any step was asked
+        assert same([stream.micro_batches(5)], direct(store, layout, steps=[5]))
+    assert not assembly_threads() and not fetch_workers()
+
+
+def test_pinned_batches_are_made_for_the_openers_device(store, tmp_path, monkeypatch):
+    """The assembly thread's current CUDA device would be device 0 (a context of every rank on GPU
+    0): it is set to the device current where the stream was opened. (CPU here: the CUDA calls are
+    recorded, pinning returns the tensor.)"""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((device, threading.current_thread().name)))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES)
+    with RankStream(ReplayReader(plan_for(store), None, SEED, cache=cache), LAYOUTS[0], pin_memory=True,
+                    end=STEPS) as stream:
+        assert same([stream.micro_batches(0)], direct(store, LAYOUTS[0], steps=[0]))
+    assert calls and set(calls) == {(3, THREAD_NAME)}
