@@ -13,9 +13,9 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    resumed run or a second stage finds it), and through a cold node cache that another process
    fills in plan order while the reader runs no prefetch thread (the fill's interpreter work off
    the reading process, as another rank of the node would do it). The server runs in a process of
-   its own at the lowest priority (it stands for a machine elsewhere: a first version served from
-   the reader's process, whose serving threads then competed with the reader for one interpreter);
-   the client side, the downloads and the hashing, runs beside the reader, as in training.
+   its own (a first version served from the reader's process, whose serving threads then competed
+   with the reader for one interpreter), on this machine's two cores all the same; the client
+   side, the downloads and the hashing, runs beside the reader, as in training.
    The four cached passes run ``--repeat`` rounds, each round in a rotated order, with a direct
    pass before each and after the last, and the medians are printed: run one after the other
    once, the pass that ran under the heaviest load (or first, before the page cache was warm)
@@ -23,7 +23,8 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    pass is compared with the direct passes on either side of it, and the warm pass with a direct
    reader taking turns with it micro-batch by micro-batch; the median of those ratios is printed.
    The goals: the cold cache at least 0.8 of direct reads, the warm one at least 0.95, the Hub
-   at least 0.95 of the cache filled from disk.
+   at least 0.95 of the cache filled from disk. Last, the CPU time the cold passes' fills took
+   per MiB (the prefetch process's, and the Hub stand-in's), and what that is at the speed goal.
 2. The launch's data check for a plan over a ``--check-shards``-shard corpus: before (every planned
    shard hashed, as the launch did) and after (one listing and the manifests), from the directory
    and from the Hub, at two shard sizes: the "after" time should not grow with the corpus bytes.
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -73,14 +75,21 @@ def rows_per_s(reader: ReplayReader, rows: int, micro: int = 8) -> float:
     return (rows // micro * micro) / (time.perf_counter() - started)
 
 
-def cached_pass(plan: dict, corpus, cache_dir: Path, n: int) -> tuple[float, float]:
-    """Rows/s through the node cache in ``cache_dir`` (cold when the folder is new), and the
-    seconds the reads waited for downloads."""
+def cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def cached_pass(plan: dict, corpus, cache_dir: Path, n: int) -> tuple[float, float, float]:
+    """Rows/s through the node cache in ``cache_dir`` (cold when the folder is new), the seconds
+    the reads waited for downloads, and the CPU seconds the prefetch process spent meanwhile."""
     with corpus.open_cache(cache_dir, 2**40, fetch_process=True) as cache:
         cache.prefetch([])  # the prefetch process starts (an interpreter, its imports), as at a stage's start
         cache.wait_idle()
+        started = cpu_s(cache.prefetch_pid)
         rate = rows_per_s(ReplayReader(plan, None, 0, cache=cache), n)
-        return rate, cache.stats()["waited_s"]
+        cache.wait_idle()
+        return rate, cache.stats()["waited_s"], cpu_s(cache.prefetch_pid) - started
 
 
 def warm_beside_direct(plan: dict, root: Path, cache_dir: Path, n: int) -> tuple[float, float]:
@@ -139,7 +148,7 @@ def hub_process(repos: dict[str, Path]):
     ours, theirs = mp.get_context("fork").Pipe()
     server = mp.get_context("fork").Process(target=_serve_hub, args=(theirs, repos), daemon=True)
     server.start()
-    hub = {"url": ours.recv()}
+    hub = {"url": ours.recv(), "pid": server.pid}
     try:
         yield hub
     finally:
@@ -149,7 +158,6 @@ def hub_process(repos: dict[str, Path]):
 
 
 def _serve_hub(conn, repos: dict[str, Path]) -> None:
-    os.nice(19)  # a real Hub runs elsewhere: this one takes the CPU only when nothing else wants it
     with HubServer(TOKEN, deadline_s=3600) as hub:
         for repo, root in repos.items():
             seed_dataset(hub, repo, corpus_files(root))
@@ -160,20 +168,32 @@ def _serve_hub(conn, repos: dict[str, Path]) -> None:
         conn.send({"counts": dict(hub.counts), "served": dict(hub.served)})
 
 
-def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
+GOAL_MIB_PER_S = 786_432 / 0.33 * 2 / 2**20  # token bytes one 8-GPU node reads at the speed goal
+
+
+def hub_pass(plan: dict, cache_dir: Path, n: int, server: int) -> tuple[float, float, float, float]:
+    """``cached_pass`` from the loopback Hub, and the CPU seconds its server spent meanwhile."""
+    started = cpu_s(server)
+    found = cached_pass(plan, open_corpus(plan, None, store=HubStore("bench/corpus")), cache_dir, n)
+    return (*found, cpu_s(server) - started)
+
+
+def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int, server: int, mib: float) -> None:
     """The four cached passes, ``repeat`` rounds, each round in a rotated order, with a direct
     pass before the first and after each: every cold pass is compared with the direct passes on
     either side of it (the machine's speed drifts over tens of seconds; a direct pass five passes
     away said more about the drift than about the cache), the warm one with a direct reader
-    taking turns with it (``warm_beside_direct``). The medians of those ratios."""
+    taking turns with it (``warm_beside_direct``). The medians of those ratios, and the CPU time
+    the cold passes' fills took per MiB (the prefetch process; for the Hub also its server)."""
     warm_dir = tmp / "cache-warm"
     cached_pass(plan, open_corpus(plan, str(root)), warm_dir, n)  # filled once, read again by every round
     direct = lambda: rows_per_s(ReplayReader(plan, root, 0), n)  # noqa: E731
+    # each: (rows/s, the Hub pass's wait for downloads or the warm pass's own ratio, CPU seconds of the fill...)
     passes = {"local": lambda i: cached_pass(plan, open_corpus(plan, str(root)), tmp / f"cache-local-{i}", n),
-              "hub": lambda i: cached_pass(plan, open_corpus(plan, None, store=HubStore("bench/corpus")),
-                                           tmp / f"cache-hub-{i}", n),
+              "hub": lambda i: hub_pass(plan, tmp / f"cache-hub-{i}", n, server),
               "warm": lambda i: warm_beside_direct(plan, root, warm_dir, n),
-              "other": lambda i: other_process_pass(plan, root, tmp / f"cache-other-{i}", n)}
+              "other": lambda i: (*other_process_pass(plan, root, tmp / f"cache-other-{i}", n),)}
+    fill_cpu: dict[str, list[tuple[float, ...]]] = {"local": [], "hub": []}
     rates: dict[str, list[float]] = {name: [] for name in ("direct", *passes)}
     of_direct: dict[str, list[float]] = {name: [] for name in passes}  # each pass / the direct ones around it
     waited = []
@@ -182,7 +202,9 @@ def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
         before = direct()
         rates["direct"].append(before)
         for name in names[i % len(names):] + names[: i % len(names)]:
-            rate, extra = passes[name](i)  # the hub's wait for downloads; the warm pass's own ratio
+            rate, extra, *cpu = passes[name](i)
+            if name in fill_cpu:
+                fill_cpu[name].append(tuple(cpu))
             after = direct()
             rates[name].append(rate)
             rates["direct"].append(after)
@@ -207,6 +229,14 @@ def read_passes(plan: dict, root: Path, tmp: Path, n: int, repeat: int) -> None:
           f"direct reads (goal 0.95: {'met' if ratio['warm'] >= 0.95 else 'NOT met'})")
     print(f"rows/s  node cache from the local dir (cold), filled by another process, no prefetch process: "
           f"{median['other']:,.0f} = {ratio['other']:.3f} of direct reads (the whole fill done before the reader needs it)")
+    local_ms = 1000 * statistics.median(c[0] for c in fill_cpu["local"]) / mib
+    worker_ms, server_ms = (1000 * statistics.median(c[k] for c in fill_cpu["hub"]) / mib for k in (0, 1))
+    print(f"fill CPU per MiB of shards (medians): from the local dir {local_ms:.2f} ms (the prefetch process); from "
+          f"the Hub {worker_ms:.2f} ms (the prefetch process) + {server_ms:.2f} ms (the stand-in server). At the "
+          f"speed goal an 8-GPU node reads {GOAL_MIB_PER_S:.2f} MiB/s of tokens: a Hub fill then takes "
+          f"{worker_ms * GOAL_MIB_PER_S / 10:.1f} % of one core per node (these passes read "
+          f"{median['direct'] * mib / n:.1f} MiB/s, filling at {worker_ms * median['direct'] * mib / n / 10:.0f} % "
+          "of a core beside a reader that takes one of this machine's two)")
     for name, values in rates.items():
         print(f"  {name:6s} per pass: " + ", ".join(f"{r:,.0f}" for r in values))
 
@@ -230,7 +260,7 @@ def main() -> None:
             n = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
             size = sum(len(b) for b in corpus_files(root).values())
             print(f"corpus: {n:,} rows of {args.seq_len} tokens, {2 * args.shards} shards, {size / 2**20:.1f} MiB")
-            read_passes(plan, root, tmp, n, args.repeat)
+            read_passes(plan, root, tmp, n, args.repeat, hub["pid"], size / 2**20)
             for rows, doc in checks.items():
                 big = tmp / f"check-{rows}"
                 mib = sum(p.stat().st_size for p in big.rglob("*.bin")) / 2**20

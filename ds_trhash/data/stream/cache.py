@@ -273,6 +273,12 @@ class ShardCache(Prefetching):
         with self.held(source, file) as path:
             return path
 
+    @property
+    def prefetch_pid(self) -> Optional[int]:
+        """The prefetch process's pid (what ``ps`` shows; the benchmark reads its CPU time), None
+        while prefetches run in this process or before the first one."""
+        return self._fetcher.pid if isinstance(self._fetcher, Fetcher) else None
+
     def usage(self) -> int:
         """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
         with cf.evict_lock(self.cache_dir):

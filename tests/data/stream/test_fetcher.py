@@ -50,7 +50,8 @@ def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(t
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert cf.scan(tmp_path / "cache")[0] <= limit
         assert cache.wait_idle(30)  # every read after the first finds its shards prefetched
-    worker = cache._fetcher.pid
+    worker = cache.prefetch_pid
+    assert b"fetch_worker" in open(f"/proc/{worker}/cmdline", "rb").read()
     environ = open(f"/proc/{worker}/environ", "rb").read().split(b"\0")
     assert not [v for v in environ if v.split(b"=")[0] in (b"RANK", b"LOCAL_RANK")]  # not a rank (ops.jobs.ranks)
     counts = cache.counters()
@@ -85,6 +86,7 @@ def test_a_store_that_cannot_travel_is_prefetched_in_process(tmp_path, capfd):
     cache.prefetch([("b", "shard-00003.bin")])
     assert cache.wait_idle(30) and cache.counters()["prefetched"] == 1
     assert "shard prefetches now run in the reading process" in capfd.readouterr().err
+    assert cache.prefetch_pid is None  # no process
     cache.close()
 
 
