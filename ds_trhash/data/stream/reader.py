@@ -57,7 +57,10 @@ _LOOKAHEAD_MICRO_BATCHES = 16  # whose shards are prefetched (and stay in the wo
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
 _ROWS_MEMO = 40  # more than the micro-batches one look names
 DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
-_PACE_AFTER_S = 1.0  # the pace is measured once the reader has run this long; until then: two windows
+# The pace is measured once the reader has run this long; until then: two windows. (At 1 s, a
+# reader of small shards spent its whole pass two windows ahead, about four shards, and waited
+# for most shards of a 40 MiB pass in bench/bench_egress.py.)
+_PACE_AFTER_S = 0.2
 _PLAN_AHEAD_KEYS = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
 Key = tuple[str, str]
@@ -243,7 +246,7 @@ class ReplayReader:
 
     def _far_ahead(self, first: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
         """This rank's shards of the next window, then the plan's within the horizon: looked at
-        again when ``first`` leaves the window of the last look, or a second after it (the pace
+        again when ``first`` leaves the window of the last look, or 0.2 s after it (the pace
         may have changed), else the last answer (the same object)."""
         now = time.monotonic()
         low, high, when, keys = self._far

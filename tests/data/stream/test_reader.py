@@ -253,15 +253,15 @@ def test_plan_ahead_names_the_shards_of_the_horizon_in_first_read_order(first):
 
 
 def test_the_prefetch_horizon_follows_the_measured_pace(monkeypatch):
-    """Until the reader has run a second it looks two windows ahead; then as many rows as the
-    plan reads in ``prefetch_s`` seconds at the pace kept since its first look."""
+    """Until the reader has run 0.2 s it looks two windows ahead; then as many rows as the plan
+    reads in ``prefetch_s`` seconds at the pace kept since its first look."""
     from ds_trhash.data.stream import reader as reader_module
 
     now = [100.0]
     monkeypatch.setattr(reader_module.time, "monotonic", lambda: now[0])
     reader = ReplayReader(synthetic_plan({"a": 40}), "unused", seed=0, shuffle_window=8, prefetch_s=600)
     assert reader._horizon_rows(0) == 16
-    now[0] = 100.5
+    now[0] = 100.1
     assert reader._horizon_rows(40) == 16  # not measured yet
     now[0] = 102.0
     assert reader._horizon_rows(200) == 100 * 600  # 200 rows in 2 s: 10 minutes ahead
