@@ -39,7 +39,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_stream import TOKEN, cached_pass, corpus, hub_process, rows_per_s  # noqa: E402
+from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, hub_process, rows_per_s  # noqa: E402
 from ds_trhash.batch_layout import step_rows  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
@@ -49,7 +49,6 @@ from tests.data.hub_corpus import corpus_files  # noqa: E402
 
 HUB_REPO = "bench/egress"
 MICRO = 8
-GOAL_TOKENS_PER_S = 786_432 / 0.33  # one 8-GPU node at the speed goal
 LIMITS = {"anonymous": 3_000, "free": 5_000, "PRO": 12_000}  # resolver requests per 5 minutes
 
 

@@ -168,7 +168,8 @@ def _serve_hub(conn, repos: dict[str, Path]) -> None:
         conn.send({"counts": dict(hub.counts), "served": dict(hub.served)})
 
 
-GOAL_MIB_PER_S = 786_432 / 0.33 * 2 / 2**20  # token bytes one 8-GPU node reads at the speed goal
+GOAL_TOKENS_PER_S = 786_432 / 0.33  # one 8-GPU node at the speed goal
+GOAL_MIB_PER_S = GOAL_TOKENS_PER_S * 2 / 2**20  # its token bytes (uint16)
 
 
 def hub_pass(plan: dict, cache_dir: Path, n: int, server: int) -> tuple[float, float, float, float]:
