@@ -13,7 +13,7 @@ import sys
 
 from ds_trhash import outputs
 from ds_trhash.errors import UserError
-from ds_trhash.release.hub_client import redact
+from ds_trhash.release.hub.client import redact
 
 # The module that registers each command (``register(subparsers)``), in the order help lists them.
 # A command line imports only its own command's module: `ds-trhash jobs status` or `ds-trhash
@@ -22,7 +22,7 @@ COMMANDS = {
     "data": "ds_trhash.data.commands",
     "sft": "ds_trhash.data.sft.commands",
     "eval": "ds_trhash.eval.commands",
-    "export": "ds_trhash.release.export_command",
+    "export": "ds_trhash.release.export.command",
     "sync": "ds_trhash.release.commands",
     "cleanup": "ds_trhash.release.commands",
     "generate": "ds_trhash.release.generate",

@@ -8,15 +8,15 @@ and is what ``launch/train.py`` runs.
 from __future__ import annotations
 
 from ds_trhash.eval.callbacks import EVAL_CALLBACKS
-from ds_trhash.release.final_export import COMPLETE_FILE, FINAL_DIR
-from ds_trhash.release.lifecycle import finish_stage
+from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR
+from ds_trhash.release.lifecycle.finish import finish_stage
 from ds_trhash.training import launcher
 from ds_trhash.training.callbacks import Callback, RunContext, training_parts
 
 
 class StageEndCallback(Callback):
     """Last: a stage that reached its last step unsignalled gets ``final/``, ``stage_complete.json``
-    and its cleanup after success (``release.lifecycle.finish_stage``) on rank 0; every rank waits
+    and its cleanup after success (``release.lifecycle.finish.finish_stage``) on rank 0; every rank waits
     at a barrier, and an error on rank 0 fails the launch after it (so no rank waits forever; the
     checkpoint stays and the next ``RESUME=auto`` launch retries)."""
 

@@ -32,7 +32,7 @@ FIRST = (
     "tests/training/test_multinode.py",  # ~100 s: two launchers, then a resume on one
     "tests/training/test_stop_relaunch.py",  # ~90 s: Ctrl-C, a refused and a resumed relaunch (2 processes)
     "tests/training/test_disk_failures.py",  # ~90 s
-    "tests/release/test_lifecycle.py",  # ~90 s: a watched run through SIGHUP to its final export
+    "tests/release/lifecycle/test_finish.py",  # ~90 s: a watched run through SIGHUP to its final export
     "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one

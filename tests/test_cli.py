@@ -24,7 +24,7 @@ def test_no_command_is_a_usage_error():
 
 def test_a_refusal_is_one_line_from_the_one_handler_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
     from ds_trhash.data import commands as data_commands
-    from ds_trhash.release import hub
+    from ds_trhash.release.hub import sync as hub
 
     # an OSError about a path the user named: one line, exit 2 (here --out lies below a regular file)
     blocker = tmp_path / "a-file"

@@ -38,7 +38,7 @@ SKIPPED = [
     (r"^make ", "make runs the suite or the demo itself"),
     (r"--hf-dataset", "reads a dataset from the Hugging Face Hub (network)"),
     (r" \.\.\. ", "an elided example: `...` stands for arguments shown above"),
-    (r"^HF_TOKEN=\.\.\. ds-trhash sync", "the real Hub: tests/release/test_hub.py and test_watch.py sync against the "
+    (r"^HF_TOKEN=\.\.\. ds-trhash sync", "the real Hub: tests/release/hub/test_sync.py and test_watch.py sync against the "
                                          "loopback stand-in"),
     (r"^ds-trhash (smoke|jobs) ", "starts training launches: tests/prelaunch/test_smoke.py and tests/ops/"),
     (r"^ds-trhash (generate|export) ", "loads a model (torch and transformers, 10-20 s a command on the test machine): "

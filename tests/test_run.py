@@ -33,6 +33,15 @@ FORBIDDEN = {
             "ds_trhash.data", "ds_trhash.model", "ds_trhash.run"),
     "report": ("ds_trhash.eval", "ds_trhash.run", "ds_trhash.ops"),
     "release": ("ds_trhash.report", "ds_trhash.ops", "ds_trhash.run", "ds_trhash.training"),  # selection: checkpoints
+    # release's rooms: hf <- export <- lifecycle, record <- hub; generate and commands on top
+    "release/hf": ("ds_trhash.release", "ds_trhash.training", "ds_trhash.eval", "ds_trhash.checkpoints"),
+    "release/export": ("ds_trhash.release.hub", "ds_trhash.release.lifecycle", "ds_trhash.release.record",
+                       "ds_trhash.release.generate", "ds_trhash.release.commands"),
+    "release/lifecycle": ("ds_trhash.release.hub", "ds_trhash.release.record", "ds_trhash.release.generate",
+                          "ds_trhash.release.commands"),
+    "release/record": ("ds_trhash.release.hub", "ds_trhash.release.lifecycle", "ds_trhash.release.generate",
+                       "ds_trhash.release.commands"),
+    "release/hub": ("ds_trhash.release.record", "ds_trhash.release.generate", "ds_trhash.release.commands"),
     "kernels": ("ds_trhash.",),
     "io.py": ("ds_trhash.",),
     "argtypes.py": ("ds_trhash.",),
@@ -78,7 +87,7 @@ def _files(part: str) -> list[Path]:
 
 
 def _broken(part: str, path: Path, text: str | None = None) -> list[str]:
-    banned, own = FORBIDDEN[part], f"ds_trhash.{part.removesuffix('.py')}"
+    banned, own = FORBIDDEN[part], "ds_trhash." + part.removesuffix(".py").replace("/", ".")
     return [f"{path.relative_to(REPO)} imports {name}" for name in _imports(path, text)
             if (name.startswith(banned) and not (name == own or name.startswith(own + ".")))
             or (name == "ds_trhash" and part in ("kernels", "io.py", "argtypes.py", "batch_layout.py"))]
@@ -104,6 +113,11 @@ def test_the_import_rule_checks_every_part_and_relative_imports():
     assert _broken("kernels", REPO / "kernels" / "routed_experts.py", "from ds_trhash.model import experts\n")
     assert _broken("kernels", REPO / "kernels" / "routed_experts.py", "from . import routed_experts\n") == []
     assert not _broken("model", PKG / "model" / "backend.py", "from .experts import EXPERT_BACKENDS\n")
+    assert _broken("release/export", PKG / "release" / "export" / "writer.py", "from ..hub import sync\n") == [
+        "ds_trhash/release/export/writer.py imports ds_trhash.release.hub",
+        "ds_trhash/release/export/writer.py imports ds_trhash.release.hub.sync"]
+    hf_model = PKG / "release" / "hf" / "modeling_tr_hash_moe.py"
+    assert not _broken("release/hf", hf_model, "from .configuration_tr_hash_moe import X\n")
 
 
 def test_eval_and_release_read_checkpoints_only_through_the_package():

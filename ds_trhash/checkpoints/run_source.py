@@ -2,7 +2,7 @@
 --model``): which model directory of the run that means.
 
 A completed stage writes ``final/`` (the verified export of its last checkpoint) and
-``stage_complete.json`` naming that checkpoint (``release.final_export``, which takes these names
+``stage_complete.json`` naming that checkpoint (``release.lifecycle.final``, which takes these names
 from here). A run directory then means the stage's last checkpoint while it is there, and its
 ``final/`` once ``ds-trhash cleanup`` removed it (``--keep packs`` keeps older pack checkpoints:
 the newest remaining one is not the stage's result). A run that has not completed means its
@@ -23,7 +23,7 @@ from ds_trhash.checkpoints.store import checkpoints_root, list_checkpoints, veri
 FINAL_DIR = "final"
 COMPLETE_FILE = "stage_complete.json"
 COMPLETE_FORMAT = "ds-trhash-stage-complete-v1"
-EXPORT_MANIFEST = "export_manifest.json"  # what makes a directory an export (release.export_manifest reads it)
+EXPORT_MANIFEST = "export_manifest.json"  # what makes a directory an export (release.export.manifest reads it)
 
 
 def read_completion(output_dir: str | os.PathLike) -> dict[str, Any] | None:

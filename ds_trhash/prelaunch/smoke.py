@@ -45,7 +45,7 @@ from ds_trhash.io import os_errors_as
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.prelaunch import smoke_figures as fig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
-from ds_trhash.release import export_command
+from ds_trhash.release.export import command as export_command
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.display import format_duration

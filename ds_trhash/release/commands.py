@@ -1,5 +1,5 @@
 """`ds-trhash sync` (one pass or `--watch`) and `ds-trhash cleanup` (`ds-trhash export` is
-registered by ds_trhash.release.export_command, `ds-trhash generate` by ds_trhash.release.generate,
+registered by ds_trhash.release.export.command, `ds-trhash generate` by ds_trhash.release.generate,
 `ds-trhash report` by ds_trhash.report.commands).
 
 Nothing this module imports loads torch: a sync, each pass of a watcher (a new process every
@@ -15,8 +15,10 @@ import argparse
 
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.io import os_errors_as
-from ds_trhash.release import cleanup, hub, watch
-from ds_trhash.release.hub import SyncError, summary
+from ds_trhash.release.hub import sync as hub
+from ds_trhash.release.hub import watch
+from ds_trhash.release.hub.sync import SyncError, summary
+from ds_trhash.release.lifecycle import cleanup
 
 
 class _RefuseToken(argparse.Action):

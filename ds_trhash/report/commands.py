@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ds_trhash import outputs
 from ds_trhash.io import os_errors_as
-from ds_trhash.release.record import RecordError, is_run_record, write_run_record
+from ds_trhash.release.record.writer import RecordError, is_run_record, write_run_record
 from ds_trhash.report.index import is_directory_output, write_report
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 
 from ds_trhash.io import json_text, write_text_atomic
-from ds_trhash.release.record import build_run_record, render_markdown
+from ds_trhash.release.record.writer import build_run_record, render_markdown
 from ds_trhash.report import expert_plots
 from ds_trhash.report.plots import PLOTS, colour, has_data, render_plot
 from ds_trhash.report.series import StageSeries, read_stages

@@ -1,7 +1,7 @@
 """One running launch per output directory (checkpoints/run_lock.py): rank 0 holds the lock, a
 peer rank of the same launch passes its probe, any rank of another launch is refused naming the
 holder, and the kernel frees the lock when the holder dies. Through real launches:
-tests/release/test_lifecycle.py."""
+tests/release/lifecycle/test_finish.py."""
 import os
 import signal
 import socket

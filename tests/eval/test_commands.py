@@ -14,7 +14,7 @@ from ds_trhash.eval import commands
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.release.export import export_safetensors
+from ds_trhash.release.export.writer import export_safetensors
 
 SEQ_LEN = 128
 

@@ -39,7 +39,7 @@ def shifted_routes(state: dict, config: TRHashConfig, layer: int) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory, tokenizer_dir) -> TinyExport:
-    from ds_trhash.release.export import export_safetensors
+    from ds_trhash.release.export.writer import export_safetensors
 
     torch.manual_seed(0)
     # init_std 0.1: a tiny random model at the default 0.02 repeats one token forever, which

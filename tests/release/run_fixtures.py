@@ -14,8 +14,8 @@ from ds_trhash.checkpoints.run_lock import RUN_LOCK
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.release.final_export import write_completion
-from ds_trhash.release.lifecycle import write_final
+from ds_trhash.release.lifecycle.final import write_completion
+from ds_trhash.release.lifecycle.finish import write_final
 from tests import fail_closed
 
 TOTAL = 30

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_trhash.cli import main
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
-from ds_trhash.release.export import export_safetensors
+from ds_trhash.release.export.writer import export_safetensors
 from tests.release.checkpoint_utils import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

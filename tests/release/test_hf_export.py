@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_trhash.model import TRHashConfig
 from ds_trhash.model.attention import rope_inv_freq
-from ds_trhash.release.export import export_safetensors, verify_export
+from ds_trhash.release.export.writer import export_safetensors, verify_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5

@@ -205,7 +205,7 @@ def test_resume_auto_after_a_stop_between_the_last_checkpoint_and_best_publishes
 
 
 def test_refinement_from_an_exported_safetensors_directory(stages):
-    from ds_trhash.release.export import export_checkpoint
+    from ds_trhash.release.export.writer import export_checkpoint
 
     export = stages["root"] / "pre-export"
     export_checkpoint(stages["pre"], export)

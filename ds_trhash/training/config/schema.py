@@ -207,7 +207,7 @@ class TrainingSection:
     # a completed stage writes <output_dir>/final/ (verified export); null: on for pretraining and
     # refinement, off for SFT (which keeps best/)
     export_final: bool | None = None
-    # after a verified final/: delete numbered checkpoints (release/cleanup.py); packs and best/ kept
+    # after a verified final/: delete numbered checkpoints (release/lifecycle/cleanup.py); packs and best/ kept
     # by keep_packs, only final/ and best/ by keep_final
     cleanup_after_success: Literal["keep_final", "keep_packs", "off"] = "off"
 

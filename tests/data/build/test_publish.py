@@ -13,8 +13,8 @@ try:  # the stand-in Hub fixture (HF_ENDPOINT, HF_TOKEN, HF_HUB_DISABLE_XET set)
     from tests.release.conftest import TOKEN
     from tests.release.conftest import server as hub  # noqa: F401
 except ImportError:
-    from tests.release.test_hub import TOKEN
-    from tests.release.test_hub import server as hub  # noqa: F401
+    from tests.release.hub.sync.test_sync import TOKEN
+    from tests.release.hub.sync.test_sync import server as hub  # noqa: F401
 
 TARGET = "hf://datasets/me/corpus"
 

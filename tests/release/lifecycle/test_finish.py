@@ -1,0 +1,118 @@
+"""A run's lifecycle through real launches, watched by `sync --watch` against the stand-in Hub.
+
+One output directory, in order:
+
+1. launch A (the `deepspeed` launcher, its own process group) trains while the watcher uploads
+   its checkpoints under a prefix;
+2. launch B into the same directory with `--resume auto` while A is alive: refused, naming A's
+   pid and host, before it wrote anything;
+3. SIGHUP to A's process group (a terminal closing): A stops at a step boundary with a complete
+   checkpoint, exits without a traceback, and writes no final/ (it stopped early); its lock
+   covers the ranks until they exit, even after the runner is gone;
+4. launch C resumes it (`--resume auto`) to the end: final/ (verified) and stage_complete.json,
+   then the watcher uploads final/, verifies everything and exits 0.
+
+A finished stage relaunched with `RESUME=auto` keeps its final/ and record unchanged
+(tests/training/test_sft_stage.py, whose digest covers them) and writes a missing or damaged one
+(test_final_export.py, in process).
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from ds_trhash.checkpoints import list_checkpoints, run_lock, verify
+from ds_trhash.checkpoints.sync_guard import read_verified
+from ds_trhash.release.hub import watch
+from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR, final_status, read_completion
+from tests.release.conftest import stand_in_hub
+from tests.training import launch_utils as L
+
+pytestmark = pytest.mark.launch
+
+STEPS = 60
+PREFIX = "runs/tiny-pretrain"
+REPO = "me/lifecycle"
+
+
+def _args(out):
+    return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(STEPS),
+            "--set", "batch.micro_batch=4", "--set", "checkpoint.every_steps=4", "--set", "checkpoint.packs=null",
+            "--set", "checkpoint.keep_last=2", "--set", "checkpoint.keep_unsynced=true"]
+
+
+def _wait(what, condition, proc=None, timeout=600):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"launch A ended before {what}: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def server(monkeypatch):
+    with stand_in_hub(monkeypatch, deadline_s=1800) as srv:  # three launches: minutes on a loaded machine
+        yield srv
+
+
+def test_watched_run_lock_refusal_sighup_resume_to_final(tmp_path, server):
+    out = tmp_path / "run"
+    lines, result = [], {}
+    watcher = threading.Thread(target=lambda: result.setdefault("code", watch.watch(
+        out, REPO, prefix=PREFIX, every=0.5, pass_timeout=300, create_repo=True, log=lines.append)), daemon=True)
+    watcher.start()
+    port = L.free_port()
+    a = subprocess.Popen([str(L.VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
+                          str(L.REPO / "launch" / "train.py"), *_args(out)], cwd=L.REPO, env=L.base_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # 2: a second launch while A is alive is refused before it writes anything
+        _wait("its run lock", lambda: run_lock.read_holder(out).get("pid"), a)
+        holder = run_lock.read_holder(out)
+        b = L.single([*_args(out), "--resume", "auto"])
+        assert b.returncode == 2, L.explain(b)
+        assert f"is in use by a running launch: pid {holder['pid']} on host {holder['host']}" in b.stderr, b.stderr
+        assert "Traceback" not in b.stdout + b.stderr
+        # 1: the watcher backs A up while it trains
+        _wait("a checkpoint verified on the Hub while A trains",
+              lambda: any(k.startswith("checkpoints/") for k in read_verified(out)), a)
+        assert any(p.startswith(f"{PREFIX}/checkpoints/") for p in server.repo(REPO).files)
+        # 3: SIGHUP to the launcher's process group
+        os.killpg(a.pid, signal.SIGHUP)
+        a.wait(60)  # the runner has no handler: it is gone at once, the rank goes on to its checkpoint
+        rank = holder["pid"]
+        if psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE:
+            assert (run_lock.is_alive(out) or {}).get("pid") in (rank, None)
+        stdout, stderr = a.communicate(timeout=120)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+        for seg in L.shm_segments(port):
+            seg.unlink(missing_ok=True)
+    both = stdout + stderr
+    assert "Traceback" not in both, both[-3000:]
+    stop = [line for line in both.splitlines() if "stopped at step" in line]
+    assert stop and "SIGHUP" in stop[0], both[-3000:]
+    stopped_at = int(stop[0].split("stopped at step ")[1].split()[0])
+    assert 0 < stopped_at < STEPS
+    newest = list_checkpoints(out)[-1]
+    assert newest.step == stopped_at and verify(newest.path) == (True, "ok")
+    assert not (out / FINAL_DIR).exists() and not (out / COMPLETE_FILE).exists()  # stopped early: no final/
+    assert run_lock.is_alive(out) is None  # the kernel released the lock with the rank
+
+    # 4: resumed to the end: final/ then the completion record; the watcher finishes the backup
+    c = L.single([*_args(out), "--resume", "auto"])
+    assert c.returncode == 0, L.explain(c)
+    last = list_checkpoints(out)[-1]
+    assert last.step == STEPS and final_status(out, last.path) == (True, "ok")
+    assert read_completion(out)["checkpoint"] == f"checkpoints/{last.name}"
+    watcher.join(300)
+    assert result.get("code") == 0, lines[-10:]
+    files = server.repo(REPO).files
+    assert f"{PREFIX}/{FINAL_DIR}/model.safetensors" in files and all(p.startswith(PREFIX + "/") for p in files)
+    assert f"{PREFIX}/checkpoints/{last.name}/MANIFEST.json" in files
