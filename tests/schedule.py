@@ -27,9 +27,9 @@ FIRST = (
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
     "tests/training/test_stop_signals.py",  # ~130 s: 4 signalled 2-process launches
+    "tests/training/test_multinode.py",  # ~130 s: two launchers through a 45 s Hub outage, a resume on one
     "tests/training/test_expert_parallel_launch.py",  # ~110 s: ep_size 2 killed and resumed, resharded
     # 2 -> 1 and 1 -> 2 ranks, a custom shape exported
-    "tests/training/test_multinode.py",  # ~100 s: two launchers, then a resume on one
     "tests/training/test_stop_relaunch.py",  # ~90 s: Ctrl-C, a refused and a resumed relaunch (2 processes)
     "tests/training/test_disk_failures.py",  # ~90 s
     "tests/release/lifecycle/test_finish.py",  # ~90 s: a watched run through SIGHUP to its final export
