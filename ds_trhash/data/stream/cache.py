@@ -19,9 +19,13 @@ node. A prefetch only ever uses room it can make without waiting, so it never bl
 Prefetching (the shards a reader names next, fetched ahead and held until read) is
 ``cache_prefetch``'s part of the class.
 
-Figures: ``counters()`` is this process's counts and the usage its last scan saw (no lock, no
-walk: cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for
-the rare caller (tests, a stage's end).
+A fill reads the node's usage from a ledger kept under the eviction lock (``cache_files``) and
+walks the directory only when the ledger leaves no room (or is missing), and once as the cache
+opens: a walk per fill cost as much as the rest of the fill's bookkeeping, and grew with the entries.
+
+Figures: ``counters()`` is this process's counts and the usage it last saw (no lock, no walk:
+cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for the
+rare caller (tests, a stage's end).
 
 The file layout and the locks are in ``cache_files``.
 """
@@ -96,13 +100,17 @@ class ShardCache(Prefetching):
         self._closed = False
         self._error: Optional[BaseException] = None
         self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
-        self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) at this process's last scan
+        self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) as this process last saw them
         self._holding: dict[Key, int] = {}  # holds this process has on each entry now
         # entries the prefetcher verified: held until read or let go (None: verified, not held,
         # when this process's share of the bound leaves no room to hold more)
         self._ready: dict[Key, Optional[cf.Hold]] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self._resolved_root = self.root.resolve()
+        self._evict_lock = cf.evict_lock(self.cache_dir)  # one object: a new one per fill cost more than the lock
+        with self._evict_lock:  # the ledger made true once (entries may have been copied in since it was written)
+            self._usage_seen = cf.usage(self.cache_dir)
+            cf.write_usage(self.cache_dir, *self._usage_seen)
 
     # -- bookkeeping -------------------------------------------------------------------
     def _expected(self, key: Key) -> ExpectedShard:
@@ -126,18 +134,10 @@ class ShardCache(Prefetching):
         reader holds); None for a prefetch that finds no room now."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
-            with cf.evict_lock(self.cache_dir):
-                used, files = cf.usage(self.cache_dir)
-                entries = cf.scan(self.cache_dir)[1] if used + size > self.max_bytes else []  # the LRU order
-                for _, victim in entries:
-                    if used + size <= self.max_bytes:
-                        break
-                    victim_size = victim.stat().st_size if victim.exists() else 0
-                    if victim != path and cf.try_evict(victim):
-                        used, files = used - victim_size, files - 1
-                        self._count("evictions")
-                self._usage_seen = (used, files)
+            with self._evict_lock:
+                used, files = self._make_room(path, size)
                 if used + size <= self.max_bytes:
+                    cf.write_usage(self.cache_dir, used + size, files)  # counted before it exists
                     partial = cf.side(path, f"{cf.PARTIAL}{os.getpid()}-{threading.get_ident()}")
                     with open(partial, "wb") as f:
                         f.truncate(size)
@@ -153,6 +153,35 @@ class ShardCache(Prefetching):
                                  f"after {ROOM_WAIT_S:.0f} s: other ranks hold it; raise data.cache_gb or {CACHE_ENV}")
             time.sleep(0.05)
 
+    def _make_room(self, path: Path, size: int) -> tuple[int, int]:
+        """(bytes, entries) of the node's cache once room for ``size`` more was made if it can be,
+        under the eviction lock: the ledger's when it leaves room, else a walk's, evicting the
+        least recently used entries no reader holds (``path`` itself never)."""
+        known = cf.read_usage(self.cache_dir)
+        if known is not None and known[0] + size <= self.max_bytes:
+            self._usage_seen = known
+            return known
+        used, entries = cf.scan(self.cache_dir)  # the truth, and the LRU order
+        files = len(entries)
+        for _, victim in entries:
+            if used + size <= self.max_bytes:
+                break
+            victim_size = victim.stat().st_size if victim.exists() else 0
+            if victim != path and cf.try_evict(victim):
+                used, files = used - victim_size, files - 1
+                self._count("evictions")
+        cf.write_usage(self.cache_dir, used, files)
+        self._usage_seen = (used, files)
+        return used, files
+
+    def _note_usage(self, added: int, entries: int) -> None:
+        """A change to what the bound counts, in the ledger (the caller holds the eviction lock);
+        a missing ledger stays missing (the next fill walks)."""
+        known = cf.read_usage(self.cache_dir)
+        if known is not None:
+            self._usage_seen = (known[0] + added, known[1] + entries)
+            cf.write_usage(self.cache_dir, *self._usage_seen)
+
     def _fill(self, key: Key, path: Path, shard: ExpectedShard, wait: bool) -> bool:
         """Download and verify ``key`` into ``path``; the caller holds its download lock and the entry."""
         seen = []
@@ -160,18 +189,24 @@ class ShardCache(Prefetching):
             partial = self._reserve(path, shard.size, wait)
             if partial is None:
                 return False
+            placed = False
             try:
                 streamed = self.store.download(shard.path, partial, shard.size)  # hashed as it was written
                 size = partial.stat().st_size
                 digest = (streamed or sha256_file(partial)) if size == shard.size else f"<{size} bytes, not {shard.size}>"
                 if digest == shard.sha256:
                     cf.write_marker(partial, path, shard.sha256, shard.size)
-                    with cf.evict_lock(self.cache_dir):  # scans under the lock see it once, never twice
+                    with self._evict_lock:  # scans under the lock see it once, never twice
                         os.replace(partial, path)
+                        placed = True
+                        self._note_usage(0, 1)
                     self._count("downloaded_bytes", shard.size)
                     return True
             finally:
-                partial.unlink(missing_ok=True)
+                if not placed:
+                    with self._evict_lock:
+                        partial.unlink(missing_ok=True)
+                        self._note_usage(-shard.size, 0)  # taken off once it is gone
             seen.append(digest)
             self._count("redownloads", attempt == 0)
         raise ShardIntegrityError(
@@ -179,11 +214,11 @@ class ShardCache(Prefetching):
             f"its manifest records sha256 {shard.sha256}; the store's copy is corrupt (or the manifest is): "
             "restore it, or re-tokenize and re-plan")
 
-    def _ensure(self, key: Key, wait: bool) -> bool:
-        """The entry is present and verified (fetched now if needed); the caller holds it. Seconds
-        spent waiting count only for a read (``wait``), not for the prefetcher."""
+    def _ensure(self, key: Key, path: Path, wait: bool) -> bool:
+        """The entry ``path`` (checked by ``entry_path``) is present and verified (fetched now if
+        needed); the caller holds it. Seconds spent waiting count only for a read (``wait``), not
+        for the prefetcher."""
         shard = self._expected(key)
-        path = cf.entry_path(self.root, *key, self._resolved_root)
         if cf.trusted(path, shard.sha256, shard.size):
             return True
         started = time.monotonic()
@@ -195,7 +230,9 @@ class ShardCache(Prefetching):
                 stale.unlink(missing_ok=True)
             if path.exists():  # complete but no matching marker (copied in, or touched): hash once
                 if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
-                    cf.write_marker(path, path, shard.sha256, shard.size)
+                    with self._evict_lock:  # counted from now on: in the ledger first
+                        self._note_usage(shard.size, 1)
+                        cf.write_marker(path, path, shard.sha256, shard.size)
                     return True
                 cf.side(path, cf.MARKER).unlink(missing_ok=True)
                 path.unlink()
@@ -241,7 +278,7 @@ class ShardCache(Prefetching):
             elif st is not None and cf.trusted(path, shard.sha256, shard.size, st):
                 self._count("hits")
             else:
-                self._ensure(key, wait=True)
+                self._ensure(key, path, wait=True)
                 st = None
             self._seen[key] = (st or path.stat()).st_mtime_ns
         except BaseException:
@@ -281,12 +318,15 @@ class ShardCache(Prefetching):
 
     def usage(self) -> int:
         """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
-        with cf.evict_lock(self.cache_dir):
-            return cf.scan(self.cache_dir)[0]
+        with self._evict_lock:
+            used, entries = cf.scan(self.cache_dir)
+            cf.write_usage(self.cache_dir, used, len(entries))
+        self._usage_seen = (used, len(entries))
+        return used
 
     def counters(self) -> dict:
-        """This process's counts, and the node's usage as its last scan found it ("bytes" and
-        "files" None before any): no lock taken, nothing walked."""
+        """This process's counts, and the node's usage as this process last saw it (a walk, or the
+        ledger at its last fill): no lock taken, nothing walked."""
         self._poll_fetcher()
         used, files = self._usage_seen or (None, None)
         with self._cond:
@@ -294,9 +334,7 @@ class ShardCache(Prefetching):
 
     def stats(self) -> dict:
         """``counters()`` with the usage walked now, under the eviction lock: for rare callers."""
-        with cf.evict_lock(self.cache_dir):
-            used, entries = cf.scan(self.cache_dir)
-        self._usage_seen = (used, len(entries))
+        self.usage()
         return self.counters()
 
     def close(self) -> None:

@@ -13,6 +13,13 @@ One cache directory serves every rank of a node. For a shard entry ``<root>/<sou
   removed. Its mtime is the entry's last use (LRU order). (``<file>.pin``: the same file as
   earlier versions named it; skipped, so an old cache directory is still read.)
 
+At the top of the cache directory, ``.evict.lock`` (every change to what the bound counts is made
+under it) and ``.usage.json``, the ledger: {bytes, entries} as the last change left them. A fill
+reads the ledger instead of walking every entry; bytes are added to it before they are written and
+taken off after they are deleted, so a process killed in between leaves it counting more than is
+there, never less. Where it could count less (it is missing or unreadable, or files were copied
+in from outside) or leaves no room, a walk finds the truth and writes it.
+
 The names come from manifests and plans (untrusted input): each part must be a bare file name,
 and every path is checked to stay inside the cache directory before anything is created,
 replaced or deleted.
@@ -37,6 +44,7 @@ PARTIAL = ".partial-"
 LOCK, HOLD = ".lock", ".hold"
 OLD_HOLD = ".pin"  # what earlier versions called the hold file
 EVICT_LOCK = ".evict.lock"
+USAGE = ".usage.json"
 # How often a waiter retries a held lock: the default 50 ms made a read that met its shard being
 # prefetched (or the eviction lock taken) wait up to 50 ms more than the download took.
 LOCK_POLL_S = 0.002
@@ -154,6 +162,23 @@ def evict_lock(cache_dir: Path) -> FileLock:
     return FileLock(str(cache_dir / EVICT_LOCK), is_singleton=False, preserve_lock_file=True, poll_interval=LOCK_POLL_S)
 
 
+def read_usage(cache_dir: Path) -> Optional[tuple[int, int]]:
+    """(bytes, entries) the ledger holds; None when it is missing or unreadable (walk instead)."""
+    try:
+        doc = json.loads((cache_dir / USAGE).read_bytes())
+        used, entries = doc["bytes"], doc["entries"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if type(used) is not int or type(entries) is not int or used < 0 or entries < 0:
+        return None
+    return used, entries
+
+
+def write_usage(cache_dir: Path, used: int, entries: int) -> None:
+    """The ledger, under the eviction lock (a write cut short reads as missing: the next fill walks)."""
+    (cache_dir / USAGE).write_text(json.dumps({"bytes": max(0, used), "entries": max(0, entries)}), encoding="utf-8")
+
+
 def is_stale_partial(path: Path) -> bool:
     """A partial whose downloader is gone (its lock is free): a killed run's leftovers."""
     owner = path.with_name(path.name.split(PARTIAL)[0])
@@ -173,7 +198,7 @@ def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
     for folder, _, names in os.walk(cache_dir):
         present = set(names)  # the folder's files: a marker is looked up here, not stat-ed
         for name in names:
-            if name.endswith(_SIDE) or name == EVICT_LOCK or name.endswith("-marker"):
+            if name.endswith(_SIDE) or name in (EVICT_LOCK, USAGE) or name.endswith("-marker"):
                 continue  # a few hundred bytes of bookkeeping per entry, not counted
             full = os.path.join(folder, name)
             partial = _PARTIAL_NAME.search(name) is not None

@@ -130,7 +130,7 @@ class Prefetching:
         try:
             ready = cf.trusted(path, shard.sha256, shard.size)
             if not ready:
-                ready = self._ensure(key, wait=False)
+                ready = self._ensure(key, path, wait=False)
                 if ready:
                     self._count("prefetched")
         except BaseException:

@@ -81,6 +81,19 @@ def test_rows_through_the_cache_are_the_direct_readers_cold_warm_evicted_and_res
     assert same(jumped, [expected[s] for s in (2, 3, 9, 1, 10, 11)])  # any order: a pure function of the step
 
 
+class _Recorded:
+    """A lock that records being taken."""
+
+    def __init__(self, taken: list) -> None:
+        self.taken = taken
+
+    def __enter__(self):
+        self.taken.append("evict lock")
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_the_figures_add_up_and_cost_no_walk(store, tmp_path, monkeypatch):
     from ds_trhash.data.stream import cache_files as cf
 
@@ -91,9 +104,12 @@ def test_the_figures_add_up_and_cost_no_walk(store, tmp_path, monkeypatch):
         assert cache.wait_idle()
         walks = []
         monkeypatch.setattr(cf, "scan", lambda *a, **k: walks.append(a))
-        monkeypatch.setattr(cf, "evict_lock", lambda *a, **k: walks.append(a))
+        monkeypatch.setattr(cf, "usage", lambda *a, **k: walks.append(a))
+        monkeypatch.setattr(cf, "read_usage", lambda *a, **k: walks.append(a))
+        monkeypatch.setattr(cache, "_evict_lock", _Recorded(walks))
         figures = stream.figures()
-    assert not walks  # no lock taken, nothing walked: cheap at every step on every rank
+    monkeypatch.undo()
+    assert not walks  # no lock taken, nothing walked or read: cheap at every step on every rank
     assert figures.steps == STEPS and figures.background and figures.cached
     assert figures.assembly_s == pytest.approx(figures.read_s + figures.shard_wait_s) and figures.shard_wait_s > 0
     assert figures.hits + figures.fetched > 0 and figures.cache_files is not None
