@@ -136,9 +136,12 @@ class StagedStore:
         return digest
 
     def _mark_taken(self, staged: Path) -> None:
+        """This node's mark; the node whose mark completes the set deletes the staged copy. The
+        marks are looked up by name (one ``stat`` per node), not by listing the folder, whose
+        length grows with the shards staged and the nodes still to take them."""
         _side(staged, f"{TAKEN}{self.node}").touch()
-        taken = list(staged.parent.glob(f"{staged.name}{TAKEN}*"))
-        if len(taken) >= self.nodes:  # every node has its copy: the staged one has done its work
+        taken = [_side(staged, f"{TAKEN}{node}") for node in range(self.nodes)]
+        if all(mark.exists() for mark in taken):  # every node has its copy: the staged one has done its work
             for leftover in (staged, _side(staged, CLAIM), *taken):
                 _unlink(leftover)
 
