@@ -15,8 +15,11 @@ release's plan.
    run just before and just after it (the machine's speed drifts by a third within seconds: the
    figure is the median of the rounds' ratios to the mean of those two; N readers on two cores
    are short of CPU whatever they read from), the shard
-   bytes the Hub served against the corpus bytes the plan reads (egress), and every request the
-   Hub answered, by kind. Goals: streamed at least 0.95x local, egress at most 1.05x.
+   bytes the Hub served against the corpus bytes the plan reads (egress), every request the
+   Hub answered, by kind, and where a job's CPU went (the readers, their prefetch processes, the
+   loopback Hub's process) against its wall time, streamed and local: on a machine with fewer
+   cores than the job has processes, the rate ratio is about the ratio of those CPU seconds.
+   Goals: streamed at least 0.95x local, egress at most 1.05x.
 3. The projection: the requests of one shard download and of one node's start, measured in 2.,
    applied to ``--plan``: shard downloads per pass (every planned shard entry once per pass of
    its phase; a cache smaller than the corpus fetches each again in each pass), bytes, and
@@ -36,10 +39,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, hub_process, rows_per_s  # noqa: E402
+from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, cpu_s, hub_process, rows_per_s  # noqa: E402
 from ds_trhash.batch_layout import step_rows  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
@@ -68,17 +73,22 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Pat
         reader = ReplayReader(plan, None, 0, cache=cache)
         cache.prefetch([])  # the prefetch process starts, as at a stage's start
         cache.wait_idle()
+        helpers = [p.pid for p in psutil.Process().children(recursive=True)]  # the prefetch process
+        cpu = time.process_time(), sum(cpu_s(pid) for pid in helpers)
         started = time.perf_counter()
         for step in range(steps):
             reader.batch(step, 0, node, nodes, MICRO, 1)
         elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu[0], sum(cpu_s(pid) for pid in helpers) - cpu[1]
         reader.close()
         waited = cache.stats()["waited_s"]
-    out.put((node, steps * MICRO / elapsed, getattr(corpus_.store, "staged_copies", 0), waited))
+    out.put((node, steps * MICRO / elapsed, getattr(corpus_.store, "staged_copies", 0), waited,
+             {"wall": elapsed, "reader": cpu[0], "prefetch": cpu[1]}))
 
 
 def _run_nodes(plan: dict, nodes: int, tmp: Path, local: Optional[Path] = None) -> list[tuple]:
-    """(node, rows/s, staging copies, seconds its reads waited for shards) of each of ``nodes`` node processes reading the plan at once."""
+    """(node, rows/s, staging copies, seconds its reads waited for shards, its wall and CPU
+    seconds) of each of ``nodes`` node processes reading the plan at once."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_node, args=(plan, i, nodes, tmp, results, local)) for i in range(nodes)]
@@ -97,16 +107,36 @@ def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
     counts (requests by kind, complete GETs by path)."""
     with hub_process({HUB_REPO: root}) as hub:
         os.environ.update(HF_ENDPOINT=hub["url"], HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+        served_cpu = cpu_s(hub["pid"])
         found = _run_nodes(plan, nodes, tmp / f"job-{nodes}")
-    return {"rates": [r for _, r, _, _ in found], "copies": sum(c for _, _, c, _ in found),
-            "waited": max(w for *_, w in found),
+        served_cpu = cpu_s(hub["pid"]) - served_cpu
+    return {"rates": [r for _, r, *_ in found], "copies": sum(c for _, _, c, *_ in found),
+            "waited": max(w for *_, w, _ in found), "cpu": _cpu(found, served_cpu),
             "counts": hub["counts"], "served": hub["served"]}
 
 
-def local_job(plan: dict, root: Path, nodes: int, tmp: Path) -> float:
+def _cpu(found: list[tuple], hub_s: float = 0.0) -> dict:
+    """A job's seconds: its wall time (the slowest node) and the CPU of its readers, their
+    prefetch processes and the Hub (the loopback Hub's own process; none for a local job)."""
+    times = [t for *_, t in found]
+    return {"wall": max(t["wall"] for t in times), "reader": sum(t["reader"] for t in times),
+            "prefetch": sum(t["prefetch"] for t in times), "hub": hub_s}
+
+
+def local_job(plan: dict, root: Path, nodes: int, tmp: Path) -> tuple[float, dict]:
     """The same read by ``nodes`` node processes from the local directory (each node cache filled
-    from disk, no Hub, no staging): the job's rows/s, set by its slowest node."""
-    return min(r for _, r, _, _ in _run_nodes(plan, nodes, tmp, local=root)) * nodes
+    from disk, no Hub, no staging): the job's rows/s, set by its slowest node, and its seconds."""
+    found = _run_nodes(plan, nodes, tmp, local=root)
+    return min(r for _, r, *_ in found) * nodes, _cpu(found)
+
+
+def _seconds(kind: str, jobs: list[dict]) -> str:
+    """The median job's seconds, by part: where a job's CPU went, against its wall time."""
+    part = {name: statistics.median(j[name] for j in jobs) for name in ("wall", "reader", "prefetch", "hub")}
+    total = part["reader"] + part["prefetch"] + part["hub"]
+    hub = f" + Hub {part['hub']:.2f}" if part["hub"] else ""
+    return (f"{kind}: {part['wall']:.2f} s, CPU {total:.2f} s = readers {part['reader']:.2f} + prefetch "
+            f"processes {part['prefetch']:.2f}{hub}")
 
 
 def _shard_reads(plan: dict) -> tuple[int, int]:
@@ -159,11 +189,13 @@ def main() -> None:
               "(one process)")
         per_shard = per_start = 0.0
         for nodes in args.nodes:
-            rounds, ratios = [], []
-            before = local_job(plan, root, nodes, tmp / f"local-{nodes}-first")
+            rounds, ratios, locals_ = [], [], []
+            before, seconds = local_job(plan, root, nodes, tmp / f"local-{nodes}-first")
+            locals_.append(seconds)
             for i in range(args.repeat):  # the speed drifts: each streamed job against the local jobs on either side
                 rounds.append(job(plan, root, nodes, tmp / f"round-{nodes}-{i}"))
-                after = local_job(plan, root, nodes, tmp / f"local-{nodes}-{i}")
+                after, seconds = local_job(plan, root, nodes, tmp / f"local-{nodes}-{i}")
+                locals_.append(seconds)
                 ratios.append(min(rounds[-1]["rates"]) * nodes / ((before + after) / 2))
                 before = after
             found = rounds[-1]  # the counts are the same in every round; the rate is the median
@@ -183,6 +215,8 @@ def main() -> None:
                   f"{found['copies']} copies from staging; reads waited {waited:.2f} s for shards (the node that waited most); "
                   f"{requests} requests: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(found["counts"].items())))
+            print("   " + _seconds("streamed", [r["cpu"] for r in rounds]) + "; " + _seconds("local", locals_)
+                  + f" ({os.cpu_count()} cores)")
             manifests = len({s for phase in plan["phases"] for s in phase["sources"]})  # read once per node
             shard_requests = found["counts"].get("resolve", 0) - nodes * manifests
             per_shard = max(per_shard, shard_requests / max(1, shard_gets))
