@@ -137,7 +137,7 @@ class ShardCache(Prefetching):
             with self._evict_lock:
                 used, files = self._make_room(path, size)
                 if used + size <= self.max_bytes:
-                    cf.write_usage(self.cache_dir, used + size, files)  # counted before it exists
+                    cf.write_usage(self.cache_dir, used + size, files + 1)  # counted, as an entry, before it exists
                     partial = cf.side(path, f"{cf.PARTIAL}{os.getpid()}-{threading.get_ident()}")
                     with open(partial, "wb") as f:
                         f.truncate(size)
@@ -197,16 +197,15 @@ class ShardCache(Prefetching):
                 if digest == shard.sha256:
                     cf.write_marker(partial, path, shard.sha256, shard.size)
                     with self._evict_lock:  # scans under the lock see it once, never twice
-                        os.replace(partial, path)
+                        os.replace(partial, path)  # counted since its room was made: no ledger change
                         placed = True
-                        self._note_usage(0, 1)
                     self._count("downloaded_bytes", shard.size)
                     return True
             finally:
                 if not placed:
                     with self._evict_lock:
                         partial.unlink(missing_ok=True)
-                        self._note_usage(-shard.size, 0)  # taken off once it is gone
+                        self._note_usage(-shard.size, -1)  # taken off once it is gone
             seen.append(digest)
             self._count("redownloads", attempt == 0)
         raise ShardIntegrityError(
