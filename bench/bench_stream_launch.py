@@ -12,8 +12,10 @@ waited for its batches; A = R + H is what reading cost off the step's path (A / 
 share would be if the batches were read inside the step). This script runs the local and the
 Hub launch ``--repeat`` times each, alternating (local, hub, local, hub...) so that the machine's
 load at one moment does not decide the comparison, and prints every launch's line and the medians.
-The Hub run starts with an empty cache each time (every shard downloaded during the run, with
-prefetch), which is the cold worst case; the server runs in this script's process.
+Every launch starts with an empty node cache of its own (``data.cache_dir`` in the run's temporary
+folder, not the user's default cache, which a former version of this script shared between its
+launches): the Hub run downloads every shard during the run, with prefetch, which is the cold
+worst case; the server runs in this script's process.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def main() -> None:
         shares: dict[str, list[tuple[float, float]]] = {name: [] for name in sources}
         for i in range(args.repeat):
             for name, (extra, env) in sources.items():
-                share, inline, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra, **env)
+                cache = ["--set", f"data.cache_dir={Path(tmp) / f'cache-{name}-{i}'}"]  # empty: not the user's default
+                share, inline, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra + cache, **env)
                 shares[name].append((share, inline))
                 print(f"{name:5s} pass {i + 1}: {line}", flush=True)
         for name, values in shares.items():
