@@ -81,6 +81,7 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Pat
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu[0], sum(cpu_s(pid) for pid in helpers) - cpu[1]
         reader.close()
+        cache.wait_idle()  # the prefetch process's last answers (its counts, its staging copies) read
         waited = cache.stats()["waited_s"]
     out.put((node, steps * MICRO / elapsed, getattr(corpus_.store, "staged_copies", 0), waited,
              {"wall": elapsed, "reader": cpu[0], "prefetch": cpu[1]}))
