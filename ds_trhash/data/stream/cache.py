@@ -161,8 +161,8 @@ class ShardCache(Prefetching):
         if known is not None and known[0] + size <= self.max_bytes:
             self._usage_seen = known
             return known
-        used, entries = cf.scan(self.cache_dir)  # the truth, and the LRU order
-        files = len(entries)
+        used, entries, in_flight = cf.scan_all(self.cache_dir)  # the truth, and the LRU order
+        files = len(entries) + in_flight
         for _, victim in entries:
             if used + size <= self.max_bytes:
                 break
@@ -318,9 +318,9 @@ class ShardCache(Prefetching):
     def usage(self) -> int:
         """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
         with self._evict_lock:
-            used, entries = cf.scan(self.cache_dir)
-            cf.write_usage(self.cache_dir, used, len(entries))
-        self._usage_seen = (used, len(entries))
+            used, entries, in_flight = cf.scan_all(self.cache_dir)
+            self._usage_seen = (used, len(entries) + in_flight)
+            cf.write_usage(self.cache_dir, *self._usage_seen)
         return used
 
     def counters(self) -> dict:

@@ -17,7 +17,8 @@ At the top of the cache directory, ``.evict.lock`` (every change to what the bou
 under it) and ``.usage.json``, the ledger: {bytes, entries} as the last change left them. A fill
 reads the ledger instead of walking every entry; bytes are added to it before they are written and
 taken off after they are deleted, so a process killed in between leaves it counting more than is
-there, never less. Where it could count less (it is missing or unreadable, or files were copied
+there, never less. Its entries count a download in flight as the entry it is becoming (a walk
+counts them the same way), so the count does not change when the download is renamed into place. Where it could count less (it is missing or unreadable, or files were copied
 in from outside) or leaves no room, a walk finds the truth and writes it.
 
 The names come from manifests and plans (untrusted input): each part must be a bare file name,
@@ -215,11 +216,28 @@ def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
 
 
 def usage(cache_dir: Path, prune: bool = True) -> tuple[int, int]:
-    """(bytes of every entry and partial download, complete entries): ``scan`` without the order."""
-    used = entries = 0
-    for _, size, complete in _counted(cache_dir, prune):
-        used, entries = used + size, entries + complete
-    return used, entries
+    """(bytes of every entry and partial download, how many of them): what the ledger holds, a
+    download in flight counted as the entry it is becoming."""
+    used = files = 0
+    for _, size, _ in _counted(cache_dir, prune):
+        used, files = used + size, files + 1
+    return used, files
+
+
+def scan_all(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]], int]:
+    """``scan``, and the number of downloads in flight (the ledger counts them as entries)."""
+    used, entries, in_flight = 0, [], 0
+    for full, size, complete in _counted(cache_dir, prune):
+        used += size
+        if not complete:
+            in_flight += 1
+            continue
+        try:
+            last = os.stat(full + HOLD).st_mtime
+        except OSError:
+            last = 0.0
+        entries.append((last, Path(full)))
+    return used, sorted(entries), in_flight
 
 
 def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]]]:
@@ -227,13 +245,4 @@ def scan(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Pa
     entries, least recently used first); stale partials are deleted on the way (they count no
     more) unless ``prune`` is false: an observer that only measures (it then counts them, and
     takes no download's lock)."""
-    used, entries = 0, []
-    for full, size, complete in _counted(cache_dir, prune):
-        used += size
-        if complete:
-            try:
-                last = os.stat(full + HOLD).st_mtime
-            except OSError:
-                last = 0.0
-            entries.append((last, Path(full)))
-    return used, sorted(entries)
+    return scan_all(cache_dir, prune)[:2]

@@ -7,13 +7,16 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import ShardIntegrityError
-from tests.data.hub_corpus import SHARD_BYTES, write_corpus
+from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.store import LocalStore
+from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 from tests.data.stream.test_cache import KEYS, _slow, cache_for
 
 
@@ -26,9 +29,9 @@ def store(tmp_path):
 def walks(monkeypatch):
     """Every directory walk, by the function that made it."""
     made = []
-    real_scan, real_usage = cf.scan, cf.usage
+    real_scan, real_usage = cf.scan_all, cf.usage
 
-    def scan(*args, **kwargs):
+    def scan_all(*args, **kwargs):
         made.append("scan")
         return real_scan(*args, **kwargs)
 
@@ -36,7 +39,7 @@ def walks(monkeypatch):
         made.append("usage")
         return real_usage(*args, **kwargs)
 
-    monkeypatch.setattr(cf, "scan", scan)
+    monkeypatch.setattr(cf, "scan_all", scan_all)
     monkeypatch.setattr(cf, "usage", usage)
     return made
 
@@ -129,4 +132,38 @@ def test_a_download_killed_with_sigkill_leaves_the_ledger_counting_more_never_le
     assert ledger(cache_dir) == (0, 0) and not list(cache_dir.rglob("*.partial-*"))
     cache.get(*KEYS[0])
     assert ledger(cache_dir) == truth(cache_dir) == (SHARD_BYTES, 1)
+    cache.close()
+
+
+class GatedStore(LocalStore):
+    """Writes half of shard ``gated``, then waits for the test to open the gate; other shards as usual."""
+
+    def __init__(self, root, gated: str) -> None:
+        super().__init__(root)
+        self.gated, self.gate, self.writing = gated, threading.Event(), threading.Event()
+
+    def download(self, path, dest, size):
+        if path == self.gated:
+            with open(dest, "r+b") as f:
+                f.write(b"x" * (size // 2))
+            self.writing.set()
+            self.gate.wait(30)
+        return super().download(path, dest, size)
+
+
+def test_a_walk_counts_a_download_in_flight_as_the_entry_it_becomes(store, tmp_path):
+    cache_dir = tmp_path / "cache"
+    gated = GatedStore(store, "/".join(KEYS[1]))
+    corpus = open_corpus(plan_for(store), None, store=gated)
+    cache = corpus.open_cache(cache_dir, 10 * SHARD_BYTES, prefetch=0)
+    cache.get(*KEYS[0])
+    reading = threading.Thread(target=cache.get, args=KEYS[1])
+    reading.start()
+    assert gated.writing.wait(30)
+    assert cache.stats()["files"] == 2  # a walk now: the entry and the download that becomes one
+    assert ledger(cache_dir) == (2 * SHARD_BYTES, 2)
+    gated.gate.set()
+    reading.join(30)
+    assert ledger(cache_dir) == truth(cache_dir) == (2 * SHARD_BYTES, 2)
+    assert cache.counters()["files"] == 2
     cache.close()
