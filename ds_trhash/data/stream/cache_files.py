@@ -18,8 +18,9 @@ under it) and ``.usage.json``, the ledger: {bytes, entries} as the last change l
 reads the ledger instead of walking every entry; bytes are added to it before they are written and
 taken off after they are deleted, so a process killed in between leaves it counting more than is
 there, never less. Its entries count a download in flight as the entry it is becoming (a walk
-counts them the same way), so the count does not change when the download is renamed into place. Where it could count less (it is missing or unreadable, or files were copied
-in from outside) or leaves no room, a walk finds the truth and writes it.
+counts them the same way), so the count does not change when the download is renamed into place.
+Where it could count less (it is missing or unreadable, or files were copied in from outside) or
+leaves no room, a walk finds the truth and writes it.
 
 The names come from manifests and plans (untrusted input): each part must be a bare file name,
 and every path is checked to stay inside the cache directory before anything is created,
