@@ -53,9 +53,9 @@ from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 DEFAULT_SHUFFLE_WINDOW = 4096
 _COMPUTE_CHUNK = 4096  # rows computed at once when not shuffling
 _WINDOWS_KEPT = 8
-_LOOKAHEAD_MICRO_BATCHES = 16  # whose shards are prefetched (and stay in the working set); looked at every 16th
+_LOOKAHEAD_MICRO_BATCHES = 32  # whose shards are prefetched (and stay in the working set); looked at every 32nd
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
-_ROWS_MEMO = 40  # more than the micro-batches one look names
+_ROWS_MEMO = 72  # more than the micro-batches one look names
 DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
 # The pace is measured once the reader has run this long; until then: two windows. (At 1 s, a
 # reader of small shards spent its whole pass two windows ahead, about four shards, and waited
@@ -222,9 +222,11 @@ class ReplayReader:
     def _look_ahead(self, first: int, moved_on: bool, step: int, micro_step: int, rank: int, world_size: int,
                     micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
         """The shards of the next micro-batches (kept in the working set), prefetched with those
-        of the next window and the plan's horizon. Looked at every 16th micro-batch of a
+        of the next window and the plan's horizon. Looked at every 32nd micro-batch of a
         sequential read (at every fourth, the looks took about a tenth of the reading time in
-        ``bench/bench_stream.py``): the 15 after a look were in it, and so is the one after them.
+        ``bench/bench_stream.py``; at every 16th, a warm micro-batch cost about 0.8 % more CPU
+        than at every 32nd, three alternated runs): the 31 after a look were in it, and so is the
+        one after them.
         The cache is asked again only when what it would be asked changed (``_prefetch``): the
         shards named, not their order within the next micro-batches (all are read within them;
         the order changed at 695 of 1,280 looks of a warm pass, the shards named far less). The
