@@ -108,9 +108,7 @@ class ShardCache(Prefetching):
         self.root.mkdir(parents=True, exist_ok=True)
         self._resolved_root = self.root.resolve()
         self._evict_lock = cf.evict_lock(self.cache_dir)  # one object: a new one per fill cost more than the lock
-        with self._evict_lock:  # the ledger made true once (entries may have been copied in since it was written)
-            self._usage_seen = cf.usage(self.cache_dir)
-            cf.write_usage(self.cache_dir, *self._usage_seen)
+        self.usage()  # the ledger made true once (entries may have been copied in since it was written)
 
     # -- bookkeeping -------------------------------------------------------------------
     def _expected(self, key: Key) -> ExpectedShard:
@@ -316,7 +314,8 @@ class ShardCache(Prefetching):
         return self._fetcher.pid if isinstance(self._fetcher, Fetcher) else None
 
     def usage(self) -> int:
-        """Bytes of entries and partial downloads now (under the eviction lock: one consistent view)."""
+        """Bytes of entries and partial downloads now, walked under the eviction lock (one
+        consistent view), and written to the ledger."""
         with self._evict_lock:
             used, entries, in_flight = cf.scan_all(self.cache_dir)
             self._usage_seen = (used, len(entries) + in_flight)

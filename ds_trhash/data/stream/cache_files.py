@@ -216,15 +216,6 @@ def _counted(cache_dir: Path, prune: bool) -> Iterator[tuple[str, int, bool]]:
             yield full, size, not partial
 
 
-def usage(cache_dir: Path, prune: bool = True) -> tuple[int, int]:
-    """(bytes of every entry and partial download, how many of them): what the ledger holds, a
-    download in flight counted as the entry it is becoming."""
-    used = files = 0
-    for _, size, _ in _counted(cache_dir, prune):
-        used, files = used + size, files + 1
-    return used, files
-
-
 def scan_all(cache_dir: Path, prune: bool = True) -> tuple[int, list[tuple[float, Path]], int]:
     """``scan``, and the number of downloads in flight (the ledger counts them as entries)."""
     used, entries, in_flight = 0, [], 0

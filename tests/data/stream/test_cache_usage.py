@@ -29,18 +29,13 @@ def store(tmp_path):
 def walks(monkeypatch):
     """Every directory walk, by the function that made it."""
     made = []
-    real_scan, real_usage = cf.scan_all, cf.usage
+    real_scan = cf.scan_all
 
     def scan_all(*args, **kwargs):
         made.append("scan")
         return real_scan(*args, **kwargs)
 
-    def usage(*args, **kwargs):
-        made.append("usage")
-        return real_usage(*args, **kwargs)
-
     monkeypatch.setattr(cf, "scan_all", scan_all)
-    monkeypatch.setattr(cf, "usage", usage)
     return made
 
 
@@ -55,7 +50,7 @@ def truth(cache_dir):
 
 def test_a_fill_with_room_walks_nothing_and_one_that_must_evict_walks_once(store, tmp_path, walks):
     cache = cache_for(store, tmp_path / "cache", int(3.5 * SHARD_BYTES), prefetch=0)
-    assert walks == ["usage"]  # once, as the cache opens
+    assert walks == ["scan"]  # once, as the cache opens
     walks.clear()
     for key in KEYS[:3]:
         cache.get(*key)

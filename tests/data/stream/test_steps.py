@@ -105,7 +105,6 @@ def test_the_figures_add_up_and_cost_no_walk(store, tmp_path, monkeypatch):
         walks = []
         monkeypatch.setattr(cf, "scan", lambda *a, **k: walks.append(a))
         monkeypatch.setattr(cf, "scan_all", lambda *a, **k: walks.append(a))
-        monkeypatch.setattr(cf, "usage", lambda *a, **k: walks.append(a))
         monkeypatch.setattr(cf, "read_usage", lambda *a, **k: walks.append(a))
         monkeypatch.setattr(cache, "_evict_lock", _Recorded(walks))
         figures = stream.figures()
