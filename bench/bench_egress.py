@@ -8,13 +8,13 @@ release's plan.
    loopback Hub stand-in (``tests/release/hub_server.py``, the real ``huggingface_hub`` client) from
    a process of its own, and read to its end by a plain reader from local disk (rows/s), straight and through a cold node cache filled from that disk.
 2. For each node count N, a fresh Hub serves it to N processes, one per simulated node: each is one
-   rank of a world of N (its rows of every step, micro-batches of 8), reads through a node cache of
-   its own and shares downloads through one staging folder (``data.stream.store.staged``), as a
-   multi-node launch does. Printed: the rows/s of the slowest node (times N) against the same N
+   rank of a world of N (its rows of every step, micro-batches of 8) with a node cache of its own;
+   as in a multi-node launch, each node fills only the shards it owns and the rows travel between
+   the nodes over gloo (``data.stream.exchange``). Printed: the rows/s of the slowest node (times N) against the same N
    node processes reading the plan from local disk (each node cache filled from the directory),
    run just before and just after it (the machine's speed drifts by a third within seconds: the
    figure is the median of the rounds' ratios to the mean of those two; N readers on two cores
-   are short of CPU whatever they read from), the shard
+   are short of CPU whatever they read from), the bytes of rows sent between nodes, the shard
    bytes the Hub served against the corpus bytes the plan reads (egress), every request the
    Hub answered, by kind, and where a job's CPU went (the readers, their prefetch processes, the
    loopback Hub's process) against its wall time, streamed and local: on a machine with fewer
@@ -40,16 +40,17 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, cpu_s, hub_process, rows_per_s  # noqa: E402
 from ds_trhash.batch_layout import step_rows  # noqa: E402
+from ds_trhash.data.stream.exchange import RowExchange  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
 from ds_trhash.data.stream.store import HubStore  # noqa: E402
-from ds_trhash.data.stream.store.staged import StagedStore  # noqa: E402
 from tests.data.hub_corpus import corpus_files  # noqa: E402
 
 HUB_REPO = "bench/egress"
@@ -58,38 +59,49 @@ LIMITS = {"anonymous": 3_000, "free": 5_000, "PRO": 12_000}  # resolver requests
 
 
 def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Path] = None) -> None:
-    """One simulated node: rank ``node`` of ``nodes``, its own cache, fed from the Hub through the
-    job's staging folder, or (``local``: the reference) from that directory."""
+    """One simulated node: rank ``node`` of ``nodes``, its own cache, fed from the Hub with the
+    shards it owns, the rest of its rows from their owners (``exchange``), or (``local``: the
+    reference) every shard it reads filled from that directory."""
+    shared = local is None and nodes > 1
     if local is not None:
         corpus_ = open_corpus(plan, str(local))
     else:
         corpus_ = open_corpus(plan, None, store=HubStore(HUB_REPO))
-        if nodes > 1:
-            corpus_.store = StagedStore(corpus_.store, tmp / "staging", node, nodes,
-                                        expected={s.path: s.sha256 for s in corpus_.shards.values()})
+    if shared:
+        tmp.mkdir(parents=True, exist_ok=True)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=node, world_size=nodes)
     rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
     steps = rows // step_rows(MICRO, 1, nodes)
     with corpus_.open_cache(tmp / f"cache-{node}", 2**40, fetch_process=True) as cache:
         reader = ReplayReader(plan, None, 0, cache=cache)
+        exchange = RowExchange(reader, MICRO, 1, node, nodes, node, nodes) if shared else None
         cache.prefetch([])  # the prefetch process starts, as at a stage's start
         cache.wait_idle()
         helpers = [p.pid for p in psutil.Process().children(recursive=True)]  # the prefetch process
         cpu = time.process_time(), sum(cpu_s(pid) for pid in helpers)
         started = time.perf_counter()
         for step in range(steps):
-            reader.batch(step, 0, node, nodes, MICRO, 1)
+            if exchange is not None:
+                exchange.get(step)
+            else:
+                reader.batch(step, 0, node, nodes, MICRO, 1)
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu[0], sum(cpu_s(pid) for pid in helpers) - cpu[1]
+        sent = 0
+        if exchange is not None:
+            sent = exchange.sent_bytes
+            exchange.close()
         reader.close()
-        cache.wait_idle()  # the prefetch process's last answers (its counts, its staging copies) read
+        cache.wait_idle()  # the prefetch process's last answers (its counts) read
         waited = cache.stats()["waited_s"]
-    out.put((node, steps * MICRO / elapsed, getattr(corpus_.store, "staged_copies", 0), waited,
-             {"wall": elapsed, "reader": cpu[0], "prefetch": cpu[1]}))
+    if shared:
+        dist.destroy_process_group()
+    out.put((node, steps * MICRO / elapsed, sent, waited, {"wall": elapsed, "reader": cpu[0], "prefetch": cpu[1]}))
 
 
 def _run_nodes(plan: dict, nodes: int, tmp: Path, local: Optional[Path] = None) -> list[tuple]:
-    """(node, rows/s, staging copies, seconds its reads waited for shards, its wall and CPU
-    seconds) of each of ``nodes`` node processes reading the plan at once."""
+    """(node, rows/s, bytes of rows it sent to other nodes, seconds its reads waited for shards,
+    its wall and CPU seconds) of each of ``nodes`` node processes reading the plan at once."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_node, args=(plan, i, nodes, tmp, results, local)) for i in range(nodes)]
@@ -111,7 +123,7 @@ def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
         served_cpu = cpu_s(hub["pid"])
         found = _run_nodes(plan, nodes, tmp / f"job-{nodes}")
         served_cpu = cpu_s(hub["pid"]) - served_cpu
-    return {"rates": [r for _, r, *_ in found], "copies": sum(c for _, _, c, *_ in found),
+    return {"rates": [r for _, r, *_ in found], "sent": sum(c for _, _, c, *_ in found),
             "waited": max(w for *_, w, _ in found), "cpu": _cpu(found, served_cpu),
             "counts": hub["counts"], "served": hub["served"]}
 
@@ -126,7 +138,7 @@ def _cpu(found: list[tuple], hub_s: float = 0.0) -> dict:
 
 def local_job(plan: dict, root: Path, nodes: int, tmp: Path) -> tuple[float, dict]:
     """The same read by ``nodes`` node processes from the local directory (each node cache filled
-    from disk, no Hub, no staging): the job's rows/s, set by its slowest node, and its seconds."""
+    from disk with every shard it reads, no Hub, no exchange): the job's rows/s, set by its slowest node, and its seconds."""
     found = _run_nodes(plan, nodes, tmp, local=root)
     return min(r for _, r, *_ in found) * nodes, _cpu(found)
 
@@ -213,7 +225,7 @@ def main() -> None:
                   f"({', '.join(f'{r:.2f}' for r in ratios)}; goal 0.95: {'met' if ratio >= 0.95 else 'NOT met'}); Hub egress {served / 2**20:.1f} MiB "
                   f"= {served / sum(bins.values()):.3f} x the corpus read (goal <= 1.05: "
                   f"{'met' if served <= 1.05 * sum(bins.values()) else 'NOT met'}); {shard_gets} shard GETs, "
-                  f"{found['copies']} copies from staging; reads waited {waited:.2f} s for shards (the node that waited most); "
+                  f"{found['sent'] / 2**20:.1f} MiB of rows sent between nodes; reads waited {waited:.2f} s for shards (the node that waited most); "
                   f"{requests} requests: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(found["counts"].items())))
             print("   " + _seconds("streamed", [r["cpu"] for r in rounds]) + "; " + _seconds("local", locals_)

@@ -44,6 +44,7 @@ from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
 from ds_trhash.data.formats.layout import shard_path_under, sources_dir
+from ds_trhash.data.formats.shards import TOKEN_DTYPE
 from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
 from ds_trhash.data.formats.tokenizer import PathLike
 from ds_trhash.data.stream.order import RowRef, Segment, SourceRows
@@ -353,9 +354,25 @@ class ReplayReader:
             self._ahead_memo = {memo_key: tuple(dict.fromkeys(map(_SHARD_OF, rows)))}  # one window at a time
         return self._ahead_memo[memo_key]
 
-    def _read(self, refs: list[RowRef]) -> np.ndarray:
+    def read_rows(self, refs: list[RowRef], upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> np.ndarray:
+        """The windows of ``refs`` as stored ([len(refs), seq_len + 1] uint16), read in one go
+        through the working set; then ``upcoming`` (the shards of the next read) stay in it and
+        are prefetched, with ``ahead`` after them. How a node's rows for its peers are read
+        (``exchange``): the caller chooses the shards, this reader only reads them."""
+        windows = self._read(refs, TOKEN_DTYPE)
+        if self.cache is not None:
+            self._prefetch(upcoming, ahead)
+        self._working.next_read(1, upcoming)
+        return windows
+
+    def horizon_keys(self, first: int) -> tuple[Key, ...]:
+        """Every shard the plan reads from the window after global row ``first`` to the
+        prefetch horizon (``data.prefetch_minutes`` at the pace measured so far)."""
+        return self.plan_ahead(first, self._horizon_rows(first))
+
+    def _read(self, refs: list[RowRef], dtype: np.dtype = np.dtype(np.int64)) -> np.ndarray:
         """Read the rows from the working set's maps, shard by shard."""
-        out = np.empty((len(refs), self.seq_len + 1), dtype=np.int64)
+        out = np.empty((len(refs), self.seq_len + 1), dtype=dtype)
         by_file: dict[Key, tuple[list[int], list[int]]] = {}
         for index, (source, file, row) in enumerate(refs):
             positions, rows = by_file.setdefault((source, file), ([], []))

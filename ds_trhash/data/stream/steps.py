@@ -2,7 +2,8 @@
 
 ``RankStream`` cuts each step's micro-batches from the plan's reader (``reader``), one step or two
 ahead of the step being trained, on a background thread (``assembly``), in pinned host memory
-when the launch trains on CUDA. It owns what the reading holds: ``close`` (or leaving its
+when the launch trains on CUDA. On several nodes reading the Hub it takes them instead from the
+row exchange (``exchange``): each node reads the shards it owns, for every node. It owns what the reading holds: ``close`` (or leaving its
 ``with`` block) stops the thread, closes the node cache and releases every shard, and the launch
 calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
 (``DataFigures``): counters only, no file walked, cheap enough to ask at every step.
@@ -18,6 +19,7 @@ import torch
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
+from ds_trhash.data.stream.exchange import RowExchange
 from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
@@ -35,6 +37,15 @@ class BatchLayout:
     @property
     def global_batch(self) -> int:
         return step_rows(self.micro_batch, self.grad_accum, self.world_size)
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """This rank's place among the nodes of a job that exchanges rows (``exchange``): its node,
+    the node count, and the gloo group of the ranks with its local index (None: the default group)."""
+    node: int
+    nodes: int
+    group: object = None
 
 
 @dataclass(frozen=True)
@@ -69,14 +80,20 @@ class DataFigures:
 
 class RankStream:
     def __init__(self, reader: ReplayReader, layout: BatchLayout, ahead: int = DEFAULT_AHEAD,
-                 pin_memory: bool = False, end: Optional[int] = None) -> None:
+                 pin_memory: bool = False, end: Optional[int] = None, share: Optional[NodeShare] = None) -> None:
         """``ahead``: steps assembled in the background (0: on the caller's thread, as it asks);
-        ``end``: the step the stage stops before (nothing is assembled ahead from there)."""
+        ``end``: the step the stage stops before (nothing is assembled ahead from there);
+        ``share``: rows exchanged between nodes (``exchange``), which reads in the background itself."""
         self.reader, self.layout, self.pin_memory = reader, layout, pin_memory
         # the device pinned copies are made for: the assembly thread's own current device is
         # device 0 until it is set (one CUDA context per rank on GPU 0), as DataLoader's pin thread knows
         self._device: Optional[int] = torch.cuda.current_device() if pin_memory else None
-        self._ahead: Optional[Ahead] = Ahead(self._assemble, ahead, end) if ahead > 0 else None
+        self._ahead: Optional[Ahead | RowExchange] = None
+        if share is not None:
+            self._ahead = RowExchange(reader, layout.micro_batch, layout.grad_accum, layout.rank, layout.world_size,
+                                      share.node, share.nodes, share.group, end, finish=self._pinned)
+        elif ahead > 0:
+            self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
         self._assembly_s = self._shard_s = self._sync_wait_s = 0.0
         self._steps = 0
@@ -97,6 +114,11 @@ class RankStream:
             self._assembly_s += time.perf_counter() - started
             self._shard_s = self.reader.shard_wait_s
         return out
+
+    def _pinned(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+        if self.pin_memory:
+            return inputs.pin_memory(), labels.pin_memory()
+        return inputs, labels
 
     def begin(self, step: int) -> None:
         """Start assembling the stage's first step now, in the background (nothing without
@@ -120,6 +142,8 @@ class RankStream:
     def figures(self) -> DataFigures:
         with self._lock:
             assembly, shard = self._assembly_s, self._shard_s
+        if isinstance(self._ahead, RowExchange):
+            assembly, shard = self._ahead.assembly_s, self.reader.shard_wait_s
         waited = self._ahead.wait_s if self._ahead is not None else self._sync_wait_s
         common = dict(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
                       queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
@@ -157,14 +181,16 @@ class RankStream:
 
 def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
                 ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
-                prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None) -> RankStream:
+                prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None,
+                share: Optional[NodeShare] = None) -> RankStream:
     """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``),
     prefetching what the plan reads in the next ``prefetch_s`` seconds, and assembling
-    ``first_step`` from now on when given; a failure after the cache opened closes it again."""
+    ``first_step`` from now on when given; ``share``: rows exchanged between nodes; a failure
+    after the cache opened closes it again."""
     cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node, fetch_process=True)
     try:
         reader = ReplayReader(plan, None, seed, cache=cache, prefetch_s=prefetch_s)
-        stream = RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end)
+        stream = RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end, share=share)
     except BaseException:
         cache.close()
         raise

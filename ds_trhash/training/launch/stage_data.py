@@ -25,10 +25,9 @@ from ds_trhash.data.stream.opening import resume_commit, shared_corpus
 from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
 from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
 from ds_trhash.data.stream.store import LOCAL_COMMIT
-from ds_trhash.data.stream.store.staged import STAGING_DIR, StagedStore
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.steps import BatchLayout, open_stream
+from ds_trhash.data.stream.steps import BatchLayout, NodeShare, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -96,14 +95,18 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def _share_downloads(corpus, cfg: tcfg.TrainConfig, rank: int, world: int) -> None:
-    """On several nodes, a Hub store shares each shard's download through the job's output
-    directory (``data.stream.store.staged``): one Hub download per shard per job, not per node."""
+def node_share(corpus, rank: int, world: int) -> NodeShare | None:
+    """On several nodes reading a Hub store, each node fills only the shards it owns and the rows
+    travel between nodes (``data.stream.exchange``): one Hub download per shard per job, not per
+    node. Every rank creates every node's exchange group (the ranks with one local index), in the
+    same order, as ``new_group`` requires. None on one node, or from a local store (each node
+    reads its own copy)."""
     per_node = ranks_on_node(world)
     nodes = max(1, world // max(per_node, 1))
-    if nodes > 1 and corpus.commit != LOCAL_COMMIT:
-        corpus.store = StagedStore(corpus.store, Path(cfg.output_dir) / STAGING_DIR, rank // per_node, nodes,
-                                   expected={shard.path: shard.sha256 for shard in corpus.shards.values()})
+    if nodes < 2 or corpus.commit == LOCAL_COMMIT:
+        return None
+    groups = [dist.new_group([m * per_node + local for m in range(nodes)], backend="gloo") for local in range(per_node)]
+    return NodeShare(rank // per_node, nodes, groups[rank % per_node])
 
 
 def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
@@ -177,7 +180,6 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
     corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
-    _share_downloads(corpus, cfg, rank, world)
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
@@ -197,7 +199,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
-                             prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step)
+                             prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
+                             share=node_share(corpus, rank, world))
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

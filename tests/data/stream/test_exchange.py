@@ -1,0 +1,118 @@
+"""Rows exchanged between nodes (``exchange``): four ranks on two simulated nodes over gloo train
+on exactly the rows a direct read gives them, each node's cache fills only the shards it owns,
+and a node whose read fails stops every member at the same step."""
+import multiprocessing as mp
+import os
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_trhash.data.stream.exchange import PeerReadError, RowExchange, owners
+from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.reader import ReplayReader
+from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
+
+NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
+WORLD = NODES * PER_NODE
+
+
+def test_owners_are_a_pure_function_of_the_plan_and_deal_each_source_out_evenly(tmp_path):
+    reader = ReplayReader(plan_for(write_corpus(tmp_path / "c")), tmp_path / "c", 0)
+    two, again, three = owners(reader, 2), owners(reader, 2), owners(reader, 3)
+    assert two == again and len(two) == 12
+    for n, table in ((2, two), (3, three)):
+        for source in ("a", "b"):
+            counts = np.bincount([node for (s, _), node in table.items() if s == source], minlength=n)
+            assert counts.max() - counts.min() <= 1, (n, source, counts)
+    assert [two[("a", f"shard-{i:05d}.bin")] for i in range(4)] == [0, 1, 0, 1]
+    assert [two[("b", f"shard-{i:05d}.bin")] for i in range(4)] == [1, 0, 1, 0]  # the next source starts one node on
+
+
+def _rank(rank, root, plan, tmp, broken, out):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+        groups = [dist.new_group([m * PER_NODE + local for m in range(NODES)], backend="gloo")
+                  for local in range(PER_NODE)]
+        node = rank // PER_NODE
+        corpus = open_corpus(plan, str(root))
+        cache = corpus.open_cache(tmp / f"cache-{node}", 100 * SHARD_BYTES, ranks_on_node=PER_NODE)
+        reader = ReplayReader(plan, None, 3, cache=cache)
+        if broken is not None and node == broken:  # this node's reads fail from the second chunk on
+            real = reader.read_rows
+            calls = []
+
+            def failing(*args):
+                calls.append(1)
+                if len(calls) > 1:
+                    raise OSError("disk gone")
+                return real(*args)
+            reader.read_rows = failing
+        exchange = RowExchange(reader, MICRO, ACCUM, rank, WORLD, node, NODES, groups[rank % PER_NODE],
+                               chunk_rows=16)
+        direct = ReplayReader(plan, root, 3)
+        steps = direct.num_rows // (MICRO * ACCUM * WORLD)
+        exchange.start(0)
+        result = {"steps": steps, "chunk_steps": exchange.chunk_steps}
+        try:
+            for step in range(steps):
+                got = exchange.get(step)
+                for micro, (inputs, labels) in enumerate(got):
+                    want = direct.batch(step, micro, rank, WORLD, MICRO, ACCUM)
+                    assert torch.equal(inputs, want[0]) and torch.equal(labels, want[1]), (rank, step, micro)
+                    assert inputs.dtype == torch.int64
+        except Exception as exc:
+            result["error"] = (type(exc).__name__, str(exc), step)
+        result["sent"] = exchange.sent_bytes
+        exchange.close()
+        cache.close()
+        out.put((rank, result))
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+
+
+def _run(tmp_path, broken=None):
+    root = write_corpus(tmp_path / "corpus")
+    plan = plan_for(root)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, root, plan, tmp_path, broken, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    found = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank, result in found.items():
+        assert isinstance(result, dict), result
+    return root, plan, found
+
+
+def _cached(folder):
+    return {p.name for p in folder.rglob("shard-*.bin")} and {
+        (p.parent.name, p.name) for p in folder.rglob("shard-*.bin")}
+
+
+def test_every_rank_trains_on_the_rows_a_direct_read_gives_and_each_shard_is_filled_once(tmp_path):
+    root, plan, found = _run(tmp_path)
+    assert all("error" not in r for r in found.values()), found
+    assert found[0]["steps"] == 6 and found[0]["chunk_steps"] == 2  # three chunks, three exchanges
+    table = owners(ReplayReader(plan, root, 0), NODES)
+    nodes = [_cached(tmp_path / f"cache-{n}") for n in range(NODES)]
+    assert not nodes[0] & nodes[1] and len(nodes[0] | nodes[1]) == 12  # each shard filled by one node only
+    for n in range(NODES):
+        assert {table[key] for key in nodes[n]} == {n}  # ... its owner
+    assert all(r["sent"] > 0 for r in found.values())
+
+
+def test_a_node_whose_read_fails_stops_every_member_at_the_same_step(tmp_path):
+    _, _, found = _run(tmp_path, broken=1)
+    errors = {rank: r.get("error") for rank, r in found.items()}
+    assert all(errors.values()), errors
+    assert {step for _, _, step in errors.values()} == {2}  # the second chunk's first step, on every rank
+    for rank, (kind, message, _) in errors.items():
+        if rank // PER_NODE == 1:
+            assert (kind, message) == ("OSError", "disk gone")
+        else:
+            assert kind == PeerReadError.__name__ and "node 1 could not read" in message, message
