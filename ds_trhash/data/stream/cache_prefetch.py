@@ -180,14 +180,12 @@ class Prefetching:
     def _take_answers(self, answers: list[tuple]) -> None:
         """What the prefetch process did: its counts, and the error of a corrupt shard (raised
         at the next read, as a thread's would be)."""
-        for _key, result, counts, usage, copies in answers:
+        for _key, result, counts, usage in answers:
             with self._cond:
                 for name, amount in counts.items():
                     self._counts[name] += amount
                 self._counts["prefetch_errors"] += isinstance(result, BaseException)
             self._usage_seen = usage or self._usage_seen
-            if copies:
-                self.store.staged_copies += copies
             if isinstance(result, ShardIntegrityError):
                 self._error = result
 

@@ -28,8 +28,10 @@ raises, the failing rank its own error, the others one naming that node (``PeerR
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import numpy as np
@@ -49,7 +51,7 @@ CHUNK_ROWS = 4096  # global rows per exchange (rounded down to whole steps, at l
 THREAD_NAME = "row-exchange"
 _HEADER = 8  # bytes: an int64 status before each member's rows
 _OK, _STORE_GONE, _FAILED = 0, 1, 2
-CLOSE_WAIT_S = 60.0  # how long close waits for an exchange in flight (a peer that died never answers)
+CLOSE_WAIT_S = 60.0  # how long close waits for an exchange in flight, or a read (a download) in progress
 
 
 class PeerReadError(UserError, RuntimeError):
@@ -107,7 +109,11 @@ class RowExchange:
         self.owner = owners(reader, nodes)
         self._finish = finish or (lambda inputs, labels: (inputs, labels))
         self._row_bytes = (reader.seq_len + 1) * TOKEN_DTYPE.itemsize
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)  # the reader's one thread
+        # the reader's one thread: a daemon, so that a read stuck in a download never holds up the
+        # process's exit (an executor's threads are joined at exit)
+        self._todo: queue.SimpleQueue[Optional[tuple[int, Future]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
+        self._thread.start()
         self._prepared: dict[int, Future] = {}
         self._refs: dict[int, list[RowRef]] = {}  # the prepare thread's alone
         self._issued: dict[int, _Chunk] = {}
@@ -181,14 +187,29 @@ class RowExchange:
         self.assembly_s += time.perf_counter() - started
         return _Chunk(send, send_bytes, recv_bytes, places, len(mine), error)
 
+    def _work(self) -> None:
+        while (item := self._todo.get()) is not None:
+            chunk, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._prepare(chunk))
+                except BaseException as exc:  # never: _prepare sends its errors; kept for the caller
+                    future.set_exception(exc)
+
     # -- training thread: the collectives, in step order ---------------------------------
+    def _submit(self, chunk: int) -> None:
+        if chunk not in self._prepared:
+            self._prepared[chunk] = Future()
+            self._todo.put((chunk, self._prepared[chunk]))
+
     def _prepare_soon(self, chunk: int) -> None:
-        if chunk not in self._prepared and self._steps(chunk) and chunk * self.chunk_steps < self.end:
-            self._prepared[chunk] = self._pool.submit(self._prepare, chunk)
+        """Read chunk ``chunk``'s rows in the background, if the stage reaches it."""
+        if chunk * self.chunk_steps < self.end:
+            self._submit(chunk)
 
     def _issue(self, chunk: int) -> None:
         """Chunk ``chunk``'s exchange, started (its rows read first if they are not yet)."""
-        self._prepare_soon(chunk)
+        self._submit(chunk)
         found = self._prepared.pop(chunk).result()
         found.recv = torch.empty(sum(found.recv_bytes), dtype=torch.uint8)
         found.work = dist.all_to_all_single(found.recv, torch.from_numpy(found.send), found.recv_bytes,
@@ -270,15 +291,17 @@ class RowExchange:
             future.cancel()
 
     def close(self) -> None:
-        """Wait for the exchange in flight and the read in progress; no thread is left behind."""
+        """Wait for the exchange in flight and the read in progress (at most ``CLOSE_WAIT_S``
+        each: a read can be a download waiting out an outage)."""
         if self.closed:
             return
         self.closed = True
         self.request_stop()
         self._settle()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._todo.put(None)
+        self._thread.join(CLOSE_WAIT_S)
         self._prepared.clear()
 
     @property
     def running(self) -> bool:
-        return any(not f.done() for f in self._prepared.values())
+        return self._thread.is_alive()

@@ -69,8 +69,6 @@ class _Worker:
         """One shard fetched and kept held (while the allowance lasts), and the answer sent: the
         rank's counts, and the error for the rank to raise at its next read. A shard found
         verified already changes no count: no answer (each cost the reading rank about 0.1 ms)."""
-        store = self.cache.store
-        copies = getattr(store, "staged_copies", 0)
         hold: Optional[cf.Hold] = None
         try:
             result, hold = self.cache.fetch_ahead(key)
@@ -84,11 +82,10 @@ class _Worker:
         if hold is not None:
             hold.release()
         counts, usage = self.cache.take_counts()
-        copies = getattr(store, "staged_copies", 0) - copies
-        if result is True and not any(counts.values()) and not copies and usage == self.told_usage:
+        if result is True and not any(counts.values()) and usage == self.told_usage:
             return  # found verified in the cache: nothing the rank lacks (a warm pass sends nothing)
         self.told_usage = usage
-        self.conn.send(("filled", key, result, counts, usage, copies))
+        self.conn.send(("filled", key, result, counts, usage))
 
     def run(self) -> None:
         """Messages first (a changed list may drop the next fill), then the next fill, else wait."""

@@ -98,7 +98,7 @@ class Fetcher:
     def answers(self) -> list[tuple]:
         """The fills done since the last call, without waiting: (key, True when verified in the
         cache / False when the bound left no room / the exception that stopped it, counts,
-        usage seen, shards taken from a staging folder)."""
+        usage seen)."""
         found = []
         try:
             while self._conn.poll(0):

@@ -11,6 +11,7 @@ every launch check has passed, and closed by ``StageData.stop``, which the train
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,17 +96,20 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def node_share(corpus, rank: int, world: int) -> NodeShare | None:
+def node_share(corpus, rank: int, world: int, wait_s: float) -> NodeShare | None:
     """On several nodes reading a Hub store, each node fills only the shards it owns and the rows
     travel between nodes (``data.stream.exchange``): one Hub download per shard per job, not per
     node. Every rank creates every node's exchange group (the ranks with one local index), in the
-    same order, as ``new_group`` requires. None on one node, or from a local store (each node
-    reads its own copy)."""
+    same order, as ``new_group`` requires. An exchange waits for a node whose download waits out
+    an outage: the groups' timeout is that wait (``wait_s``) and ten minutes more. None on one
+    node, or from a local store (each node reads its own copy)."""
     per_node = ranks_on_node(world)
     nodes = max(1, world // max(per_node, 1))
     if nodes < 2 or corpus.commit == LOCAL_COMMIT:
         return None
-    groups = [dist.new_group([m * per_node + local for m in range(nodes)], backend="gloo") for local in range(per_node)]
+    timeout = datetime.timedelta(seconds=wait_s + 600)
+    groups = [dist.new_group([m * per_node + local for m in range(nodes)], backend="gloo", timeout=timeout)
+              for local in range(per_node)]
     return NodeShare(rank // per_node, nodes, groups[rank % per_node])
 
 
@@ -200,7 +204,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
-                             share=node_share(corpus, rank, world))
+                             share=node_share(corpus, rank, world, wait_s))
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

@@ -41,8 +41,8 @@ def test_at_most_depth_ready_one_held_and_an_answer_per_fill(worker):
     w.handle(("want", KEYS))
     assert fill_all(w) == KEYS[:2]
     for key in KEYS[:2]:
-        kind, answered, result, counts, usage, copies = ours.recv()
-        assert (kind, answered, result, copies) == ("filled", key, True, 0)
+        kind, answered, result, counts, usage = ours.recv()
+        assert (kind, answered, result) == ("filled", key, True)
         assert counts["prefetched"] == 1 and counts["downloaded_bytes"] == SHARD_BYTES and usage is not None  # as its last scan saw it
     assert not ours.poll(0)
     first, second = (cf.entry_path(cache.root, *key) for key in KEYS[:2])
