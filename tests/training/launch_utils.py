@@ -55,12 +55,10 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
         assert not leftover, f"the launch left DeepSpeed shared-memory segments behind: {leftover}"
 
 
-def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [],
-              **env: str) -> list[subprocess.CompletedProcess]:
-    """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
-    the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
-    address and port on loopback; one CPU process per node. ``node_args(node)`` adds what differs
-    between nodes (e.g. each node's own ``data.cache_dir``). Returns both launchers' results."""
+def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], new_sessions: bool = False,
+                    **env: str) -> tuple[list[subprocess.Popen], int]:
+    """``two_nodes``' launchers, started and not waited for: (the launchers, the master port).
+    ``new_sessions``: each in a session and process group of its own, as from a terminal per node."""
     port = free_port()
     hostfile = workdir / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
@@ -69,7 +67,17 @@ def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lamb
         cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
                "--master_addr", "127.0.0.1", "--master_port", str(port), str(REPO / "launch" / "train.py"), *args, *node_args(node)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=base_env(**env), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, start_new_session=new_sessions))
+    return procs, port
+
+
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [],
+              **env: str) -> list[subprocess.CompletedProcess]:
+    """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
+    the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
+    address and port on loopback; one CPU process per node. ``node_args(node)`` adds what differs
+    between nodes (e.g. each node's own ``data.cache_dir``). Returns both launchers' results."""
+    procs, port = start_two_nodes(args, workdir, node_args, **env)
     results = []
     try:
         for p in procs:

@@ -15,15 +15,22 @@ are still the reference's.
 """
 import csv
 import json
+import os
 import re
+import signal
 import time
 
+import psutil
 import pytest
+
+from ds_trhash.checkpoints import list_checkpoints, verify
+from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 
 from ds_trhash.data.embedded import build_embedded
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
+from tests.training.test_stop_signals import STOP_LINE, _foreign_tracebacks
 
 pytestmark = pytest.mark.launch
 
@@ -66,7 +73,8 @@ def runs(tmp_path_factory, shared_launches):
         hub.observers.append(_outage_after(hub, 3))
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DOWNLOAD_TIMEOUT="60")
         streamed = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
-                    "--set", f"data.tokenizer={paths.tokenizer_dir}"]
+                    "--set", f"data.tokenizer={paths.tokenizer_dir}",
+                    "--set", "data.exchange_rows=16"]  # two steps of 8 rows: an exchange every other step
         nodes = L.two_nodes(_args(root / "two-nodes", "--set", "deepspeed.tensorboard.enabled=true",
                                   "--set", "deepspeed.csv_monitor.enabled=true", *streamed), root,
                             node_args=lambda node: ["--set", f"data.cache_dir={root / f'cache-node{node}'}"], **env)
@@ -179,3 +187,48 @@ def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
     resumed = L.train_losses(out)
     assert resumed[:STOP] == reference[:STOP] and len(resumed) == STEPS
     assert resumed[STOP:] == pytest.approx(reference[STOP:], rel=1e-4)  # another reduction layout: close
+
+
+def test_ctrl_c_on_each_node_stops_both_at_one_step_with_one_checkpoint(runs, tmp_path):
+    """Ctrl-C in each node's terminal (SIGINT to each launcher's process group) in the middle of a
+    streamed two-node run, whose rows travel between the nodes: both ranks stop after the same
+    step with one complete checkpoint, well inside the launcher's grace period (no exchange is left
+    waiting for a node that stopped first), and no rank prints a traceback."""
+    _, _, _, (streamed, env) = runs
+    out = tmp_path / "run"
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "150",
+            "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000",
+            "--set", "checkpoint.packs=null", *streamed]
+    procs, port = L.start_two_nodes(args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+                                    new_sessions=True, **env)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "metrics.csv").exists() or len(L.metrics(out)) < 3:
+            assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
+            assert time.monotonic() < deadline, "the run did not train"
+            time.sleep(0.2)
+        at, signalled = len(L.metrics(out)), time.monotonic()
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGINT)
+        said = "".join(out_ + err for out_, err in (p.communicate(timeout=LAUNCHER_GRACE_S + 60) for p in procs))
+        seconds = time.monotonic() - signalled
+    finally:
+        for proc in procs:
+            if proc.poll() is None or psutil.pid_exists(proc.pid):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for seg in L.shm_segments(port):
+            seg.unlink(missing_ok=True)
+    lines = STOP_LINE.findall(said)
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
+    steps = {int(step) for _, step, _ in lines}
+    assert len(steps) == 1, lines
+    step = steps.pop()
+    assert at <= step <= at + 3 and seconds < LAUNCHER_GRACE_S, (at, step, seconds)
+    assert not _foreign_tracebacks(said), said[-5000:]
+    found = {c.step: c for c in list_checkpoints(out)}
+    assert list(found) == [step]
+    ok, reason = verify(found[step].path, deep=True)
+    assert ok, reason

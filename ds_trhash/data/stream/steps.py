@@ -19,7 +19,7 @@ import torch
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
-from ds_trhash.data.stream.exchange import RowExchange
+from ds_trhash.data.stream.exchange import CHUNK_ROWS, RowExchange
 from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
@@ -42,10 +42,12 @@ class BatchLayout:
 @dataclass(frozen=True)
 class NodeShare:
     """This rank's place among the nodes of a job that exchanges rows (``exchange``): its node,
-    the node count, and the gloo group of the ranks with its local index (None: the default group)."""
+    the node count, the gloo group of the ranks with its local index (None: the default group),
+    and the global rows of one exchange."""
     node: int
     nodes: int
     group: object = None
+    chunk_rows: int = CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class RankStream:
         self._ahead: Optional[Ahead | RowExchange] = None
         if share is not None:
             self._ahead = RowExchange(reader, layout.micro_batch, layout.grad_accum, layout.rank, layout.world_size,
-                                      share.node, share.nodes, share.group, end, finish=self._pinned)
+                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned)
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()

@@ -140,6 +140,9 @@ class DataSection:
     # How far ahead, in time at the measured pace, the cache fetches the shards the plan reads next
     # (two at a time per rank, held until read); 0 looks only at the next shuffle window.
     prefetch_minutes: float = _f(10.0, check=_non_negative)
+    # On several nodes reading the Hub: the global rows whose exchange between the nodes is one
+    # collective (rounded down to whole steps, at least one step).
+    exchange_rows: int = _f(4096, check=_positive)
     # A cache folder on a network filesystem (nfs, lustre, gpfs, cifs, fuse) is refused unless this
     # says its locks work and only one node uses it.
     cache_on_network_fs: bool = False

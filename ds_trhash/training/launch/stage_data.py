@@ -96,7 +96,7 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def node_share(corpus, rank: int, world: int, wait_s: float) -> NodeShare | None:
+def node_share(corpus, rank: int, world: int, wait_s: float, chunk_rows: int) -> NodeShare | None:
     """On several nodes reading a Hub store, each node fills only the shards it owns and the rows
     travel between nodes (``data.stream.exchange``): one Hub download per shard per job, not per
     node. Every rank creates every node's exchange group (the ranks with one local index), in the
@@ -110,7 +110,7 @@ def node_share(corpus, rank: int, world: int, wait_s: float) -> NodeShare | None
     timeout = datetime.timedelta(seconds=wait_s + 600)
     groups = [dist.new_group([m * per_node + local for m in range(nodes)], backend="gloo", timeout=timeout)
               for local in range(per_node)]
-    return NodeShare(rank // per_node, nodes, groups[rank % per_node])
+    return NodeShare(rank // per_node, nodes, groups[rank % per_node], chunk_rows)
 
 
 def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
@@ -204,7 +204,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
-                             share=node_share(corpus, rank, world, wait_s))
+                             share=node_share(corpus, rank, world, wait_s, cfg.data.exchange_rows))
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
