@@ -32,6 +32,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -101,7 +102,13 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Pat
 
 def _run_nodes(plan: dict, nodes: int, tmp: Path, local: Optional[Path] = None) -> list[tuple]:
     """(node, rows/s, bytes of rows it sent to other nodes, seconds its reads waited for shards,
-    its wall and CPU seconds) of each of ``nodes`` node processes reading the plan at once."""
+    its wall and CPU seconds) of each of ``nodes`` node processes reading the plan at once. Their
+    caches are deleted after them: left on disk, the kernel wrote them back during later rounds
+    (the dirty pages expire after 30 s), and those rounds read slower, streamed or local."""
+    return _deleted_after(tmp, lambda folder: _run_node_processes(plan, nodes, folder, local))
+
+
+def _run_node_processes(plan: dict, nodes: int, tmp: Path, local: Optional[Path]) -> list[tuple]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_node, args=(plan, i, nodes, tmp, results, local)) for i in range(nodes)]
@@ -126,6 +133,16 @@ def job(plan: dict, root: Path, nodes: int, tmp: Path) -> dict:
     return {"rates": [r for _, r, *_ in found], "sent": sum(c for _, _, c, *_ in found),
             "waited": max(w for *_, w, _ in found), "cpu": _cpu(found, served_cpu),
             "counts": hub["counts"], "served": hub["served"]}
+
+
+def _deleted_after(folder: Path, run):
+    """``run(folder)``, then the folder deleted and what is left written out (``_run_nodes``):
+    each job starts with no dirty page on the disk."""
+    try:
+        return run(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.sync()
 
 
 def _cpu(found: list[tuple], hub_s: float = 0.0) -> dict:
@@ -193,10 +210,11 @@ def main() -> None:
         plan = corpus(root, args.shards, args.rows, args.seq_len)
         plan["dataset"] = f"hf://datasets/{HUB_REPO}"
         bins = {p: len(b) for p, b in corpus_files(root).items() if p.endswith(".bin")}
+        os.sync()  # the corpus on disk before anything is timed (see _run_nodes)
         rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
         direct = statistics.median(rows_per_s(ReplayReader(plan, root, 0), rows) for _ in range(args.repeat))
-        local = statistics.median(cached_pass(plan, open_corpus(plan, str(root)), tmp / f"cache-local-{i}", rows)[0]
-                                  for i in range(args.repeat))
+        local = statistics.median(_deleted_after(tmp / f"cache-local-{i}", lambda d: cached_pass(
+            plan, open_corpus(plan, str(root)), d, rows)[0]) for i in range(args.repeat))
         print(f"corpus: {rows:,} rows of {args.seq_len} tokens, {len(bins)} shards, {sum(bins.values()) / 2**20:.1f} MiB; "
               f"read from local disk: {direct:,.0f} rows/s straight, {local:,.0f} rows/s through a cold node cache "
               "(one process)")
