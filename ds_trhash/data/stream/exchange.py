@@ -270,12 +270,14 @@ class RowExchange:
             self.wait_s += time.perf_counter() - started
 
     def start(self, step: int) -> None:
-        """Read this node's rows of ``step``'s chunk now, in the background (a stage's first step,
-        while the model is built); no collective is started here."""
+        """Read this node's rows of ``step``'s chunk and the next now, in the background (a
+        stage's first step, while the model is built: its first ``get`` starts both exchanges);
+        no collective is started here."""
         if self.closed:
             raise RuntimeError("start of a closed row exchange")
         if 0 <= step < self.end:
             self._prepare_soon(step // self.chunk_steps)
+            self._prepare_soon(step // self.chunk_steps + 1)
 
     def _settle(self) -> None:
         """Wait for every exchange in flight (every member started it: it completes)."""
