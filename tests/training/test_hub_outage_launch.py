@@ -8,16 +8,22 @@ asks the Hub for shards it has not read after its first checkpoint: the demo cor
 so few that the first micro-batches' look-ahead fetches every one of them."""
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.formats.shards import load_manifests, write_shards
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.data.plans.build import build_plan
 from ds_trhash.data.plans.plan import write_plan
+from ds_trhash.data.plans.plan import load_plan
+from ds_trhash.data.stream.exchange import owners
+from ds_trhash.data.stream.reader import ReplayReader
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
@@ -72,3 +78,45 @@ def test_an_outage_beyond_the_budget_stops_cleanly_and_resume_auto_finishes(tmp_
     assert resumed.returncode == 0, L.explain(resumed)
     assert f"resuming at step {kept[-1]}" in resumed.stdout + resumed.stderr
     assert L.checkpoint_steps(out)[-1] == L.REFERENCE_STEPS
+
+
+def _owned_and_read_late(plan, node: int, after_row: int) -> str:
+    """A shard that ``node`` owns on two nodes and that no row before ``after_row`` reads."""
+    seed = yaml.safe_load((L.REPO / "ds_configs" / "tiny" / "pretrain.yaml").read_text())["seed"]
+    reader = ReplayReader(load_plan(plan), Path("."), seed)  # the run's order only: no shard is opened
+    early = {(s, f) for s, f, _ in reader.global_rows(0, after_row)}
+    late = [key for key, owner in owners(reader, 2).items() if owner == node and key not in early]
+    assert late, "every shard of that node is read before the first checkpoint"
+    return "/".join(late[0])
+
+
+def test_on_two_nodes_both_stop_at_one_step_each_saying_what_to_run(tmp_path):
+    """A shard that one node owns stays unavailable (503) past data.hub_wait_minutes after the
+    first checkpoint, in a run whose rows travel between the nodes: the owner says what it could
+    not fetch, the other node which node failed, both at the same step, without a traceback, each
+    saying that --resume auto continues from the last checkpoint."""
+    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+    broken = _owned_and_read_late(plan, node=0, after_row=6 * 8)  # not read in the first 6 steps of 8 rows
+    out = tmp_path / "run"
+    args = L.reference_run(out, micro=4, extra=[
+        "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+        "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.hub_wait_minutes=0.05",
+        "--set", "data.exchange_rows=16"])  # two steps of 8 rows per exchange
+    with HubServer(TOKEN, deadline_s=600) as hub:
+        seed_dataset(hub, REPO, corpus_files(corpus))
+        hub.file_faults[broken] = ["503"] * 1000
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1")
+        nodes = L.two_nodes(args, tmp_path, node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+                            **env)
+    said = [proc.stdout + proc.stderr for proc in nodes]
+    explained = "\n".join(L.explain(p) for p in nodes)
+    assert all(proc.returncode == 2 for proc in nodes) and not any("Traceback" in s for s in said), explained
+    kept = L.checkpoint_steps(out)
+    advice = (f"training stopped; the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with "
+              "--resume auto continues from it once the Hub answers")
+    assert re.search(rf"error: rank 0: cannot get {broken} .* \(last: HTTP 503\); .*; {re.escape(advice)}", said[0]), explained
+    peer = re.search(r"error: rank 1: node 0 could not read the rows it owns for steps (\d+)-(\d+) \(its own error is in "
+                     rf"its log\); {re.escape(advice)}", said[1])
+    assert peer and int(peer[1]) >= kept[-1] >= 3, explained  # stopped after its last checkpoint, at that exchange
+    assert "cannot get" not in said[1]  # node 1 never asked for the shard: node 0 owns it

@@ -54,6 +54,21 @@ _OK, _STORE_GONE, _FAILED = 0, 1, 2
 CLOSE_WAIT_S = 60.0  # how long close waits for an exchange in flight, or a read (a download) in progress
 
 
+class NodeLayoutError(UserError, ValueError):
+    """The ranks are not whole nodes of one rank count: the exchange groups cannot be formed."""
+
+
+def node_count(world_size: int, per_node: int) -> int:
+    """The nodes of a job of ``world_size`` ranks, ``per_node`` on each (``ranks.ranks_on_node``);
+    ranks are numbered node after node, as the launchers number them."""
+    if per_node < 1 or world_size % per_node:
+        raise NodeLayoutError(
+            f"{world_size} ranks are not whole nodes of {per_node} rank(s) each (LOCAL_WORLD_SIZE or LOCAL_SIZE "
+            "of this node): rows travel between nodes in groups of one rank per node, so every node must run "
+            "the same number of ranks; launch as many processes on each node (the same slots in the hostfile)")
+    return world_size // per_node
+
+
 class PeerReadError(UserError, RuntimeError):
     """Another node could not read the rows it owns for this rank (its own error is in its log)."""
 

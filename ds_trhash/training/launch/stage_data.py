@@ -28,6 +28,7 @@ from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
 from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
+from ds_trhash.data.stream.exchange import node_count
 from ds_trhash.data.stream.steps import BatchLayout, NodeShare, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
@@ -104,13 +105,12 @@ def node_share(corpus, rank: int, world: int, wait_s: float, chunk_rows: int) ->
     an outage: the groups' timeout is that wait (``wait_s``) and ten minutes more. None on one
     node, or from a local store (each node reads its own copy)."""
     per_node = ranks_on_node(world)
-    nodes = max(1, world // max(per_node, 1))
-    if nodes < 2 or corpus.commit == LOCAL_COMMIT:
+    if corpus.commit == LOCAL_COMMIT or node_count(world, per_node) < 2:
         return None
     timeout = datetime.timedelta(seconds=wait_s + 600)
-    groups = [dist.new_group([m * per_node + local for m in range(nodes)], backend="gloo", timeout=timeout)
+    groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
-    return NodeShare(rank // per_node, nodes, groups[rank % per_node], chunk_rows)
+    return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows)
 
 
 def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.stream.exchange import PeerReadError, RowExchange, owners
+from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, RowExchange, node_count, owners
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
@@ -29,6 +29,13 @@ def test_owners_are_a_pure_function_of_the_plan_and_deal_each_source_out_evenly(
             assert counts.max() - counts.min() <= 1, (n, source, counts)
     assert [two[("a", f"shard-{i:05d}.bin")] for i in range(4)] == [0, 1, 0, 1]
     assert [two[("b", f"shard-{i:05d}.bin")] for i in range(4)] == [1, 0, 1, 0]  # the next source starts one node on
+
+
+def test_the_node_count_needs_whole_nodes_of_one_rank_count():
+    assert (node_count(16, 8), node_count(2, 1), node_count(4, 4)) == (2, 2, 1)
+    with pytest.raises(NodeLayoutError, match="3 ranks are not whole nodes of 2 rank") as e:
+        node_count(3, 2)
+    assert "same slots in the hostfile" in str(e.value)
 
 
 def _rank(rank, root, plan, tmp, broken, first, out):
