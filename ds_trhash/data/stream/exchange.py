@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -89,15 +90,40 @@ def owners(reader: ReplayReader, nodes: int) -> dict[Key, int]:
             for s, name in enumerate(sorted(files)) for i, file in enumerate(files[name])}
 
 
+@dataclass
 class _Chunk:
-    """What one chunk's exchange needs: sent, received, and where this rank's rows go."""
+    """One chunk's exchange: what this rank sends each member (the positions of the rows, then the
+    bytes: an 8-byte status before each member's part), what it receives from each, and where
+    those rows go among its own."""
+    refs: list[RowRef]  # the chunk's global rows
+    sends: list[np.ndarray]  # per member: positions in ``refs`` of its rows this node owns, its order
+    send_bytes: list[int]
+    recv_bytes: list[int]
+    places: list[np.ndarray]  # per node: where the rows it sends go among this rank's
+    rows: int  # this rank's rows in the chunk
+    send: np.ndarray = field(init=False)
+    error: Optional[BaseException] = None
+    recv: Optional[torch.Tensor] = None
+    work: object = None
 
-    def __init__(self, send: np.ndarray, send_bytes: list[int], recv_bytes: list[int],
-                 places: list[np.ndarray], rows: int, error: Optional[BaseException]) -> None:
-        self.send, self.send_bytes, self.recv_bytes = send, send_bytes, recv_bytes
-        self.places, self.rows, self.error = places, rows, error
-        self.recv: Optional[torch.Tensor] = None
-        self.work = None
+    def __post_init__(self) -> None:
+        self.send = np.zeros(sum(self.send_bytes), dtype=np.uint8)  # status _OK (0) and rows to come
+
+    def pack(self, windows: np.ndarray) -> None:
+        """The rows read ([sum of sends, seq_len + 1] uint16, the members' parts in turn) put into
+        the send buffer after each part's status."""
+        offset, row = 0, 0
+        for part, size in zip(self.sends, self.send_bytes):
+            self.send[offset + _HEADER:offset + size] = windows[row:row + len(part)].reshape(-1).view(np.uint8)
+            offset, row = offset + size, row + len(part)
+
+    def fail(self, error: BaseException) -> None:
+        """A status instead of rows for every member; ``error`` raised here at the exchange."""
+        self.error, offset = error, 0
+        status = _STORE_GONE if isinstance(error, StoreUnavailable) else _FAILED
+        for size in self.send_bytes:
+            self.send[offset:offset + _HEADER].view(np.int64)[0] = status
+            offset += size
 
 
 class RowExchange:
@@ -162,45 +188,39 @@ class RowExchange:
         return self._refs[chunk]
 
     # -- background: this node's rows for every member ----------------------------------
+    def _layout(self, chunk: int) -> _Chunk:
+        """Who sends which rows to whom in chunk ``chunk``: the plan's arithmetic alone, the same
+        on every member."""
+        steps, refs = self._steps(chunk), self._rows(chunk)
+        owner = np.fromiter((self.owner[(s, f)] for s, f, _ in refs), dtype=np.int64, count=len(refs))
+        sends = [wanted[owner[wanted] == self.node] for wanted in (self._positions(m, steps) for m in self.members)]
+        mine = owner[self._positions(self.rank, steps)]
+        places = [np.nonzero(mine == node)[0] for node in range(self.nodes)]
+        return _Chunk(refs, sends, [_HEADER + len(part) * self._row_bytes for part in sends],
+                      [_HEADER + len(place) * self._row_bytes for place in places], places, len(mine))
+
+    def _read(self, chunk: int, found: _Chunk) -> None:
+        """The rows this node owns for every member, read in one go; this node's shards of the
+        next chunk and of the horizon named to the cache."""
+        upcoming: tuple[Key, ...] = ()
+        ahead: tuple[Key, ...] = ()
+        following = self._steps(chunk + 1)
+        if len(following):
+            upcoming = self._keys_owned(self._rows(chunk + 1))
+            horizon = self.reader.horizon_keys(following.start * self.global_batch)
+            ahead = tuple(key for key in horizon if self.owner[key] == self.node)
+        wanted = np.concatenate(found.sends)
+        found.pack(self.reader.read_rows([found.refs[i] for i in wanted], upcoming, ahead))
+
     def _prepare(self, chunk: int) -> _Chunk:
         started = time.perf_counter()
-        steps = self._steps(chunk)
-        refs = self._rows(chunk)
-        owner = np.fromiter((self.owner[(s, f)] for s, f, _ in refs), dtype=np.int64, count=len(refs))
-        sends, send_bytes, recv_bytes, places = [], [], [], []
-        mine = self._positions(self.rank, steps)
-        for member in self.members:
-            wanted = self._positions(member, steps)
-            sends.append(wanted[owner[wanted] == self.node])
-            send_bytes.append(_HEADER + len(sends[-1]) * self._row_bytes)
-        for m in range(self.nodes):
-            place = np.nonzero(owner[mine] == m)[0]
-            places.append(place)
-            recv_bytes.append(_HEADER + len(place) * self._row_bytes)
-        send = np.zeros(sum(send_bytes), dtype=np.uint8)
-        error: Optional[BaseException] = None
+        found = self._layout(chunk)
         try:
-            following = self._steps(chunk + 1)
-            upcoming = ahead = ()
-            if len(following):
-                first = following.start * self.global_batch
-                upcoming = self._keys_owned(self._rows(chunk + 1))
-                ahead = tuple(k for k in self.reader.horizon_keys(first) if self.owner[k] == self.node)
-            wanted = np.concatenate(sends)
-            windows = self.reader.read_rows([refs[i] for i in wanted], upcoming, ahead)
-            offset, row = 0, 0
-            for m, part in enumerate(sends):
-                send[offset:offset + _HEADER].view(np.int64)[0] = _OK
-                size = len(part) * self._row_bytes
-                send[offset + _HEADER:offset + _HEADER + size] = windows[row:row + len(part)].reshape(-1).view(np.uint8)
-                offset, row = offset + _HEADER + size, row + len(part)
+            self._read(chunk, found)
         except Exception as exc:  # told to every member at the chunk's exchange, raised there
-            error, status, offset = exc, _STORE_GONE if isinstance(exc, StoreUnavailable) else _FAILED, 0
-            for size in send_bytes:
-                send[offset:offset + _HEADER].view(np.int64)[0] = status
-                offset += size
+            found.fail(exc)
         self.assembly_s += time.perf_counter() - started
-        return _Chunk(send, send_bytes, recv_bytes, places, len(mine), error)
+        return found
 
     def _work(self) -> None:
         while (item := self._todo.get()) is not None:
@@ -208,7 +228,7 @@ class RowExchange:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(self._prepare(chunk))
-                except BaseException as exc:  # never: _prepare sends its errors; kept for the caller
+                except BaseException as exc:  # a failure of the plan's arithmetic: the same on every member
                     future.set_exception(exc)
 
     # -- training thread: the collectives, in step order ---------------------------------
@@ -232,29 +252,33 @@ class RowExchange:
         self.sent_bytes += sum(found.send_bytes) - found.send_bytes[self.node] - _HEADER * (self.nodes - 1)
         self._issued[chunk] = found
 
-    def _complete(self, chunk: int) -> list[list[Batch]]:
-        """Chunk ``chunk``'s exchange waited for, and this rank's micro-batches cut from it."""
-        found = self._issued.pop(chunk)
-        found.work.wait()
+    def _unpack(self, chunk: int, found: _Chunk) -> np.ndarray:
+        """This rank's rows of the chunk ([rows, seq_len + 1] int64), each node's put in place; a
+        failed chunk raised: this rank's own error, else one naming the first node that failed."""
         recv = found.recv.numpy()
         rows = np.empty((found.rows, self.reader.seq_len + 1), dtype=np.int64)
-        offset, failed = 0, []
-        for m, (place, size) in enumerate(zip(found.places, found.recv_bytes)):
+        offset, failed = 0, None
+        for node, (place, size) in enumerate(zip(found.places, found.recv_bytes)):
             status = int(recv[offset:offset + _HEADER].view(np.int64)[0])
             if status != _OK:
-                failed.append((m, status))
+                failed = failed or (node, status)
             else:
                 rows[place] = recv[offset + _HEADER:offset + size].view(TOKEN_DTYPE).reshape(len(place), rows.shape[1])
             offset += size
         if found.error is not None:
             raise found.error
-        if failed:
-            node, status = failed[0]
-            kind = PeerStoreUnavailable if status == _STORE_GONE else PeerReadError
-            steps = self._steps(chunk)
-            raise kind(f"node {node} could not read the rows it owns for steps {steps.start}-{steps.stop - 1} "
+        if failed is not None:
+            kind, steps = PeerStoreUnavailable if failed[1] == _STORE_GONE else PeerReadError, self._steps(chunk)
+            raise kind(f"node {failed[0]} could not read the rows it owns for steps {steps.start}-{steps.stop - 1} "
                        "(its own error is in its log)")
-        tensor = torch.from_numpy(rows).view(-1, self.grad_accum, self.micro_batch, rows.shape[1])
+        return rows
+
+    def _complete(self, chunk: int) -> list[list[Batch]]:
+        """Chunk ``chunk``'s exchange waited for, and this rank's micro-batches cut from it."""
+        found = self._issued.pop(chunk)
+        found.work.wait()
+        rows = self._unpack(chunk, found)
+        tensor = torch.from_numpy(rows).view(-1, self.grad_accum, self.micro_batch, rows.shape[1])  # [steps, ga, mb, L+1]
         return [[self._finish(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()) for batch in step]
                 for step in tensor]
 
