@@ -328,8 +328,8 @@ class RowExchange:
                 pass
 
     def request_stop(self) -> None:
-        for future in self._prepared.values():
-            future.cancel()
+        """Drop the reads not begun yet (never blocks); a later ``get`` reads them again."""
+        self._prepared = {chunk: future for chunk, future in self._prepared.items() if not future.cancel()}
 
     def close(self) -> None:
         """Wait for the exchange in flight and the read in progress (at most ``CLOSE_WAIT_S``

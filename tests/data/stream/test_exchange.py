@@ -62,6 +62,8 @@ def _rank(rank, root, plan, tmp, broken, first, out):
         direct = ReplayReader(plan, root, 3)
         steps = direct.num_rows // (MICRO * ACCUM * WORLD)
         exchange.start(first)
+        exchange.request_stop()  # what was queued is read again when asked
+        exchange.start(first)
         result = {"steps": steps, "chunk_steps": exchange.chunk_steps}
         try:
             for step in range(first, steps):  # the stage ends at 5: step 5 is still the plan's
