@@ -1,7 +1,7 @@
 """Data wait in a tiny 2-rank launch (not a test): the share of step time each launch spends
 reading its batches, streamed from the loopback Hub against the same plan read from local disk.
 
-    .venv/bin/python bench/bench_stream_launch.py [--steps 30] [--repeat 2]
+    .venv/bin/python bench/bench_stream_launch.py [--steps 30] [--repeat 2] [--nodes 2 [--exchange-rows 64]]
 
 The tiny pretraining config on the embedded demo corpus (built once), 2 CPU ranks through the
 `deepspeed` launcher, no checkpoints until the last step. Each launch prints at the end of its
@@ -15,7 +15,10 @@ load at one moment does not decide the comparison, and prints every launch's lin
 Every launch starts with an empty node cache of its own (``data.cache_dir`` in the run's temporary
 folder, not the user's default cache, which a former version of this script shared between its
 launches): the Hub run downloads every shard during the run, with prefetch, which is the cold
-worst case; the server runs in this script's process.
+worst case; the server runs in this script's process. With ``--nodes 2`` the Hub launch runs as two
+simulated nodes of one rank each (two launchers, ``--no_ssh``, each node its own cache): each node
+fills the shards it owns and the rows travel between them, ``--exchange-rows`` global rows at a time
+(``data.exchange_rows``; the tiny config's steps are 8 rows); the line is node 0's.
 """
 from __future__ import annotations
 
@@ -41,11 +44,16 @@ LINE = re.compile(r"data wait on rank 0: ([\d.]+) s of ([\d.]+) s in (\d+) step\
                   r"waiting for shards[^\n]*")
 
 
-def launch(out: Path, steps: int, extra: list[str], **env: str) -> tuple[float, float, str]:
+def launch(out: Path, steps: int, extra: list[str], nodes: int = 1, **env: str) -> tuple[float, float, str]:
     args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", str(steps),
             "--set", f"training.max_steps={steps}", "--set", "training.log_every=10", "--set", "checkpoint.packs=null",
             "--set", f"checkpoint.every_steps={steps}", "--set", "checkpoint.keep_last=null", *extra]
-    proc = L.deepspeed(2, args, timeout=900, **env)
+    if nodes == 2:
+        out.mkdir(parents=True, exist_ok=True)
+        proc = L.two_nodes(args, out, timeout=900, node_args=lambda node: [
+            "--set", f"data.cache_dir={out / f'cache-node{node}'}"], **env)[0]
+    else:
+        proc = L.deepspeed(2, args, timeout=900, **env)
     found = LINE.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
         sys.exit(f"launch in {out} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -57,6 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="the Hub launch on 1 node or 2 simulated nodes")
+    ap.add_argument("--exchange-rows", type=int, default=64, help="data.exchange_rows of a 2-node launch")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, HubServer(TOKEN, deadline_s=7200) as hub:
         paths = build_embedded(Path(tmp) / "embedded", seq_len=128)
@@ -69,7 +79,10 @@ def main() -> None:
         for i in range(args.repeat):
             for name, (extra, env) in sources.items():
                 cache = ["--set", f"data.cache_dir={Path(tmp) / f'cache-{name}-{i}'}"]  # empty: not the user's default
-                share, inline, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra + cache, **env)
+                nodes = args.nodes if name == "hub" else 1
+                if nodes == 2:  # each node its own cache (launch); the rows travel between them
+                    cache = ["--set", f"data.exchange_rows={args.exchange_rows}"]
+                share, inline, line = launch(Path(tmp) / f"{name}-{i}", args.steps, extra + cache, nodes, **env)
                 shares[name].append((share, inline))
                 print(f"{name:5s} pass {i + 1}: {line}", flush=True)
         for name, values in shares.items():
