@@ -3,9 +3,9 @@
 ``RankStream`` cuts each step's micro-batches from the plan's reader (``reader``), one step or two
 ahead of the step being trained, on a background thread (``assembly``), in pinned host memory
 when the launch trains on CUDA. On several nodes reading the Hub it takes them instead from the
-row exchange (``exchange``): each node reads the shards it owns, for every node. It owns what the reading holds: ``close`` (or leaving its
-``with`` block) stops the thread, closes the node cache and releases every shard, and the launch
-calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
+row exchange (``exchange``): each node reads the shards it owns, for every node. It owns what
+the reading holds: ``close`` (or leaving its ``with`` block) stops the thread, closes the node
+cache and releases every shard, and the launch calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
 (``DataFigures``): counters only, no file walked, cheap enough to ask at every step.
 """
 from __future__ import annotations
