@@ -56,12 +56,13 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
 
 
 def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], new_sessions: bool = False,
-                    **env: str) -> tuple[list[subprocess.Popen], int]:
+                    slots: int = 1, **env: str) -> tuple[list[subprocess.Popen], int]:
     """``two_nodes``' launchers, started and not waited for: (the launchers, the master port).
-    ``new_sessions``: each in a session and process group of its own, as from a terminal per node."""
+    ``new_sessions``: each in a session and process group of its own, as from a terminal per node;
+    ``slots``: CPU processes per node."""
     port = free_port()
     hostfile = workdir / "hostfile"
-    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    hostfile.write_text(f"node0 slots={slots}\nnode1 slots={slots}\n")
     procs = []
     for node in (0, 1):
         cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
@@ -71,13 +72,14 @@ def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], n
     return procs, port
 
 
-def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [],
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [], slots: int = 1,
               **env: str) -> list[subprocess.CompletedProcess]:
     """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
     the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
     address and port on loopback; one CPU process per node. ``node_args(node)`` adds what differs
-    between nodes (e.g. each node's own ``data.cache_dir``). Returns both launchers' results."""
-    procs, port = start_two_nodes(args, workdir, node_args, **env)
+    between nodes (e.g. each node's own ``data.cache_dir``); ``slots``: processes per node (1).
+    Returns both launchers' results."""
+    procs, port = start_two_nodes(args, workdir, node_args, slots=slots, **env)
     results = []
     try:
         for p in procs:

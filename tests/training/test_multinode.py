@@ -232,3 +232,26 @@ def test_ctrl_c_on_each_node_stops_both_at_one_step_with_one_checkpoint(runs, tm
     assert list(found) == [step]
     ok, reason = verify(found[step].path, deep=True)
     assert ok, reason
+
+
+def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks_train(runs, tmp_path):
+    """Two nodes of two ranks each (LOCAL_SIZE 2 from the launcher): the rows travel in two
+    exchange groups, one per local rank. Each node's cache holds only the shards it owns, the Hub
+    serves each shard once, and the losses are the reference's within the tolerance of another
+    reduction layout (four ranks of 2 rows against two of 4: the same 8 rows a step)."""
+    root, _, _, (streamed, env) = runs
+    out = tmp_path / "run"
+    with HubServer(TOKEN, deadline_s=900) as hub:  # a Hub of its own: its counts are this run's
+        seed_dataset(hub, REPO, corpus_files(build_embedded(tmp_path / "embedded", seq_len=128).shards_dir))
+        env = {**env, "HF_ENDPOINT": hub.url}
+        nodes = L.two_nodes(L.reference_run(out, micro=2, extra=streamed), tmp_path, slots=2,
+                            node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"], **env)
+        for proc in nodes:
+            assert proc.returncode == 0, L.explain(proc)
+        served = {p: n for p, n in hub.served.items() if p.endswith(".bin")}
+    assert "4 process(es)" in nodes[0].stdout + nodes[0].stderr, L.explain(nodes[0])
+    caches = [_cached(tmp_path / f"cache-{node}") for node in (0, 1)]
+    assert caches[0] and caches[1] and not caches[0] & caches[1], caches
+    assert served == {p: 1 for p in caches[0] | caches[1]}
+    reference, four = L.train_losses(root / "one-node"), L.train_losses(out)
+    assert len(four) == STEPS and four == pytest.approx(reference, rel=1e-4)
