@@ -20,3 +20,9 @@ def step_rows(micro_batch: int, grad_accum: int, world_size: int) -> int:
 def step_tokens(micro_batch: int, grad_accum: int, world_size: int, seq_len: int) -> int:
     """Token positions per optimizer step over all ranks."""
     return step_rows(micro_batch, grad_accum, world_size) * seq_len
+
+
+def micro_batch_start(step: int, micro_step: int, rank: int, micro_batch: int, grad_accum: int, world_size: int) -> int:
+    """The first global row of rank ``rank``'s micro-step ``micro_step`` of step ``step``: step s
+    covers global rows [s·G, (s+1)·G), cut micro-step by micro-step, rank by rank."""
+    return step * step_rows(micro_batch, grad_accum, world_size) + (micro_step * world_size + rank) * micro_batch

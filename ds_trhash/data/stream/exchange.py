@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_trhash.batch_layout import step_rows
+from ds_trhash.batch_layout import micro_batch_start, step_rows
 from ds_trhash.data.formats.shards import TOKEN_DTYPE
 from ds_trhash.data.stream.order import RowRef
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
@@ -170,10 +170,11 @@ class RowExchange:
 
     def _positions(self, rank: int, steps: range) -> np.ndarray:
         """Positions in the chunk's rows of ``rank``'s rows, in the order it trains on them (step,
-        micro-step, row): micro-step m of rank r takes the micro-batch at (m·world + r)·mb."""
-        mb, world = self.micro_batch, self.world_size
-        micro = (np.arange(self.grad_accum)[:, None] * world + rank) * mb + np.arange(mb)[None, :]  # [ga, mb]
-        return ((np.arange(len(steps)) * self.global_batch)[:, None] + micro.reshape(1, -1)).reshape(-1)
+        micro-step, row; ``batch_layout.micro_batch_start``)."""
+        first = steps.start * self.global_batch
+        starts = np.array([micro_batch_start(step, micro, rank, self.micro_batch, self.grad_accum, self.world_size)
+                           for step in steps for micro in range(self.grad_accum)]) - first  # [steps · ga]
+        return (starts[:, None] + np.arange(self.micro_batch)[None, :]).reshape(-1)
 
     def _keys_owned(self, refs: list[RowRef]) -> tuple[Key, ...]:
         return tuple(key for key in dict.fromkeys((s, f) for s, f, _ in refs) if self.owner[key] == self.node)

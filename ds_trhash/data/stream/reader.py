@@ -33,13 +33,12 @@ import itertools
 import operator
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
 import torch
 
-from ds_trhash.batch_layout import step_rows
+from ds_trhash.batch_layout import micro_batch_start, step_rows
 from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
@@ -47,6 +46,7 @@ from ds_trhash.data.formats.layout import shard_path_under, sources_dir
 from ds_trhash.data.formats.shards import TOKEN_DTYPE
 from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
 from ds_trhash.data.formats.tokenizer import PathLike
+from ds_trhash.data.stream.horizon import PlanHorizon
 from ds_trhash.data.stream.order import RowRef, Segment, SourceRows
 from ds_trhash.data.stream.working_set import MappedShard, WorkingSet
 
@@ -62,7 +62,6 @@ DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minute
 # reader of small shards spent its whole pass two windows ahead, about four shards, and waited
 # for most shards of a 40 MiB pass in bench/bench_egress.py.)
 _PACE_AFTER_S = 0.2
-_PLAN_AHEAD_KEYS = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
 Key = tuple[str, str]
 _SHARD_OF = operator.itemgetter(0, 1)  # (source, file) of a RowRef
@@ -94,7 +93,6 @@ class ReplayReader:
         self.shuffle_window = int(shuffle_window)
         self.prefetch_s = max(0.0, float(prefetch_s))
         self._pace_start: Optional[tuple[float, int]] = None  # (monotonic time, global row) of the first look
-        self._plan_memo: tuple[tuple[int, int], tuple[Key, ...]] = ((-1, -1), ())
         self._far: tuple[int, int, float, tuple[Key, ...]] = (0, 0, 0.0, ())  # (window's rows [low, high), when, keys)
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
@@ -108,6 +106,7 @@ class ReplayReader:
                 start += segment.length
         self.num_rows = start
         self._segment_starts = [segment.start for segment in self.segments]
+        self.horizon = PlanHorizon(self.segments, self._window_size())  # the plan's shards over a span of rows
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
         self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
         self._prefetched: Optional[tuple] = None  # the last prefetch call's (upcoming, None when all was
@@ -169,7 +168,7 @@ class ReplayReader:
     # -- batches -----------------------------------------------------------------------
     @staticmethod
     def _first_row(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> int:
-        return step * step_rows(micro_batch, grad_accum, world_size) + (micro_step * world_size + rank) * micro_batch
+        return micro_batch_start(step, micro_step, rank, micro_batch, grad_accum, world_size)
 
     def _open_shard(self, key: Key) -> MappedShard:
         """A shard entering the working set: held and mapped by the cache, or mapped from the
@@ -259,7 +258,7 @@ class ReplayReader:
         segment, size = self.segments[index], self._window_size()
         low = segment.start + (first - segment.start) // size * size
         ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
-        later = self.plan_ahead(first, self._horizon_rows(first, now))
+        later = self.horizon.keys(first, self._horizon_rows(first, now))
         keys = ahead + tuple(k for k in later if k not in ahead)
         if keys == self._far[3]:
             keys = self._far[3]
@@ -276,54 +275,6 @@ class ReplayReader:
         if now - started < _PACE_AFTER_S or first <= row:
             return 2 * self._window_size()
         return int((first - row) / (now - started) * self.prefetch_s)
-
-    def plan_ahead(self, first: int, rows: int) -> tuple[Key, ...]:
-        """Every shard the plan reads from the start of the next window to the end of the window
-        holding global row ``first + rows - 1``, in order of first read (by window, then source
-        and file), at most ``_PLAN_AHEAD_KEYS``: the shards any rank of the job may need in that
-        time. Arithmetic on the sources' rows, no window is built; remembered per window and
-        horizon."""
-        size = self._window_size()
-        index = bisect.bisect_right(self._segment_starts, first) - 1
-        start = self.segments[index].start + ((first - self.segments[index].start) // size + 1) * size
-        end = self._window_end(min(self.num_rows, first + rows))
-        memo_key = (start, end)
-        if self._plan_memo[0] != memo_key:
-            found: list[tuple[int, str, str]] = []
-            while start < end and index < len(self.segments) and len(found) < _PLAN_AHEAD_KEYS:
-                segment = self.segments[index]
-                stop = min(end, segment.start + segment.length)
-                if start < stop:
-                    found.extend(self._first_reads(segment, start - segment.start, stop - segment.start))
-                index += 1
-                start = max(start, stop)
-            keys = (key for _, *key in sorted(found))
-            self._plan_memo = (memo_key, tuple(dict.fromkeys(tuple(k) for k in keys))[:_PLAN_AHEAD_KEYS])
-        return self._plan_memo[1]
-
-    def _window_end(self, row: int) -> int:
-        """The end of the shuffle window holding global row ``row - 1`` (its rows are read in any
-        order, so a horizon that reaches into a window takes all of it)."""
-        if row <= 0:
-            return 0
-        segment = self.segments[bisect.bisect_right(self._segment_starts, row - 1) - 1]
-        size = self._window_size()
-        return min(segment.start + segment.length, segment.start + -(-(row - segment.start) // size) * size)
-
-    def _first_reads(self, segment: "Segment", a: int, b: int) -> list[tuple[int, str, str]]:
-        """(global row of the window it is first read in, source, file) of each shard read in
-        segment positions [a, b), at most ``_PLAN_AHEAD_KEYS`` per source."""
-        size, out = self._window_size(), []
-        served_a, served_b = segment.served_before(a), segment.served_before(b)
-        for s, source in enumerate(segment.sources):
-            if served_b[s] <= served_a[s]:
-                continue
-            low = bisect.bisect_right(source.starts, served_a[s]) - 1
-            high = bisect.bisect_right(source.starts, served_b[s] - 1)
-            for i in range(low, min(high, low + _PLAN_AHEAD_KEYS)):
-                position = segment.position(s, max(source.starts[i], served_a[s]))
-                out.append((segment.start + position // size * size, source.name, source.files[i]))
-        return out
 
     def _prefetch(self, upcoming: tuple[Key, ...], ahead: tuple[Key, ...]) -> None:
         """The next micro-batches' shards first, then this rank's of the next shuffle window (all
@@ -368,7 +319,7 @@ class ReplayReader:
     def horizon_keys(self, first: int) -> tuple[Key, ...]:
         """Every shard the plan reads from the window after global row ``first`` to the
         prefetch horizon (``data.prefetch_minutes`` at the pace measured so far)."""
-        return self.plan_ahead(first, self._horizon_rows(first))
+        return self.horizon.keys(first, self._horizon_rows(first))
 
     def _read(self, refs: list[RowRef], dtype: np.dtype = np.dtype(np.int64)) -> np.ndarray:
         """Read the rows from the working set's maps, shard by shard."""

@@ -247,9 +247,9 @@ def test_plan_ahead_names_the_shards_of_the_horizon_in_first_read_order(first):
     reader = ReplayReader(doc, "unused", seed=5, shuffle_window=16)
     start = (first // 16 + 1) * 16
     for rows in (20, 90, 400):
-        end = reader._window_end(min(reader.num_rows, first + rows))
+        end = reader.horizon.window_end(min(reader.num_rows, first + rows))
         expected = _first_read_order(reader, start, end) if start < end else []
-        assert list(reader.plan_ahead(first, rows)) == expected[:64], (first, rows)
+        assert list(reader.horizon.keys(first, rows)) == expected[:64], (first, rows)
 
 
 def test_the_prefetch_horizon_follows_the_measured_pace(monkeypatch):
