@@ -27,6 +27,7 @@ raises, the failing rank its own error, the others one naming that node (``PeerR
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -320,13 +321,10 @@ class RowExchange:
             self._prepare_soon(step // self.chunk_steps + 1)
 
     def _settle(self) -> None:
-        """Wait for every exchange in flight (every member started it: it completes)."""
+        """Wait for every exchange in flight (every member started it: it completes; a failed
+        one raises here, as the next exchange would)."""
         for chunk in list(self._issued):
-            found = self._issued.pop(chunk)
-            try:
-                found.work.wait(datetime.timedelta(seconds=CLOSE_WAIT_S))
-            except Exception:  # a peer gone: nothing of it is used
-                pass
+            self._issued.pop(chunk).work.wait()
 
     def request_stop(self) -> None:
         """Drop the reads not begun yet (never blocks); a later ``get`` reads them again."""
@@ -339,7 +337,10 @@ class RowExchange:
             return
         self.closed = True
         self.request_stop()
-        self._settle()
+        for found in self._issued.values():
+            with contextlib.suppress(RuntimeError):  # a peer gone, or timed out: nothing of it is used now
+                found.work.wait(datetime.timedelta(seconds=CLOSE_WAIT_S))
+        self._issued.clear()
         self._todo.put(None)
         self._thread.join(CLOSE_WAIT_S)
         self._prepared.clear()
