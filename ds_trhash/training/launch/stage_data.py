@@ -97,16 +97,19 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def node_share(corpus, rank: int, world: int, wait_s: float, chunk_rows: int) -> NodeShare | None:
-    """On several nodes reading a Hub store, each node fills only the shards it owns and the rows
-    travel between nodes (``data.stream.exchange``): one Hub download per shard per job, not per
-    node. Every rank creates every node's exchange group (the ranks with one local index), in the
-    same order, as ``new_group`` requires. An exchange waits for a node whose download waits out
-    an outage: the groups' timeout is that wait (``wait_s``) and ten minutes more. None on one
-    node, or from a local store (each node reads its own copy)."""
-    per_node = ranks_on_node(world)
-    if corpus.commit == LOCAL_COMMIT or node_count(world, per_node) < 2:
-        return None
+def exchanging_nodes(corpus, world: int, per_node: int) -> int:
+    """The nodes that exchange rows (``data.stream.exchange``): on several nodes reading a Hub
+    store, each node fills only the shards it owns and the rows travel between nodes, one Hub
+    download per shard per job; 1 from a local store (each node reads its own copy). Checked
+    with the launch's other checks: unequal nodes are refused (``NodeLayoutError``)."""
+    return 1 if corpus.commit == LOCAL_COMMIT else node_count(world, per_node)
+
+
+def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
+    """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
+    every node's exchange group (the ranks with one local index), in the same order, as
+    ``new_group`` requires. An exchange waits for a node whose download waits out an outage: the
+    groups' timeout is that wait (``wait_s``) and ten minutes more."""
     timeout = datetime.timedelta(seconds=wait_s + 600)
     groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
@@ -184,6 +187,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
     max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
     corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
+    nodes = exchanging_nodes(corpus, world, node_ranks)
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
@@ -204,7 +208,8 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
-                             share=node_share(corpus, rank, world, wait_s, cfg.data.exchange_rows))
+                             share=node_share(rank, world, node_ranks, wait_s, cfg.data.exchange_rows)
+                             if nodes > 1 else None)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
