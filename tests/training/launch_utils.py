@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import torch
 from filelock import FileLock
 
@@ -193,3 +196,35 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:5]}"
+
+
+# What each rank prints when it stops on a signal after its checkpoint (training/callbacks/stop.py).
+STOP_LINE = re.compile(r"rank (\d)/2: stopped at step (\d+) of \d+ after a complete checkpoint \((.*)\); exiting 0")
+
+
+def foreign_tracebacks(text: str) -> list[str]:
+    """Tracebacks other than the deepspeed runner's own KeyboardInterrupt on Ctrl-C (its code
+    catches nothing around its wait; the ranks and launch.py are ours or handled)."""
+    blocks = re.split(r"(?=Traceback \(most recent call last\):)", text)[1:]
+    return [b for b in blocks if not ("deepspeed/launcher/runner.py" in b and "KeyboardInterrupt" in b.split("\n\n")[0])]
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """The processes still in process group ``pgid``."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):  # gone meanwhile
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+    return out
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """A launcher started in a process group of its own (``start_new_session``) and all it
+    started, killed and reaped: a failed test never leaves the runner, launch.py or a rank behind."""
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdout is not None and proc.stdout.closed:  # its output was read to the end already
+        proc.wait()
+    else:
+        proc.communicate()

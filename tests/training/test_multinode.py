@@ -20,7 +20,6 @@ import re
 import signal
 import time
 
-import psutil
 import pytest
 
 from ds_trhash.checkpoints import list_checkpoints, verify
@@ -30,7 +29,6 @@ from ds_trhash.data.embedded import build_embedded
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
-from tests.training.test_stop_signals import STOP_LINE, _foreign_tracebacks
 
 pytestmark = pytest.mark.launch
 
@@ -214,20 +212,17 @@ def test_ctrl_c_on_each_node_stops_both_at_one_step_with_one_checkpoint(runs, tm
         seconds = time.monotonic() - signalled
     finally:
         for proc in procs:
-            if proc.poll() is None or psutil.pid_exists(proc.pid):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if proc.poll() is None or L.group_processes(proc.pid):
+                L.kill_group(proc)
         for seg in L.shm_segments(port):
             seg.unlink(missing_ok=True)
-    lines = STOP_LINE.findall(said)
+    lines = L.STOP_LINE.findall(said)
     assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
     steps = {int(step) for _, step, _ in lines}
     assert len(steps) == 1, lines
     step = steps.pop()
     assert at <= step <= at + 3 and seconds < LAUNCHER_GRACE_S, (at, step, seconds)
-    assert not _foreign_tracebacks(said), said[-5000:]
+    assert not L.foreign_tracebacks(said), said[-5000:]
     found = {c.step: c for c in list_checkpoints(out)}
     assert list(found) == [step]
     ok, reason = verify(found[step].path, deep=True)

@@ -12,7 +12,6 @@ asserted exactly).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -28,7 +27,6 @@ from tests.training import launch_utils as L
 pytestmark = pytest.mark.launch
 
 STEPS = 150  # of the 157 the embedded plan holds at this batch: every launch ends by its signal
-STOP_LINE = re.compile(r"rank (\d)/2: stopped at step (\d+) of \d+ after a complete checkpoint \((.*)\); exiting 0")
 
 
 def _rows(out: Path) -> int:
@@ -67,32 +65,12 @@ def _launch(out: Path, target, *, resume: bool) -> dict:
         stdout, stderr = proc.communicate(timeout=LAUNCHER_GRACE_S + 60)
         ended = time.monotonic()
     finally:
-        if proc.poll() is None or any(p.is_running() for p in _group(proc.pid)):
-            _kill_group(proc)
+        if proc.poll() is None or any(p.is_running() for p in L.group_processes(proc.pid)):
+            L.kill_group(proc)
         for seg in L.shm_segments(port):
             seg.unlink(missing_ok=True)
     return {"code": proc.returncode, "stdout": stdout, "stderr": stderr, "step_at_signal": step_at_signal,
             "seconds": ended - signalled, "out": out}
-
-
-def _group(pgid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid:
-                out.append(p)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return out
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """A failed scenario never leaves the runner, launch.py or a rank behind."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.communicate()
 
 
 def _to_rank1(proc, launch_py, ranks):
@@ -123,26 +101,19 @@ def stops(tmp_path_factory):
     return results
 
 
-def _foreign_tracebacks(text: str) -> list[str]:
-    """Tracebacks other than the deepspeed runner's own KeyboardInterrupt on Ctrl-C (its code
-    catches nothing around its wait; the ranks and launch.py are ours or handled)."""
-    blocks = re.split(r"(?=Traceback \(most recent call last\):)", text)[1:]
-    return [b for b in blocks if not ("deepspeed/launcher/runner.py" in b and "KeyboardInterrupt" in b.split("\n\n")[0])]
-
-
 def _reasons(result: dict) -> dict[str, str]:
-    return {rank: reason for rank, _, reason in STOP_LINE.findall(result["stdout"] + result["stderr"])}
+    return {rank: reason for rank, _, reason in L.STOP_LINE.findall(result["stdout"] + result["stderr"])}
 
 
 def _check(result: dict, code: int) -> int:
     both = result["stdout"] + result["stderr"]
-    lines = STOP_LINE.findall(both)
+    lines = L.STOP_LINE.findall(both)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], f"exit {result['code']}\n{both[-5000:]}"
     steps = {int(s) for _, s, _ in lines}
     assert len(steps) == 1, f"ranks stopped at different steps: {lines}"
     step = steps.pop()
     assert result["step_at_signal"] <= step <= result["step_at_signal"] + 3, (result["step_at_signal"], step)
-    assert not _foreign_tracebacks(both), both[-5000:]
+    assert not L.foreign_tracebacks(both), both[-5000:]
     assert "second SIG" not in both
     assert result["code"] == code, f"exit {result['code']}\n{both[-3000:]}"
     assert result["seconds"] < LAUNCHER_GRACE_S, result["seconds"]
