@@ -111,17 +111,24 @@ def _watch_parent(parent: int) -> None:
 
 
 def serve(conn: Connection) -> None:
+    """Set up, say so, then fill. A rank that closes the connection at any point (a launch
+    refused or failed right after its stream started, while this process was still importing)
+    ends it quietly: there is nobody left to tell, and its stderr is the launch's console."""
     try:
         recipe = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return  # shut before the recipe arrived
+    try:
         cache = ShardCache(recipe["store"], recipe["cache_dir"], recipe["max_bytes"], recipe["shards"],
                            commit=recipe["commit"], prefetch=0)
         cache.store.warm_up()
+        answer: tuple = ("ready",)
     except Exception as exc:
-        conn.send(("error", _sendable(exc)))
-        return
-    conn.send(("ready",))
+        answer, cache = ("error", _sendable(exc)), None
     try:
-        _Worker(conn, cache, recipe["depth"], recipe["allowance"]).run()
+        conn.send(answer)
+        if cache is not None:
+            _Worker(conn, cache, recipe["depth"], recipe["allowance"]).run()
     except OSError:
         return  # the rank shut the connection while an answer was on its way
 

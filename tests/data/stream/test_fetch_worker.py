@@ -121,3 +121,21 @@ def test_the_store_is_set_up_before_the_process_says_ready(tmp_path):
     process.join(10)
     assert not process.is_alive()
     cache.close()
+
+
+
+@pytest.mark.parametrize("leaves", ["before the recipe", "before the process is ready"])
+def test_a_rank_that_leaves_early_ends_the_process_quietly(tmp_path, leaves):
+    """A launch refused or failed right after its stream started closes the connection while the
+    process is still starting: it ends without a word (a BrokenPipeError traceback on the
+    launch's console came before the launch's own error line)."""
+    root = write_corpus(tmp_path / "store")
+    cache = open_corpus(plan_for(root), str(root)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0)
+    recipe = {"store": LocalStore(root), "cache_dir": cache.cache_dir, "max_bytes": cache.max_bytes,
+              "shards": cache._shards, "commit": cache.commit, "depth": 2, "allowance": 1}
+    ours, theirs = Pipe()
+    if leaves == "before the process is ready":
+        ours.send_bytes(pickle.dumps(recipe))  # read from the connection after the rank closed it
+    ours.close()
+    serve(theirs)  # returns; raises nothing
+    cache.close()
