@@ -30,6 +30,13 @@ def tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
+def flip_byte(path: Path) -> None:
+    """One byte in the middle of ``path`` changed, its size kept: only its hash tells."""
+    raw = bytearray(Path(path).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    Path(path).write_bytes(bytes(raw))
+
+
 def ds_trhash(*args: str, cwd: Path | None = None, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
     """The installed console script, as a user runs it."""
     e = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **env)
