@@ -107,7 +107,7 @@ def inconsistency(ckpt_dir: str | os.PathLike) -> str | None:
             engine = engine_states(path)
         except (pickle.UnpicklingError, EOFError, RuntimeError):
             engine = None  # not a torch file: nothing to cross-check here; restoring the engine refuses it
-        if engine is not None:
+        if isinstance(engine, Mapping):  # anything else is no engine record; loading it refuses it
             problems = _engine_problems(int(state["step"]), _rows_per_step(state), engine)
     return f"inconsistent ({'; '.join(problems)})" if problems else None
 

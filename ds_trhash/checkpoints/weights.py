@@ -65,7 +65,12 @@ def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
     if not model_file.is_file():
         raise CheckpointError(f"{model_file} is missing: no model weights in {ckpt_dir}")
     # Our own verified checkpoint: DeepSpeed pickles non-tensor objects beside the weights.
-    module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    saved = torch.load(model_file, map_location="cpu", weights_only=False)
+    module = saved.get("module") if isinstance(saved, dict) else None
+    if not isinstance(module, dict) or not all(isinstance(v, torch.Tensor) for v in module.values()):
+        # a torch file resealed into the manifest, but not an engine's record of a model
+        raise CheckpointError(f"{model_file} holds no model state dict (a 'module' mapping of names to tensors): "
+                              f"{ckpt_dir} is not a checkpoint this trainer wrote")
     return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
 
 

@@ -206,11 +206,13 @@ class TRHashForCausalLM(nn.Module):
             engine.validate_routes()
 
     def load_checkpoint_state(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
-                              where: str = "the saved weights") -> list[str]:
+                              where: str = "the saved weights", assign: bool = False) -> list[str]:
         """Load, validate every layer's routes, and report where they differ from the config.
-        ``where`` names the source in the error when the tensors are another model's."""
+        ``where`` names the source in the error when the tensors are another model's. ``assign``:
+        take the tensors themselves (a model built on the meta device checks that weights fit
+        without allocating a copy of them)."""
         try:
-            self.load_state_dict(state_dict, strict=strict)
+            self.load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as exc:  # missing / unexpected keys, wrong shapes: the file is another model's
             raise WeightsError(f"{where} do not fit this model ({self.config.num_layers} layers, hidden "
                                f"{self.config.hidden_size}): {' '.join(str(exc).split())[:300]}") from None

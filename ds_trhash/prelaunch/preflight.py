@@ -8,8 +8,8 @@ checkpoint, the output directory, memory against an estimate for the micro-batch
 the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
 
 The verdicts are the trainer's own: the checks ``training.launch.plan.plan_launch`` makes for a
-launch (config validation, data checks, stage guard, output directory and resume checks, the
-kernel choice), called one by one here so that each gets its line, and the resource checks of
+launch (config validation, data checks, stage guard and the --init-checkpoint's weights, output
+directory and resume checks, the kernel choice), called one by one here so that each gets its line, and the resource checks of
 ``training.launch.resources``, whose cheap part the trainer also runs at launch.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ds_trhash.training.engine import check_runnable
 from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.launch import resources as res
 from ds_trhash.training.launch.footprint import estimate
+from ds_trhash.training.launch.init_weights import read_init_weights
 from ds_trhash.training.launch.output import check_output_side, check_resume
 from ds_trhash.training.launch.plan import kernel_choice
 from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
@@ -109,7 +110,7 @@ def _output(report: Report, cfg, args, world: int, data):
     return report.run("output", output)
 
 
-def _source(report: Report, cfg, args, pre, data) -> None:
+def _source(report: Report, cfg, args, pre, data, model_cfg) -> None:
     def stage():
         init_dir = pre.init_dir if pre is not None else launch_checks.resolve_init_checkpoint(
             args.init_checkpoint, log=lambda *_: None)
@@ -121,7 +122,10 @@ def _source(report: Report, cfg, args, pre, data) -> None:
         record = guard_stage(cfg, init_dir, data, resuming=resuming)
         if record is None:
             return None, f"{cfg.stage} from scratch" if not resuming else "resumed run (checked at its first launch)"
-        return None, f"{record.stage.value} -> {cfg.stage} from {init_dir} is allowed"
+        if not resuming:  # the launch's own read: every file against its manifest, the tensors against the model
+            read_init_weights(init_dir, model_cfg)
+        return None, (f"{record.stage.value} -> {cfg.stage} from {init_dir} is allowed"
+                      + ("" if resuming else "; its weights verify and fit the model"))
 
     report.run("stage", stage)
 
@@ -170,7 +174,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     if data is None:
         report.skip("stage", "the data check failed")
     else:
-        _source(report, cfg, args, pre, data)
+        _source(report, cfg, args, pre, data, model_cfg)
     footprint = estimate(cfg, model_cfg, world, devices.kind)
     report.add(res.check_memory(footprint, devices, world))
     if data is None:

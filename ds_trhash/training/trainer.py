@@ -60,10 +60,9 @@ def build_model(plan: LaunchPlan, rank: int) -> TRHashForCausalLM:
     cfg = plan.cfg
     torch.manual_seed(cfg.seed)
     model = TRHashForCausalLM(plan.model_config)
-    if plan.init_weights is not None:
-        state_dict, _ = ckpt.load_merged_weights(plan.init_weights)  # an SFT→SFT LoRA source arrives merged
-        differences = model.load_checkpoint_state(state_dict, where=f"the weights of --init-checkpoint {plan.init_weights}")
-        for line in differences:
+    if plan.initial is not None:  # read and checked by the plan (an SFT→SFT LoRA source arrives merged)
+        model.load_checkpoint_state(plan.initial.take(), where=plan.initial.where)
+        for line in plan.initial.route_differences:
             log.warning("routes kept from the checkpoint: %s", line)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)

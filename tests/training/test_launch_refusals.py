@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.cli import main as cli_main
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.io import sha256_file
-from ds_trhash.model.transformer import WeightsError
-from ds_trhash.training import config as tcfg
 from ds_trhash.training.launcher import main as launcher_main
-from ds_trhash.training.trainer import build_model
-from tests.fail_closed import tree_digest
+from tests.fail_closed import flip_byte, tree_digest
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.launch
@@ -135,19 +132,32 @@ def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_fin
     assert f"the run's final complete checkpoint is {root / 'base' / 'checkpoints' / 'step_00000002'}" in err
 
 
-# --- in-process refusals (launcher.main returns before the process group or the model exists)
+# --- in-process refusals (launcher.main returns before the model and the data side exist; those the
+# plan makes, after its one-rank process group started)
 
 
 def _refused_here(capsys, root: Path, argv: list[str], *needles: str) -> str:
+    """``capsys``, or ``capfd`` where a process the launch starts could write too."""
     before = tree_digest(root)
     rc = launcher_main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert rc == 2, err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in out + err, err[-3000:]
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err[-3000:]
     for needle in needles:
         assert needle in err, err[-3000:]
     assert tree_digest(root) == before, "a refused launch changed files"
     return err
+
+
+@pytest.fixture()
+def rank_zero_of_one(monkeypatch):
+    """``launcher.main`` in this process starts a one-rank gloo group when a refusal comes from the
+    plan: on a free port (29500, its default, may be another launch's), the variables it reads
+    put back after the test."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(L.free_port())}.items():
+        monkeypatch.setenv(key, value)
 
 
 def test_a_launch_never_writes_into_its_init_checkpoint_or_the_run_holding_it(root, capsys):
@@ -212,7 +222,8 @@ def test_a_diverged_run_stops_naming_the_step_and_saves_no_nan(root):
         assert all(torch.isfinite(t).all() for t in L.model_weights(run / "checkpoints" / f"step_{step:08d}").values())
 
 
-def test_a_plan_that_is_a_directory_or_whose_vocabulary_exceeds_the_models_is_refused(root, tmp_path, capsys):
+def test_a_plan_that_is_a_directory_or_whose_vocabulary_exceeds_the_models_is_refused(root, tmp_path, capsys,
+                                                                                  rank_zero_of_one):
     paths = build_embedded(root / "embedded")  # the base run's corpus: found, not rebuilt
     data = ["--set", f"data.shards_dir={paths.shards_dir}"]
     _refused_here(capsys, root, _args(tmp_path / "run", *data, "--set", f"data.plan={tmp_path}"),
@@ -226,22 +237,66 @@ def test_a_plan_that_is_a_directory_or_whose_vocabulary_exceeds_the_models_is_re
     assert not (tmp_path / "run").exists()
 
 
-def test_an_init_checkpoint_with_valid_torch_data_but_the_wrong_tensors_is_a_user_error(root, tmp_path):
-    wrong = tmp_path / "wrong"
-    shutil.copytree(root / "base" / "checkpoints" / "step_00000002", wrong)
-    states = wrong / "state" / ckpt.ENGINE_TAG / "mp_rank_00_model_states.pt"
-    if not states.is_file():
-        states = next((wrong / "state").rglob("mp_rank_00_model_states.pt"))
+def _model_states(step: Path) -> Path:
+    return next((step / "state").rglob("mp_rank_00_model_states.pt"))
+
+
+def _flip_byte(step: Path) -> str:
+    """One byte of the model file changed (same size): the SHA-256 differs from the manifest."""
+    states = _model_states(step)
+    flip_byte(states)
+    return f"{step.name} is corrupt ({states.relative_to(step)} SHA-256 differs from {ckpt.MANIFEST})"
+
+
+def _damaged_tensor(step: Path) -> str:
+    _flip_byte(step)
+    return (f"cannot initialise from {step}: it is corrupt ({_model_states(step).relative_to(step)} SHA-256 "
+            f"differs from {ckpt.MANIFEST})")
+
+
+def _resealed_wrong_content(step: Path) -> str:
+    """A valid torch file of other tensors, resealed into the manifest: it verifies."""
+    states = _model_states(step)
     torch.save({"module": {"embed.weight": torch.zeros(3, 3)}}, states)
-    manifest = json.loads((wrong / ckpt.MANIFEST).read_text())
-    rel = str(states.relative_to(wrong))
+    manifest = json.loads((step / ckpt.MANIFEST).read_text())
+    rel = str(states.relative_to(step))
     manifest["files"][rel] = {**manifest["files"][rel], "sha256": sha256_file(states), "size": states.stat().st_size}
-    (wrong / ckpt.MANIFEST).write_text(json.dumps(manifest))
-    # the trainer's own model builder on the real file (in-process: a launch would cost half a
-    # minute to reach it; the launcher prints any such UserError as one line, exit 2)
-    cfg = tcfg.load_config(str(L.REPO / "ds_configs" / "tiny" / "refine.yaml"), [f"output_dir={tmp_path / 'out'}"])
-    before = tree_digest(wrong)
-    with pytest.raises(WeightsError, match=f"the weights of --init-checkpoint {wrong} do not fit this model"):
-        # the plan's fields build_model reads before the weights are loaded
-        build_model(SimpleNamespace(cfg=cfg, model_config=tcfg.model_config(cfg), init_weights=str(wrong)), 0)
-    assert tree_digest(wrong) == before and not (tmp_path / "out").exists()
+    (step / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.verify(step) == (True, "ok")
+    return f"the weights of --init-checkpoint {step} do not fit this model (4 layers, hidden 128)"
+
+
+@pytest.mark.parametrize("spoil", [_damaged_tensor, _resealed_wrong_content])
+def test_an_init_checkpoint_that_is_damaged_or_another_models_is_refused_before_the_data_starts(
+        root, capfd, rank_zero_of_one, spoil):
+    """Refused as one error line, exit 2, with the weights checked before the stream (and its
+    prefetch process) starts: no traceback from a process torn down on the way out (read at the
+    file descriptors, where that process writes), no shard cache, no output directory, no lock."""
+    source = root / f"init-{spoil.__name__.strip('_')}"
+    shutil.copytree(root / "base" / "checkpoints" / "step_00000002", source)
+    line = spoil(source)
+    cache = root / "refused-cache"
+    argv = _args(root / "refined", "--init-checkpoint", str(source), "--set", f"data.cache_dir={cache}", config="refine")
+    err = _refused_here(capfd, root, argv, f"error: {line}")
+    assert not cache.exists() and not (root / "refined").exists()
+    # `ds-trhash preflight` makes the launch's own check: the same words, on its stage line
+    refusal = next(x for x in err.splitlines() if x.startswith("error: "))
+    before = tree_digest(root)
+    assert cli_main(["preflight", *argv]) == 2
+    failed = [x for x in capfd.readouterr().out.splitlines() if x.startswith("FAIL")]
+    assert failed == [f"FAIL  stage: {refusal.removeprefix('error: ')}"], failed
+    assert tree_digest(root) == before
+
+
+def test_init_checkpoint_of_a_run_whose_checkpoints_are_all_damaged_is_refused_not_taken_from_final(
+        root, capfd, rank_zero_of_one):
+    """A completed run whose checkpoints are present but do not verify is no run after cleanup:
+    refused, each checkpoint named with what is wrong, and RUN/final offered explicitly."""
+    run = root / "all-damaged"
+    shutil.copytree(root / "base", run)
+    wrong = [_flip_byte(run / "checkpoints" / f"step_{step:08d}") for step in (1, 2)]
+    assert tree_digest(run / "final") == tree_digest(root / "base" / "final")  # its export is intact
+    err = _refused_here(capfd, root, _args(root / "refined", "--init-checkpoint", str(run), config="refine"),
+                        f"error: --init-checkpoint {run}: the completed stage's last checkpoint", *wrong,
+                        f"--init-checkpoint {run / 'final'} takes its export explicitly")
+    assert "gone (cleanup)" not in err and "using its" not in err

@@ -3,11 +3,13 @@
 :func:`plan_launch` makes every check that can refuse a launch, in this order: the config on
 this world size, the output side (resume or fresh, from which checkpoint), the stage's data,
 the stage guard, every callback's own inputs, an exact resume's compatibility, the machine's
-resources, and the kernels (the policy resolved for the device, each fused kernel run once
-against PyTorch). It writes nothing, so a wrong launch costs seconds. The trainer builds the
-model and the engine from the plan; ``ds-trhash preflight`` makes the same checks one by one
-(``check_output_side``, ``check_resume``, ``guard_stage``, ``kernel_choice``, the resource
-checks), printing a line for each.
+resources, the ``--init-checkpoint`` weights (verified, read and fitted to the model on the meta
+device, ``init_weights``), and the kernels (the policy resolved for the device, each fused kernel
+run once against PyTorch). It writes nothing and starts nothing (the data side starts once the
+plan stands), so a wrong launch costs seconds and leaves nothing to tear down. The trainer builds
+the model and the engine from the plan; ``ds-trhash preflight`` makes the same checks one by one
+(``check_output_side``, ``check_resume``, ``guard_stage``, ``read_init_weights``,
+``kernel_choice``, the resource checks), printing a line for each.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.engine import check_runnable, compute_dtype
 from ds_trhash.training.global_batch import BatchLayout
 from ds_trhash.training.launch import resources
+from ds_trhash.training.launch.init_weights import InitWeights, read_init_weights
 from ds_trhash.training.launch.output import OutputSide, check_output_side, check_resume
 from ds_trhash.training.launch.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.launch.stage_guard import guard_stage
@@ -57,6 +60,7 @@ class LaunchPlan:
     device: torch.device
     kernels: backend.KernelChoice
     builders: tuple[Builder, ...]  # the callbacks the config asks for, inputs checked
+    initial: InitWeights | None = None  # the --init-checkpoint's weights, checked (None on a resume)
     run_files: tuple[str, ...] = TRAINER_FILES  # what the launch writes at the top of its output directory
 
     @property
@@ -161,11 +165,13 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     if output.saved is not None:
         resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
+    # read once, here: a damaged or foreign checkpoint is refused before the data side starts
+    initial = read_init_weights(output.init_dir, model_cfg) if output.saved is None and output.init_dir else None
     device = launch_device()
     choice = kernel_choice(cfg, model_cfg, device)
     return LaunchPlan(
         cfg=cfg, loaded=loaded, world=world, model_config=model_cfg, output=output, data=data, source=source,
         resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(loaded, world),
         checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None)),
-        device=device, kernels=choice, builders=tuple(builders),
+        device=device, kernels=choice, builders=tuple(builders), initial=initial,
         run_files=tuple(dict.fromkeys([*TRAINER_FILES, *(name for part in classes for name in part.run_files)])))
