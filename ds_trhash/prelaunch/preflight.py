@@ -9,8 +9,9 @@ the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 
 
 The verdicts are the trainer's own: the checks ``training.launch.plan.plan_launch`` makes for a
 launch (config validation, data checks, stage guard and the --init-checkpoint's weights, output
-directory and resume checks, the kernel choice), called one by one here so that each gets its line, and the resource checks of
-``training.launch.resources``, whose cheap part the trainer also runs at launch.
+directory and resume checks, the kernel choice), called one by one here so that each gets its
+line, and the resource checks of ``training.launch.resources``, whose cheap part the trainer also
+runs at launch.
 """
 from __future__ import annotations
 

@@ -23,11 +23,15 @@ from ds_trhash.model.config import TRHashConfig
 class InitWeights:
     """The checked weights of ``--init-checkpoint``, held until the model takes them (once)."""
 
-    def __init__(self, path: str, state: dict[str, Any], route_differences: tuple[str, ...]) -> None:
-        self.path = path
-        self.where = f"the weights of --init-checkpoint {path}"  # the source in every message about them
-        self.route_differences = route_differences  # where its routes differ from the config's tables
+    def __init__(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        self.path = str(path)
+        self.route_differences: tuple[str, ...] = ()  # where its routes differ from the config's tables
         self._state: dict[str, Any] | None = state
+
+    @property
+    def where(self) -> str:
+        """The source, as every message about these weights names it."""
+        return f"the weights of --init-checkpoint {self.path}"
 
     def take(self) -> dict[str, Any]:
         """The state dict, let go of here: the plan outlives the model's start-up."""
@@ -41,8 +45,8 @@ def read_init_weights(path: str | os.PathLike, model_cfg: TRHashConfig) -> InitW
     """Read (verified), merge LoRA adapters of an SFT source, and check that they fit the model:
     raises ``CheckpointError`` (damaged, unreadable) or ``WeightsError`` (another model's)."""
     state, _ = ckpt.load_merged_weights(path)
+    initial = InitWeights(path, state)
     with torch.device("meta"):
         probe = TRHashForCausalLM(model_cfg)
-    where = f"the weights of --init-checkpoint {path}"
-    differences = probe.load_checkpoint_state(state, where=where, assign=True)
-    return InitWeights(str(path), state, tuple(differences))
+    initial.route_differences = tuple(probe.load_checkpoint_state(state, where=initial.where, assign=True))
+    return initial
