@@ -236,6 +236,15 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def _stopped(state, rank: int, world: int) -> int:
+    """One line per rank, so the operator (and the tests) see every rank stop at the same step; the
+    exit status: EXIT_REQUEUE after the scheduler's time-limit warning, else 0."""
+    code = EXIT_REQUEUE if state.stop_requeue else 0
+    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
+              f"checkpoint ({state.stop_reason}); exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
+    return code
+
+
 def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
                     world: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
     """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock before
@@ -299,12 +308,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
-            # One line per rank, so the operator (and the tests) see every rank stop at the same step.
-            code = EXIT_REQUEUE if state.stop_requeue else 0
-            rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
-                      f"checkpoint ({state.stop_reason}); exiting {code}"
-                      + (" (requeue me: --resume auto continues)" if code else ""))
-            return code
+            return _stopped(state, rank, world)
     except UserError as e:
         return _refused(e, rank, output_dir)
     except Exception as e:

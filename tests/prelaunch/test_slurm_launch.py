@@ -1,6 +1,6 @@
 """The script `ds-trhash ops slurm` writes, run as SLURM runs it, on two loopback "nodes".
 
-Stand-ins for `srun` and `scontrol` come first on PATH (tests/ops/slurm_standins/): srun starts the
+Stand-ins for `srun` and `scontrol` come first on PATH (tests/prelaunch/slurm_standins/): srun starts the
 script's per-node part once per host of SLURM_JOB_NODELIST with the variables slurmstepd sets, and
 passes a signal it receives to every process of the step, as slurmstepd does; `scontrol show
 hostnames` expands the host list; `scontrol requeue` records the request. The hosts are
@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from ds_trhash.checkpoints import list_checkpoints, verify
-from ds_trhash.ops.slurm_script import master_port
+from ds_trhash.prelaunch.slurm_script import master_port
 from ds_trhash.training.launcher import port_in_use
 from tests.fail_closed import ds_trhash
 from tests.training import launch_utils as L

@@ -44,7 +44,7 @@ def master_port(job_id: int) -> int:
 
 @dataclass
 class SlurmJob:
-    """Everything the script needs, checked (``ds_trhash.ops.slurm.check_job``)."""
+    """Everything the script needs, checked (``ds_trhash.prelaunch.slurm.check_job``)."""
 
     script: Path
     workdir: Path  # the repository root: launch/train.py and relative config paths
@@ -108,6 +108,7 @@ exit "$status"
 
 BATCH_PART = r'''
 set -u
+: "${SLURM_JOB_ID:?is not set: submit this script with sbatch}"
 SCRIPT=@@SCRIPT@@
 export DS_TRHASH_WORKDIR=@@WORKDIR@@
 export DS_TRHASH_DEEPSPEED=@@DEEPSPEED@@

@@ -5,6 +5,9 @@ Everything that would make the job fail at once is refused before anything is wr
 that does not load, a path it names that is missing, a global batch that does not split over
 nodes x GPUs, a time limit shorter than the warning, an existing script (`--force` replaces it),
 a resume that a requeued attempt could not repeat. The script itself is ``slurm_script``.
+
+It lives with preflight and smoke, before a launch, because it reads the trainer's config and
+checks; ops/ (supervised jobs) stays free of torch and of training.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from ds_trhash.argtypes import positive_int
 from ds_trhash.errors import UserError
-from ds_trhash.ops.slurm_script import SlurmJob, render
+from ds_trhash.prelaunch.slurm_script import SlurmJob, render
 
 WARNING_SECONDS = 300  # default: one step, one checkpoint and a margin, before the limit
 SIGNAL_TIME_MAX = 65535  # the largest warning time SLURM's --signal takes

@@ -1,10 +1,11 @@
 """`ds-trhash ops slurm` writes the sbatch script of a launch, or refuses before writing anything.
 
-The script itself runs in tests/ops/test_slurm_launch.py (srun and scontrol stand-ins, two loopback
+The script itself runs in tests/prelaunch/test_slurm_launch.py (srun and scontrol stand-ins, two loopback
 nodes). Here: what it holds, that bash parses it, and every refusal leaving the disk as it was.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ds_trhash.cli import main
-from ds_trhash.ops.slurm import time_limit_seconds, SlurmJobError
-from ds_trhash.ops.slurm_script import master_port
+from ds_trhash.prelaunch.slurm import time_limit_seconds, SlurmJobError
+from ds_trhash.prelaunch.slurm_script import master_port
 from ds_trhash.training.signals import EXIT_REQUEUE
 from tests.fail_closed import REPO, assert_clean_refusal, ds_trhash, tree_digest
 
@@ -132,3 +133,13 @@ def test_slurm_time_limits_in_seconds():
         1800, 1815, 7200, 86400, 95400, 95405, None]
     with pytest.raises(SlurmJobError):
         time_limit_seconds("0")
+
+
+def test_the_script_outside_a_slurm_job_says_to_submit_it_and_starts_nothing(written):
+    _, _, out = written
+    before = tree_digest(out)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", str(out / "slurm" / "job.sbatch")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "SLURM_JOB_ID: is not set: submit this script with sbatch" in proc.stderr
+    assert tree_digest(out) == before
