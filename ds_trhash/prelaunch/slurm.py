@@ -156,7 +156,7 @@ def check_job(args: argparse.Namespace) -> SlurmJob:
     return SlurmJob(script=script, workdir=workdir, deepspeed=_deepspeed(), run_dir=run_dir, nodes=args.nodes,
                     gpus_per_node=args.gpus_per_node, launch_args=_launch_args(args, output_dir),
                     job_name=args.job_name or f"trhash-{run_dir.name}", warning_seconds=args.warning_seconds,
-                    time=args.time, partition=args.partition, account=args.account,
+                    time=args.time, partition=args.partition, account=args.account, cpus_per_node=args.cpus_per_node,
                     sbatch_options=list(args.sbatch_option), summary=summary)
 
 
@@ -202,6 +202,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--nodes", type=positive_int, required=True, help="nodes of the job")
     s.add_argument("--gpus-per-node", type=positive_int, required=True,
                    help="GPUs per node, one rank each (the hostfile's slots)")
+    s.add_argument("--cpus-per-node", type=positive_int,
+                   help="CPUs per node for its launcher and ranks (default: whole nodes, #SBATCH --exclusive)")
     s.add_argument("--partition", help="SLURM partition (#SBATCH --partition)")
     s.add_argument("--account", help="SLURM account (#SBATCH --account)")
     s.add_argument("--time", help="time limit, SLURM's form: minutes, H:MM:SS or D-HH:MM:SS")

@@ -58,6 +58,7 @@ class SlurmJob:
     time: str | None = None
     partition: str | None = None
     account: str | None = None
+    cpus_per_node: int | None = None  # None: whole nodes (--exclusive)
     sbatch_options: list[str] = field(default_factory=list)
     summary: str = ""
 
@@ -67,8 +68,10 @@ class SlurmJob:
 
 
 def _sbatch_lines(job: SlurmJob) -> list[str]:
+    # one task per node, so the task's CPUs are the node's: without them SLURM gives it one CPU
+    cpus = f"--cpus-per-task={job.cpus_per_node}" if job.cpus_per_node else "--exclusive"
     lines = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-             f"--gpus-per-node={job.gpus_per_node}"]
+             f"--gpus-per-node={job.gpus_per_node}", cpus]
     lines += [f"--{name}={value}" for name, value in
               (("partition", job.partition), ("account", job.account), ("time", job.time)) if value]
     lines += [f"--signal=B:USR1@{job.warning_seconds}", "--requeue", "--open-mode=append",

@@ -31,7 +31,7 @@ def _job(out: Path, *extra: str) -> list[str]:
 def written(tmp_path_factory):
     """One script through the real command: (its result, the script's text, the run folder)."""
     out = tmp_path_factory.mktemp("slurm") / "run"
-    proc = ds_trhash(*_job(out, "--partition", "gpu", "--account", "proj-42", "--time", "1-02:00:00",
+    proc = ds_trhash(*_job(out, "--cpus-per-node", "16", "--partition", "gpu", "--account", "proj-42", "--time", "1-02:00:00",
                            "--warning-seconds", "600", "--sbatch-option=--qos=high", "--max-steps", "12",
                            "--set", "training.log_every=1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -42,7 +42,7 @@ def test_the_script_asks_slurm_for_the_job_its_warning_and_a_requeue(written):
     proc, text, out = written
     sbatch = re.findall(r"^#SBATCH (.*)$", text, flags=re.M)
     assert sbatch == ["--job-name=trhash-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1",
-                      "--partition=gpu", "--account=proj-42", "--time=1-02:00:00", "--signal=B:USR1@600", "--requeue",
+                      "--cpus-per-task=16", "--partition=gpu", "--account=proj-42", "--time=1-02:00:00", "--signal=B:USR1@600", "--requeue",
                       "--open-mode=append", f"--output={out}/slurm/job-%j.out", "--qos=high"]
     assert text.startswith("#!/bin/bash\n") and (out / "slurm" / "job.sbatch").stat().st_mode & 0o111
     assert f"wrote {out}/slurm/job.sbatch" in proc.stdout and f"sbatch {out}/slurm/job.sbatch" in proc.stdout
@@ -79,6 +79,7 @@ def test_an_existing_script_is_kept_unless_forced(written, capsys):
     assert tree_digest(out) == before
     assert main(_job(out, "--script", str(out / "other.sbatch"), "--nodes", "1")) == 0
     assert "--nodes=1" in (out / "other.sbatch").read_text() and (out / "slurm" / "job.sbatch").read_text() == text
+    assert "#SBATCH --exclusive\n" in (out / "other.sbatch").read_text()  # whole nodes unless --cpus-per-node
     assert main(_job(out, "--script", str(out / "other.sbatch"), "--force")) == 0
     assert "--nodes=2" in (out / "other.sbatch").read_text()
 
