@@ -103,6 +103,7 @@ while :; do
     { [ "$status" -le 128 ] || ! kill -0 "$LAUNCHER" 2>/dev/null; } && break  # else a trap interrupted the wait
 done
 echo "ds-trhash: node $SLURM_NODEID: launcher exited with status $status" | tee -a "$LOG"
+echo "$status" >"$DS_TRHASH_LOG_DIR/node-$SLURM_NODEID.status"
 # a stop for a requeue leaves a mark and exits 0: a non-zero task would make srun (--kill-on-bad-exit)
 # terminate the other nodes while they finish their own exit
 if [ "$status" -eq @@EXIT_REQUEUE@@ ]; then : >"$DS_TRHASH_LOG_DIR/node-$SLURM_NODEID.requeue"; status=0; fi
@@ -167,8 +168,12 @@ elif [ "$status" -eq 0 ]; then
          "not requeued; continue it with: sbatch $SCRIPT"
     exit 0
 fi
-echo "ds-trhash: error: training failed with exit status $status (job $SLURM_JOB_ID, attempt $ATTEMPT); not requeued;" \
-     "the logs: $DS_TRHASH_LOG_DIR/node-*.log"
+# the cause is the lowest failing status a node reported (srun ends the other nodes after it: 143)
+nodes=$(cd "$DS_TRHASH_LOG_DIR" && for f in node-*.status; do [ -e "$f" ] && printf '%s exit %s, ' "${f%.status}" "$(cat "$f")"; done)
+first=$(cat "$DS_TRHASH_LOG_DIR"/node-*.status 2>/dev/null | grep -vx 0 | sort -n | head -n 1)
+[ -n "$first" ] && status=$first
+echo "ds-trhash: error: training failed with exit status $status (job $SLURM_JOB_ID, attempt $ATTEMPT: ${nodes%, });" \
+     "not requeued; the logs: $DS_TRHASH_LOG_DIR/node-*.log"
 grep -h "error" "$DS_TRHASH_LOG_DIR"/node-*.log | head -n 5
 exit "$status"
 '''
