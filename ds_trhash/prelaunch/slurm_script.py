@@ -152,7 +152,8 @@ while :; do
     wait "$SRUN"; status=$?
     { [ "$status" -le 128 ] || ! kill -0 "$SRUN" 2>/dev/null; } && break  # else a trap interrupted the wait
 done
-trap - USR1 TERM
+trap '' USR1  # a late warning changes nothing now (its default action would end this shell)
+trap - TERM
 
 if [ "$status" -eq 0 ] && compgen -G "$DS_TRHASH_LOG_DIR/node-*.requeue" >/dev/null; then
     echo "ds-trhash: every rank stopped after a complete checkpoint (exit $EXIT_REQUEUE): requeueing job" \
