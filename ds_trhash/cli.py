@@ -28,6 +28,7 @@ COMMANDS = {
     "generate": "ds_trhash.release.generate",
     "report": "ds_trhash.report.commands",
     "jobs": "ds_trhash.ops.commands",
+    "ops": "ds_trhash.prelaunch.slurm",
     "demo": "ds_trhash.demo",
     "preflight": "ds_trhash.prelaunch.preflight",
     "smoke": "ds_trhash.prelaunch.smoke",

@@ -34,6 +34,7 @@ FIRST = (
     "tests/training/test_disk_failures.py",  # ~90 s
     "tests/release/lifecycle/test_finish.py",  # ~90 s: a watched run through SIGHUP to its final export
     "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
+    "tests/prelaunch/test_slurm_launch.py",  # ~60 s: a SLURM job warned, requeued and finished; a failed one
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one
     "tests/test_readme.py",  # ~35 s: the README's command blocks through bash, as written

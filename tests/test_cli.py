@@ -78,4 +78,4 @@ print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modul
 def test_help_lists_every_command_in_one_order():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert list(sub.choices) == ["data", "sft", "eval", "export", "sync", "cleanup", "generate", "report", "jobs",
-                                 "demo", "preflight", "smoke", "model"]
+                                 "ops", "demo", "preflight", "smoke", "model"]

@@ -8,13 +8,16 @@ started, and what cannot run here is skipped with the reason (each one named bel
   (tests/release/run_fixtures.py), since their launches cost more than this suite can spend.
 - Commands that load a model (`generate`, `export`) or start launches (`smoke`, `jobs`) are
   skipped here: other tests run them (SKIPPED names which).
-- `deepspeed ... launch/train.py ARGS` lines (a launch costs 10-20 CPU s each) are checked by
-  parsing: the launcher part with DeepSpeed's own runner parser, ARGS with the trainer's argparse
-  and config loader (every --set validated like the file). The launches themselves run in
-  tests/training/ (the same configs, the same flags).
+- `deepspeed ... launch/train.py ARGS` and `torchrun ... launch/train.py ARGS` lines (a launch
+  costs 10-20 CPU s each) are checked by parsing: the launcher part with DeepSpeed's own runner
+  parser (torchrun's with torch.distributed.run's), ARGS with the trainer's argparse and config
+  loader (every --set validated like the file). The launches themselves run in tests/training/
+  (the same configs, the same flags).
+- `ds-trhash ops slurm ... --submit` needs a SLURM cluster's `sbatch`: skipped (the same command
+  without --submit runs; tests/prelaunch/ runs the script it writes).
 
-The command blocks of docs/*.md are checked by parsing only (nothing runs): their `deepspeed` lines
-as above, their `ds-trhash` lines through the console script's own argparse, their bare `--set`
+The command blocks of docs/*.md are checked by parsing only (nothing runs): their `deepspeed` and
+`torchrun` lines as above, their `ds-trhash` lines through the console script's own argparse, their bare `--set`
 overrides through the config loader.
 """
 from __future__ import annotations
@@ -45,8 +48,10 @@ SKIPPED = [
                                        "tests/release/test_generate.py, test_export_command.py and "
                                        "tests/checkpoints/test_run_source.py run them, `generate --model RUN` included"),
     (r"^ds-trhash preflight ", "tests/prelaunch/test_preflight.py runs it on this config"),
+    (r"^ds-trhash ops slurm .*--submit", "submits a job to a SLURM cluster (sbatch): tests/prelaunch/test_slurm.py submits "
+                                         "through an sbatch stand-in, tests/prelaunch/test_slurm_launch.py runs the script"),
 ]
-LAUNCH = re.compile(r"^(HF_TOKEN=\S+ )?deepspeed ")
+LAUNCH = re.compile(r"^(HF_TOKEN=\S+ )?(deepspeed|torchrun) ")
 
 
 def _blocks(text: str) -> list[str]:
@@ -104,15 +109,23 @@ def _stand_in_runs(root: Path, tokenizer_dir: Path) -> None:
     shutil.copytree(root / "runs" / "sft" / "checkpoints" / "step_00000030", root / "runs" / "sft" / "best")
 
 
-def _check_launch(argv: list[str], cwd: Path) -> None:
-    """DeepSpeed's runner parser for the launcher part, the trainer's parser and config loader for the rest."""
-    from deepspeed.launcher.runner import parse_args as runner_args
-
+def _check_launch(argv: list[str], cwd: Path, launcher: str = "deepspeed") -> None:
+    """The launcher's own parser for its part (DeepSpeed's runner, or torchrun's), the trainer's
+    parser and config loader for the rest."""
     from ds_trhash.training.launcher import build_arg_parser, config_from_args
 
-    launcher = runner_args(argv)
-    assert launcher.user_script == "launch/train.py", argv
-    args = build_arg_parser().parse_args(launcher.user_args)
+    if launcher == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(argv)
+        script, user_args = parsed.training_script, parsed.training_script_args
+    else:
+        from deepspeed.launcher.runner import parse_args as runner_args
+
+        parsed = runner_args(argv)
+        script, user_args = parsed.user_script, parsed.user_args
+    assert script == "launch/train.py", argv
+    args = build_arg_parser().parse_args(user_args)
     old = os.getcwd()
     os.chdir(cwd)  # --config and paths are relative to the folder the README runs in
     try:
@@ -128,9 +141,10 @@ def test_every_cpu_command_block_runs_as_written(readme_commands, tmp_path, toke
         (work / name).symlink_to(REPO / name)
     _stand_in_runs(work, tokenizer_dir)
     record = work / ".launches.jsonl"
-    script = ["set -euo pipefail",
-              f'deepspeed() {{ "{VENV_BIN / "python"}" -c \'import json, sys; open(sys.argv[1], "a").write('
-              f'json.dumps(sys.argv[2:]) + "\\n")\' "{record}" "$@"; }}']
+    script = ["set -euo pipefail"]
+    for name in ("deepspeed", "torchrun"):  # each launch recorded as [launcher, args...], not started
+        script.append(f'{name}() {{ "{VENV_BIN / "python"}" -c \'import json, sys; open(sys.argv[1], "a").write('
+                      f'json.dumps(sys.argv[2:]) + "\\n")\' "{record}" {name} "$@"; }}')
     ran, skipped = [], []
     for command in readme_commands:
         why = _skip_reason(command)
@@ -147,13 +161,14 @@ def test_every_cpu_command_block_runs_as_written(readme_commands, tmp_path, toke
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     launches = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(launches) == sum(bool(LAUNCH.match(c)) for c in ran)
-    for argv in launches:
-        _check_launch(argv, work)
+    for launcher, *argv in launches:
+        _check_launch(argv, work, launcher)
     # what the blocks promise, seen in their output
     assert (work / "pre_fixed.json").is_file() and (work / "sft" / "manifest.json").is_file()
     assert json.loads((work / "runs" / "sft" / "run_record.json").read_text())["tokenizer_hash"]
     assert (work / "runs" / "report" / "index.html").is_file()
     assert [c.step for c in list_checkpoints(work / "runs" / "pre")] == [10]  # cleanup --keep packs
+    assert "#SBATCH --nodes=2" in (work / "runs" / "slurm-tiny" / "slurm" / "job.sbatch").read_text()
     assert {why for _, why in skipped} == {why for _, why in SKIPPED}  # every reason still applies to some command
 
 
@@ -176,7 +191,7 @@ def test_every_docs_command_parses(monkeypatch):
     from ds_trhash.training.launcher import config_from_args
 
     monkeypatch.chdir(REPO)  # the docs run from the repository root
-    checked = {"deepspeed": 0, "ds-trhash": 0, "--set": 0}
+    checked = {"deepspeed": 0, "torchrun": 0, "ds-trhash": 0, "--set": 0}
     for doc, command in _docs_commands():
         line = re.sub(r"\$\{(\w+)\}", lambda m: DOC_SHELL_VARS[m[1]], command)
         words = shlex.split(line, comments=True)
@@ -189,8 +204,8 @@ def test_every_docs_command_parses(monkeypatch):
         assert kind in checked, f"{doc}: {command}: no check for this kind of command here; add one"
         checked[kind] += 1
         try:
-            if kind == "deepspeed":
-                _check_launch(words[1:], REPO)
+            if kind in ("deepspeed", "torchrun"):
+                _check_launch(words[1:], REPO, kind)
             elif kind == "--set":
                 assert len(words) == 2, f"{doc}: {command}: the shell splits the value into {words[1:]}"
                 load_config("ds_configs/tiny/sft.yaml", [words[1]])
@@ -200,4 +215,5 @@ def test_every_docs_command_parses(monkeypatch):
                     config_from_args(args)
         except SystemExit as e:  # argparse's refusal (its message is on the captured stderr)
             pytest.fail(f"{doc}: {command}: refused by the parser (exit {e.code})")
-    assert checked["deepspeed"] >= 5 and checked["ds-trhash"] >= 20 and checked["--set"] >= 8, checked
+    assert checked["deepspeed"] >= 5 and checked["torchrun"] >= 2 and checked["ds-trhash"] >= 20, checked
+    assert checked["--set"] >= 8, checked

@@ -19,7 +19,7 @@ from ds_trhash.data.stream.store import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
-from ds_trhash.training.callbacks.stop import install as install_stop_handlers
+from ds_trhash.training.callbacks.stop import EXIT_REQUEUE, install as install_stop_handlers
 from ds_trhash.training.engine import init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
 from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
@@ -61,6 +61,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
+    cfg = tcfg.load_config(args.config, launch_overrides(args))
+    import torch
+
+    tcfg.check_device(cfg, torch.cuda.is_available())
+    return cfg
+
+
+def launch_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides the command line makes: its ``--set`` values, then what the flags
+    (--output-dir, --max-steps, --source-stage, the SFT mode) set, each checked here."""
     overrides = list(args.set)
     if args.output_dir is not None:
         if not args.output_dir.strip():
@@ -78,11 +88,7 @@ def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
         overrides.append("lora.enabled=false")
     if args.lora_rank is not None:
         overrides += ["lora.enabled=true", f"lora.rank={args.lora_rank}"]
-    cfg = tcfg.load_config(args.config, overrides)
-    import torch
-
-    tcfg.check_device(cfg, torch.cuda.is_available())
-    return cfg
+    return overrides
 
 
 # The errno values of an output side that cannot take the run's files any more: the run fails (exit 1).
@@ -230,6 +236,15 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def _stopped(state, rank: int, world: int) -> int:
+    """One line per rank, so the operator (and the tests) see every rank stop at the same step; the
+    exit status: EXIT_REQUEUE after the scheduler's time-limit warning, else 0."""
+    code = EXIT_REQUEUE if state.stop_requeue else 0
+    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
+              f"checkpoint ({state.stop_reason}); exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
+    return code
+
+
 def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
                     world: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
     """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock before
@@ -260,7 +275,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     The one place a launch's refusal becomes output: a ``UserError`` (raised by the config, the
     data, the checkpoints, any part) prints ``error: <message>`` on rank 0 and exits with its
     code (2). A disk that fails under the run or a rank that is lost ends it with one line per
-    rank and exit 1. Anything else is a bug and keeps its traceback."""
+    rank and exit 1. A stop on the scheduler's time-limit warning (SIGUSR1) exits ``EXIT_REQUEUE``
+    (75) on every rank, after its checkpoint. Anything else is a bug and keeps its traceback."""
     # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
     install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
@@ -292,9 +308,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         if dist.is_initialized() and world > 1:
             dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
-            # One line per rank, so the operator (and the tests) see every rank stop at the same step.
-            rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
-                      f"checkpoint ({state.stop_reason}); exiting 0")
+            return _stopped(state, rank, world)
     except UserError as e:
         return _refused(e, rank, output_dir)
     except Exception as e:

@@ -1,4 +1,4 @@
-"""The stop-signal recorder: handlers that only record SIGTERM / SIGINT / SIGHUP.
+"""The stop-signal recorder: handlers that only record SIGTERM / SIGINT / SIGHUP / SIGUSR1.
 
 It imports nothing but the standard library, so ``launch/train.py`` installs it before it
 imports torch and DeepSpeed (seconds). Until then a signal would take the default action and
@@ -7,6 +7,11 @@ an error, and a rank 0 still importing would die before printing its refusal (th
 showed only DeepSpeed's "exits with return code = 2"). Installed first, the request is only
 recorded; rank 0 goes on to its own refusal, prints it, and exits. ``callbacks/stop.py`` turns
 the recorded requests into a stop every rank agrees on.
+
+SIGUSR1 is a scheduler's warning that the job's time is running out (a SLURM job written by
+``ds-trhash ops slurm`` asks for it before its time limit): the same stop with a checkpoint, after
+which every rank exits ``EXIT_REQUEUE`` instead of 0, so the job script knows to requeue the job
+(it continues with ``--resume auto``). Any other stop signal still exits 0.
 """
 from __future__ import annotations
 
@@ -17,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # SIGHUP: a terminal that closes stops the run with a checkpoint, as SIGTERM does, instead of killing it
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+# The scheduler's early warning before a time limit: stop with a checkpoint, then ask to be requeued.
+REQUEUE_SIGNALS = (signal.SIGUSR1,)
+# A launch's exit status after such a stop: "stopped with a complete checkpoint, requeue me"
+# (sysexits' EX_TEMPFAIL: a temporary failure, try again). 0: finished or stopped on any other
+# signal; 1: failed; 2: refused (a user error).
+EXIT_REQUEUE = 75
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
 DUPLICATE_WINDOW_S = 2.0
 
@@ -49,6 +60,11 @@ class StopRequests:
     @property
     def requested(self) -> bool:
         return bool(self.deliveries)
+
+    @property
+    def requeue(self) -> bool:
+        """Whether a delivered signal asks for a requeue (the scheduler's time-limit warning)."""
+        return any(signum in REQUEUE_SIGNALS for signum, _ in self.deliveries)
 
     @property
     def first_at(self) -> float | None:

@@ -41,7 +41,9 @@ from typing import Any, Optional
 from ds_trhash.data.stream.cache_files import CacheError
 
 Key = tuple[str, str]
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# what the prefetch process ignores: the stop signals a job's whole process group may receive (SIGUSR1:
+# a SLURM step's time-limit warning reaches every process of the step; the rank stops, this must not die)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
                             "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 _EXIT_WAIT_S = 2.0  # a closing rank waits this long for the worker to finish its fill, then kills it

@@ -59,6 +59,7 @@ class TrainState:
     supervised_seen: int = 0
     stop_requested: bool = False
     stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
+    stop_requeue: bool = False  # stopped on the scheduler's time-limit warning: exit EXIT_REQUEUE
     last: dict = field(default_factory=dict)  # metrics of the last step
     step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
     steps_timed: int = 0

@@ -17,7 +17,8 @@ How the DeepSpeed 0.19 launcher delivers a stop decides the design:
 
 So a signal handler here only records the request (it never raises and does no I/O), and once
 per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
-a CPU (gloo) group. All ranks see the same answer at the same step, write one checkpoint
+a CPU (gloo) group (0: go on, 1: stop, 2: stop and ask to be requeued, for SIGUSR1, the
+scheduler's time-limit warning, which may reach one rank only). All ranks see the same answer at the same step, write one checkpoint
 together and exit 0. A rank started by ``launch.py`` under the ``deepspeed`` runner also checks,
 once per step, that both are still alive (one /proc read), and treats their disappearance as a
 stop request: nothing is left training as an orphan. The stop lands at the next step boundary,
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from ds_trhash.training.callbacks.base import Callback, RunContext
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
-    DUPLICATE_WINDOW_S, STOP_SIGNALS, StopRequests, install, uninstall)
+    DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests, install, uninstall)
 
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0
@@ -97,7 +98,8 @@ class LauncherWatch:
 
 
 class StopAgreement:
-    """Once per step: does any rank want to stop? The same answer on every rank.
+    """Once per step: does any rank want to stop, and does any want a requeue? The same answers
+    on every rank.
 
     A one-element MAX all-reduce over a CPU group: the default group when it is gloo, else a
     gloo group made once here (every rank constructs this object at the same point)."""
@@ -106,6 +108,7 @@ class StopAgreement:
         self.requests, self.watch, self.world_size = requests, watch or LauncherWatch(), world_size
         self.local_reason: str | None = None
         self.agreed = False
+        self.requeue = False  # agreed too: some rank had the scheduler's warning (SIGUSR1)
         self._group = None
         if world_size > 1:
             import torch.distributed as dist
@@ -126,27 +129,26 @@ class StopAgreement:
         """Call on every rank after every optimizer step (a collective when world_size > 1)."""
         if self.agreed:
             return True
-        local = self._local()
+        local = (2 if self.requests.requeue else 1) if self._local() else 0
         if self.world_size > 1:
             import torch
             import torch.distributed as dist
 
-            flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+            flag = torch.tensor([local], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            self.agreed = bool(flag.item())
-        else:
-            self.agreed = local
+            local = int(flag.item())
+        self.agreed, self.requeue = local > 0, local == 2
         return self.agreed
 
     def describe(self) -> str:
         if self.local_reason is not None:
             return f"stop requested here: {self.local_reason}"
-        return "stop requested by another rank"
+        return "stop requested by another rank" + (" (time-limit warning: requeue)" if self.requeue else "")
 
 
 class StopCallback(Callback):
     """First in the list: after each optimizer step every rank asks the ``StopAgreement`` (a
-    collective), and an agreed stop becomes ``state.stop_requested``, which the metrics and
+    collective), and an agreed stop becomes ``state.stop_requested`` (and ``state.stop_requeue``), which the metrics and
     checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
     and the loop obeys."""
 
@@ -160,4 +162,5 @@ class StopCallback(Callback):
     def on_step_end(self, state, metrics):
         if self.stop():
             state.stop_requested = True
+            state.stop_requeue = self.stop.requeue
             state.stop_reason = self.stop.describe()

@@ -98,13 +98,15 @@ RANK = textwrap.dedent("""
     root, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # a rank records the time-limit warning
     cache = open_corpus(plan_for(root), str(root)).open_cache(cache_dir, 1 << 30, fetch_process=True)
     cache.prefetch([("a", "shard-00000.bin")])
     assert cache.wait_idle(30)
     print(cache._fetcher.pid, flush=True)
     while not stop:
         time.sleep(0.05)
-    os.kill(cache._fetcher.pid, 0)  # still there after the group's Ctrl-C
+    # still there after the group's SIGUSR1 and Ctrl-C (running, not a zombie the rank has not reaped)
+    assert open(f"/proc/{cache._fetcher.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     print("worker alive after Ctrl-C", flush=True)
     cache.close()
     print("closed", flush=True)
@@ -112,13 +114,15 @@ RANK = textwrap.dedent("""
 """)
 
 
-def test_the_prefetch_process_ignores_ctrl_c_and_goes_with_its_rank(tmp_path):
+def test_the_prefetch_process_ignores_ctrl_c_and_sigusr1_and_goes_with_its_rank(tmp_path):
     root = write_corpus(tmp_path / "store")
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     rank = subprocess.Popen([sys.executable, "-c", RANK, str(root), str(tmp_path / "cache")], stdout=subprocess.PIPE,
                             text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
     try:
         worker = int(rank.stdout.readline())
+        os.killpg(rank.pid, signal.SIGUSR1)  # as a SLURM step's time-limit warning does: every process
+        time.sleep(0.2)
         os.killpg(rank.pid, signal.SIGINT)  # as the terminal does: the whole group
         assert rank.stdout.readline().strip() == "worker alive after Ctrl-C"
         assert rank.stdout.readline().strip() == "closed"

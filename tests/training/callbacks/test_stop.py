@@ -69,3 +69,29 @@ def test_a_closing_terminal_sighup_is_a_stop_request_like_sigterm():
     finally:
         requests.uninstall()
     assert signal.getsignal(signal.SIGHUP) is before
+
+
+def test_the_schedulers_warning_sigusr1_is_a_stop_that_asks_for_a_requeue():
+    from ds_trhash.training.loop import TrainState
+    from ds_trhash.training.signals import EXIT_REQUEUE
+
+    before = signal.getsignal(signal.SIGUSR1)
+    requests = StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the process would have died of it without the handler
+        time.sleep(0.05)
+        cb = StopCallback(StopAgreement(requests))
+        state = TrainState(step=3, total_steps=10)
+        cb.on_step_end(state, {})
+        assert state.stop_requested and state.stop_requeue and state.stop_reason == "stop requested here: SIGUSR1"
+    finally:
+        requests.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert EXIT_REQUEUE not in (0, 1, 2)  # distinct from finished, failed and refused
+
+
+def test_other_stop_signals_do_not_ask_for_a_requeue():
+    requests = StopRequests()
+    requests.handle(signal.SIGTERM)
+    stop = StopAgreement(requests)
+    assert stop() and not stop.requeue and not requests.requeue

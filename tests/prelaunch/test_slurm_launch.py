@@ -1,0 +1,169 @@
+"""The script `ds-trhash ops slurm` writes, run as SLURM runs it, on two loopback "nodes".
+
+Stand-ins for `srun` and `scontrol` come first on PATH (tests/prelaunch/slurm_standins/): srun starts the
+script's per-node part once per host of SLURM_JOB_NODELIST with the variables slurmstepd sets, and
+passes a signal it receives to every process of the step, as slurmstepd does; `scontrol show
+hostnames` expands the host list; `scontrol requeue` records the request. The hosts are
+`localhost` and `127.0.0.1` (the first, the master address, resolves to loopback), one CPU
+process each, the 12-step reference run's arguments.
+
+One job, as a cluster would run it: attempt 0 gets the time-limit warning (SIGUSR1 to the batch
+shell alone, as `--signal=B:USR1@T` sends it) mid-run, stops every rank after a checkpoint and asks
+for a requeue; attempt 1 (SLURM_RESTART_COUNT=1) continues with --resume auto to the end. Its
+losses, step by step, and its final weights equal the two-process run on one node (the session's
+shared reference launch). Another job whose config broke after the script was written fails
+once, without a requeue, naming its logs.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ds_trhash.checkpoints import list_checkpoints, verify
+from ds_trhash.prelaunch.slurm_script import master_port
+from ds_trhash.training.launcher import port_in_use
+from tests.fail_closed import ds_trhash
+from tests.training import launch_utils as L
+
+pytestmark = pytest.mark.launch
+
+STANDINS = Path(__file__).parent / "slurm_standins"
+NODELIST = "localhost,127.0.0.1"
+TIMEOUT_S = 300
+
+
+def _reference_args(out):
+    """The session's shared 2-process reference (as tests/training/test_multinode.py's one node)."""
+    return L.reference_run(out, micro=4)
+
+
+def _free_job_id() -> int:
+    """A job id whose derived master port is free here."""
+    while True:
+        job_id = random.randrange(100_000, 1_000_000)
+        if not port_in_use("127.0.0.1", master_port(job_id)):
+            return job_id
+
+
+def _write(out: Path, config: str = "ds_configs/tiny/pretrain.yaml") -> Path:
+    args = _reference_args(out)
+    args[args.index("--config") + 1] = config
+    proc = ds_trhash("ops", "slurm", *args, "--nodes", "2", "--gpus-per-node", "1", "--time", "30",
+                     "--warning-seconds", "120")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out / "slurm" / "job.sbatch"
+
+
+def _run(script: Path, job_id: int, record: Path, attempt: int = 0, warn_after_rows: int | None = None) -> dict:
+    """Run the batch script as SLURM would on its first node; with ``warn_after_rows``, send SIGUSR1
+    to the batch shell once that many metrics rows are written. Every process it started is gone after."""
+    env = L.base_env(PATH=f"{STANDINS}{os.pathsep}{L.VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+                     SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST=NODELIST, SLURM_JOB_NUM_NODES="2",
+                     SLURM_NNODES="2", SLURM_RESTART_COUNT=str(attempt), SLURM_STANDIN_RECORD=str(record))
+    proc = subprocess.Popen(["bash", str(script)], cwd=script.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: set[psutil.Process] = set()
+    warned_at = None
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        metrics = script.parents[1] / "metrics.csv"
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the job did not end"
+            seen.update(psutil.Process(proc.pid).children(recursive=True))
+            if warn_after_rows and warned_at is None and metrics.exists() and \
+                    len(metrics.read_text().splitlines()) > warn_after_rows:
+                warned_at = len(metrics.read_text().splitlines()) - 1
+                proc.send_signal(signal.SIGUSR1)  # the batch shell alone (B:)
+            time.sleep(0.05)
+        output = proc.stdout.read()
+    finally:
+        for p in [*seen, psutil.Process(proc.pid)] if proc.poll() is None else seen:
+            if p.is_running():
+                p.kill()
+        proc.wait()
+    logs = sorted((script.parent / "logs" / f"job-{job_id}-attempt-{attempt}").glob("node-*.log"))
+    return {"code": proc.returncode, "output": output, "logs": {p.name: p.read_text() for p in logs},
+            "warned_at": warned_at, "record": record.read_text() if record.exists() else ""}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, shared_launches):
+    root = tmp_path_factory.mktemp("slurm-job")
+    reference = shared_launches.get(2, _reference_args)
+    out, record, job_id = root / "run", root / "record", _free_job_id()
+    script = _write(out)
+    first = _run(script, job_id, record, attempt=0, warn_after_rows=2)
+    after_first = {"record": record.read_text() if record.exists() else "", "checkpoints": list_checkpoints(out)}
+    second = _run(script, job_id, record, attempt=1)
+    return {"reference": reference, "out": out, "id": job_id, "first": first, "second": second,
+            "after_first": after_first, "script": script}
+
+
+def _stop_lines(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"rank (\d)/2: stopped at step (\d+) of 12 after a complete checkpoint \((.*?)\); exiting 75 "
+                      r"\(requeue me: --resume auto continues\)", text)
+
+
+def test_the_warning_stops_every_rank_after_a_checkpoint_and_requeues_the_job(job):
+    first = job["first"]
+    assert first["code"] == 0, first["output"]
+    assert first["warned_at"] is not None, "the run ended before the warning"
+    assert "USR1: the time limit is near" in first["output"]
+    assert f"requeueing job {job['id']}; its next attempt continues with --resume auto" in first["output"]
+    assert job["after_first"]["record"] == f"requeue {job['id']}\n"  # once, by the batch script
+    logs = first["logs"]
+    assert sorted(logs) == ["node-0.log", "node-1.log"]
+    (rank0, step0, _), = _stop_lines(logs["node-0.log"])
+    (rank1, step1, _), = _stop_lines(logs["node-1.log"])
+    stop = int(step0)
+    assert (rank0, rank1) == ("0", "1") and step1 == step0 and first["warned_at"] <= stop < 12
+    # the runner and launch.py outlived the warning and passed the ranks' status on
+    for name in logs:
+        assert "launcher exited with status 75" in logs[name] and "Traceback" not in logs[name]
+    saved = job["after_first"]["checkpoints"][-1]
+    assert saved.step == stop and saved.has_manifest
+    verify(saved.path)
+
+
+def test_the_requeued_attempt_continues_to_the_end_once(job):
+    second = job["second"]
+    assert second["code"] == 0, second["output"]
+    assert "the stage is complete" in second["output"]
+    assert job["second"]["record"] == job["after_first"]["record"]  # no second requeue
+    stop = job["after_first"]["checkpoints"][-1].step
+    assert f"resume auto: continuing from {job['out']}/checkpoints/step_{stop:08d}" in second["logs"]["node-0.log"]
+
+
+def test_losses_and_weights_equal_two_processes_on_one_node(job):
+    """Attempt 0's steps and the requeued attempt's, bit for bit the uninterrupted reference's."""
+    reference, out = job["reference"], job["out"]
+    assert L.train_losses(out) == L.train_losses(reference) and len(L.train_losses(out)) == 12
+    L.assert_identical(L.model_weights(out / "checkpoints" / "step_00000012"),
+                       L.model_weights(reference / "checkpoints" / "step_00000012"))
+
+
+def test_a_job_whose_config_broke_fails_once_without_a_requeue_naming_its_logs(tmp_path):
+    config = tmp_path / "pretrain.yaml"
+    config.write_text(Path(L.REPO / "ds_configs" / "tiny" / "pretrain.yaml").read_text())
+    out, record, job_id = tmp_path / "run", tmp_path / "record", _free_job_id()
+    script = _write(out, str(config))
+    with config.open("a") as f:  # edited after the script was written
+        f.write("\nno_such_section: {a: 1}\n")
+    run = _run(script, job_id, record)
+    logs = script.parent / "logs" / f"job-{job_id}-attempt-0"
+    assert run["code"] == 2, run["output"]
+    said = re.search(rf"error: training failed with exit status 2 \(job {job_id}, attempt 0: node-0 exit 2, "
+                     rf"node-1 exit (\d+)\); not requeued; the logs: (\S+)", run["output"])
+    assert said and said[2] == f"{logs}/node-*.log", run["output"]
+    assert said[1] in ("2", "143")  # its own refusal, or ended by srun (--kill-on-bad-exit) after node 0's
+    assert "no_such_section" in run["output"] and "no_such_section" in run["logs"]["node-0.log"]
+    assert run["record"] == ""  # scontrol requeue never ran
+    assert not list(logs.glob("*.requeue")) and not list_checkpoints(out)
