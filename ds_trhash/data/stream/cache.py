@@ -87,6 +87,7 @@ class ShardCache(Prefetching):
         # the prefetch process (``fetcher``): None until the first prefetch starts it; False when
         # it is not wanted, or could not start or exited (then a thread here prefetches)
         self._fetcher: Optional[Fetcher | bool] = None if fetch_process else False
+        self._fetcher_lock = threading.Lock()  # starting or dropping the process (several threads read)
         self._cond = threading.Condition()
         self._queue: deque[Key] = deque()
         self._inflight: set[Key] = set()  # the shard the prefetcher is fetching now
