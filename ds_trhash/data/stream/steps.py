@@ -19,7 +19,7 @@ import torch
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
-from ds_trhash.data.stream.exchange import CHUNK_ROWS, RowExchange
+from ds_trhash.data.stream.exchange import CHUNK_ROWS, Readiness, RowExchange
 from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
@@ -43,11 +43,12 @@ class BatchLayout:
 class NodeShare:
     """This rank's place among the nodes of a job that exchanges rows (``exchange``): its node,
     the node count, the gloo group of the ranks with its local index (None: the default group),
-    and the global rows of one exchange."""
+    the global rows of one exchange, and one read's budget (``data.hub_wait_minutes``)."""
     node: int
     nodes: int
     group: object = None
     chunk_rows: int = CHUNK_ROWS
+    budget_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class RankStream:
         self._ahead: Optional[Ahead | RowExchange] = None
         if share is not None:
             self._ahead = RowExchange(reader, layout.micro_batch, layout.grad_accum, layout.rank, layout.world_size,
-                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned)
+                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned,
+                                      budget_s=share.budget_s)
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
@@ -140,6 +142,16 @@ class RankStream:
             self._sync_wait_s += time.perf_counter() - started
         self._steps += 1
         return batches
+
+    def readiness(self, step: int) -> Readiness:
+        """Before ``step``, for the stop agreement: whether this rank still reads its part of an
+        exchange, or sent a failure (``RowExchange.readiness``); nothing to wait for otherwise."""
+        return self._ahead.readiness(step) if isinstance(self._ahead, RowExchange) else (0, 0, 0)
+
+    def agreed(self, step: int, status: int, node: int) -> None:
+        """What the agreement found before ``step`` (``RowExchange.agreed``)."""
+        if isinstance(self._ahead, RowExchange):
+            self._ahead.agreed(step, status, node)
 
     def figures(self) -> DataFigures:
         with self._lock:

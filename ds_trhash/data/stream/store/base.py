@@ -30,6 +30,11 @@ class StoreUnavailable(StoreError, ConnectionError):
     """A transient failure outlived its wait budget: names the file and the endpoint."""
 
 
+class ReadTimedOut(StoreUnavailable):
+    """A read's waits together (a download lock, the store's retries) outlasted its budget
+    (``data.hub_wait_minutes``: ``deadline``)."""
+
+
 @dataclass(frozen=True)
 class StoreFile:
     path: str  # relative, "/"-separated
