@@ -8,7 +8,9 @@ asks the Hub for shards it has not read after its first checkpoint: the demo cor
 so few that the first micro-batches' look-ahead fetches every one of them."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.formats.shards import load_manifests, write_shards
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -24,6 +27,7 @@ from ds_trhash.data.plans.plan import write_plan
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.stream.exchange import owners
 from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
@@ -120,3 +124,61 @@ def test_on_two_nodes_both_stop_at_one_step_each_saying_what_to_run(tmp_path):
                      rf"its log\); {re.escape(advice)}", said[1])
     assert peer and int(peer[1]) >= kept[-1] >= 3, explained  # stopped after its last checkpoint, at that exchange
     assert "cannot get" not in said[1]  # node 1 never asked for the shard: node 0 owns it
+
+
+def test_ctrl_c_on_two_nodes_while_every_download_stalls_stops_at_once_with_its_checkpoint(tmp_path):
+    """Every shard download goes silent (the Hub sends half a shard, then nothing for 10 minutes)
+    in the middle of a two-node run whose rows travel between the nodes, and Ctrl-C reaches both
+    nodes while their reads hang: both ranks stop after the same step with one complete
+    checkpoint, well inside the launcher's grace period (no exchange waits for a stalled read,
+    and closing waits for no download), without a traceback."""
+    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+    out = tmp_path / "run"
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "12",
+            "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000",
+            "--set", "checkpoint.packs=null", "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+            "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.exchange_rows=16", "--set", "data.prefetch_minutes=0"]
+    with HubServer(TOKEN, deadline_s=900) as hub:
+        seed_dataset(hub, REPO, corpus_files(corpus))
+        hub.stall_s = 600.0
+        stalled = []
+
+        def stall_after_second_step(name):  # from the first shard request once two steps were logged
+            if name == "resolve" and (out / "metrics.csv").exists() and len(L.metrics(out)) >= 2:
+                if not stalled:
+                    hub.file_faults.update({path: ["stall"] * 100 for path in corpus_files(corpus) if path.endswith(".bin")})
+                stalled.append(time.monotonic())
+
+        hub.observers.append(stall_after_second_step)
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1",
+                   HF_HUB_DOWNLOAD_TIMEOUT="600")
+        procs, port = L.start_two_nodes(args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+                                        new_sessions=True, **env)
+        try:
+            deadline = time.monotonic() + 300
+            while len(stalled) < 2 or time.monotonic() < stalled[1] + 3:  # stalled downloads, and reads waiting on them
+                assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
+                assert time.monotonic() < deadline, "no download stalled"
+                time.sleep(0.2)
+            at, signalled = len(L.metrics(out)), time.monotonic()
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGINT)
+            said = "".join(o + e for o, e in (p.communicate(timeout=LAUNCHER_GRACE_S + 60) for p in procs))
+            seconds = time.monotonic() - signalled
+        finally:
+            for proc in procs:
+                if proc.poll() is None or L.group_processes(proc.pid):
+                    L.kill_group(proc)
+            for seg in L.shm_segments(port):
+                seg.unlink(missing_ok=True)
+    lines = L.STOP_LINE.findall(said)
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
+    steps = {int(step) for _, step, _ in lines}
+    assert len(steps) == 1 and at <= min(steps) < 12, (lines, at)
+    assert seconds < LAUNCHER_GRACE_S - 10, seconds
+    assert not L.foreign_tracebacks(said), said[-5000:]
+    found = {c.step: c for c in list_checkpoints(out)}
+    assert list(found) == [steps.pop()]
+    ok, reason = verify(found[min(found)].path, deep=True)
+    assert ok, reason
