@@ -214,10 +214,13 @@ def launch_rank_and_world() -> tuple[int, int]:
 
 
 def _refused(e: UserError, rank: int, output_dir: str | None) -> int:
-    """An expected refusal: its message (rank 0), or, for a Hub that stayed away mid-run, one line
-    from the rank that met it (its peers may be waiting inside a step) with what to run next."""
+    """An expected refusal: its message (rank 0), or, for an error one rank met mid-run
+    (``UserError.per_rank``: its read failed, or another node's read of its rows), one line from
+    each rank that met it; after a Hub that stayed away, with what to run next."""
     if isinstance(e, StoreUnavailable):
         rank_line(f"error: rank {rank}: {e}; {_relaunch_advice(output_dir)}")
+    elif e.per_rank:
+        rank_line(f"error: rank {rank}: {e}")
     elif rank == 0:  # in one write, flushed: the launcher may terminate this process right after
         rank_line(f"error: {e}")
     return e.exit_code

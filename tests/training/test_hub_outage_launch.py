@@ -8,9 +8,7 @@ asks the Hub for shards it has not read after its first checkpoint: the demo cor
 so few that the first micro-batches' look-ahead fetches every one of them."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -18,7 +16,6 @@ import numpy as np
 import pytest
 import yaml
 
-from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.formats.shards import load_manifests, write_shards
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -153,32 +150,9 @@ def test_ctrl_c_on_two_nodes_while_every_download_stalls_stops_at_once_with_its_
         hub.observers.append(stall_after_second_step)
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1",
                    HF_HUB_DOWNLOAD_TIMEOUT="600")
-        procs, port = L.start_two_nodes(args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
-                                        new_sessions=True, **env)
-        try:
-            deadline = time.monotonic() + 300
-            while len(stalled) < 2 or time.monotonic() < stalled[1] + 3:  # stalled downloads, and reads waiting on them
-                assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
-                assert time.monotonic() < deadline, "no download stalled"
-                time.sleep(0.2)
-            at, signalled = len(L.metrics(out)), time.monotonic()
-            for proc in procs:
-                os.killpg(proc.pid, signal.SIGINT)
-            said = "".join(o + e for o, e in (p.communicate(timeout=LAUNCHER_GRACE_S + 60) for p in procs))
-            seconds = time.monotonic() - signalled
-        finally:
-            for proc in procs:
-                if proc.poll() is None or L.group_processes(proc.pid):
-                    L.kill_group(proc)
-            for seg in L.shm_segments(port):
-                seg.unlink(missing_ok=True)
-    lines = L.STOP_LINE.findall(said)
-    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
-    steps = {int(step) for _, step, _ in lines}
-    assert len(steps) == 1 and at <= min(steps) < 12, (lines, at)
-    assert seconds < LAUNCHER_GRACE_S - 10, seconds
-    assert not L.foreign_tracebacks(said), said[-5000:]
-    found = {c.step: c for c in list_checkpoints(out)}
-    assert list(found) == [steps.pop()]
-    ok, reason = verify(found[min(found)].path, deep=True)
-    assert ok, reason
+        said, at, seconds = L.ctrl_c_two_nodes(
+            args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+            lambda: len(stalled) >= 2 and time.monotonic() > stalled[1] + 3,  # downloads stalled, reads waiting on them
+            out, LAUNCHER_GRACE_S, **env)
+    step = L.one_stop(said, out)
+    assert at <= step < 12 and seconds < LAUNCHER_GRACE_S - 10, (at, step, seconds)

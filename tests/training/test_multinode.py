@@ -15,14 +15,11 @@ are still the reference's.
 """
 import csv
 import json
-import os
 import re
-import signal
 import time
 
 import pytest
 
-from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 
 from ds_trhash.data.embedded import build_embedded
@@ -197,36 +194,11 @@ def test_ctrl_c_on_each_node_stops_both_at_one_step_with_one_checkpoint(runs, tm
     args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "150",
             "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000",
             "--set", "checkpoint.packs=null", *streamed]
-    procs, port = L.start_two_nodes(args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
-                                    new_sessions=True, **env)
-    try:
-        deadline = time.monotonic() + 600
-        while not (out / "metrics.csv").exists() or len(L.metrics(out)) < 3:
-            assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
-            assert time.monotonic() < deadline, "the run did not train"
-            time.sleep(0.2)
-        at, signalled = len(L.metrics(out)), time.monotonic()
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGINT)
-        said = "".join(out_ + err for out_, err in (p.communicate(timeout=LAUNCHER_GRACE_S + 60) for p in procs))
-        seconds = time.monotonic() - signalled
-    finally:
-        for proc in procs:
-            if proc.poll() is None or L.group_processes(proc.pid):
-                L.kill_group(proc)
-        for seg in L.shm_segments(port):
-            seg.unlink(missing_ok=True)
-    lines = L.STOP_LINE.findall(said)
-    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
-    steps = {int(step) for _, step, _ in lines}
-    assert len(steps) == 1, lines
-    step = steps.pop()
+    said, at, seconds = L.ctrl_c_two_nodes(
+        args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+        lambda: (out / "metrics.csv").exists() and len(L.metrics(out)) >= 3, out, LAUNCHER_GRACE_S, **env)
+    step = L.one_stop(said, out)
     assert at <= step <= at + 3 and seconds < LAUNCHER_GRACE_S, (at, step, seconds)
-    assert not L.foreign_tracebacks(said), said[-5000:]
-    found = {c.step: c for c in list_checkpoints(out)}
-    assert list(found) == [step]
-    ok, reason = verify(found[step].path, deep=True)
-    assert ok, reason
 
 
 def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks_train(runs, tmp_path):

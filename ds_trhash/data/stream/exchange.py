@@ -58,6 +58,7 @@ from ds_trhash.data.stream.exchange_chunk import (HEADER, OK, STOPPED, Chunk, Pe
 from ds_trhash.data.stream.order import RowRef
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
 from ds_trhash.data.stream.store.base import ReadTimedOut
+from ds_trhash.errors import UserError
 
 Key = tuple[str, str]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -247,6 +248,8 @@ class RowExchange:
         failed chunk raised: this rank's own error, else one naming the first node that failed."""
         recv, statuses = found.recv.numpy(), found.statuses()
         if found.error is not None:
+            if isinstance(found.error, UserError):
+                found.error.per_rank = True  # this rank's own read: its launch prints it here (its peers name it)
             raise found.error
         failed = next(((node, status) for node, status in enumerate(statuses) if status != OK), None)
         if failed is not None:

@@ -20,6 +20,8 @@ OK, STORE_GONE, FAILED, STOPPED = 0, 1, 2, 3  # STOPPED: sent by a rank that clo
 class PeerReadError(UserError, RuntimeError):
     """Another node could not read the rows it owns for this rank (its own error is in its log)."""
 
+    per_rank = True
+
 
 class PeerStoreUnavailable(PeerReadError, StoreUnavailable):
     """As ``PeerReadError``, because the store stayed away longer than that node's wait budget."""

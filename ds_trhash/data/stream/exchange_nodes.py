@@ -11,7 +11,10 @@ Key = tuple[str, str]
 
 
 class NodeLayoutError(UserError, ValueError):
-    """The ranks are not whole nodes of one rank count: the exchange groups cannot be formed."""
+    """The ranks are not whole nodes of one rank count: the exchange groups cannot be formed
+    (said by every rank: each node's terminal shows it)."""
+
+    per_rank = True
 
 
 def node_count(world_size: int, per_node: int) -> int:
