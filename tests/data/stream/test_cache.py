@@ -205,50 +205,27 @@ def test_names_that_would_leave_the_cache_are_refused_before_anything_is_written
 
 def test_a_read_waits_for_another_processs_download_no_longer_than_its_deadline(store, tmp_path):
     """Another process of the node holds the shard's download lock (a prefetch waiting out the
-    Hub): a read with a deadline gives up when it is spent, as the store being away, naming the
-    shard; nothing in the cache changed."""
+    Hub; here a lock of its own on the same file, which flock treats alike): a read with a
+    deadline gives up when it is spent, as the store being away, naming the shard; no entry,
+    partial or ledger changed, and the read succeeds once the lock is free."""
+    from filelock import FileLock
+
     from ds_trhash.data.stream.deadline import read_deadline
     from ds_trhash.data.stream.store.base import ReadTimedOut, StoreUnavailable
 
     cache = cache_for(store, tmp_path / "cache", 10 * SHARD_BYTES)
     path = cf.entry_path(cache.root, "a", "shard-00001.bin")
     path.parent.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    holder = ctx.Process(target=_hold_lock, args=(str(cf.side(path, cf.LOCK)), 30))
-    holder.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not _locked(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with FileLock(str(cf.side(path, cf.LOCK)), is_singleton=False):
         before = _entries(tmp_path / "cache")
         started = time.monotonic()
         with pytest.raises(ReadTimedOut, match="shard a/shard-00001.bin was still being downloaded") as e:
             with read_deadline(0.5):
                 cache.get("a", "shard-00001.bin")
         assert 0.4 < time.monotonic() - started < 5 and isinstance(e.value, StoreUnavailable)
-        assert _entries(tmp_path / "cache") == before  # no entry, partial or ledger change (a hold file beside)
-    finally:
-        holder.kill()
-        holder.join()
+        assert _entries(tmp_path / "cache") == before  # a hold file beside the entry is all it left
     assert cache.get("a", "shard-00001.bin").read_bytes() == (store / "a" / "shard-00001.bin").read_bytes()
     cache.close()
-
-
-def _hold_lock(lock_path, seconds):
-    from filelock import FileLock
-
-    with FileLock(lock_path, is_singleton=False):
-        time.sleep(seconds)
-
-
-def _locked(path):
-    from filelock import FileLock, Timeout
-
-    try:
-        FileLock(str(cf.side(path, cf.LOCK)), is_singleton=False).acquire(timeout=0).lock.release()
-    except Timeout:
-        return True
-    return False
 
 
 def _entries(directory):
