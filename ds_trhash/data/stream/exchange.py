@@ -108,7 +108,7 @@ class RowExchange:
         self._plan_lock = threading.Lock()
         self._owed: list[int] = []  # chunks every member sends now, this rank's part not sent yet (a read)
         self._issued: dict[int, Chunk] = {}
-        self._agreed: dict[int, tuple[int, int]] = {}  # step: (status, node) of another rank's failed read
+        self._agreed: dict[int, tuple[int, int]] = {}  # chunk: (node, status) of another rank's failed read
         self._batches: tuple[int, list[list[Batch]]] = (-1, [])  # (chunk, its steps' micro-batches)
         self.wait_s = self.assembly_s = 0.0
         self.sent_bytes = 0  # rows' bytes sent to other nodes (the figures, the benchmark)
@@ -266,8 +266,8 @@ class RowExchange:
         found = self._issued.pop(chunk)
         found.work.wait()
         rows = self._unpack(chunk, found)
-        if chunk * self.chunk_steps in self._agreed:  # another group's read failed: every rank stops here
-            raise peer_error(*self._agreed[chunk * self.chunk_steps], self._steps(chunk))
+        if chunk in self._agreed:  # another group's read failed: every rank stops here
+            raise peer_error(*self._agreed[chunk], self._steps(chunk))
         tensor = torch.from_numpy(rows).view(-1, self.grad_accum, self.micro_batch, rows.shape[1])  # [steps, ga, mb, L+1]
         return [[self._finish(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()) for batch in step]
                 for step in tensor]
@@ -327,7 +327,7 @@ class RowExchange:
         """What the agreement found before ``step``: a rank's failed read (``status`` sent by
         node ``node`` - 1), raised at that step by every rank whose own exchange did not."""
         if status != OK and node > 0:
-            self._agreed[step] = (node - 1, status)
+            self._agreed[step // self.chunk_steps] = (node - 1, status)
 
     def start(self, step: int) -> None:
         """Read this node's rows of ``step``'s chunk and the next now, in the background (a

@@ -26,9 +26,10 @@ NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
 WORLD = NODES * PER_NODE
 DEFAULT_GROUP_S, BUDGET_S = 3.0, 6.0
 LAYOUTS = {"2 + 1 + 1": [2, 2, 1, 1], "1 + 3": [1, 3, 3, 3]}  # each rank's LOCAL_SIZE
-# name: (the rank whose second read misbehaves, how: "stall" never returns, "fail" raises;
-# the rank that gets Ctrl-C while the others wait for that read, if any)
-SCENARIOS = {"stall": (2, "stall", None), "fail": (0, "fail", None), "stop": (2, "stall", 1)}
+# name: (the rank whose read misbehaves, how: "stall" never returns, "fail" raises; the rank
+# that gets Ctrl-C while the others wait for that read, if any; the first step, which read)
+SCENARIOS = {"stall": (2, "stall", None, 0, 2), "fail": (0, "fail", None, 0, 2), "stop": (2, "stall", 1, 0, 2),
+             "resumed": (0, "fail", None, 1, 1)}  # a resume in the middle of the first chunk, whose read fails
 
 
 def _layouts(rank):
@@ -43,13 +44,13 @@ def _layouts(rank):
     return found
 
 
-def _misbehave(reader, how, release):
-    """The reader's second read stalls until ``release`` is set, or raises."""
+def _misbehave(reader, how, release, which):
+    """The reader's read number ``which`` stalls until ``release`` is set, or raises."""
     real, calls = reader.read_rows, []
 
     def read_rows(*args):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == which:
             if how == "fail":
                 raise OSError("disk gone")
             release.wait()
@@ -58,16 +59,23 @@ def _misbehave(reader, how, release):
 
 
 class _Batches:
-    """What the stop agreement asks of the stage's batches (``training.batches.PretrainBatches``)."""
+    """What the stop agreement asks of the stage's batches (``training.batches.PretrainBatches``);
+    ``waiting()`` is called when the agreement asks again for one step: some rank still reads."""
 
-    def __init__(self, exchange):
-        self.readiness, self.agreed = exchange.readiness, exchange.agreed
+    def __init__(self, exchange, waiting=lambda: None):
+        self.agreed, self._exchange, self._waiting, self._asked = exchange.agreed, exchange, waiting, []
+
+    def readiness(self, step):
+        if self._asked.count(step) == 2:  # asked a third time: every rank waits in the agreement's loop
+            self._waiting()
+        self._asked.append(step)
+        return self._exchange.readiness(step)
 
 
-def _train(rank, exchange, stop, steps):
+def _train(rank, exchange, stop, first, steps):
     """Training's order of collectives: (the step it stopped before, the error and its step)."""
-    stop.wait_for_data(0)
-    for step in range(steps):
+    stop.wait_for_data(first)
+    for step in range(first, steps):
         try:
             exchange.get(step)
         except Exception as exc:
@@ -78,21 +86,20 @@ def _train(rank, exchange, stop, steps):
     return steps, None
 
 
-def _scenario(rank, groups, root, plan, folder, bad, how, signalled):
+def _scenario(rank, groups, root, plan, folder, bad, how, signalled, first, which):
     node = rank // PER_NODE
     cache = open_corpus(plan, str(root)).open_cache(folder / f"cache-{node}", 100 * SHARD_BYTES, ranks_on_node=PER_NODE)
     reader, release = ReplayReader(plan, None, 3, cache=cache), threading.Event()
     if rank == bad:
-        _misbehave(reader, how, release)
+        _misbehave(reader, how, release, which)
     exchange = RowExchange(reader, MICRO, ACCUM, rank, WORLD, node, NODES, groups[rank % PER_NODE], chunk_rows=16,
                            budget_s=BUDGET_S)
     requests = StopRequests()
-    if rank == signalled:  # Ctrl-C a second into the others' wait for the stalled read
-        threading.Timer(BUDGET_S / 6, requests.handle, args=(signal.SIGINT,)).start()
-    stop = StopAgreement(requests, LauncherWatch(), WORLD, data=_Batches(exchange))
-    exchange.start(0)
+    ctrl_c = (lambda: requests.handle(signal.SIGINT)) if rank == signalled else (lambda: None)
+    stop = StopAgreement(requests, LauncherWatch(), WORLD, data=_Batches(exchange, ctrl_c))  # Ctrl-C during the wait
+    exchange.start(first)
     started = time.monotonic()
-    stopped, error = _train(rank, exchange, stop, 4)
+    stopped, error = _train(rank, exchange, stop, first, 4)
     took = time.monotonic() - started
     closing = time.monotonic()
     exchange.close()
@@ -160,6 +167,15 @@ def test_a_read_that_fails_on_one_local_rank_stops_both_groups_at_the_same_step(
     for rank in (1, 2, 3):
         assert errors[rank][:2] == ("PeerReadError", "node 0 could not read the rows it owns for steps 2-3 "
                                                      "(its own error is in its log)"), errors
+
+
+def test_a_resume_in_the_middle_of_a_chunk_whose_read_fails_stops_every_rank_at_its_first_step(runs):
+    found = runs[0]["resumed"]
+    errors = {rank: r["error"] for rank, r in found.items()}
+    assert {step for _, _, step in errors.values()} == {1}, errors
+    assert errors[0][:2] == ("OSError", "disk gone")
+    assert {errors[rank][:2] for rank in (1, 2, 3)} == {("PeerReadError", "node 0 could not read the rows it owns for "
+                                                                           "steps 0-1 (its own error is in its log)")}
 
 
 def test_ctrl_c_during_the_wait_is_the_agreed_stop_and_closes_at_once(runs):
