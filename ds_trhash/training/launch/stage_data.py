@@ -109,8 +109,10 @@ def exchanging_nodes(corpus, world: int, per_node: int) -> int:
 def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
     """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
     every node's exchange group (the ranks with one local index), in the same order, as
-    ``new_group`` requires. An exchange waits for a node whose download waits out an outage: the
-    groups' timeout is that wait (``wait_s``) and ten minutes more."""
+    ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
+    steps after the others'). A member's exchange waits, in the background, for a node whose read
+    waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
+    budget and ten minutes more."""
     timeout = datetime.timedelta(seconds=wait_s + 600)
     groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
