@@ -213,7 +213,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
                              share=node_share(rank, world, node_ranks, wait_s, cfg.data.exchange_rows)
-                             if nodes > 1 else None)
+                             if nodes > 1 else None, budget_s=wait_s)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start
