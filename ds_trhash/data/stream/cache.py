@@ -226,8 +226,9 @@ class ShardCache(Prefetching):
         try:
             return cf.download_lock(path).acquire(timeout=-1 if left is None else left)
         except Timeout:
-            raise ReadTimedOut(f"shard {key[0]}/{key[1]} was still being downloaded by another process of this node "
-                               f"when this read's wait budget ran out (data.hub_wait_minutes)") from None
+            raise ReadTimedOut(f"cannot get {key[0]}/{key[1]} within data.hub_wait_minutes ({read_deadline.budget():g} "
+                               "s): another process of this node (its prefetch, or another rank) was still downloading "
+                               "it; its waits for the store are said above") from None
 
     def _ensure(self, key: Key, path: Path, wait: bool) -> bool:
         """The entry ``path`` (checked by ``entry_path``) is present and verified (fetched now if

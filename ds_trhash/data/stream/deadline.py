@@ -19,20 +19,26 @@ _local = threading.local()
 def read_deadline(seconds: Optional[float]) -> Iterator[None]:
     """The block's waits on this thread end ``seconds`` from now (None: no deadline; an outer
     deadline that ends sooner is kept)."""
-    outer = getattr(_local, "at", None)
+    outer, outer_budget = getattr(_local, "at", None), getattr(_local, "budget", None)
     if seconds is not None:
         at = time.monotonic() + max(0.0, float(seconds))
-        _local.at = at if outer is None else min(outer, at)
+        if outer is None or at < outer:
+            _local.at, _local.budget = at, float(seconds)
     try:
         yield
     finally:
-        _local.at = outer
+        _local.at, _local.budget = outer, outer_budget
 
 
 def remaining() -> Optional[float]:
     """Seconds left to this thread's read (None: no deadline), never below 0."""
     at = getattr(_local, "at", None)
     return None if at is None else max(0.0, at - time.monotonic())
+
+
+def budget() -> Optional[float]:
+    """The whole budget of this thread's read, in seconds (None: no deadline)."""
+    return getattr(_local, "budget", None)
 
 
 def capped(budget: float) -> float:

@@ -280,6 +280,6 @@ def test_a_steps_read_waits_for_a_shard_no_longer_than_its_budget(store, tmp_pat
     with FileLock(str(cf.side(path, cf.LOCK)), is_singleton=False):
         with RankStream(reader, LAYOUTS[0], end=STEPS, budget_s=0.5) as stream:
             started = time.monotonic()
-            with pytest.raises(ReadTimedOut, match=f"shard {source}/{file} was still being downloaded"):
+            with pytest.raises(ReadTimedOut, match=f"cannot get {source}/{file} within data.hub_wait_minutes .* was still downloading it"):
                 stream.micro_batches(0)
             assert 0.4 < time.monotonic() - started < 5
