@@ -16,9 +16,9 @@ How the DeepSpeed 0.19 launcher delivers a stop decides the design:
   ``launch.py`` gone), write their stop checkpoint and exit 0.
 
 So a signal handler here only records the request (it never raises and does no I/O), and once
-per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
-a CPU (gloo) group. All ranks see the same answer at the same step, write one checkpoint
-together and exit 0. A rank started by ``launch.py`` under the ``deepspeed`` runner also checks,
+per optimizer step every rank contributes its local request to a MAX all-reduce over a CPU
+(gloo) group (beside whether its data for the next step is read: ``StopAgreement``). All ranks
+see the same answer at the same step, write one checkpoint together and exit 0. A rank started by ``launch.py`` under the ``deepspeed`` runner also checks,
 once per step, that both are still alive (one /proc read), and treats their disappearance as a
 stop request: nothing is left training as an orphan. The stop lands at the next step boundary,
 well inside the launcher's 30 s grace period for any step that takes seconds.
