@@ -60,13 +60,14 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
 
 
 def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], new_sessions: bool = False,
-                    slots: int = 1, **env: str) -> tuple[list[subprocess.Popen], int]:
+                    slots: int | tuple[int, int] = 1, **env: str) -> tuple[list[subprocess.Popen], int]:
     """``two_nodes``' launchers, started and not waited for: (the launchers, the master port).
     ``new_sessions``: each in a session and process group of its own, as from a terminal per node;
-    ``slots``: CPU processes per node."""
+    ``slots``: CPU processes per node (a pair: each node's)."""
     port = free_port()
     hostfile = workdir / "hostfile"
-    hostfile.write_text(f"node0 slots={slots}\nnode1 slots={slots}\n")
+    hostfile.write_text("".join(f"node{node} slots={n}\n" for node, n in enumerate(
+        slots if isinstance(slots, tuple) else (slots, slots))))
     procs = []
     for node in (0, 1):
         cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
@@ -76,8 +77,8 @@ def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], n
     return procs, port
 
 
-def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [], slots: int = 1,
-              **env: str) -> list[subprocess.CompletedProcess]:
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [],
+              slots: int | tuple[int, int] = 1, **env: str) -> list[subprocess.CompletedProcess]:
     """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
     the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
     address and port on loopback; one CPU process per node. ``node_args(node)`` adds what differs

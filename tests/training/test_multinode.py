@@ -222,3 +222,25 @@ def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks
     assert served == {p: 1 for p in caches[0] | caches[1]}
     reference, four = L.train_losses(root / "one-node"), L.train_losses(out)
     assert len(four) == STEPS and four == pytest.approx(reference, rel=1e-4)
+
+
+def test_unequal_nodes_are_refused_at_once_on_both_naming_each_nodes_ranks(runs, tmp_path):
+    """Hostfile slots 2 + 1 with a corpus streamed from the Hub (its rows would travel in groups
+    of one rank per node): every rank of both nodes refuses before any model is built, naming
+    each node's rank count, instead of one node refusing and the other waiting in new_group."""
+    _, _, _, (streamed, env) = runs
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(tmp_path / "run"), "--max-steps", "3",
+            "--set", "batch.micro_batch=1", "--set", "batch.global_tokens=768", *streamed]  # 6 rows: 3 ranks split them
+    started = time.monotonic()
+    nodes = L.two_nodes(args, tmp_path, timeout=240, slots=(2, 1), **env,
+                        node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"])
+    seconds = time.monotonic() - started
+    said = [proc.stdout + proc.stderr for proc in nodes]
+    explained = "\n".join(L.explain(p) for p in nodes)
+    refusal = ("the nodes run 2 + 1 ranks (their hostfile slots, in node order; LOCAL_SIZE or LOCAL_WORLD_SIZE): rows "
+               "travel between nodes in groups of one rank per node, so every node must run the same number of ranks; "
+               "give every host the same slots in the hostfile")
+    assert all(proc.returncode == 2 for proc in nodes), explained
+    assert [f"error: rank {rank}: {refusal}" in said[rank // 2] for rank in range(3)] == [True] * 3, explained
+    assert not any("Traceback" in s for s in said) and not (tmp_path / "run" / "checkpoints").exists(), explained
+    assert seconds < 200, seconds  # at once: no rank waited for a group the others never formed
