@@ -20,6 +20,10 @@ class UserError(Exception):
     """An expected refusal: printed as one line, exit status `exit_code`."""
 
     exit_code: int = EXIT_USER_ERROR
+    # True for an error each rank reports for itself: one met alone in the middle of a run (a read
+    # of the node's data, a store that stayed away), or one every node's terminal must show (the
+    # nodes' layout): every rank prints its own line; otherwise rank 0 speaks for all.
+    per_rank: bool = False
 
     def message_lines(self) -> list[str]:
         """What the handler prints after ``error:``: the message on one line (a message built

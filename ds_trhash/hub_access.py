@@ -222,10 +222,13 @@ class Patience:
     requests: int = 0  # attempts made, retries included (tests and the benchmark read it)
     waits: int = 0
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
+    def call(self, what: str, fn: Callable[[], T], budget_s: Optional[float] = None) -> T:
         """``fn()``, retried while it fails transiently and the budget lasts; a refusal is raised as
-        it is, an outage that outlives the budget as ``HubUnavailable`` naming ``what``."""
+        it is, an outage that outlives the budget as ``HubUnavailable`` naming ``what``.
+        ``budget_s``: this call's budget when it is less than ``self.budget_s`` (what is left of
+        a read's deadline)."""
         start, delay, tries, slept = time.monotonic(), self.backoff_s, 0, 0.0
+        budget = self.budget_s if budget_s is None else min(self.budget_s, budget_s)
         while True:
             tries += 1
             self.requests += 1
@@ -236,14 +239,14 @@ class Patience:
                     raise
                 waited = max(time.monotonic() - start, slept)
                 wait = min(server_delay(exc) or delay, self.cap_s * 5)
-                if (self.attempts is not None and tries >= self.attempts) or waited + wait > self.budget_s:
+                if (self.attempts is not None and tries >= self.attempts) or waited + wait > budget:
                     raise HubUnavailable(redact(
                         f"cannot get {what} from the Hub at {endpoint()} after {tries} attempts over "
                         f"{_clock(waited)} (last: {reason(exc)}); check the network, HF_ENDPOINT, or relaunch "
                         "later")) from None
                 self.waits += 1
                 self.say(f"Hub answers {reason(exc)} for {what}; retrying in {_clock(wait)}, waited "
-                         f"{_clock(waited)} of {_clock(self.budget_s)}")
+                         f"{_clock(waited)} of {_clock(budget)}")
                 self.sleep(wait)
                 slept += wait
                 delay = min(delay * 2, self.cap_s)

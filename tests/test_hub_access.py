@@ -57,6 +57,19 @@ def test_waits_are_reported_capped_and_bounded_by_the_budget():
     assert isinstance(hub_access.HubUnavailable("x"), UserError)
 
 
+def test_a_calls_own_budget_caps_the_patience_budget():
+    """A read's deadline leaves a download less than the store's budget: its waits end there."""
+    lines, sleeps = [], []
+
+    def down():
+        raise _Failure(503)
+
+    patience = hub_access.Patience(budget_s=100, backoff_s=10, cap_s=30, say=lines.append, sleep=sleeps.append)
+    with pytest.raises(hub_access.HubUnavailable, match=r"after 3 attempts over 30 s \(last: HTTP 503\)"):
+        patience.call("shard.bin", down, budget_s=35)
+    assert sleeps == [10, 20] and lines[0].endswith("waited 0 s of 35 s")
+
+
 def test_a_refusal_is_not_retried():
     calls = []
 

@@ -34,6 +34,13 @@ class PretrainBatches:
     def data_figures(self) -> DataFigures:
         return self.stream.figures()
 
+    def readiness(self, step: int) -> tuple[int, int, int]:
+        """Before ``step``: whether this rank's data is still being read (the stop agreement asks)."""
+        return self.stream.readiness(step)
+
+    def agreed(self, step: int, status: int, node: int) -> None:
+        self.stream.agreed(step, status, node)
+
 
 @dataclass
 class SFTStepBatches:

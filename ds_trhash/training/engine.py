@@ -139,8 +139,12 @@ def expert_parallel_group(ep_size: int):
     return deepspeed_expert_group(ep_size)
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
+DEFAULT_GROUP_MINUTES = 30.0  # the default group's timeout unless a launch needs a longer one
+
+
+def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); the default
+    group's collectives fail after ``timeout_minutes`` (``launcher.group_timeout_minutes``)."""
     import deepspeed
 
     os.environ.setdefault("RANK", "0")
@@ -150,7 +154,7 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with without_shared_memory_op():
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -20,7 +20,7 @@ from ds_trhash.errors import UserError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE, install as install_stop_handlers
-from ds_trhash.training.engine import init_distributed
+from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
 from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
 from ds_trhash.training.trainer import run_stage
@@ -182,11 +182,22 @@ def port_in_use(addr: str, port: int) -> bool:
     return False
 
 
-def start_process_group() -> tuple[int, int]:
+GROUP_MARGIN_MINUTES = 10.0
+
+
+def group_timeout_minutes(cfg: tcfg.TrainConfig) -> float:
+    """The default group's timeout: 30 minutes, or one read's budget (``data.hub_wait_minutes``)
+    and ten minutes more when that is longer. No rank waits in it for a read (the stop agreement
+    polls instead), but a rank that stops on its read's failure ends its budget no later than
+    that; the margin keeps its peers' collectives from timing out first."""
+    return max(DEFAULT_GROUP_MINUTES, cfg.data.hub_wait_minutes + GROUP_MARGIN_MINUTES)
+
+
+def start_process_group(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
     """``init_distributed``; a master port another process holds (two launches on one host with
     the same ``--master_port``) is refused with the port and how to choose another."""
     try:
-        return init_distributed()
+        return init_distributed(timeout_minutes)
     except dist.DistNetworkError:
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "")
         if port.isdigit() and port_in_use(addr, int(port)):
@@ -209,10 +220,13 @@ def launch_rank_and_world() -> tuple[int, int]:
 
 
 def _refused(e: UserError, rank: int, output_dir: str | None) -> int:
-    """An expected refusal: its message (rank 0), or, for a Hub that stayed away mid-run, one line
-    from the rank that met it (its peers may be waiting inside a step) with what to run next."""
+    """An expected refusal: its message (rank 0), or, for an error one rank met mid-run
+    (``UserError.per_rank``: its read failed, or another node's read of its rows), one line from
+    each rank that met it; after a Hub that stayed away, with what to run next."""
     if isinstance(e, StoreUnavailable):
         rank_line(f"error: rank {rank}: {e}; {_relaunch_advice(output_dir)}")
+    elif e.per_rank:
+        rank_line(f"error: rank {rank}: {e}")
     elif rank == 0:  # in one write, flushed: the launcher may terminate this process right after
         rank_line(f"error: {e}")
     return e.exit_code
@@ -299,7 +313,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         lock, checked = lock_and_decide(cfg, args, rank, world)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
-        rank, world = start_process_group()
+        rank, world = start_process_group(group_timeout_minutes(cfg))
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         if checked is None:

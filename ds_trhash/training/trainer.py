@@ -163,7 +163,8 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
                                    resume_step=first_step)
     # Signals were recorded since the launcher started (callbacks.stop.install); from here on
     # every rank asks once per step whether any rank wants to stop.
-    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), plan.world)
+    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), plan.world,
+                         data=data.batches if hasattr(data.batches, "readiness") else None)
     return RunContext(
         cfg=cfg, rank=rank, world=plan.world, output_dir=output_dir, device=plan.device, engine=engine,
         model=model, model_config=plan.model_config, batches=data.batches, progress=progress, writer=writer,

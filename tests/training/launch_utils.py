@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -59,13 +60,14 @@ def deepspeed(nproc: int, args: list[str], timeout: int = 300, **env: str) -> su
 
 
 def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], new_sessions: bool = False,
-                    slots: int = 1, **env: str) -> tuple[list[subprocess.Popen], int]:
+                    slots: int | tuple[int, int] = 1, **env: str) -> tuple[list[subprocess.Popen], int]:
     """``two_nodes``' launchers, started and not waited for: (the launchers, the master port).
     ``new_sessions``: each in a session and process group of its own, as from a terminal per node;
-    ``slots``: CPU processes per node."""
+    ``slots``: CPU processes per node (a pair: each node's)."""
     port = free_port()
     hostfile = workdir / "hostfile"
-    hostfile.write_text(f"node0 slots={slots}\nnode1 slots={slots}\n")
+    hostfile.write_text("".join(f"node{node} slots={n}\n" for node, n in enumerate(
+        slots if isinstance(slots, tuple) else (slots, slots))))
     procs = []
     for node in (0, 1):
         cmd = [str(VENV_BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
@@ -75,8 +77,8 @@ def start_two_nodes(args: list[str], workdir: Path, node_args=lambda node: [], n
     return procs, port
 
 
-def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [], slots: int = 1,
-              **env: str) -> list[subprocess.CompletedProcess]:
+def two_nodes(args: list[str], workdir: Path, timeout: int = 300, node_args=lambda node: [],
+              slots: int | tuple[int, int] = 1, **env: str) -> list[subprocess.CompletedProcess]:
     """A two-node launch simulated on this machine: one `deepspeed` launcher per "node", each with
     the same hostfile (two hosts, one slot each), `--no_ssh`, its `--node_rank`, and the same master
     address and port on loopback; one CPU process per node. ``node_args(node)`` adds what differs
@@ -228,3 +230,48 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
     else:
         proc.communicate()
+
+
+def ctrl_c_two_nodes(args: list[str], workdir: Path, node_args, ready, output_dir: Path, grace_s: float,
+                     **env: str) -> tuple[str, int, float]:
+    """Two nodes (``start_two_nodes``, each in a session of its own, as from a terminal per node)
+    and, once ``ready()`` holds, Ctrl-C in each node's terminal (SIGINT to each launcher's process
+    group): (what both said, the metrics rows logged when signalled, seconds until both exited).
+    Whatever is left of either is killed."""
+    procs, port = start_two_nodes(args, workdir, node_args, new_sessions=True, **env)
+    try:
+        deadline = time.monotonic() + 600
+        while not ready():
+            assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
+            assert time.monotonic() < deadline, "the run never came to the point to signal it"
+            time.sleep(0.2)
+        at = len(metrics(output_dir)) if (output_dir / "metrics.csv").exists() else 0
+        signalled = time.monotonic()
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGINT)
+        said = "".join(out + err for out, err in (p.communicate(timeout=grace_s + 60) for p in procs))
+        return said, at, time.monotonic() - signalled
+    finally:
+        for proc in procs:
+            if proc.poll() is None or group_processes(proc.pid):
+                kill_group(proc)
+        for seg in shm_segments(port):
+            seg.unlink(missing_ok=True)
+
+
+def one_stop(said: str, output_dir: Path) -> int:
+    """Both ranks' stop lines name one step, no rank printed a traceback of its own, and that
+    step's checkpoint is the run's only one and verifies: the step."""
+    from ds_trhash.checkpoints import list_checkpoints, verify
+
+    lines = STOP_LINE.findall(said)
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
+    steps = {int(step) for _, step, _ in lines}
+    assert len(steps) == 1, lines
+    assert not foreign_tracebacks(said), said[-5000:]
+    step = steps.pop()
+    found = {c.step: c for c in list_checkpoints(output_dir)}
+    assert list(found) == [step]
+    ok, reason = verify(found[step].path, deep=True)
+    assert ok, reason
+    return step

@@ -24,6 +24,7 @@ from ds_trhash.data.plans.plan import write_plan
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.stream.exchange import owners
 from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
@@ -69,7 +70,9 @@ def test_an_outage_beyond_the_budget_stops_cleanly_and_resume_auto_finishes(tmp_
         assert hub.outage_until, "no shard was requested after the first checkpoint"
         assert stopped.returncode == 2 and "Traceback" not in said, L.explain(stopped)
         assert "Hub answers HTTP 503" in said and "retrying in 1 s" in said, L.explain(stopped)
-        assert "after" in said and "attempts over" in said and "(last: HTTP 503)" in said, L.explain(stopped)
+        # the read gave up on the Hub itself, or on the prefetch process's download of the shard (within one budget)
+        assert re.search(r"error: rank 0: cannot get a/\S+ (\(hf://.* after \d+ attempts over .* \(last: HTTP 503\)|"
+                         r"within data.hub_wait_minutes \(3 s\): another process of this node)", said), L.explain(stopped)
         kept = L.checkpoint_steps(out)
         assert kept and f"the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with " \
                          "--resume auto continues from it once the Hub answers" in said, L.explain(stopped)
@@ -90,16 +93,17 @@ def _owned_and_read_late(plan, node: int, after_row: int) -> str:
     return "/".join(late[0])
 
 
-def test_on_two_nodes_both_stop_at_one_step_each_saying_what_to_run(tmp_path):
-    """A shard that one node owns stays unavailable (503) past data.hub_wait_minutes after the
-    first checkpoint, in a run whose rows travel between the nodes: the owner says what it could
-    not fetch, the other node which node failed, both at the same step, without a traceback, each
-    saying that --resume auto continues from the last checkpoint."""
+def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path):
+    """A shard that node 0 owns stays unavailable (503) past data.hub_wait_minutes after the
+    first checkpoint, in a run of two nodes of two ranks each whose rows travel between the nodes
+    in two exchange groups: every rank of both nodes stops at the same exchange, without a
+    traceback, each in one line saying that --resume auto continues from the last checkpoint; a
+    rank of node 0 says what it could not fetch, node 1's ranks that node 0 could not read."""
     tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
     corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
     broken = _owned_and_read_late(plan, node=0, after_row=6 * 8)  # not read in the first 6 steps of 8 rows
     out = tmp_path / "run"
-    args = L.reference_run(out, micro=4, extra=[
+    args = L.reference_run(out, micro=2, extra=[
         "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
         "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.hub_wait_minutes=0.05",
         "--set", "data.exchange_rows=16"])  # two steps of 8 rows per exchange
@@ -107,16 +111,53 @@ def test_on_two_nodes_both_stop_at_one_step_each_saying_what_to_run(tmp_path):
         seed_dataset(hub, REPO, corpus_files(corpus))
         hub.file_faults[broken] = ["503"] * 1000
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1")
-        nodes = L.two_nodes(args, tmp_path, node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
-                            **env)
+        nodes = L.two_nodes(args, tmp_path, slots=2,
+                            node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"], **env)
     said = [proc.stdout + proc.stderr for proc in nodes]
     explained = "\n".join(L.explain(p) for p in nodes)
     assert all(proc.returncode == 2 for proc in nodes) and not any("Traceback" in s for s in said), explained
     kept = L.checkpoint_steps(out)
     advice = (f"training stopped; the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with "
               "--resume auto continues from it once the Hub answers")
-    assert re.search(rf"error: rank 0: cannot get {broken} .* \(last: HTTP 503\); .*; {re.escape(advice)}", said[0]), explained
-    peer = re.search(r"error: rank 1: node 0 could not read the rows it owns for steps (\d+)-(\d+) \(its own error is in "
-                     rf"its log\); {re.escape(advice)}", said[1])
-    assert peer and int(peer[1]) >= kept[-1] >= 3, explained  # stopped after its last checkpoint, at that exchange
+    lines = {int(m[1]): m[2] for m in re.finditer(r"error: rank (\d): (.*)", "\n".join(said))}
+    assert sorted(lines) == [0, 1, 2, 3] and all(line.endswith(advice) for line in lines.values()), explained
+    peers = [re.fullmatch(r"node 0 could not read the rows it owns for steps (\d+)-(\d+) \(its own error is in its "
+                          rf"log\); {re.escape(advice)}", lines[rank]) for rank in (2, 3)]
+    assert all(peers) and peers[0][1] == peers[1][1] and int(peers[0][1]) >= kept[-1] >= 3, explained
+    assert any(re.match(rf"cannot get {broken} ", lines[rank]) for rank in (0, 1)), explained  # the Hub's words or the lock's
     assert "cannot get" not in said[1]  # node 1 never asked for the shard: node 0 owns it
+
+
+def test_ctrl_c_on_two_nodes_while_every_download_stalls_stops_at_once_with_its_checkpoint(tmp_path):
+    """Every shard download goes silent (the Hub sends half a shard, then nothing for 10 minutes)
+    in the middle of a two-node run whose rows travel between the nodes, and Ctrl-C reaches both
+    nodes while their reads hang: both ranks stop after the same step with one complete
+    checkpoint, well inside the launcher's grace period (no exchange waits for a stalled read,
+    and closing waits for no download), without a traceback."""
+    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+    out = tmp_path / "run"
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "12",
+            "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000",
+            "--set", "checkpoint.packs=null", "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+            "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.exchange_rows=16", "--set", "data.prefetch_minutes=0"]
+    with HubServer(TOKEN, deadline_s=900) as hub:
+        seed_dataset(hub, REPO, corpus_files(corpus))
+        hub.stall_s = 600.0
+        stalled = []
+
+        def stall_after_second_step(name):  # from the first shard request once two steps were logged
+            if name == "resolve" and (out / "metrics.csv").exists() and len(L.metrics(out)) >= 2:
+                if not stalled:
+                    hub.file_faults.update({path: ["stall"] * 100 for path in corpus_files(corpus) if path.endswith(".bin")})
+                stalled.append(time.monotonic())
+
+        hub.observers.append(stall_after_second_step)
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1",
+                   HF_HUB_DOWNLOAD_TIMEOUT="600")
+        said, at, seconds = L.ctrl_c_two_nodes(
+            args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+            lambda: len(stalled) >= 2 and time.monotonic() > stalled[1] + 3,  # downloads stalled, reads waiting on them
+            out, LAUNCHER_GRACE_S, **env)
+    step = L.one_stop(said, out)
+    assert at <= step < 12 and seconds < LAUNCHER_GRACE_S - 10, (at, step, seconds)

@@ -98,3 +98,36 @@ def test_a_port_held_by_another_process_is_in_use_and_a_free_one_is_not():
         port = held.getsockname()[1]
         assert launcher.port_in_use("127.0.0.1", port)
     assert not launcher.port_in_use("127.0.0.1", port)
+
+
+def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(capsys, tmp_path):
+    """A read's failure is printed by the rank that met it and by each peer naming its node (the
+    Hub's with what to run next); a refusal every rank meets alike, by rank 0 alone; unequal
+    nodes, by every rank (each node's terminal shows it)."""
+    from ds_trhash.data.stream.cache_files import ShardIntegrityError
+    from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, PeerStoreUnavailable
+    from ds_trhash.errors import UserError
+
+    own = ShardIntegrityError("shard a/x.bin from here: two downloads hashed 1 and 2")
+    own.per_rank = True  # as the exchange marks this rank's own failed read
+    for rank in (0, 3):
+        for error in (own, PeerReadError("node 1 could not read"), NodeLayoutError("the nodes run 2 + 1 ranks"),
+                      UserError("a key is wrong")):
+            assert launcher._refused(error, rank, str(tmp_path)) == 2
+        launcher._refused(PeerStoreUnavailable("node 0 could not read"), rank, str(tmp_path))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "error: rank 0: shard a/x.bin from here: two downloads hashed 1 and 2", "error: rank 0: node 1 could not read",
+        "error: rank 0: the nodes run 2 + 1 ranks", "error: a key is wrong",
+        "error: rank 0: node 0 could not read; no checkpoint was written: run the same command again once the Hub answers",
+        "error: rank 3: shard a/x.bin from here: two downloads hashed 1 and 2", "error: rank 3: node 1 could not read",
+        "error: rank 3: the nodes run 2 + 1 ranks",
+        "error: rank 3: node 0 could not read; no checkpoint was written: run the same command again once the Hub answers"]
+
+
+def test_the_default_groups_timeout_outlasts_one_reads_budget():
+    """30 minutes at least, and the Hub wait of one read plus ten minutes: the defaults' 30
+    minutes of Hub wait make it 40 (a fixed 30 was no longer than the wait it had to outlast)."""
+    assert launcher.group_timeout_minutes(_cfg()) == 40.0
+    assert launcher.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=0.05")) == 30.0
+    assert launcher.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=120")) == 130.0

@@ -15,14 +15,11 @@ are still the reference's.
 """
 import csv
 import json
-import os
 import re
-import signal
 import time
 
 import pytest
 
-from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 
 from ds_trhash.data.embedded import build_embedded
@@ -197,36 +194,11 @@ def test_ctrl_c_on_each_node_stops_both_at_one_step_with_one_checkpoint(runs, tm
     args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "150",
             "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000",
             "--set", "checkpoint.packs=null", *streamed]
-    procs, port = L.start_two_nodes(args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
-                                    new_sessions=True, **env)
-    try:
-        deadline = time.monotonic() + 600
-        while not (out / "metrics.csv").exists() or len(L.metrics(out)) < 3:
-            assert all(p.poll() is None for p in procs), "a node ended before it was signalled"
-            assert time.monotonic() < deadline, "the run did not train"
-            time.sleep(0.2)
-        at, signalled = len(L.metrics(out)), time.monotonic()
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGINT)
-        said = "".join(out_ + err for out_, err in (p.communicate(timeout=LAUNCHER_GRACE_S + 60) for p in procs))
-        seconds = time.monotonic() - signalled
-    finally:
-        for proc in procs:
-            if proc.poll() is None or L.group_processes(proc.pid):
-                L.kill_group(proc)
-        for seg in L.shm_segments(port):
-            seg.unlink(missing_ok=True)
-    lines = L.STOP_LINE.findall(said)
-    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], said[-5000:]
-    steps = {int(step) for _, step, _ in lines}
-    assert len(steps) == 1, lines
-    step = steps.pop()
+    said, at, seconds = L.ctrl_c_two_nodes(
+        args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"],
+        lambda: (out / "metrics.csv").exists() and len(L.metrics(out)) >= 3, out, LAUNCHER_GRACE_S, **env)
+    step = L.one_stop(said, out)
     assert at <= step <= at + 3 and seconds < LAUNCHER_GRACE_S, (at, step, seconds)
-    assert not L.foreign_tracebacks(said), said[-5000:]
-    found = {c.step: c for c in list_checkpoints(out)}
-    assert list(found) == [step]
-    ok, reason = verify(found[step].path, deep=True)
-    assert ok, reason
 
 
 def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks_train(runs, tmp_path):
@@ -250,3 +222,25 @@ def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks
     assert served == {p: 1 for p in caches[0] | caches[1]}
     reference, four = L.train_losses(root / "one-node"), L.train_losses(out)
     assert len(four) == STEPS and four == pytest.approx(reference, rel=1e-4)
+
+
+def test_unequal_nodes_are_refused_at_once_on_both_naming_each_nodes_ranks(runs, tmp_path):
+    """Hostfile slots 2 + 1 with a corpus streamed from the Hub (its rows would travel in groups
+    of one rank per node): every rank of both nodes refuses before any model is built, naming
+    each node's rank count, instead of one node refusing and the other waiting in new_group."""
+    _, _, _, (streamed, env) = runs
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(tmp_path / "run"), "--max-steps", "3",
+            "--set", "batch.micro_batch=1", "--set", "batch.global_tokens=768", *streamed]  # 6 rows: 3 ranks split them
+    started = time.monotonic()
+    nodes = L.two_nodes(args, tmp_path, timeout=240, slots=(2, 1), **env,
+                        node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"])
+    seconds = time.monotonic() - started
+    said = [proc.stdout + proc.stderr for proc in nodes]
+    explained = "\n".join(L.explain(p) for p in nodes)
+    refusal = ("the nodes run 2 + 1 ranks (their hostfile slots, in node order; LOCAL_SIZE or LOCAL_WORLD_SIZE): rows "
+               "travel between nodes in groups of one rank per node, so every node must run the same number of ranks; "
+               "give every host the same slots in the hostfile")
+    assert all(proc.returncode == 2 for proc in nodes), explained
+    assert [f"error: rank {rank}: {refusal}" in said[rank // 2] for rank in range(3)] == [True] * 3, explained
+    assert not any("Traceback" in s for s in said) and not (tmp_path / "run" / "checkpoints").exists(), explained
+    assert seconds < 200, seconds  # at once: no rank waited for a group the others never formed

@@ -43,7 +43,11 @@ from typing import Callable, Iterator, Mapping, Optional
 
 from ds_trhash.io import sha256_file
 
+from filelock import Timeout
+
 from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream import deadline as read_deadline
+from ds_trhash.data.stream.store.base import ReadTimedOut
 from ds_trhash.data.stream.cache_bound import CACHE_ENV, hold_budget, prefetch_holds
 from ds_trhash.data.stream.cache_files import CacheError, ShardIntegrityError
 from ds_trhash.data.stream.cache_prefetch import Prefetching
@@ -52,6 +56,7 @@ from ds_trhash.data.stream.store import ShardStore
 from ds_trhash.data.stream.working_set import MappedShard
 
 ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
+CLOSE_JOIN_S = 5.0  # how long close waits for the prefetch thread (well inside the launcher's 30 s grace)
 
 Key = tuple[str, str]
 __all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard"]
@@ -87,6 +92,7 @@ class ShardCache(Prefetching):
         # the prefetch process (``fetcher``): None until the first prefetch starts it; False when
         # it is not wanted, or could not start or exited (then a thread here prefetches)
         self._fetcher: Optional[Fetcher | bool] = None if fetch_process else False
+        self._fetcher_lock = threading.Lock()  # starting or dropping the process (several threads read)
         self._cond = threading.Condition()
         self._queue: deque[Key] = deque()
         self._inflight: set[Key] = set()  # the shard the prefetcher is fetching now
@@ -130,7 +136,7 @@ class ShardCache(Prefetching):
     def _reserve(self, path: Path, size: int, wait: bool) -> Optional[Path]:
         """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of entries no
         reader holds); None for a prefetch that finds no room now."""
-        deadline = time.monotonic() + ROOM_WAIT_S
+        deadline = time.monotonic() + read_deadline.capped(ROOM_WAIT_S)  # within the read's own deadline
         while True:
             with self._evict_lock:
                 used, files = self._make_room(path, size)
@@ -211,6 +217,19 @@ class ShardCache(Prefetching):
             f"its manifest records sha256 {shard.sha256}; the store's copy is corrupt (or the manifest is): "
             "restore it, or re-tokenize and re-plan")
 
+    @staticmethod
+    def _download_lock(key: Key, path: Path):
+        """The entry's download lock, taken: waited for no longer than what is left of this
+        thread's read (``deadline``), else ``ReadTimedOut`` (another process of the node holds
+        it: a prefetch waiting out the store, or a rank's read)."""
+        left = read_deadline.remaining()
+        try:
+            return cf.download_lock(path).acquire(timeout=-1 if left is None else left)
+        except Timeout:
+            raise ReadTimedOut(f"cannot get {key[0]}/{key[1]} within data.hub_wait_minutes ({read_deadline.budget():g} "
+                               "s): another process of this node (its prefetch, or another rank) was still downloading "
+                               "it; its waits for the store are said above") from None
+
     def _ensure(self, key: Key, path: Path, wait: bool) -> bool:
         """The entry ``path`` (checked by ``entry_path``) is present and verified (fetched now if
         needed); the caller holds it. Seconds spent waiting count only for a read (``wait``), not
@@ -219,7 +238,7 @@ class ShardCache(Prefetching):
         if cf.trusted(path, shard.sha256, shard.size):
             return True
         started = time.monotonic()
-        with cf.download_lock(path):  # one download per node; the others wait here
+        with self._download_lock(key, path):  # one download per node; the others wait here
             if cf.trusted(path, shard.sha256, shard.size):
                 self._count("waited_s", (time.monotonic() - started) if wait else 0.0)
                 return True
@@ -343,8 +362,8 @@ class ShardCache(Prefetching):
             fetcher = self._fetcher
         if isinstance(fetcher, Fetcher):  # a fill in flight is cut short: its partial is a stale one
             fetcher.close()
-        if self._worker is not None:
-            self._worker.join(timeout=30)
+        if self._worker is not None:  # a daemon: one still in a download is not waited for long
+            self._worker.join(timeout=CLOSE_JOIN_S)
         with self._cond:
             self._let_go(set())
 

@@ -49,7 +49,7 @@ class Prefetching:
             try:
                 fetcher.want(())
             except FetcherGone as exc:
-                self._fetcher_gone(exc)
+                self._fetcher_gone(fetcher, exc)
             return True
         with self._cond:
             held = [key for key, hold in self._ready.items() if hold is not None]
@@ -69,12 +69,13 @@ class Prefetching:
         order = list(dict.fromkeys((k[0], k[1]) for k in upcoming))
         if self._closed:
             raise CacheError("prefetch on a closed ShardCache")
-        if self._started_fetcher() is not None and self._poll_fetcher() is not None:
+        fetcher = self._started_fetcher() and self._poll_fetcher()  # one object: another thread may drop it
+        if fetcher is not None:
             try:
-                self._fetcher.want(tuple(key for key in order if key not in self._holding))
+                fetcher.want(tuple(key for key in order if key not in self._holding))
                 return not order  # asked again whenever this process's holds change
             except FetcherGone as exc:
-                self._fetcher_gone(exc)
+                self._fetcher_gone(fetcher, exc)
         with self._cond:
             if self._closed:
                 raise CacheError("prefetch on a closed ShardCache")
@@ -160,21 +161,32 @@ class Prefetching:
     def _started_fetcher(self) -> Optional[Fetcher]:
         """The prefetch process (``fetcher``), started at the first prefetch; None when prefetches
         run in this process."""
-        if self._fetcher is None:
-            recipe = {"store": self.store, "cache_dir": self.cache_dir, "max_bytes": self.max_bytes,
-                      "shards": self._shards, "commit": self.commit, "depth": self.prefetch_depth,
-                      "allowance": self._hold_allowance}
-            try:
-                self._fetcher = Fetcher(recipe)
-            except FetcherGone as exc:
-                self._fetcher_gone(exc)
+        with self._fetcher_lock:  # two threads reading at once start one process
+            if self._fetcher is None and not self._closed:
+                recipe = {"store": self.store, "cache_dir": self.cache_dir, "max_bytes": self.max_bytes,
+                          "shards": self._shards, "commit": self.commit, "depth": self.prefetch_depth,
+                          "allowance": self._hold_allowance}
+                try:
+                    self._fetcher = Fetcher(recipe)
+                except FetcherGone as exc:
+                    self._fetcher = False
+                    self._say_gone(exc)
         return self._fetcher or None
 
-    def _fetcher_gone(self, why: BaseException) -> None:
-        """Prefetch here from now on; said once, on stderr (slower reads, the same bytes)."""
-        fetcher, self._fetcher = self._fetcher, False
-        if isinstance(fetcher, Fetcher):
-            fetcher.close()
+    def _fetcher_gone(self, fetcher: Fetcher, why: BaseException) -> None:
+        """Prefetch here from now on; said once, on stderr (slower reads, the same bytes). Only
+        the thread that meets ``fetcher`` gone first drops it (the others met the same end), and
+        a cache that closed it says nothing."""
+        with self._fetcher_lock:
+            if self._fetcher is not fetcher:
+                return
+            self._fetcher = False
+        fetcher.close()
+        if not self._closed:
+            self._say_gone(why)
+
+    @staticmethod
+    def _say_gone(why: BaseException) -> None:
         print(f"note: shard prefetches now run in the reading process: {why}", file=sys.stderr, flush=True)
 
     def _take_answers(self, answers: list[tuple]) -> None:
@@ -196,7 +208,7 @@ class Prefetching:
             try:
                 self._take_answers(fetcher.answers())
             except FetcherGone as exc:
-                self._fetcher_gone(exc)
+                self._fetcher_gone(fetcher, exc)
                 return None
         return fetcher
 
@@ -204,7 +216,11 @@ class Prefetching:
         """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
         fetcher = self._poll_fetcher()
         if fetcher is not None:
-            idle, answers = fetcher.wait_idle(timeout)
+            try:
+                idle, answers = fetcher.wait_idle(timeout)
+            except FetcherGone as exc:
+                self._fetcher_gone(fetcher, exc)
+                return False
             self._take_answers(answers)
             return idle
         with self._cond:

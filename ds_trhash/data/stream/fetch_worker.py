@@ -2,6 +2,7 @@
 of shards its rank wants next; one fill at a time, an answer after each that changed a count."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -122,15 +123,15 @@ def serve(conn: Connection) -> None:
         cache = ShardCache(recipe["store"], recipe["cache_dir"], recipe["max_bytes"], recipe["shards"],
                            commit=recipe["commit"], prefetch=0)
         cache.store.warm_up()
-        answer: tuple = ("ready",)
     except Exception as exc:
-        answer, cache = ("error", _sendable(exc)), None
+        with contextlib.suppress(OSError):  # the rank may have shut the connection already
+            conn.send(("error", _sendable(exc)))
+        return
     try:
-        conn.send(answer)
-        if cache is not None:
-            _Worker(conn, cache, recipe["depth"], recipe["allowance"]).run()
+        conn.send(("ready",))
+        _Worker(conn, cache, recipe["depth"], recipe["allowance"]).run()
     except OSError:
-        return  # the rank shut the connection while an answer was on its way
+        return  # the rank shut the connection while an answer (or "ready") was on its way
 
 
 def main(argv: list[str]) -> None:

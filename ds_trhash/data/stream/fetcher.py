@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -55,7 +56,12 @@ class FetcherGone(CacheError):
 
 class Fetcher:
     """The rank's side: messages to the worker never block on a fill; answers are read with
-    ``poll`` (no thread of the rank waits for the worker)."""
+    ``poll`` (no thread of the rank waits for the worker).
+
+    One connection, several threads of the rank (the training thread asks for the figures, the
+    reading threads name shards): every poll, receive and send holds ``_lock``, so that one
+    thread at a time speaks on it (two readers of one pipe split its messages between them and
+    read half a message as a whole one). After ``close`` every call raises ``FetcherGone``."""
 
     def __init__(self, recipe: dict[str, Any]) -> None:
         try:
@@ -64,6 +70,8 @@ class Fetcher:
             raise FetcherGone(f"the shard store cannot be handed to a prefetch process ({exc})") from None
         self._sock, theirs = socket.socketpair()
         self._conn = Connection(os.dup(self._sock.fileno()))  # shutdown on the socket ends a wait on it
+        self._lock = threading.Lock()
+        self._closed = False
         try:
             self._proc = _start(theirs)
         finally:
@@ -79,6 +87,10 @@ class Fetcher:
     def pid(self) -> int:
         return self._proc.pid
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FetcherGone("the shard prefetch process was closed")
+
     def _recv(self) -> tuple:
         try:
             return self._conn.recv()
@@ -93,20 +105,24 @@ class Fetcher:
 
     def want(self, order: tuple[Key, ...]) -> None:
         """The shards to keep ready, in the order they will be read (sent only when it changed)."""
-        if order != self.sent:
-            self._send(("want", order))
-            self.sent = order
+        with self._lock:
+            self._check_open()
+            if order != self.sent:
+                self._send(("want", order))
+                self.sent = order
 
     def answers(self) -> list[tuple]:
         """The fills done since the last call, without waiting: (key, True when verified in the
         cache / False when the bound left no room / the exception that stopped it, counts,
         usage seen)."""
         found = []
-        try:
-            while self._conn.poll(0):
-                found.extend(self._fill_answer(self._recv()))
-        except OSError as exc:
-            raise FetcherGone(f"the shard prefetch process is gone ({exc!r})") from None
+        with self._lock:
+            self._check_open()
+            try:
+                while self._conn.poll(0):
+                    found.extend(self._fill_answer(self._recv()))
+            except OSError as exc:
+                raise FetcherGone(f"the shard prefetch process is gone ({exc!r})") from None
         return found
 
     @staticmethod
@@ -117,22 +133,30 @@ class Fetcher:
 
     def wait_idle(self, timeout: float) -> tuple[bool, list[tuple]]:
         """(the worker had nothing left to fill within ``timeout``, the fills answered meanwhile)."""
-        self._send(("idle?",))
-        found, deadline = [], time.monotonic() + timeout
-        while self._conn.poll(max(0.0, deadline - time.monotonic())):
-            reply = self._recv()
-            if reply[0] == "idle":
-                return True, found
-            found.extend(self._fill_answer(reply))
+        with self._lock:
+            self._check_open()
+            self._send(("idle?",))
+            found, deadline = [], time.monotonic() + timeout
+            try:
+                while self._conn.poll(max(0.0, deadline - time.monotonic())):
+                    reply = self._recv()
+                    if reply[0] == "idle":
+                        return True, found
+                    found.extend(self._fill_answer(reply))
+            except OSError as exc:
+                raise FetcherGone(f"the shard prefetch process is gone ({exc!r})") from None
         return False, found
 
     def close(self) -> None:
         """Shut the connection (the worker exits after the fill in flight; its holds go with it);
-        kill it if that takes long. Safe twice."""
+        kill it if that takes long. Safe twice, and from any thread: the shutdown ends another
+        thread's wait on the connection before the connection is closed under its lock."""
+        self._closed = True
         with contextlib.suppress(OSError):  # shut already, or the worker's end is gone: nothing to wake
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._conn.close()
+        with self._lock:
+            self._sock.close()
+            self._conn.close()
         proc = getattr(self, "_proc", None)
         if proc is None:
             return

@@ -19,7 +19,8 @@ import torch
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.data.stream.assembly import Ahead
-from ds_trhash.data.stream.exchange import CHUNK_ROWS, RowExchange
+from ds_trhash.data.stream.deadline import read_deadline
+from ds_trhash.data.stream.exchange import CHUNK_ROWS, Readiness, RowExchange
 from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
@@ -43,11 +44,12 @@ class BatchLayout:
 class NodeShare:
     """This rank's place among the nodes of a job that exchanges rows (``exchange``): its node,
     the node count, the gloo group of the ranks with its local index (None: the default group),
-    and the global rows of one exchange."""
+    the global rows of one exchange, and one read's budget (``data.hub_wait_minutes``)."""
     node: int
     nodes: int
     group: object = None
     chunk_rows: int = CHUNK_ROWS
+    budget_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -82,18 +84,21 @@ class DataFigures:
 
 class RankStream:
     def __init__(self, reader: ReplayReader, layout: BatchLayout, ahead: int = DEFAULT_AHEAD,
-                 pin_memory: bool = False, end: Optional[int] = None, share: Optional[NodeShare] = None) -> None:
+                 pin_memory: bool = False, end: Optional[int] = None, share: Optional[NodeShare] = None,
+                 budget_s: Optional[float] = None) -> None:
         """``ahead``: steps assembled in the background (0: on the caller's thread, as it asks);
         ``end``: the step the stage stops before (nothing is assembled ahead from there);
-        ``share``: rows exchanged between nodes (``exchange``), which reads in the background itself."""
-        self.reader, self.layout, self.pin_memory = reader, layout, pin_memory
+        ``share``: rows exchanged between nodes (``exchange``), which reads in the background itself;
+        ``budget_s``: one step's read, every wait in it included (``deadline``; None: none)."""
+        self.reader, self.layout, self.pin_memory, self.budget_s = reader, layout, pin_memory, budget_s
         # the device pinned copies are made for: the assembly thread's own current device is
         # device 0 until it is set (one CUDA context per rank on GPU 0), as DataLoader's pin thread knows
         self._device: Optional[int] = torch.cuda.current_device() if pin_memory else None
         self._ahead: Optional[Ahead | RowExchange] = None
         if share is not None:
             self._ahead = RowExchange(reader, layout.micro_batch, layout.grad_accum, layout.rank, layout.world_size,
-                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned)
+                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned,
+                                      budget_s=share.budget_s)
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
@@ -106,12 +111,13 @@ class RankStream:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         layout, out = self.layout, []
-        for micro in range(layout.grad_accum):
-            inputs, labels = self.reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch,
-                                               layout.grad_accum)
-            if self.pin_memory:  # the copy to the device then runs asynchronously
-                inputs, labels = inputs.pin_memory(), labels.pin_memory()
-            out.append((inputs, labels))
+        with read_deadline(self.budget_s):  # the step's waits for shards end within one budget
+            for micro in range(layout.grad_accum):
+                inputs, labels = self.reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch,
+                                                   layout.grad_accum)
+                if self.pin_memory:  # the copy to the device then runs asynchronously
+                    inputs, labels = inputs.pin_memory(), labels.pin_memory()
+                out.append((inputs, labels))
         with self._lock:  # both at once: the figures always add up
             self._assembly_s += time.perf_counter() - started
             self._shard_s = self.reader.shard_wait_s
@@ -140,6 +146,16 @@ class RankStream:
             self._sync_wait_s += time.perf_counter() - started
         self._steps += 1
         return batches
+
+    def readiness(self, step: int) -> Readiness:
+        """Before ``step``, for the stop agreement: whether this rank still reads its part of an
+        exchange, or sent a failure (``RowExchange.readiness``); nothing to wait for otherwise."""
+        return self._ahead.readiness(step) if isinstance(self._ahead, RowExchange) else (0, 0, 0)
+
+    def agreed(self, step: int, status: int, node: int) -> None:
+        """What the agreement found before ``step`` (``RowExchange.agreed``)."""
+        if isinstance(self._ahead, RowExchange):
+            self._ahead.agreed(step, status, node)
 
     def figures(self) -> DataFigures:
         with self._lock:
@@ -184,15 +200,16 @@ class RankStream:
 def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
                 ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
                 prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None,
-                share: Optional[NodeShare] = None) -> RankStream:
+                share: Optional[NodeShare] = None, budget_s: Optional[float] = None) -> RankStream:
     """This rank's stream of ``plan`` through the node's cache of ``corpus`` (``opening.Corpus``),
     prefetching what the plan reads in the next ``prefetch_s`` seconds, and assembling
-    ``first_step`` from now on when given; ``share``: rows exchanged between nodes; a failure
-    after the cache opened closes it again."""
+    ``first_step`` from now on when given; ``share``: rows exchanged between nodes; ``budget_s``:
+    one step's read (``data.hub_wait_minutes``); a failure after the cache opened closes it again."""
     cache = corpus.open_cache(cache_dir, max_bytes, ranks_on_node=ranks_on_node, fetch_process=True)
     try:
         reader = ReplayReader(plan, None, seed, cache=cache, prefetch_s=prefetch_s)
-        stream = RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end, share=share)
+        stream = RankStream(reader, layout, ahead=ahead, pin_memory=pin_memory, end=end, share=share,
+                            budget_s=budget_s)
     except BaseException:
         cache.close()
         raise

@@ -16,11 +16,12 @@ How the DeepSpeed 0.19 launcher delivers a stop decides the design:
   ``launch.py`` gone), write their stop checkpoint and exit 0.
 
 So a signal handler here only records the request (it never raises and does no I/O), and once
-per optimizer step every rank contributes its local request to a one-element MAX all-reduce over
-a CPU (gloo) group (0: go on, 1: stop, 2: stop and ask to be requeued, for SIGUSR1, the
-scheduler's time-limit warning, which may reach one rank only). All ranks see the same answer at the same step, write one checkpoint
-together and exit 0. A rank started by ``launch.py`` under the ``deepspeed`` runner also checks,
-once per step, that both are still alive (one /proc read), and treats their disappearance as a
+per optimizer step every rank contributes its local request to a MAX all-reduce over a CPU
+(gloo) group (0: go on, 1: stop, 2: stop and ask to be requeued, for SIGUSR1, the scheduler's
+time-limit warning, which may reach one rank only; beside it whether its data for the next step
+is read: ``StopAgreement``). All ranks see the same answer at the same step, write one
+checkpoint together and exit 0 (75 after a requeue request). A rank started by ``launch.py``
+under the ``deepspeed`` runner also checks, once per step, that both are still alive (one /proc read), and treats their disappearance as a
 stop request: nothing is left training as an orphan. The stop lands at the next step boundary,
 well inside the launcher's 30 s grace period for any step that takes seconds.
 """
@@ -28,7 +29,9 @@ well inside the launcher's 30 s grace period for any step that takes seconds.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ds_trhash.training.callbacks.base import Callback, RunContext
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
@@ -37,6 +40,15 @@ from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers im
 
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0
+POLL_S = 0.2  # how often the ranks ask each other again while one still reads the next step's data
+
+
+class DataReadiness(Protocol):
+    """What the agreement asks of the stage's batches (``PretrainBatches``; by its shape)."""
+
+    def readiness(self, step: int) -> tuple[int, int, int]: ...
+
+    def agreed(self, step: int, status: int, node: int) -> None: ...
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
@@ -98,14 +110,21 @@ class LauncherWatch:
 
 
 class StopAgreement:
-    """Once per step: does any rank want to stop, and does any want a requeue? The same answers
-    on every rank.
+    """Once per step: does any rank want to stop (and be requeued), and is every rank's data
+    for the next step read? The same answers on every rank.
 
-    A one-element MAX all-reduce over a CPU group: the default group when it is gloo, else a
-    gloo group made once here (every rank constructs this object at the same point)."""
+    A MAX all-reduce of four integers over a CPU group (the default group when it is gloo, else
+    a gloo group made once here: every rank constructs this object at the same point): a stop
+    request (2: and a requeue), whether the rank still reads its part of the next step's row exchange, the status
+    of a failed read and its node (``data``: the stage's batches, ``readiness`` / ``agreed``;
+    None: no data to wait for). While a rank still reads, every rank asks again every
+    ``POLL_S``: no rank waits for a read inside a collective (whose timeout would end the run
+    instead of the read's own budget), a stop requested meanwhile is agreed as at any step, and
+    a failed read is known to every rank before the step, which each then raises."""
 
-    def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1) -> None:
-        self.requests, self.watch, self.world_size = requests, watch or LauncherWatch(), world_size
+    def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1,
+                 data: DataReadiness | None = None) -> None:
+        self.requests, self.watch, self.world_size, self.data = requests, watch or LauncherWatch(), world_size, data
         self.local_reason: str | None = None
         self.agreed = False
         self.requeue = False  # agreed too: some rank had the scheduler's warning (SIGUSR1)
@@ -125,20 +144,42 @@ class StopAgreement:
                     self.local_reason = gone
         return self.local_reason is not None
 
-    def __call__(self) -> bool:
-        """Call on every rank after every optimizer step (a collective when world_size > 1)."""
+    def __call__(self, next_step: int | None = None) -> bool:
+        """Call on every rank after every optimizer step, naming the step to come (a collective
+        when world_size > 1, repeated while a rank still reads that step's data)."""
         if self.agreed:
             return True
-        local = (2 if self.requests.requeue else 1) if self._local() else 0
-        if self.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
-            flag = torch.tensor([local], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            local = int(flag.item())
-        self.agreed, self.requeue = local > 0, local == 2
+        if self.world_size == 1:
+            self.agreed = self._local()
+            self.requeue = self.agreed and self.requests.requeue
+            return self.agreed
+        self.agreed = self._agree(next_step, stop=True)
         return self.agreed
+
+    def wait_for_data(self, step: int) -> None:
+        """Before the stage's first step: every rank's data for it read (or a failure known to
+        all). A stop requested meanwhile is agreed after that step, as any other."""
+        if self.world_size > 1:
+            self._agree(step, stop=False)
+
+    def _agree(self, step: int | None, stop: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        while True:
+            ready = self.data.readiness(step) if self.data is not None and step is not None else (0, 0, 0)
+            wants = (2 if self.requests.requeue else 1) if stop and self._local() else 0
+            flag = torch.tensor([wants, *ready], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            found = [int(v) for v in flag]
+            if found[0]:
+                self.requeue = found[0] == 2
+                return True
+            if not found[1]:
+                if self.data is not None and step is not None:
+                    self.data.agreed(step, found[2], found[3])
+                return False
+            time.sleep(POLL_S)
 
     def describe(self) -> str:
         if self.local_reason is not None:
@@ -159,8 +200,11 @@ class StopCallback(Callback):
     def from_run(cls, run: RunContext) -> "StopCallback | None":
         return cls(run.stop) if run.stop is not None else None
 
+    def on_start(self, state):
+        self.stop.wait_for_data(state.step)
+
     def on_step_end(self, state, metrics):
-        if self.stop():
+        if self.stop(state.step):
             state.stop_requested = True
             state.stop_requeue = self.stop.requeue
             state.stop_reason = self.stop.describe()

@@ -28,7 +28,7 @@ from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
 from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.exchange import node_count
+from ds_trhash.data.stream.exchange import agreed_node_count
 from ds_trhash.data.stream.steps import BatchLayout, NodeShare, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
@@ -101,19 +101,22 @@ def exchanging_nodes(corpus, world: int, per_node: int) -> int:
     """The nodes that exchange rows (``data.stream.exchange``): on several nodes reading a Hub
     store, each node fills only the shards it owns and the rows travel between nodes, one Hub
     download per shard per job; 1 from a local store (each node reads its own copy). Checked
-    with the launch's other checks: unequal nodes are refused (``NodeLayoutError``)."""
-    return 1 if corpus.commit == LOCAL_COMMIT else node_count(world, per_node)
+    with the launch's other checks, by every rank together: unequal nodes are refused on every
+    node (``NodeLayoutError``, naming each node's rank count) before any exchange group exists."""
+    return 1 if corpus.commit == LOCAL_COMMIT else agreed_node_count(world, per_node)
 
 
 def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
     """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
     every node's exchange group (the ranks with one local index), in the same order, as
-    ``new_group`` requires. An exchange waits for a node whose download waits out an outage: the
-    groups' timeout is that wait (``wait_s``) and ten minutes more."""
+    ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
+    steps after the others'). A member's exchange waits, in the background, for a node whose read
+    waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
+    budget and ten minutes more."""
     timeout = datetime.timedelta(seconds=wait_s + 600)
     groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
-    return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows)
+    return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows, budget_s=wait_s)
 
 
 def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
@@ -180,14 +183,15 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     wait_s = cfg.data.hub_wait_minutes * 60 if hub_wait_s is None else hub_wait_s
     corpus = shared_corpus(plan, shards_dir, str(cfg.origin), saved_source, rank, world, deep=shard_hashes == "all",
                            hub_wait_s=wait_s)
+    node_ranks = ranks_on_node(world)
+    nodes = exchanging_nodes(corpus, world, node_ranks)  # a collective: before any check that depends on the node
     notes = _held_to(saved_source, corpus, read_by, rank)
     recorded = {f"the plan {plan_path}": plan.doc.get("tokenizer_sha256"),
                 **{f"the {source} shard manifest": m.tokenizer_sha256 for source, m in corpus.manifests.items()}}
     check_tokenizer_matches(tokenizer_dir, recorded)
     identity, assumed, tokenizer_notes = data_tokenizer_identity(recorded, tokenizer_dir, corpus.store.description)
-    max_bytes, node_ranks = cache_bytes_from(cfg.data.cache_gb, os.environ), ranks_on_node(world)
+    max_bytes = cache_bytes_from(cfg.data.cache_gb, os.environ)
     corpus.check_cache_bound(max_bytes, node_ranks, f"data.cache_gb / {CACHE_ENV}")
-    nodes = exchanging_nodes(corpus, world, node_ranks)
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
@@ -209,7 +213,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
                              share=node_share(rank, world, node_ranks, wait_s, cfg.data.exchange_rows)
-                             if nodes > 1 else None)
+                             if nodes > 1 else None, budget_s=wait_s)
         data.batches, data.stop = PretrainBatches(stream), stream.close
 
     data.start = start

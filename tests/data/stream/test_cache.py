@@ -201,3 +201,32 @@ def test_names_that_would_leave_the_cache_are_refused_before_anything_is_written
         cache.get(source, file)
     after = tree_digest(tmp_path)
     assert {k: v for k, v in after.items() if not k.startswith("cache")} == before
+
+
+def test_a_read_waits_for_another_processs_download_no_longer_than_its_deadline(store, tmp_path):
+    """Another process of the node holds the shard's download lock (a prefetch waiting out the
+    Hub; here a lock of its own on the same file, which flock treats alike): a read with a
+    deadline gives up when it is spent, as the store being away, naming the shard; no entry,
+    partial or ledger changed, and the read succeeds once the lock is free."""
+    from filelock import FileLock
+
+    from ds_trhash.data.stream.deadline import read_deadline
+    from ds_trhash.data.stream.store.base import ReadTimedOut, StoreUnavailable
+
+    cache = cache_for(store, tmp_path / "cache", 10 * SHARD_BYTES)
+    path = cf.entry_path(cache.root, "a", "shard-00001.bin")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cf.side(path, cf.LOCK)), is_singleton=False):
+        before = _entries(tmp_path / "cache")
+        started = time.monotonic()
+        with pytest.raises(ReadTimedOut, match=r"cannot get a/shard-00001.bin within data.hub_wait_minutes \(0.5 s\): another process of this node") as e:
+            with read_deadline(0.5):
+                cache.get("a", "shard-00001.bin")
+        assert 0.4 < time.monotonic() - started < 5 and isinstance(e.value, StoreUnavailable)
+        assert _entries(tmp_path / "cache") == before  # a hold file beside the entry is all it left
+    assert cache.get("a", "shard-00001.bin").read_bytes() == (store / "a" / "shard-00001.bin").read_bytes()
+    cache.close()
+
+
+def _entries(directory):
+    return {name: digest for name, digest in tree_digest(directory).items() if not name.endswith(cf.HOLD)}

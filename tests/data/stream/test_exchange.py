@@ -1,9 +1,6 @@
 """Rows exchanged between nodes (``exchange``): four ranks on two simulated nodes over gloo train
 on exactly the rows a direct read gives them, each node's cache fills only the shards it owns,
 and a node whose read fails stops every member at the same step."""
-import multiprocessing as mp
-import os
-import traceback
 
 import numpy as np
 import pytest
@@ -14,6 +11,7 @@ from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, RowEx
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
+from tests.data.stream.gloo_ranks import run_ranks
 
 NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
 WORLD = NODES * PER_NODE
@@ -78,17 +76,12 @@ def _scenario(rank, groups, root, plan, folder, broken, first):
     return result
 
 
-def _rank(rank, root, plan, tmp, out):
-    """Forked from a fresh interpreter (the forkserver): a fork of the pytest worker could hold a
-    process group of another test already."""
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
-        groups = [dist.new_group([m * PER_NODE + local for m in range(NODES)], backend="gloo")
-                  for local in range(PER_NODE)]
-        out.put((rank, {name: _scenario(rank, groups, root, plan, tmp / name, broken, first)
-                        for name, (broken, first) in SCENARIOS.items()}))
-    except Exception:
-        out.put((rank, traceback.format_exc()))
+def _rank(rank, root, plan, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
+    groups = [dist.new_group([m * PER_NODE + local for m in range(NODES)], backend="gloo")
+              for local in range(PER_NODE)]
+    return {name: _scenario(rank, groups, root, plan, tmp / name, broken, first)
+            for name, (broken, first) in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +90,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exchange")
     root = write_corpus(tmp / "corpus")
     plan = plan_for(root)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "ds_trhash.data.stream.exchange", "tests.data.hub_corpus"])
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, root, plan, tmp, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    found = dict(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(30)
-    for rank, result in found.items():
-        assert isinstance(result, dict), result
-    assert not [p for p in procs if p.exitcode != 0]
+    found, _ = run_ranks(_rank, WORLD, root, plan, tmp)
     return root, plan, tmp, {name: {rank: found[rank][name] for rank in found} for name in SCENARIOS}
 
 

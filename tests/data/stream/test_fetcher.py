@@ -142,3 +142,55 @@ def test_the_prefetch_process_exits_when_its_rank_is_killed(tmp_path):
     rank.kill()
     rank.wait()
     assert gone(worker)
+
+
+FLOOD = textwrap.dedent("""
+    import os, pickle, sys
+    from multiprocessing.connection import Connection
+    conn = Connection(int(sys.argv[1]))
+    count = pickle.loads(conn.recv_bytes())["count"]
+    for i in range(count):  # answers of about 20 kB: each takes several reads of the socket
+        conn.send(("filled", ("a", f"shard-{i:05d}.bin"), True, {"hits": 1, "pad": "x" * 20000}, None))
+    while True:  # read what the rank wants until it shuts the connection
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            break
+""")
+
+
+def test_threads_that_poll_and_send_at_once_each_get_whole_answers(monkeypatch):
+    """The training thread (figures), the exchange's thread and the assembly thread all speak to
+    one prefetch process: against a worker that floods answers, four threads polling and sending
+    at once read every answer once, whole (two readers of one pipe read halves of messages)."""
+    import threading
+
+    from ds_trhash.data.stream import fetcher as fetcher_module
+
+    def start(theirs):
+        return subprocess.Popen([sys.executable, "-c", FLOOD, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+
+    monkeypatch.setattr(fetcher_module, "_start", start)
+    count = 3000
+    fetcher = fetcher_module.Fetcher({"count": count})
+    seen, errors = [], []
+
+    def poll(sends: bool) -> None:
+        try:
+            while len(seen) < count and not errors:
+                if sends:
+                    fetcher.want((("a", f"shard-{len(seen) % 7:05d}.bin"),))
+                seen.extend(key for key, *_ in fetcher.answers())
+        except Exception as exc:  # noqa: BLE001 (what the test looks for)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poll, args=(n % 2 == 0,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    fetcher.close()
+    assert not errors, errors
+    assert sorted(seen) == [("a", f"shard-{i:05d}.bin") for i in range(count)]
+    with pytest.raises(fetcher_module.FetcherGone):  # closed: no thread reads a closed pipe
+        fetcher.answers()

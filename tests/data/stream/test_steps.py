@@ -261,3 +261,25 @@ def test_pinned_batches_are_made_for_the_openers_device(store, tmp_path, monkeyp
                     end=STEPS) as stream:
         assert same([stream.micro_batches(0)], direct(store, LAYOUTS[0], steps=[0]))
     assert calls and set(calls) == {(3, THREAD_NAME)}
+
+
+def test_a_steps_read_waits_for_a_shard_no_longer_than_its_budget(store, tmp_path):
+    """One node: a shard another process of the node keeps downloading (its lock held) is waited
+    for no longer than one step's budget (data.hub_wait_minutes), then that step raises as the
+    store being away, on the rank that needed it."""
+    from filelock import FileLock
+
+    from ds_trhash.data.stream import cache_files as cf
+    from ds_trhash.data.stream.store.base import ReadTimedOut
+
+    cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / "cache", 100 * SHARD_BYTES, prefetch=0)
+    reader = ReplayReader(plan_for(store), None, SEED, cache=cache)
+    source, file, _ = reader.global_rows(0, 1)[0]
+    path = cf.entry_path(cache.root, source, file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cf.side(path, cf.LOCK)), is_singleton=False):
+        with RankStream(reader, LAYOUTS[0], end=STEPS, budget_s=0.5) as stream:
+            started = time.monotonic()
+            with pytest.raises(ReadTimedOut, match=f"cannot get {source}/{file} within data.hub_wait_minutes .* was still downloading it"):
+                stream.micro_batches(0)
+            assert 0.4 < time.monotonic() - started < 5

@@ -29,6 +29,13 @@ class StoreError(UserError, ValueError):
 class StoreUnavailable(StoreError, ConnectionError):
     """A transient failure outlived its wait budget: names the file and the endpoint."""
 
+    per_rank = True
+
+
+class ReadTimedOut(StoreUnavailable):
+    """A read's waits together (a download lock, the store's retries) outlasted its budget
+    (``data.hub_wait_minutes``: ``deadline``)."""
+
 
 @dataclass(frozen=True)
 class StoreFile:

@@ -28,6 +28,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import get_session, hf_raise_for_status, http_stream_backoff
 
 from ds_trhash import hub_access
+from ds_trhash.data.stream import deadline
 from ds_trhash.data.stream.store.base import StoreError, StoreFile, StoreUnavailable, relative_name
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -74,8 +75,8 @@ class HubStore:
         return self.patience.requests
 
     def _retry(self, what: str, call):
-        try:
-            return self.patience.call(what, call)
+        try:  # within what is left of the read's deadline, when a read set one
+            return self.patience.call(what, call, budget_s=deadline.remaining())
         except hub_access.HubUnavailable as exc:
             raise StoreUnavailable(str(exc)) from None
 
