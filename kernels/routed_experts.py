@@ -294,11 +294,10 @@ def _grouped_dw_kernel(
     """out[s, e] = sum over split s of expert e's sorted rows r of A[row_a(r)]^T B[row_b(r)].
 
     Rows read "indirect" are token rows (order[r] // TOPK); others are sorted rows. With
-    SCALE_BY_SLOT, B rows are multiplied by the route weight of their slot. With one split the
+    SCALE_BY_SLOT, B rows are multiplied by the route weight of their slot. One split: the
     result is stored in out's dtype (the gradient itself; TWO_OUT: columns below HALF to out,
-    the rest to out2, both [E, P, HALF]); with several, fp32 partials are stored and
-    ``_sum_splits_kernel`` adds them in a fixed order, so the result is deterministic.
-    Grid: (E * SPLITS, cdiv(P, BLOCK_P), cdiv(Q, BLOCK_Q)).
+    the rest to out2, both [E, P, HALF]); several: fp32 partials, which ``_sum_splits_kernel``
+    adds in a fixed order (deterministic). Grid: (E * SPLITS, cdiv(P, BLOCK_P), cdiv(Q, BLOCK_Q)).
     """
     pid_es = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -323,8 +322,12 @@ def _grouped_dw_kernel(
         rows = r0 + rr
         r_ok = rows < r_end
         assign = tl.load(order_ptr + rows, mask=r_ok, other=0)
-        a_rows = assign // TOPK if A_INDIRECT else rows
-        b_rows = assign // TOPK if B_INDIRECT else rows
+        a_rows = rows
+        if A_INDIRECT:
+            a_rows = assign // TOPK
+        b_rows = rows
+        if B_INDIRECT:
+            b_rows = assign // TOPK
         # A tile [BLOCK_R, BLOCK_P] (loaded along its contiguous P axis), B tile [BLOCK_R, BLOCK_Q]
         a = tl.load(
             a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + ps[None, :] * stride_ap,
