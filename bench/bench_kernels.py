@@ -3,8 +3,11 @@
     .venv/bin/python bench/bench_kernels.py [--tokens 32768] [--iters 20] [--json out.json]
 
 1. Routed experts, forward + backward, bf16: Triton (ds_trhash.kernels.routed_experts) vs the
-   PyTorch gathered reference (ds_trhash.model.experts.routed_experts_pytorch), at
-   N = 16 x 2048 tokens, H 896, W 64, E 4, routes from the layer-0 hash route table.
+   PyTorch gathered reference (ds_trhash.model.experts.routed_experts_pytorch) vs the dense
+   masked path (routed_experts_masked: every expert on every token; eager and under
+   torch.compile), at N = 16 x 2048 tokens, H 896, W 64, E 4, routes from the layer-0 hash
+   route table. The speed target is against the gathered path; the masked rows say whether the
+   per-shape probe (ds_trhash.model.expert_probe) should pick the kernel at this shape.
 2. Tied-head cross entropy, forward + backward, bf16: Liger fused linear CE vs the chunked CE
    vs the plain CE (ds_trhash.model.loss) at hidden [N, 896] x embedding [32000, 896].
 
@@ -46,16 +49,19 @@ def _timed(fn, iters: int, warmup: int):
 
 def _report(rows, title):
     print(f"\n{title}")
-    print(f"{'path':<22}{'fwd+bwd ms':>12}{'peak MiB':>12}{'max |diff|':>14}")
+    print(f"{'path':<24}{'fwd+bwd ms':>12}{'peak MiB':>12}{'max |diff|':>14}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['path']:<24}failed: {r['error']}")
+            continue
         diff = "reference" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3e}"
-        print(f"{r['path']:<22}{r['ms']:>12.3f}{r['peak_mib']:>12.1f}{diff:>14}")
+        print(f"{r['path']:<24}{r['ms']:>12.3f}{r['peak_mib']:>12.1f}{diff:>14}")
 
 
 def bench_experts(n_tokens: int, iters: int, warmup: int, device: torch.device):
     from ds_trhash.kernels.routed_experts import routed_experts_triton
     from ds_trhash.model.config import TRHashConfig
-    from ds_trhash.model.experts import routed_experts_pytorch
+    from ds_trhash.model.experts import routed_experts_masked, routed_experts_pytorch
     from ds_trhash.model.routing import build_route_table
 
     cfg = TRHashConfig.from_preset("200m")
@@ -78,13 +84,17 @@ def bench_experts(n_tokens: int, iters: int, warmup: int, device: torch.device):
             return y, torch.autograd.grad(y, leaves, dy)
         return step
 
-    paths = {"pytorch (gathered)": routed_experts_pytorch, "triton": routed_experts_triton}
-    outs = {name: run(fn)() for name, fn in paths.items()}
-    ref_y, ref_g = outs["pytorch (gathered)"]
+    paths = {"pytorch (gathered)": routed_experts_pytorch, "triton": routed_experts_triton,
+             "masked": routed_experts_masked, "masked (torch.compile)": torch.compile(routed_experts_masked)}
+    ref_y, ref_g = run(routed_experts_pytorch)()
     rows = []
     for name, fn in paths.items():
-        ms, peak = _timed(run(fn), iters, warmup)
-        y, g = outs[name]
+        try:
+            y, g = run(fn)()
+            ms, peak = _timed(run(fn), iters, warmup)
+        except Exception as exc:  # recorded; the next path still runs
+            rows.append({"path": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
         diff = None if name.startswith("pytorch") else max(
             (a.float() - b.float()).abs().max().item() for a, b in zip((y, *g), (ref_y, *ref_g)))
         rows.append({"path": name, "ms": ms, "peak_mib": peak / 2**20, "max_abs_diff": diff})

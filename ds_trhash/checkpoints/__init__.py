@@ -9,6 +9,8 @@ Modules, by job:
 * ``consistency`` - whether a checkpoint's own records agree (folder name, step, counters, the
   engine's step and schedule): the test before one is chosen to resume or start from;
 * ``save``    - writing a checkpoint that is visible only when complete (atomic publish);
+* ``background`` - the same checkpoint written by a thread after the step captured the state
+  (``snapshot``: a host copy of a state that training goes on updating in place);
 * ``resume``  - choosing the checkpoint to continue from and what must match (the refusals);
 * ``reshard`` - universal conversion for a new world size, and restoring a DeepSpeed engine;
 * ``weights`` - weights-only load, LoRA merge, expert-parallel consolidation: the loader that

@@ -4,6 +4,9 @@ Everything is written into ``step_<N>.tmp`` and renamed by rank 0 only after eve
 finished and the manifest (written last) has been fsynced; ``store`` lists, verifies and
 rotates what this publishes.
 
+The trainer writes the same checkpoint in the background (``background.BackgroundSaver``), which
+shares ``_prepare`` and ``_finalize`` with this synchronous save.
+
 The DeepSpeed engine is never imported here: its ``save_checkpoint`` is passed in as a
 callable, so the crash-safety rules are tested with a fake writer, and the trainer calls::
 
@@ -34,17 +37,46 @@ def _state_doc(trainer_state: TrainerState | Mapping[str, Any]) -> dict[str, Any
     return {**dict(trainer_state), **TrainerState.from_dict(trainer_state).to_dict()}
 
 
-def _finalize(tmp: Path, final: Path, doc: dict[str, Any], world_size: int) -> None:
-    """Rank 0, after every rank wrote its files: state, fsync, manifest last, atomic rename."""
+def _finalize(tmp: Path, final: Path, doc: dict[str, Any], world_size: int,
+              known: Mapping[str, dict[str, Any]] | None = None) -> None:
+    """Rank 0, after every rank wrote its files: state, fsync, manifest last, atomic rename.
+    ``known``: size and SHA-256 of files already hashed (and fsynced) as they were written."""
     absent = [r for r in range(world_size) if not rng_path(tmp, r).is_file()]
     if absent:
         raise CheckpointError(f"ranks {absent} wrote no RNG state into {tmp}; the checkpoint is incomplete "
                               "and was not published")
     doc = {**doc, "complete": True, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json(tmp / TRAINER_STATE, doc)
-    write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "step": doc["step"], "files": _synced_entries(tmp)})
+    write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "step": doc["step"], "files": _synced_entries(tmp, known)})
     fsync_tree(tmp)
     publish_dir(tmp, final)  # a re-save of the same step swaps the old copy out atomically
+
+
+def _prepare(output_dir: str | os.PathLike, step: int, doc: dict[str, Any], rank: int, world_size: int,
+             barrier: Callable[[], Any]) -> tuple[Path, Path]:
+    """Every rank: check the record against the save, then (rank 0) an empty ``step_<N>.tmp``
+    that every rank writes into. Returns (final, tmp)."""
+    if doc["step"] != step or doc["world_size"] != world_size:
+        raise CheckpointError(
+            f"trainer_state says step {doc['step']}, world size {doc['world_size']} but the save is "
+            f"for step {step}, world size {world_size}; build the state from the same counters"
+        )
+    root = checkpoints_root(output_dir)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp"
+    refused: OSError | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+            tmp.mkdir()
+        except OSError as exc:  # a full or read-only disk: every rank fails here, not at the barrier
+            refused = exc
+    barrier()
+    if refused is not None:
+        raise refused
+    tmp.mkdir(parents=True, exist_ok=True)  # exists (rank 0 made it); else this rank's own OSError
+    return final, tmp
 
 
 def save_checkpoint(
@@ -66,26 +98,7 @@ def save_checkpoint(
     default, and extra keys are kept.
     """
     doc = _state_doc(trainer_state)
-    if doc["step"] != step or doc["world_size"] != world_size:
-        raise CheckpointError(
-            f"trainer_state says step {doc['step']}, world size {doc['world_size']} but the save is "
-            f"for step {step}, world size {world_size}; build the state from the same counters"
-        )
-    root = checkpoints_root(output_dir)
-    final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp"
-    refused: OSError | None = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-            tmp.mkdir()
-        except OSError as exc:  # a full or read-only disk: every rank fails here, not at the barrier
-            refused = exc
-    barrier()
-    if refused is not None:
-        raise refused
-    tmp.mkdir(parents=True, exist_ok=True)  # exists (rank 0 made it); else this rank's own OSError
+    final, tmp = _prepare(output_dir, step, doc, rank, world_size, barrier)
     write_engine_state(tmp)
     save_rng_state(tmp, rank, rng_state)
     barrier()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +41,22 @@ def _files_under(root: Path) -> dict[str, Path]:
     return found
 
 
-def _synced_entries(root: Path) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file below root (the manifest excluded), each fsynced first."""
+def _synced_entries(root: Path, known: Mapping[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file below root (the manifest excluded), each fsynced first;
+    those in ``known`` were hashed and fsynced as they were written (their entry is checked
+    against the file's size)."""
     entries = {}
-    for rel, path in _files_under(root).items():
+    known = known or {}
+    present = _files_under(root)
+    unlisted = sorted(set(known) - set(present))
+    if unlisted:
+        raise CheckpointError(f"{', '.join(unlisted)} hashed while written but missing from {root}")
+    for rel, path in present.items():
+        if rel in known:
+            if path.stat().st_size != known[rel]["size"]:
+                raise CheckpointError(f"{rel} has {path.stat().st_size} bytes but {known[rel]['size']} were written")
+            entries[rel] = {"size": known[rel]["size"], "sha256": known[rel]["sha256"]}
+            continue
         fsync_path(path)
         entries[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return entries

@@ -70,6 +70,8 @@ class KernelChoice:
     rope: str = "pytorch"  # "liger" | "pytorch"; passed on only if the model accepts it
     # component -> "passed" | "failed, using <fallback>: <why>" (ds_trhash.model.selfcheck)
     self_check: dict = field(default_factory=dict, compare=False)
+    # the per-shape measurement that picked the experts backend (ds_trhash.model.expert_probe)
+    experts_probe: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for field, allowed in (("experts", EXPERT_BACKENDS), ("loss", LOSS_BACKENDS),
@@ -247,6 +249,8 @@ def apply(model: Any, choice: KernelChoice) -> None:
     target.set_backends(**kwargs)
     if choice.self_check:
         target.kernel_self_check = dict(choice.self_check)  # reported with the backends that ran
+    if choice.experts_probe and hasattr(target, "experts_probe"):
+        target.experts_probe = dict(choice.experts_probe)
 
 
 def recorded_backends(model: Any) -> dict:

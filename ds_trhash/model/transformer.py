@@ -44,6 +44,7 @@ class TRHashForCausalLM(nn.Module):
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
         self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
+        self.experts_probe: dict = {}  # set by backend.apply: the per-shape timing that chose the experts
         self.compile_mode = "none"  # set by ds_trhash.model.compile
         # Per-layer routed-token counts [L, E] of training forwards (expert_load.csv, monitors); off by default.
         self.track_expert_load = False
@@ -130,7 +131,8 @@ class TRHashForCausalLM(nn.Module):
 
     def backends_used(self) -> dict:
         """What ran in the last forward (None: not exercised, e.g. loss when no labels), plus
-        the kernel self-check's findings and the compile mode when there are any."""
+        the kernel self-check's findings, the experts' per-shape timing and the compile mode
+        when there are any."""
 
         def merged(values: list[str | None]) -> str | None:
             seen = sorted({v for v in values if v is not None})
@@ -142,6 +144,8 @@ class TRHashForCausalLM(nn.Module):
                 "rope": merged([layer.self_attn.last_rope_backend for layer in self.layers])}
         if self.kernel_self_check:  # what the startup self-check found (fallbacks say why)
             used["self_check"] = dict(self.kernel_self_check)
+        if self.experts_probe:  # the timings that picked the experts backend at this shape
+            used["experts_probe"] = dict(self.experts_probe)
         if self.compile_mode != "none":
             used["compile"] = self.compile_mode
         return used

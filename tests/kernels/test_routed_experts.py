@@ -103,22 +103,26 @@ def test_split_k_weight_gradients_match_single_split():
     """The split-K partial sums (used at large N on GPU) give the unsplit result."""
     x, routes, gate, _, _ = make_case(40, 16, 8, 3, seed=1)
     x = x.detach()
-    order, _, offsets = rk._sort_assignments(routes, 3)
+    order, offsets = rk._sort_assignments(routes, 3)
     b = torch.randn(order.numel(), 8, device=x.device)
-    one = rk._launch_grouped_dw(x, b, order, offsets, 3, a_indirect=True, b_indirect=False, splits=1)
-    three = rk._launch_grouped_dw(x, b, order, offsets, 3, a_indirect=True, b_indirect=False, splits=3)
     tok = (order.long() // 2)
     want = torch.stack([x[tok[s:t]].T @ b[s:t] for s, t in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
-    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(three, want, rtol=1e-5, atol=1e-5)
+    for splits in (1, 3):
+        whole = rk._launch_grouped_dw(x, b, order, offsets, out_dtype=torch.float32, a_indirect=True,
+                                      b_indirect=False, splits=splits)
+        torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
+        # the column halves straight into two gradients (d_gate, d_up), one split or partials summed
+        left, right = rk._launch_grouped_dw(x, b, order, offsets, out_dtype=torch.float32, a_indirect=True,
+                                            b_indirect=False, half=4, splits=splits)
+        torch.testing.assert_close(left, want[..., :4], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(right, want[..., 4:], rtol=1e-5, atol=1e-5)
 
 
-def test_sort_offsets_and_inverse():
+def test_sort_and_offsets():
     routes = torch.tensor([[0, 2], [2, 0], [1, 2], [2, 1]], device=DEVICE)
-    order, inv, offsets = rk._sort_assignments(routes, 4)
+    order, offsets = rk._sort_assignments(routes, 4)
     assert offsets.tolist() == [0, 2, 4, 8, 8]  # expert 3 receives no tokens
     assert order.tolist() == [0, 3, 4, 7, 1, 2, 5, 6]  # stable within an expert
-    assert (order.long()[inv.long()] == torch.arange(8, device=DEVICE)).all()
 
 
 def test_deterministic_and_no_tokens():
@@ -173,3 +177,16 @@ def test_fp32_matches_reference_on_gpu(N, H, W, E, empty):
 def test_split_k_path_on_gpu_large_n():
     # 32768 tokens -> 65536 assignments -> 16 splits per expert in the weight gradients
     check_against_reference(32768, 128, 64, 4, (0.5, 0.5), torch.bfloat16, rtol=2e-2)
+
+
+def test_split_k_partials_through_the_whole_op_and_a_broadcast_gradient(monkeypatch):
+    """Weight gradients summed from split-K partials (fp32, fixed order) through the op, and a dy
+    that is a stride-0 broadcast (y.sum()'s gradient), read through its strides."""
+    monkeypatch.setattr(rk, "_default_splits", lambda M, E: 3)
+    check_against_reference(37, 24, 12, 4, (0.6, 0.4), torch.float32, rtol=1e-4, empty_expert=2)
+    x, routes, gate, up, down = make_case(21, 16, 8, 4, seed=4)
+    y = routed_experts_triton(x, routes, gate, up, down)
+    broadcast = torch.autograd.grad(y.sum(), (x, gate, up, down), retain_graph=True)
+    dense = torch.autograd.grad(y, (x, gate, up, down), torch.ones_like(y))
+    for a, b in zip(broadcast, dense):
+        assert torch.equal(a, b)

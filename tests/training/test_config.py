@@ -136,6 +136,8 @@ def test_bad_enum_lists_allowed_values(tmp_path):
     ({**TINY, "training": {"epochs": 2}}, "training.epochs", "repetition is forbidden"),
     ({**TINY, "source_stage": "refinement"}, "source_stage", "null"),
     ({**TINY, "kernels": {"policy": "pytorch", "require_liger": True}}, "kernels.require_liger", "policy auto"),
+    ({**TINY, "kernels": {"policy": "pytorch", "experts": "triton"}}, "kernels.experts", "never runs the Triton"),
+    ({**TINY, "kernels": {"experts": "fast"}}, "kernels.experts", "masked"),
     ({**TINY, "model": {"preset": "200m"}, "data": {"seq_len": 2048}}, "data.plan", "preset tiny"),
     ({**TINY, "lora": {"targets": ["q_proj", "mlp"]}}, "lora.targets", "shared_gate"),
     ({**TINY, "lora": {"targets": []}}, "lora.targets", "at least one"),

@@ -159,6 +159,8 @@ class RunContext:
     results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
     last_checkpoint: Path | None = None
     callbacks: list[Callback] = field(default_factory=list)
+    # finishes the checkpoint being written in the background (set by the checkpointing callback)
+    wait_for_checkpoint: Callable[[], Any] = lambda: None
 
 
 def is_epoch_end(batches: StepBatches, step: int) -> bool:

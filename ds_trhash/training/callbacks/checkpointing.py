@@ -2,18 +2,23 @@
 stop signal and at the end of the stage; old ones rotated away."""
 from __future__ import annotations
 
-import time
-
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.background import BackgroundSaver, Finished
 from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
+from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
 
 
 class CheckpointCallback(Callback):
-    """Saves through ``ds_trhash.checkpoints.save_checkpoint`` (collective: every rank calls it).
+    """Saves through ``ds_trhash.checkpoints.background`` (collective: every rank calls it).
 
-    An epoch-end step is saved by ``on_epoch_end`` (after the evaluation callbacks ran, so its
-    record holds their results), never twice; the newest path is left in ``run.last_checkpoint``.
+    The step pays for the engine's state copied to host memory; a thread per rank writes,
+    hashes and publishes it (``BackgroundSaver``), one save at a time: a save first finishes the
+    one in flight. A finished save is noticed at the next step (its failure raised there), then
+    rotated and reported. An epoch-end step is saved by ``on_epoch_end`` (after the evaluation
+    callbacks ran, so its record holds their results), never twice, and waited for, since
+    selection links ``best/`` to it; the end of the stage, a stop and ``close`` wait for the
+    save in flight too. The newest completed path is left in ``run.last_checkpoint``.
     The kernel path a checkpoint records is the one of the last training step (taken in
     ``on_step_end``, before any evaluation forward of that step's epoch end can overwrite it).
     Rotation takes the output directory's sync lock and, while a Hub sync holds it, waits for
@@ -27,35 +32,55 @@ class CheckpointCallback(Callback):
         self.protect = set(run.protect_steps)
         self.last_saved = -1
         self.kernel_path: dict | None = None  # backends_used() after the last training step
+        self.capture = capturing(run.engine)
+        self.saver = BackgroundSaver(run.rank, run.world, after_write=self._fault_point)
+        self.reasons: dict[int, str] = {}
+        run.wait_for_checkpoint = self.wait
 
     @classmethod
     def from_run(cls, run: RunContext) -> "CheckpointCallback":
         return cls(run)
 
-    def save(self, state, reason: str, extra: dict | None = None):
+    def _fault_point(self, step: int) -> None:
+        if self.run.faults is not None:  # the crash-safety tests: killed mid-write, in the thread
+            self.run.faults.maybe_kill("kill_during_save", step)
+
+    def save(self, state, reason: str, extra: dict | None = None, *, wait: bool = False):
         if state.step == self.last_saved:
             return
         run = self.run
+        self.wait()  # one save at a time; the finished one is rotated before the next starts
         for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first
             cb.before_save(state)
-        t0 = time.perf_counter()
 
-        def write_engine_state(tmp):
+        def capture(tmp):
             run.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
-            if run.faults is not None:
-                run.faults.maybe_kill("kill_during_save", state.step)
+            return self.capture.take() if self.capture is not None else []
 
-        path = ckpt.save_checkpoint(
-            run.output_dir, state.step,
-            write_engine_state=write_engine_state,
+        self.saver.start(
+            run.output_dir, state.step, capture=capture,
             trainer_state=run.trainer_state(state, reason, {**self._trained_with(), **(extra or {})}),
-            rank=run.rank, world_size=run.world, barrier=run.barrier,
+            barrier=run.barrier,
         )
-        self.last_saved, run.last_checkpoint = state.step, path
+        self.last_saved = state.step
+        self.reasons[state.step] = reason
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight (raising its failure), then rotate and report it."""
+        self._finished(self.saver.wait())
+
+    def _finished(self, done: Finished | None) -> None:
+        if done is None:
+            return
+        run = self.run
+        run.last_checkpoint = done.path
         if run.rank == 0 and self.keep_last:
             ckpt.rotate_unless_syncing(run.output_dir, self.keep_last, protect=self.protect, log=run.progress.message,
                                        keep_unsynced=run.cfg.checkpoint.keep_unsynced)
-        run.progress.message(f"checkpoint {path.name if path else state.step} ({reason}, {time.perf_counter() - t0:.1f}s)")
+        run.progress.message(f"checkpoint {done.path.name} ({self.reasons.pop(done.step, 'saved')}, "
+                             f"{done.on_step_s:.1f}s on the step, {done.background_s:.1f}s written in the background)")
 
     def _trained_with(self) -> dict:
         return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
@@ -65,6 +90,7 @@ class CheckpointCallback(Callback):
             self.last_saved = state.step
 
     def on_step_end(self, state, metrics):
+        self._finished(self.saver.poll())  # a background failure surfaces here, at the next step
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if is_epoch_end(self.run.batches, state.step):
             return
@@ -77,8 +103,13 @@ class CheckpointCallback(Callback):
         results = self.run.results
         self.save(state, f"end of epoch {state.epochs_done}",
                   {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step),
-                   "train_loss": state.last.get("loss") if state.last else None})
+                   "train_loss": state.last.get("loss") if state.last else None}, wait=True)
 
     def on_end(self, state):
         if state.step == state.total_steps:
             self.save(state, "final")
+        self.wait()
+
+    def close(self):
+        """Every way out of the stage (an error too) lets the save in flight finish."""
+        self.wait()

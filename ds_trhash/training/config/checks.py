@@ -114,6 +114,9 @@ def _check_feature_pairs(cfg: TrainConfig, b: _Builder) -> None:
     if cfg.kernels.require_liger and cfg.kernels.policy == "pytorch":
         raise b.fail("kernels.require_liger", "kernels.policy pytorch never selects Liger; use policy auto "
                                               "or triton, or require_liger false", "kernels.policy")
+    if cfg.kernels.experts == "triton" and cfg.kernels.policy == "pytorch":
+        raise b.fail("kernels.experts", "kernels.policy pytorch never runs the Triton experts; use policy auto or "
+                                        "triton, or kernels.experts auto, masked or pytorch", "kernels.policy")
     if cfg.kernels.compile != "none" and cfg.parallel.ep_size > 1:
         raise b.fail("kernels.compile", "compiling the expert-parallel layers (their all-to-all token exchange) "
                                         "is not supported; use kernels.compile none with parallel.ep_size > 1",

@@ -227,6 +227,9 @@ class KernelsSection:
     loss_chunk_tokens: int = _f(1024, check=_positive)
     # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
     compile: Literal["none", "layers", "model"] = "none"
+    # routed experts: auto (the policy's choice; on CUDA the Triton kernel and the dense masked path
+    # timed at the launch's shape, the faster runs: model/expert_probe.py) or one of them fixed
+    experts: Literal["auto", "triton", "masked", "pytorch"] = "auto"
 
 
 @dataclass(frozen=True)

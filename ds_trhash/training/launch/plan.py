@@ -23,7 +23,7 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import SourceRecord
-from ds_trhash.model import backend, selfcheck
+from ds_trhash.model import backend, expert_probe, selfcheck
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback, build_callbacks, training_parts
@@ -104,10 +104,17 @@ def launch_device() -> torch.device:
 
 def kernel_choice(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, device: torch.device) -> backend.KernelChoice:
     """The kernels this launch runs: the policy resolved for the device, then every selected fused
-    kernel run once against PyTorch on it (``ds-trhash preflight`` makes the same two calls)."""
+    kernel run once against PyTorch on it, then the experts backend settled for the launch's
+    shape (``kernels.experts``; measured on CUDA under auto). ``ds-trhash preflight`` calls it too."""
     choice = backend.resolve(cfg.kernels.policy, device, model_cfg, require_liger=cfg.kernels.require_liger)
-    return selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
-                            require_liger=cfg.kernels.require_liger)
+    choice = selfcheck.verify(choice, cfg.kernels.policy, device, model_cfg, dtype=compute_dtype(cfg.precision),
+                              require_liger=cfg.kernels.require_liger)
+    if cfg.parallel.ep_size > 1:  # the expert-parallel layer runs its own (gathered) path
+        return choice
+    shape = expert_probe.Shape(tokens=cfg.batch.micro_batch * cfg.data.seq_len, hidden=model_cfg.hidden_size,
+                               width=model_cfg.expert_width, experts=model_cfg.num_experts,
+                               dtype=compute_dtype(cfg.precision), device=device)
+    return expert_probe.choose_experts(choice, cfg.kernels.experts, shape)
 
 
 def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageData, world: int, rank: int,

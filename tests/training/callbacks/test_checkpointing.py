@@ -1,4 +1,9 @@
-"""CheckpointCallback: what it saves when, epoch ends with their evaluation results, rotation."""
+"""CheckpointCallback: what it saves when, epoch ends with their evaluation results, rotation,
+saves written in the background and finished before anything reads them."""
+import threading
+
+import pytest
+
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.sync_guard import output_lock, update_verified
 from ds_trhash.io import sha256_file
@@ -19,6 +24,7 @@ def test_cadence_pack_boundary_stop_and_final(tmp_path):
         state.step = step
         state.stop_requested = step == 7
         cb.on_step_end(state, fakes.metrics(step))
+    cb.wait()  # step 7's may still be written in the background
     assert _steps(tmp_path) == [3, 5, 6, 7]
     reasons = [ckpt.read_trainer_state(c)["reason"] for c in ckpt.list_checkpoints(tmp_path)]
     assert reasons == ["every_steps", "token pack boundary", "every_steps", "stop signal"]
@@ -55,6 +61,7 @@ def test_rotation_keeps_the_newest_and_protected(tmp_path):
     for step in range(1, 6):
         state.step = step
         cb.on_step_end(state, fakes.metrics(step))
+    cb.wait()
     assert _steps(tmp_path) == [1, 4, 5]
 
 
@@ -66,6 +73,7 @@ def test_rotation_waits_while_a_sync_holds_the_lock_and_keeps_what_no_sync_verif
     def step_to(n):
         state.step = n
         cb.on_step_end(state, fakes.metrics(n))
+        cb.wait()
 
     with output_lock(tmp_path):  # what `ds-trhash sync` holds while it uploads
         step_to(1), step_to(2)
@@ -107,3 +115,32 @@ def test_a_resume_at_the_last_step_saves_nothing_and_hooks_run_before_each_save(
     resumed.on_start(finished)
     resumed.on_end(finished)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == before
+
+
+def test_a_background_failure_surfaces_at_the_next_step_and_close_finishes_the_save_in_flight(tmp_path):
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1))
+    cb = CheckpointCallback.from_run(run)
+    state = TrainState(step=1, total_steps=10)
+
+    def broken(step):
+        raise RuntimeError("the state holds an unpicklable object")
+
+    cb.saver.after_write = broken
+    cb.on_step_end(state, fakes.metrics(1))  # the step itself returns: the write fails later
+    state.step = 2
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000001 in the background failed.*unpicklable"):
+        cb.on_step_end(state, fakes.metrics(2))
+    assert _steps(tmp_path) == []
+
+    held = threading.Event()
+    cb.saver.after_write = lambda step: held.wait(30)
+    state.step = 3
+    cb.on_step_end(state, fakes.metrics(3))
+    closing = threading.Thread(target=cb.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive() and _steps(tmp_path) == []  # close waits for the write in flight
+    held.set()
+    closing.join(30)
+    assert _steps(tmp_path) == [3] and run.last_checkpoint.name == "step_00000003"
+    assert "on the step" in run.progress.messages[-1] and "written in the background" in run.progress.messages[-1]
