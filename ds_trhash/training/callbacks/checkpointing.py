@@ -35,6 +35,7 @@ class CheckpointCallback(Callback):
     def save(self, state, reason: str, extra: dict | None = None):
         if state.step == self.last_saved:
             return
+        state.pause("checkpoint")  # this step's interval stays out of the steady tokens/s
         run = self.run
         for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first
             cb.before_save(state)
