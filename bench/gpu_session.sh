@@ -5,7 +5,7 @@
 # Order: correctness first (a fast wrong kernel is no result), then the kernel and step
 # benchmarks, the anchor as measured in November, and a real launch's own tokens/s. Every step
 # has a timeout and writes into $OUT (or ./gpu-out) as it goes, so a run cut short still returns
-# what finished. Budget: ~15 s of installs + the timeouts below (100 + 50 + 250 + 60 + 85 = 545 s)
+# what finished. Budget: ~15 s of installs + the timeouts below (95 + 45 + 245 + 55 + 100 = 540 s)
 # fit one 600 s call. At most 8 files come back: session.log holds every step's text output.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -31,40 +31,42 @@ export PYTHONPATH=/tmp/proj:/tmp/site PATH=/tmp/site/bin:$PATH  # the deepspeed 
 #    tree in the working directory. The junit XML names each test's outcome and time.
 step "pytest -m gpu" | tee -a "$LOG"
 rm -rf /tmp/run && mkdir -p /tmp/run && cp -r tests pytest.ini ds_configs launch /tmp/run/
-(cd /tmp/run && timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rfEs --durations=15 \
+(cd /tmp/run && timeout 95 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rfEs --durations=15 \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -60) | tee -a "$LOG"
 
 # 2. Routed-expert kernels and head losses at N = 32,768, bf16
 step bench_kernels | tee -a "$LOG"
-timeout 50 python3 bench/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -40 | tee -a "$LOG"
+timeout 45 python3 bench/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -40 | tee -a "$LOG"
 
 # 3. One optimizer step of 200m at 2048 x 16, bf16, each case in its own process: the anchor
 #    (plain PyTorch, masked experts, autocast, torch.compile), the engine, the hand loop with the
 #    engine's kernels, the engine with kernels.compile layers and model.
 step bench_step | tee -a "$LOG"
-timeout 250 python3 bench/bench_step.py --cases compile_masked,engine,manual,engine_compile,engine_compile_model \
+timeout 245 python3 bench/bench_step.py --cases compile_masked,engine,manual,engine_compile,engine_compile_model \
   --warmup 2 --steps 8 --case-timeout 100 --json "$OUT/bench_step.json" 2>&1 \
   | grep -v -E "Warning|warn\(|^\s*$" | tail -80 | tee -a "$LOG"
 
 # 4. The November anchor itself (../shared/bench/ref_step.py, carried in .ref/), beside the bench
 step "ref_step.py compile_masked" | tee -a "$LOG"
 if [ -f .ref/ref_step.py ]; then
-  BATCHES=16 timeout 60 python3 .ref/ref_step.py compile_masked 2>&1 | grep '^{' | tee "$OUT/ref_step.jsonl" | tee -a "$LOG"
+  BATCHES=16 timeout 55 python3 .ref/ref_step.py compile_masked 2>&1 | grep '^{' | tee "$OUT/ref_step.jsonl" | tee -a "$LOG"
 else
   echo "no .ref/ref_step.py: run bench/fetch_wheels.sh here and carry .ref" | tee -a "$LOG"
 fi
 
-# 5. A real launch of the bench's shape (200m preset, seq 2048, micro-batch 16, grad_accum 1, bf16,
-#    ZeRO 1, kernels auto) through the deepspeed launcher on the embedded corpus, checkpoint at
-#    step 10: the launcher's steady tokens/s (warm-up and checkpoint steps out) against the bench's
-#    engine case.
+# 5. A real launch of the bench's shape (ds_configs/200m/pretrain.yaml: 200m, bf16, ZeRO 1, kernels
+#    auto; seq 2048, micro-batch 16, grad_accum 1) through the deepspeed launcher, on a synthetic
+#    corpus (the embedded one holds 4 such steps), 30 steps with checkpoints at 15 and 30: its
+#    end line "throughput: steady N tokens/s" (warm-up and checkpoint steps out) against the
+#    bench's engine case.
 step "launch 200m" | tee -a "$LOG"
-rm -rf /tmp/launch200m
-timeout 85 deepspeed --num_gpus 1 launch/train.py --config ds_configs/tiny/pretrain.yaml \
-  --set model.preset=200m --set data.seq_len=2048 --set batch.micro_batch=16 --set batch.global_tokens=32768 \
-  --set precision=bf16 --set zero.stage=1 --set kernels.policy=auto --set kernels.loss_chunk_tokens=1024 \
-  --set training.max_steps=24 --set training.log_every=4 --set checkpoint.every_steps=10 \
-  --set checkpoint.keep_last=1 --set output_dir=/tmp/launch200m 2>&1 \
-  | grep -v -E "Warning|warn\(" | tail -40 | tee -a "$LOG"
+rm -rf /tmp/launch200m /tmp/syn
+python3 bench/synthetic_corpus.py /tmp/syn --steps 32 >> "$LOG" 2>&1
+timeout 100 deepspeed --num_gpus 1 --master_port 29533 launch/train.py --config ds_configs/200m/pretrain.yaml \
+  --set data.plan=/tmp/syn/plan.json --set data.shards_dir=/tmp/syn/shards --set data.target_tokens=null \
+  --set data.tokenizer=null --set data.seq_len=2048 --set batch.micro_batch=16 --set batch.global_tokens=32768 \
+  --set training.max_steps=30 --set training.log_every=5 --set training.export_final=false \
+  --set checkpoint.every_steps=15 --set checkpoint.packs=null --set checkpoint.keep_last=1 \
+  --set output_dir=/tmp/launch200m 2>&1 | grep -v -E "Warning|warn\(" | tail -40 | tee -a "$LOG"
 cp /tmp/launch200m/metrics.csv "$OUT/launch_metrics.csv" 2>/dev/null || true
 step done | tee -a "$LOG"
