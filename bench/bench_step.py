@@ -237,6 +237,30 @@ def _time_steps(step, args, device: torch.device, res: dict) -> list:
     return losses
 
 
+def profile_step(step, args, device: torch.device, name: str) -> dict:
+    """One more step under torch.profiler: the ops that took the most self time (host, and device
+    on CUDA), how many ops ran, and with --profile-dir the Chrome trace of the step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, device_key), reverse=True)[:args.profile]
+    out = {"sorted_by": device_key, "ops": int(sum(e.count for e in events)),
+           "top": [{"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                    "cpu_total_ms": e.cpu_time_total / 1e3,
+                    "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3} for e in top]}
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        out["trace"] = str(Path(args.profile_dir) / f"{name}.pt.trace.json")
+        prof.export_chrome_trace(out["trace"])
+    return out
+
+
 def skip_reason(name: str, args) -> str | None:
     if name in COMPILE_CASES and args.device == "cpu" and not args.cpu_compile:
         return "torch.compile is not run on CPU unless --cpu-compile"
@@ -264,6 +288,8 @@ def run_case(name: str, ctx: Ctx, tokens_per_step: int, on_result=None) -> dict:
         res["build_s"] = time.perf_counter() - t0
         res["checkpointed_layers"] = checkpointed(holder["model"])
         _time_steps(step, args, device, res)
+        if args.profile:
+            res["profile"] = profile_step(step, args, device, name)
         res["backends"] = backend.recorded_backends(holder["model"])
         res["tokens_per_s"] = tokens_per_step / res["step_s_median"]
         if device.type == "cuda":
@@ -308,7 +334,7 @@ def child_command(args, name: str, result: Path) -> list[str]:
     """This script's command line for one case in a child process."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-result", str(result), "--cases", name]
     for flag in ("device", "preset", "seq_len", "micro_batch", "grad_accum", "precision", "steps", "warmup",
-                 "config", "zero", "kernels_policy", "activation_checkpointing", "threads"):
+                 "config", "zero", "kernels_policy", "activation_checkpointing", "threads", "profile", "profile_dir"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -357,6 +383,9 @@ def parse_args(argv=None):
     ap.add_argument("--case-timeout", type=float, default=None,
                     help="seconds one case may run, build included (240 on CUDA, 900 on CPU)")
     ap.add_argument("--in-process", action="store_true", help="run every case in this process (no isolation)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile one more step per case and record its N costliest ops (self time)")
+    ap.add_argument("--profile-dir", default=None, help="with --profile: write each case's Chrome trace here")
     ap.add_argument("--json", default=None, help="write the full report here")
     ap.add_argument("--child-result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -116,5 +116,12 @@ def print_report(report: dict) -> None:
             shown = "-" if v is None else (f"{v:+.1%}" if "overhead" in t["target"] else f"{v:,.3g}")
             print(f"  {t['case']:<22}{t['target']:<46}{shown:>12}  {t['verdict']}")
     for r in report["cases"].values():
+        prof = r.get("profile")
+        if prof:
+            print(f"\n{r['case']}: one step profiled, {prof['ops']:,} ops; costliest by {prof['sorted_by']}:")
+            for op in prof["top"]:
+                print(f"  {op['name'][:60]:<60}{op['count']:>7} x {op['self_cpu_ms']:>9.2f} ms host "
+                      f"{op['self_device_ms']:>9.2f} ms device")
+    for r in report["cases"].values():
         if r["status"] in ("error", "oom", "crashed", "timeout"):
             print(f"\n--- {r['case']} {r['status']}: {r.get('error', '')}\n{r.get('traceback', '')}")

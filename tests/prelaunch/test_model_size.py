@@ -174,9 +174,10 @@ def test_the_fused_kernels_keep_less_and_the_engine_peak_is_estimated_within_ten
     assert reference - fused == norm_copies - 3 * mc.top_k * mc.expert_width * 2
     shape = ["--set", "data.seq_len=2048", "--set", "batch.micro_batch=16"]
     got = _figures(capsys, "--config", BIG, *shape)
-    assert got["fused_kernels"] is True and got["buffers"] == 500_000_000 * 2
+    # the engine sizes DeepSpeed's bucket to the trainable parameters (fewer than its default 5e8)
+    assert got["fused_kernels"] is True and got["buffers"] == 201_194_368 * 2
     assert got["per_gpu"] / 2**30 == pytest.approx(MEASURED_ENGINE_PEAK_GIB, rel=0.10)
     smaller = _figures(capsys, "--config", BIG, *shape, "--set", "deepspeed.zero_optimization.reduce_bucket_size=50000000")
-    assert got["per_gpu"] - smaller["per_gpu"] == 450_000_000 * 2
+    assert got["per_gpu"] - smaller["per_gpu"] == (201_194_368 - 50_000_000) * 2
     pytorch = _figures(capsys, "--config", BIG, *shape, "--set", "kernels.policy=pytorch")
     assert pytorch["fused_kernels"] is False and pytorch["activations_none"] > got["activations_none"]

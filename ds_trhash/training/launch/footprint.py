@@ -193,13 +193,15 @@ def activation_bytes(cfg, model_cfg, checkpointed: int = 0, device_type: str = "
 
 def gradient_buffers(cfg, params: "ParamCount") -> int:
     """DeepSpeed's ZeRO 1/2 optimizer copies gradients into a contiguous bucket of
-    ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward."""
+    ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward;
+    unless the config sets it, the engine sizes it to the trainable parameters when they are fewer
+    than DeepSpeed's default (training.engine.with_bucket_fitting)."""
     if cfg.zero.stage not in (1, 2):
         return 0
     zero = (cfg.deepspeed or {}).get("zero_optimization") or {}
     if zero.get("contiguous_gradients", True) is False:
         return 0
-    bucket = int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))
+    bucket = int(zero.get("reduce_bucket_size", min(DEFAULT_REDUCE_BUCKET, max(params.trainable_per_rank, 1))))
     copies = 2 if zero.get("overlap_comm", False) else 1
     return copies * bucket * PRECISION_BYTES[cfg.precision]
 
