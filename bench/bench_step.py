@@ -71,6 +71,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -486,6 +487,8 @@ def main(argv=None) -> int:
         return 2
     if args.child_result:
         return child_main(args)
+    # a `timeout` around the bench sends SIGTERM: exit through the case runner, which kills its child
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not args.in_process:
         args_parent = argparse.Namespace(**{**vars(args), "case_list": []})  # no process group here
         device = setup(args_parent)

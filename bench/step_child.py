@@ -64,6 +64,9 @@ def run_child(cmd: list[str], result_path: Path, timeout: float, name: str) -> d
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         rc = proc.wait()
+    except BaseException:  # the bench itself is stopped (SIGTERM from `timeout`, Ctrl-C): no orphan case
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     reader.join(timeout=10)
     if result_path.is_file():
         res = json.loads(result_path.read_text())

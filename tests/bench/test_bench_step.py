@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,31 @@ def test_the_anchor_computes_the_same_model_with_masked_experts():
     got = model(ids, labels=ids.roll(-1, 1))
     assert model.backends_used()["experts"] == "masked"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bench_stopped_by_timeout_leaves_no_case_process_behind(tmp_path):
+    """`timeout` sends the bench SIGTERM while a case runs in its child (a session of its own):
+    the child is killed with it, so the next step of a GPU session has the device to itself."""
+    pid_file = tmp_path / "child.pid"
+    sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'bench')!r})\n"
+        "from pathlib import Path\n"
+        "from step_child import run_child\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        f"run_child([sys.executable, '-c', {sleeper!r}], Path({str(tmp_path / 'none.json')!r}), 120, 'x')\n")
+    proc = subprocess.Popen([sys.executable, str(parent)])
+    for _ in range(200):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    for _ in range(100):
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
