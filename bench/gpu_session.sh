@@ -1,31 +1,75 @@
 #!/usr/bin/env bash
-# Device side of a GPU session, as ONE call of the device tool with carry [".whl"]:
+# Device side of a GPU session, as ONE call of the device tool (timeout_s 600) with carry
+# [".whl", ".ref"], after bench/fetch_wheels.sh here:
 #   bash bench/gpu_session.sh
 # Order: correctness first (a fast wrong kernel is no result), then the kernel and step
-# benchmarks. Everything lands in $OUT (or ./gpu-out) and is rewritten as results come in, so a
-# run cut short still returns what finished. Budget: the timeouts below add up to
-# 565 s, inside one 600 s device call (installs take the rest).
+# benchmarks, the anchor as measured in November, and a real launch's own tokens/s. Every step
+# has a timeout and writes into $OUT (or ./gpu-out) as it goes, so a run cut short still returns
+# what finished. Budget: ~15 s of installs + the timeouts below (95 + 45 + 245 + 55 + 100 = 540 s)
+# fit one 600 s call. At most 8 files come back: session.log holds every step's text output.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/session.log"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/proj . || exit 1
-export PYTHONPATH=/tmp/proj:/tmp/site
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# 1. GPU correctness: the bf16 kernel tests and Liger RMSNorm (skipped on CPU). pytest runs from
-#    a copy of the tests, so `ds_trhash` comes from /tmp/proj (where kernels/ is ds_trhash.kernels)
-#    and not from the source tree in the working directory.
-OUT_ABS=$(cd "$OUT" && pwd)
-rm -rf /tmp/run && mkdir -p /tmp/run && cp -r tests pytest.ini ds_configs launch /tmp/run/
-(cd /tmp/run && timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/model 2>&1 \
-  | tail -30 | tee "$OUT_ABS/gpu_tests.log")
-# 2. routed-expert kernels and head losses
-timeout 80 python3 bench/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
-# 3. packed-document attention at 200m / 2048 x 16, bf16: dense mask vs blockwise vs flex (memory)
-timeout 45 python3 bench/bench_attention.py --device cuda --micro-batch 16 --precision bf16 \
-  --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
-# 4. one optimizer step of 200m at 2048 x 16, bf16: engine, manual, compile, eager, and the engine
-#    with kernels.compile layers and model (engine_compile, engine_compile_model)
-timeout 320 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.log"
+step() { echo; echo "=== $* ($(date -u +%T))"; }
+step install > "$LOG"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >> "$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/proj . \
+  >> "$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
+export PYTHONPATH=/tmp/proj:/tmp/site PATH=/tmp/site/bin:$PATH  # the deepspeed launcher (pip --target puts scripts in bin/)
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
+  git rev-parse --short HEAD 2>/dev/null || true
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee -a "$LOG"
+
+# 1. Every GPU-marked test of the suite (skipped on CPU). pytest runs from a copy of the tests, so
+#    `ds_trhash` comes from /tmp/proj (where kernels/ is ds_trhash.kernels), not from the source
+#    tree in the working directory. The junit XML names each test's outcome and time.
+step "pytest -m gpu" | tee -a "$LOG"
+#    Only the files that mark a test `gpu` are collected (collecting the whole suite costs time).
+rm -rf /tmp/run && mkdir -p /tmp/run && cp -r tests pytest.ini ds_configs launch bench /tmp/run/
+GPU_FILES=$(grep -rl --include='*.py' "mark.gpu" tests | sort)
+echo "$GPU_FILES" | tee -a "$LOG"
+(cd /tmp/run && timeout 95 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_FILES -rfEs --durations=15 \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -60) | tee -a "$LOG"
+
+# 2. Routed-expert kernels and head losses at N = 32,768, bf16
+step bench_kernels | tee -a "$LOG"
+timeout 45 python3 bench/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -40 | tee -a "$LOG"
+
+# 3. One optimizer step of 200m at 2048 x 16, bf16, each case in its own process: the anchor
+#    (plain PyTorch, masked experts, autocast, torch.compile), the engine, the hand loop with the
+#    engine's kernels, the engine with kernels.compile layers and model.
+step bench_step | tee -a "$LOG"
+timeout 245 python3 bench/bench_step.py --cases compile_masked,engine,manual,engine_compile,engine_compile_model \
+  --warmup 2 --steps 8 --case-timeout 100 --json "$OUT/bench_step.json" 2>&1 \
+  | grep -v -E "Warning|warn\(|^\s*$" | tail -80 | tee -a "$LOG"
+
+# 4. The November anchor itself (../shared/bench/ref_step.py, carried in .ref/), beside the bench
+step "ref_step.py compile_masked" | tee -a "$LOG"
+if [ -f .ref/ref_step.py ]; then
+  BATCHES=16 timeout 55 python3 .ref/ref_step.py compile_masked 2>&1 | grep '^{' | tee "$OUT/ref_step.jsonl" | tee -a "$LOG"
+else
+  echo "no .ref/ref_step.py: run bench/fetch_wheels.sh here and carry .ref" | tee -a "$LOG"
+fi
+
+# 5. A real launch of the bench's shape (ds_configs/200m/pretrain.yaml: 200m, bf16, ZeRO 1, kernels
+#    auto; seq 2048, micro-batch 16, grad_accum 1) through the deepspeed launcher, on a synthetic
+#    corpus (the embedded one holds 4 such steps), 30 steps with checkpoints at 15 and 30: its
+#    end line "throughput: steady N tokens/s" (warm-up and checkpoint steps out) against the
+#    bench's engine case.
+step "launch 200m" | tee -a "$LOG"
+rm -rf /tmp/launch200m /tmp/syn
+python3 bench/synthetic_corpus.py /tmp/syn --steps 32 >> "$LOG" 2>&1
+timeout 100 deepspeed --num_gpus 1 --master_port 29533 launch/train.py --config ds_configs/200m/pretrain.yaml \
+  --set data.plan=/tmp/syn/plan.json --set data.shards_dir=/tmp/syn/shards --set data.target_tokens=null \
+  --set data.tokenizer=null --set data.seq_len=2048 --set batch.micro_batch=16 --set batch.global_tokens=32768 \
+  --set training.max_steps=30 --set training.log_every=5 --set training.export_final=false \
+  --set checkpoint.every_steps=15 --set checkpoint.packs=null --set checkpoint.keep_last=1 \
+  --set output_dir=/tmp/launch200m 2>&1 | grep -v -E "Warning|warn\(" | tail -40 | tee -a "$LOG"
+cp /tmp/launch200m/metrics.csv "$OUT/launch_metrics.csv" 2>/dev/null || true
+step done | tee -a "$LOG"

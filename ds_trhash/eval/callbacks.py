@@ -38,6 +38,7 @@ class HeldoutCallback(Callback):
         return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.results["eval"])
 
     def evaluate(self, state) -> dict:
+        state.pause("eval")  # out of the steady tokens/s
         result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
         result.update(step=state.step, epoch=state.epochs_done)
         self.results[state.step] = result
@@ -85,6 +86,7 @@ class PiqaCallback(Callback):
         return build
 
     def evaluate(self, state) -> None:
+        state.pause("piqa")  # out of the steady tokens/s (every rank waits for rank 0's scoring)
         if self.rank == 0:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"

@@ -49,13 +49,15 @@ class SizeEstimate:
     activations_full: int
     runtime: int  # CUDA context and allocator slack
     deepspeed_model_states: int | None  # DeepSpeed's own ZeRO-2 figure, where it applies
+    buffers: int = 0  # DeepSpeed's gradient bucket(s) (ZeRO 1/2)
+    fused_kernels: bool = True  # activations counted for Triton experts + Liger (kernels.policy auto/triton)
 
     @property
     def world(self) -> int:
         return self.gpus * self.nodes
 
     def per_gpu(self, activations: int) -> int:
-        return self.weights + self.gradients + self.optimizer + activations + self.runtime
+        return self.weights + self.gradients + self.optimizer + self.buffers + activations + self.runtime
 
 
 def active_parameters(total: int, routed: int, num_experts: int, top_k: int) -> int:
@@ -89,7 +91,8 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
     mc = tcfg.model_config(cfg)
     foot = fp.estimate(cfg, mc, world, "cuda")
     params = foot.params
-    act = {mode: fp.activation_bytes(cfg, mc, mc.num_layers if mode == "full" else 0) for mode in ("none", "full")}
+    act = {mode: fp.activation_bytes(cfg, mc, mc.num_layers if mode == "full" else 0, "cuda")
+           for mode in ("none", "full")}
     mixed = fp.PRECISION_BYTES[cfg.precision] == 2
     ds_states = None
     if cfg.zero.stage == 2 and mixed and params.trainable == params.total:
@@ -105,7 +108,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
         params_per_gpu=params.per_rank, train_flops_per_token=train_flops_per_token(mc, cfg.data.seq_len),
         weights=foot.weights, gradients=foot.gradients, optimizer=foot.optimizer, activations=foot.activations,
         activations_none=act["none"], activations_full=act["full"], runtime=foot.runtime,
-        deepspeed_model_states=ds_states)
+        deepspeed_model_states=ds_states, buffers=foot.buffers, fused_kernels=fp.fused_kernels(cfg, "cuda"))
 
 
 def _gib(n: float) -> str:
@@ -130,8 +133,10 @@ def render(e: SizeEstimate) -> str:
         f"  weights         {_gib(e.weights)}",
         f"  gradients       {_gib(e.gradients)}",
         f"  optimizer       {_gib(e.optimizer)}  (Adam moments{', fp32 master weights' if e.precision != 'fp32' else ''})",
+        f"  buffers         {_gib(e.buffers)}  (DeepSpeed's gradient bucket, zero_optimization.reduce_bucket_size)",
         f"  activations     {_gib(e.activations_none)} without activation checkpointing, "
-        f"{_gib(e.activations_full)} with (full)",
+        f"{_gib(e.activations_full)} with (full); "
+        + ("Triton experts, Liger norm/RoPE/loss" if e.fused_kernels else "PyTorch kernels (kernels.policy pytorch)"),
         f"  runtime         {_gib(e.runtime)}  (CUDA context, allocator slack)",
         f"  total           {_gib(e.per_gpu(e.activations_none))} without activation checkpointing, "
         f"{_gib(e.per_gpu(e.activations_full))} with",
@@ -166,8 +171,8 @@ def _deepspeed_quiet():
 def run_model(args) -> int:
     from ds_trhash.training import config as tcfg
 
-    cfg = tcfg.load_config(args.config, list(args.set))
-    with _deepspeed_quiet():
+    with _deepspeed_quiet():  # a deepspeed: section is checked by DeepSpeed's reader at load
+        cfg = tcfg.load_config(args.config, list(args.set))
         estimate = estimate_size(cfg, args.gpus, args.nodes)
     if args.json:
         print(json.dumps({**asdict(estimate), "per_gpu": estimate.per_gpu(estimate.activations_none),

@@ -239,6 +239,7 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
     state.epoch = state.epochs_done = batches.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)
+    state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:
         epoch = batches.epoch_of(state.step)
         t0 = time.perf_counter()
@@ -280,6 +281,8 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
             for cb in callbacks:
                 cb.on_epoch_end(state)
             state.epoch = next_epoch
+        state.throughput.note(state.step, stats["tokens"], state.pauses)  # the step and its callbacks
+        state.pauses.clear()
     for cb in callbacks:
         cb.on_end(state)
     return state

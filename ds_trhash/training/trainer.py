@@ -217,6 +217,7 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int) -> loop.TrainState:
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
         wait = data_wait_line(data.batches.data_figures(), state.step_seconds, state.steps_timed)
-        if wait:
-            progress.message(wait)
+        for line in (wait, state.throughput.describe()):
+            if line:
+                progress.message(line)
     return state

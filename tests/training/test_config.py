@@ -233,8 +233,14 @@ def test_deepspeed_dict():
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
     assert ds["train_batch_size"] == 24
     assert ds["gradient_clipping"] == 0.5 and ds["zero_optimization"] == {"stage": 2}
-    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+    # bf16: no per-tensor overflow check (the non-finite guard covers it); no synchronising timers
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False} and ds["fp16"]["enabled"] is False
     assert ds["steps_per_print"] >= 10**9 and ds["wall_clock_breakdown"] is False
+    assert ds["timers"] == {"throughput": {"enabled": False}}
+    # the deepspeed: section still decides: a user turns either back on
+    back = to_deepspeed_dict(dataclasses.replace(cfg, deepspeed={"bf16": {"check_grad_overflow": True},
+                                                                 "timers": {"throughput": {"enabled": True}}}), 2)
+    assert back["bf16"] == {"enabled": True, "check_grad_overflow": True} and back["timers"]["throughput"]["enabled"]
     assert "optimizer" not in ds and "scheduler" not in ds
     fp16 = to_deepspeed_dict(dataclasses.replace(cfg, precision="fp16"), 1)
     assert fp16["fp16"]["enabled"] and not fp16["bf16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0

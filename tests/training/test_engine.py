@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.training.config import load_config
@@ -91,3 +92,19 @@ def test_cpu_start_builds_no_shared_memory_op(tmp_path):
     assert report == {"rank": 0, "world": 1, "op": False, "restored": True, "sum": [2.0, 2.0]}
     assert list(extensions.iterdir()) == [], "DeepSpeed compiled an op at start-up"
     assert "built successfully" not in proc.stdout + proc.stderr
+
+
+def test_deepspeeds_gradient_bucket_is_sized_to_the_model_unless_the_config_sets_it():
+    """ZeRO 1/2 allocate reduce_bucket_size elements whole (5e8 by default); a model with fewer
+    trainable parameters gets a bucket of their number, which holds every gradient as before."""
+    from ds_trhash.training.engine import with_bucket_fitting
+
+    model = torch.nn.Linear(4, 3)  # 15 parameters
+    model.bias.requires_grad_(False)
+    for stage in (1, 2):
+        fitted = with_bucket_fitting({"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}, model)
+        assert fitted == {"zero_optimization": {"stage": stage, "reduce_bucket_size": 12}, "bf16": {"enabled": True}}
+    chosen = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}
+    assert with_bucket_fitting(chosen, model) is chosen  # the config's own size is kept
+    stage0 = {"zero_optimization": {"stage": 0}}
+    assert with_bucket_fitting(stage0, model) is stage0  # no bucket without ZeRO 1/2

@@ -1,6 +1,7 @@
 """Real launches of the tiny config: the deepspeed launcher with one and two CPU processes,
 each ZeRO stage, and the loss falling on the embedded corpus."""
 
+import json
 import math
 
 import pytest
@@ -27,9 +28,9 @@ def _args(out, steps, *sets):
 
 @pytest.fixture(scope="module")
 def one_process(root):
-    """The one-process deepspeed launch (ZeRO-1, 8 steps): (output dir, launcher result)."""
+    """The one-process deepspeed launch (ZeRO-1, 8 steps, steps 5-6 profiled): (output dir, launcher result)."""
     out = root / "one"
-    return out, L.deepspeed(1, _args(out, 8, "zero.stage=1"))
+    return out, L.deepspeed(1, _args(out, 8, "zero.stage=1", "profile.steps=5,6"))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,25 @@ def test_one_process_deepspeed_launch_trains_writes_metrics_and_checkpoint(one_p
     assert rows[0]["experts_backend"] == "pytorch" and rows[0]["loss_backend"] == "chunked"
     assert L.checkpoint_steps(out)[-1] == 8
     assert (out / "checkpoints" / "step_00000008" / "MANIFEST.json").is_file()
+
+
+def test_profile_steps_write_a_trace_per_rank_and_stay_out_of_the_steady_rate(one_process):
+    """--set profile.steps=5,6: a torch.profiler Chrome trace of steps 5 and 6 under the run folder
+    (what TensorBoard and Perfetto open); the launch's end line gives its steady tokens/s with the
+    warm-up, checkpoint and profiled steps left out."""
+    out, proc = one_process
+    assert proc.returncode == 0, L.explain(proc)
+    traces = list((out / "profile").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1, sorted((out / "profile").iterdir()) if (out / "profile").exists() else "no profile/"
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#5", "ProfilerStep#6"}, steps
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the step's own ops
+    assert "profile of steps 5-6: " in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if "throughput: steady" in ln)
+    # steps 1-3 warm-up, 4 the profiler's warm-up and a checkpoint, 5-6 profiled (6 also saves at
+    # the token pack boundary ceil(2 * 8 / 3)), 8 a checkpoint: step 7 alone is steady
+    assert "over 1 steps (7-7; left out: 3 warm-up, 3 checkpoint, 3 profile)" in line, line
 
 
 def test_two_process_deepspeed_launch_trains_on_gloo(two_processes):

@@ -4,7 +4,8 @@
 signal turns into ``stop_requested`` before anything else looks at the step), fault
 injection, the evaluation callbacks the entry point supplies (before checkpointing, so an epoch
 checkpoint records their results), metrics, progress, checkpointing, selection (after the
-epoch's checkpoint exists).
+epoch's checkpoint exists), and the profiler last (it starts after a step's other callbacks, so
+a trace holds whole steps).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ds_trhash.training.callbacks.base import Callback, RunContext, build_callba
 from ds_trhash.training.callbacks.checkpointing import CheckpointCallback
 from ds_trhash.training.callbacks.faults import FaultCallback, FaultInjection
 from ds_trhash.training.callbacks.metrics import MetricsCallback
+from ds_trhash.training.callbacks.profile import ProfileCallback
 from ds_trhash.training.callbacks.progress import ProgressCallback
 from ds_trhash.training.callbacks.selection import SelectionCallback
 from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
@@ -22,11 +24,11 @@ from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, Stop
 def training_parts(evaluation: Sequence[type[Callback]] = ()) -> list[type[Callback]]:
     """The callback classes of a launch, in call order, with ``evaluation`` slotted in."""
     return [StopCallback, FaultCallback, *evaluation, MetricsCallback, ProgressCallback, CheckpointCallback,
-            SelectionCallback]
+            SelectionCallback, ProfileCallback]
 
 
 __all__ = [
     "Callback", "CheckpointCallback", "FaultCallback", "FaultInjection", "LauncherWatch", "MetricsCallback",
-    "ProgressCallback", "RunContext", "SelectionCallback", "StopAgreement", "StopCallback", "StopRequests",
+    "ProfileCallback", "ProgressCallback", "RunContext", "SelectionCallback", "StopAgreement", "StopCallback", "StopRequests",
     "build_callbacks", "make_callbacks", "training_parts",
 ]

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from ds_trhash.training.throughput import SteadyRate
+
 if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -63,6 +65,15 @@ class TrainState:
     last: dict = field(default_factory=dict)  # metrics of the last step
     step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
     steps_timed: int = 0
+    # the launch's steady tokens/s (not saved); ``pauses``: why this step's callbacks paused
+    # training (a checkpoint, an evaluation), which keeps its interval out of that rate
+    throughput: SteadyRate = field(default_factory=SteadyRate)
+    pauses: list[str] = field(default_factory=list)
+
+    def pause(self, reason: str) -> None:
+        """A callback paused training in this step (e.g. "checkpoint"): the step's interval is
+        left out of the steady tokens/s and counted under ``reason``."""
+        self.pauses.append(reason)
 
 
 class StopQuestion(Protocol):

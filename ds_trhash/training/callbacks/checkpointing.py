@@ -48,6 +48,7 @@ class CheckpointCallback(Callback):
     def save(self, state, reason: str, extra: dict | None = None, *, wait: bool = False):
         if state.step == self.last_saved:
             return
+        state.pause("checkpoint")  # this step's interval stays out of the steady tokens/s
         run = self.run
         self.wait()  # one save at a time; the finished one is rotated before the next starts
         for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first

@@ -21,8 +21,11 @@ class ProgressCallback(Callback):
         return cls(run.progress, run.model, run.cfg.training.log_every, getattr(run.batches, "data_figures", None))
 
     def on_step_end(self, state, metrics):
-        # the loss lazily: read from the device only for a step the progress display shows
-        self.progress.update(state.step, lambda: metrics["loss"], metrics["lr"], metrics["tok_s"],
+        # the loss lazily: read from the device only for a step the progress display shows;
+        # tokens/s: the launch's steady rate so far (training.throughput), this step's own before it
+        steady = state.throughput.rate
+        self.progress.update(state.step, lambda: metrics["loss"], metrics["lr"],
+                             steady if steady is not None else metrics["tok_s"],
                              backends=self.model.backends_used(), extra=self.extra())
 
     def extra(self) -> dict | None:

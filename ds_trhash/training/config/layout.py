@@ -95,17 +95,27 @@ def _generated_deepspeed(cfg: TrainConfig) -> dict:
     fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
     if cfg.precision == "fp16":
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
+    bf16: dict[str, Any] = {"enabled": cfg.precision == "bf16"}
+    if cfg.precision == "bf16":
+        # bf16 has no loss scale to adjust: DeepSpeed's overflow check only tests every gradient
+        # tensor for inf/NaN (one check per tensor, a host read) to skip such a step silently.
+        # The project's non-finite guard (training/nonfinite.py) stops the run or skips the step
+        # from the loss and the global gradient norm instead; finite steps are unchanged.
+        bf16["check_grad_overflow"] = False
     return {
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": ga,
         "train_batch_size": step_rows(mb, ga, 1),
         "gradient_clipping": cfg.optimizer.grad_clip,
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        "bf16": bf16,
         "fp16": fp16,
         "zero_optimization": {"stage": cfg.zero.stage},
         # Our Progress display reports; DeepSpeed's own prints would interleave with it.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every forward and step to time
+        # them; the launch times its steps itself (training/throughput.py).
+        "timers": {"throughput": {"enabled": False}},
     }
 
 

@@ -171,6 +171,8 @@ class _Builder:
                 raise TypeError(f"schema union {tp} not supported")  # a bug in this file, not the config
             return None if value is None else self.convert(inner[0], value, key, nullable=True)
         if origin is tuple:
+            if isinstance(value, str) and "," in value:  # "10,12" (--set profile.steps=10,12) is [10, 12]
+                value = [_yaml_load(part) for part in value.split(",")]
             if not isinstance(value, (list, tuple)):
                 raise self.fail(key, f"expected {_type_name(tp)}{orr}, got {got}")
             if len(args) == 2 and args[1] is Ellipsis:

@@ -264,6 +264,21 @@ class EvalSection:
     select: Literal["min_eval_loss", "last"] = "min_eval_loss"
 
 
+def _profile_steps(v: tuple[int, int]) -> str | None:
+    first, last = v
+    # the profiler warms up in the step before the first one traced
+    return None if 2 <= first <= last else (f"must be [first, last] optimizer steps with 2 <= first <= last "
+                                            f"(the profiler warms up in step first-1), got {list(v)}; "
+                                            f"e.g. --set profile.steps=10,12")
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    # torch.profiler trace of optimizer steps first..last (as the progress line counts them), one
+    # Chrome-trace file per rank under <output_dir>/profile (TensorBoard, Perfetto); null: off.
+    steps: tuple[int, int] | None = _f(None, check=_optional(_profile_steps))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     stage: Literal["pretraining", "refinement", "supervised-finetuning"]
@@ -281,6 +296,7 @@ class TrainConfig:
     lora: LoraSection = _f(factory=LoraSection)
     checkpoint: CheckpointSection = _f(factory=CheckpointSection)
     eval: EvalSection = _f(factory=EvalSection)
+    profile: ProfileSection = _f(factory=ProfileSection)
     seed: int = _f(1234, check=_seed)
     # Passed to DeepSpeed: deep-merged into the generated config (ds_trhash.training.deepspeed_config).
     deepspeed: dict = _f(factory=dict)

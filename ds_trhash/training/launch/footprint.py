@@ -12,6 +12,7 @@ master weights and Adam moments), within a few per cent.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,10 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CPU_PROCESS_BYTES = int(0.5 * GIB)
 # A CUDA context and the caching allocator's slack on one device.
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)
-# Saved-for-backward elements per token per layer, in the activation dtype (see activation_bytes).
-_LOGIT_COPIES = 3  # a loss chunk's logits, their softmax and its gradient, in fp32
-
+# A loss chunk's logits, their softmax and its gradient, in fp32 (the chunked CE).
+_LOGIT_COPIES = 3
+# DeepSpeed's ZeRO 1/2 gradient bucket (zero_optimization.reduce_bucket_size), in elements.
+DEFAULT_REDUCE_BUCKET = 500_000_000
 
 @dataclass(frozen=True)
 class ParamCount:
@@ -56,15 +58,17 @@ class Footprint:
     activations: int  # one micro-batch forward + backward, one rank
     runtime: int  # process / CUDA context overhead
     checkpoint: int  # one complete checkpoint on disk, all ranks together
+    buffers: int = 0  # DeepSpeed's gradient bucket(s) during backward (ZeRO 1/2)
 
     @property
     def per_rank(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.runtime
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.runtime
 
     def describe(self) -> str:
         return (f"{self.params.total / 1e6:.1f}M parameters ({self.params.trainable / 1e6:.1f}M trainable): "
                 f"weights {gib(self.weights)} + gradients {gib(self.gradients)} + optimizer {gib(self.optimizer)} "
-                f"+ activations {gib(self.activations)} + runtime {gib(self.runtime)} = {gib(self.per_rank)} per rank")
+                f"+ buffers {gib(self.buffers)} + activations {gib(self.activations)} + runtime {gib(self.runtime)} "
+                f"= {gib(self.per_rank)} per rank")
 
 
 def gib(n: float) -> str:
@@ -122,34 +126,84 @@ def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
     return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers, expert_trainable, routed)
 
 
-def activation_elements_per_token(model_cfg) -> int:
-    """Tensors autograd keeps for backward, per token and layer, in elements.
+def fused_kernels(cfg, device_type: str) -> bool:
+    """Whether the launch runs the fused kernels (Triton experts, Liger norm/RoPE/loss): on CUDA
+    under kernels.policy auto or triton (Liger assumed importable there), never on CPU."""
+    return device_type == "cuda" and cfg.kernels.policy in ("auto", "triton")
 
-    attention: residual in, norm out, q/k/v, rotated q/k, attention out, o_proj out
-               -> 3·H + 3·(heads·head_dim) + 3·(kv_heads·head_dim)
-    shared MLP: residual in, norm out, gate, up, silu(gate), product, down out -> 3·H + 4·S
-    routed:    per route, the gathered tokens, gate|up, silu, product, weighted, down out
-               -> top_k·(2·H + 5·W)
-    residual sums: 2·H
+
+def _norm_bytes(width: int, act: int, fused: bool) -> int:
+    """What one RMSNorm over ``width`` keeps per token: Liger its input and an fp32 1/rms per row;
+    the PyTorch reference its input in fp32 (a copy when the activations are 16-bit) and the
+    normalised value."""
+    if fused:
+        return width * act
+    return width * FP32 + width * act if act < FP32 else 2 * width * act
+
+
+def layer_bytes_per_token(model_cfg, act: int, fused: bool) -> int:
+    """Bytes autograd keeps per token for one decoder layer (checked against saved-tensor counts
+    in tests/prelaunch/test_model_size.py):
+
+    norms:      input and post-attention norm over H, q/k norm over the heads' widths (QK-norm)
+    outputs:    both norms' outputs (H each; the projections, MLP and experts share them)
+    attention:  v, the rotated q and k, the output (the o-projection's input) and fp32 log-sum-exp
+    shared MLP: gate, silu(gate), up, their product -> 4·S
+    routed:     Triton: h, g, u of each (token, route) row -> 3·top_k·W; the PyTorch gathered
+                path recomputes them in backward and keeps nothing but its input
+    RoPE keeps only cos/sin (both paths); Liger's and the reference's 1/rms rows are fp32.
     """
     c = model_cfg
     h, s, w = c.hidden_size, c.shared_width, c.expert_width
-    attn = 3 * h + 3 * c.num_heads * c.head_dim + 3 * c.num_kv_heads * c.head_dim
-    return attn + (3 * h + 4 * s) + c.top_k * (2 * h + 5 * w) + 2 * h
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    rows = 2 + c.num_heads + c.num_kv_heads  # 1/rms per row of each norm, fp32
+    norms = 2 * _norm_bytes(h, act, fused) + _norm_bytes(q + kv, act, fused) + rows * FP32
+    attention = (kv + (q + kv) + q) * act + c.num_heads * FP32
+    routed = 3 * c.top_k * w * act if fused else 0
+    return norms + 2 * h * act + attention + 4 * s * act + routed
 
 
-def activation_bytes(cfg, model_cfg, checkpointed: int = 0) -> int:
-    """One micro-batch [micro_batch, seq_len] through every layer, plus one loss chunk's logits.
-    A ``checkpointed`` layer keeps only its input and is recomputed, one at a time, in backward."""
+def loss_bytes(cfg, model_cfg, tokens: int, act: int, fused: bool) -> int:
+    """The head: the final norm, what the loss keeps until backward and its largest temporary.
+    Liger's fused linear CE computes the gradients in forward and keeps grad_input [N, H] and an
+    fp32 grad_weight [V, H]; its logits come in chunks of about N / ceil(V / H) rows. The chunked
+    CE keeps the hidden rows and one fp32 log-sum-exp each, and scores ``loss_chunk_tokens`` rows
+    at a time."""
+    h, v = model_cfg.hidden_size, model_cfg.vocab_size
+    final_norm = tokens * (_norm_bytes(h, act, fused) + FP32)
+    if fused:
+        chunk = min(tokens, 1 << max(0, math.ceil(math.log2(tokens / math.ceil(v / h)))))
+        return final_norm + tokens * h * act + v * h * FP32 + chunk * v * FP32
+    chunk = min(cfg.kernels.loss_chunk_tokens, tokens)
+    return final_norm + tokens * (h * act + FP32) + _LOGIT_COPIES * chunk * v * FP32
+
+
+def activation_bytes(cfg, model_cfg, checkpointed: int = 0, device_type: str = "cuda") -> int:
+    """One micro-batch [micro_batch, seq_len] through every layer and the loss, for the kernels
+    ``device_type`` runs. A ``checkpointed`` layer keeps only its input and is recomputed, one at a
+    time, in backward."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
-    per_layer = activation_elements_per_token(model_cfg)
-    kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size
-    layers = tokens * (kept + (per_layer if checkpointed else 0)) * act
-    embeddings = 2 * tokens * model_cfg.hidden_size * act  # embedding out, final norm
-    chunk = min(cfg.kernels.loss_chunk_tokens, tokens)
-    logits = _LOGIT_COPIES * chunk * model_cfg.vocab_size * FP32
-    return layers + embeddings + logits
+    fused = fused_kernels(cfg, device_type)
+    per_layer = layer_bytes_per_token(model_cfg, act, fused)
+    kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size * act
+    layers = tokens * (kept + (per_layer if checkpointed else 0))
+    return layers + loss_bytes(cfg, model_cfg, tokens, act, fused)
+
+
+def gradient_buffers(cfg, params: "ParamCount") -> int:
+    """DeepSpeed's ZeRO 1/2 optimizer copies gradients into a contiguous bucket of
+    ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward;
+    unless the config sets it, the engine sizes it to the trainable parameters when they are fewer
+    than DeepSpeed's default (training.engine.with_bucket_fitting)."""
+    if cfg.zero.stage not in (1, 2):
+        return 0
+    zero = (cfg.deepspeed or {}).get("zero_optimization") or {}
+    if zero.get("contiguous_gradients", True) is False:
+        return 0
+    bucket = int(zero.get("reduce_bucket_size", min(DEFAULT_REDUCE_BUCKET, max(params.trainable_per_rank, 1))))
+    copies = 2 if zero.get("overlap_comm", False) else 1
+    return copies * bucket * PRECISION_BYTES[cfg.precision]
 
 
 def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
@@ -185,5 +239,5 @@ def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
     optimizer = partitioned(ADAM_MOMENTS, zero >= 1) + master
     runtime = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return Footprint(params=params, weights=weights, gradients=grads, optimizer=optimizer,
-                     activations=activation_bytes(cfg, model_cfg, checkpointed), runtime=runtime,
-                     checkpoint=checkpoint_bytes(cfg, params, world))
+                     activations=activation_bytes(cfg, model_cfg, checkpointed, device_type), runtime=runtime,
+                     checkpoint=checkpoint_bytes(cfg, params, world), buffers=gradient_buffers(cfg, params))
