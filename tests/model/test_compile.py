@@ -105,6 +105,42 @@ def test_inductor_compiled_model_with_triton_experts_matches_eager_on_cuda(batch
     assert compiled.backends_used()["experts"] == "triton"
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Liger runs on CUDA or under TRITON_INTERPRET=1")
+def test_a_compiled_model_runs_the_liger_loss_outside_its_graph_and_matches_eager(batch, monkeypatch):
+    """kernels.compile model with the Liger loss: dynamo never traces Liger's fused linear CE (its
+    .item() broke the graph inside the function and tracing resumed in the middle of it; on a GPU
+    that gave non-finite gradients). The loss, with ignored labels, and the gradients are eager's."""
+    import liger_kernel.transformers.functional as liger
+
+    calls = []
+    fused = liger.liger_fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(torch.compiler.is_compiling())
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(liger, "liger_fused_linear_cross_entropy", spy)
+    labels = batch["labels"].clone()
+    labels[0, :6] = -100  # a prompt and the last position: ignored targets
+    labels[:, -1] = -100
+    eager, compiled = make_model(), make_model()
+    for m in (eager, compiled):
+        m.set_backends(loss="liger")
+    torch._dynamo.reset()
+    compiled.compile(backend="aot_eager")  # what compile_model("model") does, without inductor's C++ build
+    loss_eager = eager(batch["input_ids"], labels=labels)
+    loss_compiled = compiled(batch["input_ids"], labels=labels)
+    assert calls == [False, False]  # once each, and never while dynamo traced
+    assert torch.equal(loss_compiled, loss_eager)
+    loss_eager.backward()
+    loss_compiled.backward()
+    grads = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert compiled.backends_used()["loss"] == "liger"
+
+
 def test_expert_load_counting_stays_in_the_graph_and_counts_under_compile(batch):
     """The trainer always counts routes (expert_load.csv): with counting on, the model still
     traces as one graph, and a compiled training forward leaves the same counts as eager."""
