@@ -137,25 +137,26 @@ def _reference_batches() -> list[list[dict]]:
     return steps
 
 
-def _reference_model(cfg, device: torch.device, dtype: torch.dtype):
+def _reference_model(cfg, device: torch.device, dtype: torch.dtype, **shape):
     """The trainer's build order: seeded init, then the kernels the policy picks here."""
     from ds_trhash.model import backend
 
     torch.manual_seed(cfg.seed)
-    model = TRHashForCausalLM(TRHashConfig.from_preset(cfg.model.preset, loss_chunk_tokens=cfg.kernels.loss_chunk_tokens))
+    model = TRHashForCausalLM(TRHashConfig.from_preset(cfg.model.preset, loss_chunk_tokens=cfg.kernels.loss_chunk_tokens,
+                                                       **shape))
     backend.apply(model, backend.resolve(cfg.kernels.policy, device, model.config, dtype=dtype))
     return model
 
 
-def _engine_run(cfg, batches, dtype, compile_mode="none"):
+def _engine_run(cfg, batches, dtype, compile_mode="none", **shape):
     from ds_trhash.model.compile import compile_model
     from ds_trhash.training import config as tcfg
     from ds_trhash.training import loop
     from ds_trhash.training.engine import build_engine
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = compile_model(_reference_model(cfg, device, dtype), compile_mode).to(device)  # the trainer's order
-    eng = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, 1), REF_STEPS)
+    model = compile_model(_reference_model(cfg, device, dtype, **shape), compile_mode).to(device)  # the trainer's order
+    eng = build_engine(model, cfg, tcfg.to_deepspeed_dict(cfg, 1), len(batches))
     rows = []
     for micro in batches:
         lr = eng.optimizer.param_groups[0]["lr"]
@@ -166,13 +167,13 @@ def _engine_run(cfg, batches, dtype, compile_mode="none"):
     return device, rows
 
 
-def _plain_run(cfg, batches, device, dtype):
+def _plain_run(cfg, batches, device, dtype, warmup=REF_WARMUP, **shape):
     """The hand-written loop (fp32 masters as DeepSpeed keeps them for bf16; in fp32 they are the
-    weights' own values, so the two coincide)."""
+    weights' own values, so the two coincide); ``warmup`` in steps, as the test computes it."""
     from ds_trhash.training.schedule import lr_factor
 
     o, s = cfg.optimizer, cfg.schedule
-    model = _reference_model(cfg, device, dtype).to(device, dtype)
+    model = _reference_model(cfg, device, dtype, **shape).to(device, dtype)
     named = list(model.named_parameters())
     masters = [p.detach().float().clone() for _, p in named]
     decay = [m for (n, p), m in zip(named, masters) if p.ndim >= 2 and "norm" not in n]
@@ -181,7 +182,7 @@ def _plain_run(cfg, batches, device, dtype):
                             lr=o.lr, betas=tuple(o.betas), eps=o.eps, **({"fused": True} if device.type == "cuda" else {}))
     rows = []
     for step, micro in enumerate(batches):
-        lr = o.lr * lr_factor(step, REF_STEPS, REF_WARMUP, s.floor, kind=s.kind, warmup_start=s.warmup_start_factor,
+        lr = o.lr * lr_factor(step, len(batches), warmup, s.floor, kind=s.kind, warmup_start=s.warmup_start_factor,
                               stable_fraction=s.stable_fraction)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -216,15 +217,19 @@ def _engine_against_plain_loop(precision: str, policy: str):
     return engine_rows, plain_rows, table, cfg
 
 
-def test_the_engine_steps_as_a_plain_fp32_loop_with_the_same_optimizer_schedule_and_batches(one_rank_group):
-    engine_rows, plain_rows, table, cfg = _engine_against_plain_loop("fp32", "pytorch")
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 2e-5), ("bf16", 2e-3)])
+def test_the_engine_steps_as_a_plain_loop_with_the_same_optimizer_schedule_and_batches(one_rank_group, precision,
+                                                                                       tolerance):
+    """fp32: the same numbers up to summation order. bf16 (DeepSpeed's bf16 weights, bf16 gradients
+    and fp32 masters against the loop's): within bf16 rounding over the ten steps."""
+    engine_rows, plain_rows, table, cfg = _engine_against_plain_loop(precision, "pytorch")
     e_lr, e_loss, e_norm = (list(col) for col in zip(*engine_rows))
     p_lr, p_loss, p_norm = (list(col) for col in zip(*plain_rows))
     assert e_lr == pytest.approx(p_lr, rel=1e-12), table  # warmup from 0.01 x peak, stable, cosine to 0.1
     assert p_lr[0] < p_lr[REF_WARMUP - 2] < p_lr[REF_WARMUP - 1] == pytest.approx(cfg.optimizer.lr)
     assert p_lr[-1] == pytest.approx(cfg.optimizer.lr * cfg.schedule.floor)
-    assert e_loss == pytest.approx(p_loss, rel=2e-5), table
-    assert e_norm == pytest.approx(p_norm, rel=1e-4), table
+    assert e_loss == pytest.approx(p_loss, rel=tolerance), table
+    assert e_norm == pytest.approx(p_norm, rel=5 * tolerance), table
     assert min(p_norm) > cfg.optimizer.grad_clip  # every step clipped: the clipping is compared too
     assert p_loss[-1] < p_loss[0] - 2  # it trains (the ids come from 64 of the vocabulary)
 
@@ -262,3 +267,27 @@ def test_every_compile_mode_and_kernel_policy_trains_as_eager_pytorch_on_cuda(on
     print(f"compile {mode}, policy {policy}:\n{table}")
     assert all(math.isfinite(v) for row in engine_rows for v in row), table
     assert [e[1] for e in engine_rows] == pytest.approx([p[1] for p in eager_rows], rel=2e-2, abs=3e-2), table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_engine_steps_as_a_plain_bf16_loop_at_the_bench_shape_on_cuda(one_rank_group):
+    """What bench_step.py measured (200m width, seq 2,048, one repeated batch, 13 steps, the 200m
+    config's schedule: all warmup from 0.01 x peak, bf16, ZeRO 1, kernels auto) with two layers
+    instead of 16, so it takes seconds: the engine (the H200 run: 10.55 -> 5.39) and the plain loop
+    (manual and compile there: 9.1-9.2) with the same schedule must take the same steps."""
+    steps = 13
+    cfg = load_config("ds_configs/200m/pretrain.yaml", ["data.seq_len=2048", "batch.micro_batch=4", "batch.grad_accum=1",
+                                                        "batch.global_tokens=null", "zero.stage=1", "precision=bf16"])
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, TRHashConfig.from_preset("200m").vocab_size, (4, 2048), generator=gen)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = ids[:, 1:]
+    batches = [[{"input_ids": ids, "labels": labels}]] * steps
+    device, engine_rows = _engine_run(cfg, batches, torch.bfloat16, num_layers=2)
+    plain_rows = _plain_run(cfg, batches, device, torch.bfloat16, warmup=steps, num_layers=2)
+    table = "\n".join(f"step {i}: lr {e[0]:.4e} / {p[0]:.4e}  loss {e[1]:.5f} / {p[1]:.5f}  grad norm {e[2]:.4f} / {p[2]:.4f}"
+                      for i, (e, p) in enumerate(zip(engine_rows, plain_rows)))
+    print(f"engine / plain loop at the bench's width:\n{table}")
+    assert [e[0] for e in engine_rows] == pytest.approx([p[0] for p in plain_rows], rel=1e-12), table
+    assert [e[1] for e in engine_rows] == pytest.approx([p[1] for p in plain_rows], rel=1e-2, abs=2e-2), table
