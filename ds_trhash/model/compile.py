@@ -5,13 +5,18 @@
 - ``layers``: every decoder layer is ``nn.Module.compile()``d (attention, norms, shared MLP,
   RoPE and the routed-expert custom op in one graph per layer; dynamo inlines the layer modules,
   so the layers share their compiled code rather than compiling once each);
-- ``model``: the whole model, loss included, is compiled as one graph.
+- ``model``: the whole model is compiled as one graph, the head loss included when it is the
+  chunked or plain one. Liger's fused linear cross entropy is never traced
+  (``torch.compiler.disable`` on ``loss.liger_ce``): its ``.item()`` broke the graph inside the
+  function and dynamo resumed tracing in the middle of its in-place gradient writes, which on a
+  GPU gave non-finite gradients and then an illegal memory access. With it the graph breaks
+  once, at the loss, which then runs as in eager mode.
 
 ``Module.compile`` compiles the module's ``__call__`` in place: unlike ``torch.compile(model)``
 it adds no wrapper, so ``state_dict()`` keys have no ``_orig_mod.`` prefix and DeepSpeed
 checkpoints, exports and resume see the same names as an uncompiled run. The routed experts are
 custom ops (``ds_trhash.model.experts``, ``kernels/routed_experts.py``), so nothing breaks the
-graph; Liger's kernels, where chosen, are traced as user-defined Triton kernels and kept.
+graph; Liger's RMSNorm and RoPE, where chosen, are traced as user-defined Triton kernels and kept.
 """
 from __future__ import annotations
 

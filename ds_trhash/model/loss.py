@@ -97,6 +97,13 @@ def chunked_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     return _ChunkedCE.apply(hidden, weight, labels, chunk_tokens, divisor)
 
 
+# Never traced by dynamo: Liger's function reads the valid-label count with ``.item()`` (a graph
+# break inside its autograd Function, after which dynamo resumes tracing in the middle of it) and
+# writes its gradients into slices of preallocated buffers from Triton kernels. Traced under
+# ``kernels.compile: model`` that gave non-finite gradients on a GPU (Liger-Kernel PR #1338: a
+# wrong loss under torch.compile when labels hold ignore_index). Disabled, a compiled model
+# breaks its graph once, here, and the fused loss runs as in eager mode (docs/kernels.md).
+@torch.compiler.disable
 def liger_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
     """Liger's fused linear cross entropy, brought to the shared contract (0 valid -> 0)."""

@@ -20,6 +20,7 @@ from ds_trhash.errors import UserError
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE, install as install_stop_handlers
+from ds_trhash.training.determinism import use_deterministic_kernels
 from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
 from ds_trhash.training.launch.checks import LaunchCheckError
 from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
         lock, checked = lock_and_decide(cfg, args, rank, world)
+        use_deterministic_kernels(cfg.training.deterministic)  # before CUDA's first matmul (the self-check)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group(group_timeout_minutes(cfg))
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ds_trhash.training import deepspeed_config as dsc
+from ds_trhash.training import determinism
 from ds_trhash.training.config import describe_model
 from ds_trhash.training.schedule import describe_schedule
 
@@ -28,7 +29,7 @@ def parameter_counts(model) -> tuple[int, int]:
 
 def startup_summary(cfg, layout, *, model, total_steps: int, start_step: int, ds_config: Mapping[str, Any],
                     optimizer: str, kernels: Mapping[str, Any] | None, hardware: str,
-                    checkpointed_layers: list[int]) -> str:
+                    checkpointed_layers: list[int], device_type: str = "cpu") -> str:
     total, trainable = parameter_counts(model)
     lora = (f", LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}"
             + (" + experts" if cfg.lora.experts else "")) if cfg.lora.enabled else ""
@@ -47,6 +48,7 @@ def startup_summary(cfg, layout, *, model, total_steps: int, start_step: int, ds
         f"precision  {cfg.precision}, ZeRO stage {cfg.zero.stage}, optimizer {optimizer}",
         f"schedule   {describe_schedule(cfg.schedule, total_steps, layout.global_tokens, cfg.optimizer.lr)}",
         f"kernels    policy {cfg.kernels.policy}: {kern or 'not resolved'}",
+        f"determinism  {determinism.describe(cfg.training.deterministic, device_type)}",
         f"activation checkpointing  {ac}",
         f"deepspeed  {', '.join(features) if features else 'no optional features (deepspeed: section empty)'}",
     ]

@@ -133,7 +133,8 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
         cfg, plan.layout, model=model, total_steps=data.total_steps, start_step=state.step,
         ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
         kernels=plan.kernels.to_dict(), hardware=ckpt.describe_hardware(),
-        checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed]))
+        checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed],
+        device_type=plan.device.type))
 
 
 def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, dict], dict]:

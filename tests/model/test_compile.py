@@ -1,4 +1,5 @@
-"""torch.compile sees the whole model: the routed experts are custom ops, nothing breaks the graph.
+"""torch.compile sees the whole model: the routed experts are custom ops, nothing breaks the graph
+but Liger's fused loss, which is kept out of it on purpose.
 
 Dynamo's explain counts graph breaks of a decoder layer and of the whole model (loss, packed
 document mask, PyTorch and Triton expert backends). The compiled-vs-eager comparison uses the
@@ -103,6 +104,48 @@ def test_inductor_compiled_model_with_triton_experts_matches_eager_on_cuda(batch
         err = (grads[name].grad.float() - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12)
         assert err < 5e-2, name
     assert compiled.backends_used()["experts"] == "triton"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Liger runs on CUDA or under TRITON_INTERPRET=1")
+def test_a_compiled_model_runs_the_liger_loss_outside_its_graph_and_matches_eager(batch, monkeypatch):
+    """kernels.compile model with the Liger loss: dynamo never traces Liger's fused linear CE (its
+    .item() broke the graph inside the function and tracing resumed in the middle of it; on a GPU
+    that gave non-finite gradients). The loss, with ignored labels, and the gradients are eager's."""
+    import liger_kernel.transformers.functional as liger
+
+    calls = []
+    fused = liger.liger_fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(torch.compiler.is_compiling())
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(liger, "liger_fused_linear_cross_entropy", spy)
+    config = TRHashConfig.from_preset("tiny", num_layers=1, vocab_size=512)  # the interpreter's CE is slow in V
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = (batch["input_ids"] % config.vocab_size).to(device)
+    labels = ids.roll(-1, 1)
+    labels[0, :6] = -100  # a prompt and the last position: ignored targets
+    labels[:, -1] = -100
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TRHashForCausalLM(config).to(device))
+        models[-1].set_backends(loss="liger")
+    eager, compiled = models
+    torch._dynamo.reset()
+    compiled.compile(backend="aot_eager")  # what compile_model("model") does, without inductor's C++ build
+    loss_eager = eager(ids, labels=labels)
+    loss_compiled = compiled(ids, labels=labels)
+    assert calls == [False, False]  # once each, and never while dynamo traced
+    torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-6, atol=1e-6)
+    loss_eager.backward()
+    loss_compiled.backward()
+    grads = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert compiled.backends_used()["loss"] == "liger"
 
 
 def test_expert_load_counting_stays_in_the_graph_and_counts_under_compile(batch):

@@ -4,11 +4,13 @@ checkpoint) and resumed with --resume auto ends bit-identical to an uninterrupte
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
+import torch
 
 from tests.training import launch_utils as L
 
@@ -115,3 +117,35 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_cleanly(root):
     assert len(steps) == 1 and 3 <= steps[0] < 150
     state = json.loads((out / "checkpoints" / f"step_{steps[0]:08d}" / "trainer_state.json").read_text())
     assert state["reason"] == "stop signal" and state["step"] == steps[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_run_stopped_after_a_checkpoint_resumes_bit_identically(root):
+    """On a GPU, in bf16 with ZeRO 1 and the fused kernels (Triton experts, Liger loss, norm and
+    RoPE): the run's folder as a stop after its step-3 checkpoint leaves it, resumed with --resume
+    auto, logs the uninterrupted run's losses and ends on its weights, bit for bit. FlashAttention's
+    backward and cuBLAS are made deterministic by training.deterministic (on by default), which the
+    start-up summary states."""
+    def args(out):
+        return ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "6",
+                "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=10", "--set", "checkpoint.packs=null",
+                "--set", "training.log_every=1", "--set", "precision=bf16", "--set", "zero.stage=1",
+                "--set", "kernels.policy=auto"]
+
+    full = root / "gpu-full"
+    proc = L.single(args(full))
+    assert proc.returncode == 0, L.explain(proc)
+    assert "determinism  on: torch.use_deterministic_algorithms" in proc.stdout, L.explain(proc)
+    state = json.loads((full / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["backends_used"]["experts"] == "triton" and state["backends_used"]["loss"] == "liger", state
+
+    resumed = root / "gpu-resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    proc = L.single(args(resumed) + ["--resume", "auto"])
+    assert proc.returncode == 0, L.explain(proc)
+    assert "resuming at step 3" in proc.stdout, L.explain(proc)
+    assert L.train_losses(resumed) == L.train_losses(full) and len(L.train_losses(full)) == 6
+    L.assert_identical(L.model_weights(resumed / "checkpoints" / "step_00000006"),
+                       L.model_weights(full / "checkpoints" / "step_00000006"))

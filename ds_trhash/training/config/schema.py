@@ -213,6 +213,8 @@ class TrainingSection:
     # after a verified final/: delete numbered checkpoints (release/lifecycle/cleanup.py); packs and best/ kept
     # by keep_packs, only final/ and best/ by keep_final
     cleanup_after_success: Literal["keep_final", "keep_packs", "off"] = "off"
+    # deterministic GPU kernels (training/determinism.py): a resume repeats the run bit for bit
+    deterministic: bool = True
 
 
 @dataclass(frozen=True)
