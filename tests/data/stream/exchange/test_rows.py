@@ -1,4 +1,4 @@
-"""Rows exchanged between nodes (``exchange``): four ranks on two simulated nodes over gloo train
+"""Rows exchanged between nodes (``exchange.rows``): four ranks on two simulated nodes over gloo train
 on exactly the rows a direct read gives them, each node's cache fills only the shards it owns,
 and a node whose read fails stops every member at the same step."""
 
@@ -11,7 +11,7 @@ from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, RowEx
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
-from tests.data.stream.gloo_ranks import run_ranks
+from tests.data.stream.exchange.gloo_ranks import run_ranks
 
 NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
 WORLD = NODES * PER_NODE
