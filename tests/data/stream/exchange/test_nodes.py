@@ -29,8 +29,9 @@ def test_the_node_count_needs_whole_nodes_of_one_rank_count():
     assert "same slots in the hostfile" in str(e.value)
 
 
-def test_without_a_process_group_the_agreed_count_is_this_ranks_own():
-    """One process, or no process group: nothing to gather, this rank's count and the same refusal."""
-    assert (agreed_node_count(1, 1), agreed_node_count(8, 4)) == (1, 2)
-    with pytest.raises(NodeLayoutError, match="6 ranks are not whole nodes of 4 rank"):
-        agreed_node_count(6, 4)
+def test_one_rank_counts_its_node_without_a_collective():
+    """A one-rank job gathers nothing (with or without a process group): one node, and the same
+    refusal when the rank says its node runs more ranks than the job has."""
+    assert agreed_node_count(1, 1) == 1
+    with pytest.raises(NodeLayoutError, match="1 ranks are not whole nodes of 2 rank"):
+        agreed_node_count(1, 2)
