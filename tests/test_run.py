@@ -14,6 +14,7 @@ from ds_trhash.training.callbacks import (
     CheckpointCallback,
     FaultCallback,
     MetricsCallback,
+    ProfileCallback,
     ProgressCallback,
     SelectionCallback,
     StopCallback,
@@ -96,7 +97,8 @@ def _broken(part: str, path: Path, text: str | None = None) -> list[str]:
 def test_launch_calls_the_parts_in_order():
     # the end of a completed stage (final/, stage_complete.json, cleanup) runs after every checkpoint and best/
     assert launch_parts() == [StopCallback, FaultCallback, HeldoutCallback, PiqaCallback, MetricsCallback,
-                              ProgressCallback, CheckpointCallback, SelectionCallback, StageEndCallback]
+                              ProgressCallback, CheckpointCallback, SelectionCallback, ProfileCallback,
+                              StageEndCallback]
 
 
 def test_no_package_imports_above_itself():

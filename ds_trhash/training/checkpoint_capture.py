@@ -3,9 +3,9 @@
 ``engine.save_checkpoint`` stays the one that decides what a checkpoint holds and where (every
 rank calls it; it builds the module, ZeRO and scheduler states and names the files), but the
 engine's checkpoint engine, which DeepSpeed hands each file's state to, is wrapped so that
-``save`` keeps a host copy (``checkpoints.snapshot``) and the path instead of writing. The
-background writer (``checkpoints.background``) then writes those files with ``torch.save`` as
-DeepSpeed's ``TorchCheckpointEngine`` does. Everything else (loading, commit, the writer
+``save`` keeps a host copy (``checkpoints.background.snapshot``) and the path instead of
+writing. The background writer (``checkpoints.background``) then writes those files with
+``torch.save`` as DeepSpeed's ``TorchCheckpointEngine`` does. Everything else (loading, commit, the writer
 ranks) is the wrapped engine's.
 """
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ds_trhash.checkpoints.background import PendingFile
-from ds_trhash.checkpoints.snapshot import host_snapshot
+from ds_trhash.checkpoints.background import PendingFile, host_snapshot
 
 
 class CapturingCheckpointEngine:

@@ -1,22 +1,17 @@
 """`ds-trhash ops slurm` writes the sbatch script of a launch, or refuses before writing anything.
 
 The script itself runs in tests/prelaunch/test_slurm_launch.py (srun and scontrol stand-ins, two loopback
-nodes). Here: what it holds, that bash parses it, and every refusal leaving the disk as it was.
+nodes); what it holds is tested in tests/prelaunch/test_slurm_script.py. Here: the command, every
+refusal leaving the disk as it was, --submit, the time limits.
 """
 from __future__ import annotations
 
-import os
-import re
-import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from ds_trhash.cli import main
 from ds_trhash.prelaunch.slurm import time_limit_seconds, SlurmJobError
-from ds_trhash.prelaunch.slurm_script import master_port
-from ds_trhash.training.signals import EXIT_REQUEUE
 from tests.fail_closed import REPO, assert_clean_refusal, ds_trhash, tree_digest
 
 STANDINS = Path(__file__).parent / "slurm_standins"
@@ -27,52 +22,11 @@ def _job(out: Path, *extra: str) -> list[str]:
     return ["ops", "slurm", "--config", TINY, "--output-dir", str(out), "--nodes", "2", "--gpus-per-node", "1", *extra]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """One script through the real command: (its result, the script's text, the run folder)."""
-    out = tmp_path_factory.mktemp("slurm") / "run"
-    proc = ds_trhash(*_job(out, "--cpus-per-node", "16", "--partition", "gpu", "--account", "proj-42", "--time", "1-02:00:00",
-                           "--warning-seconds", "600", "--sbatch-option=--qos=high", "--max-steps", "12",
-                           "--set", "training.log_every=1"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, (out / "slurm" / "job.sbatch").read_text(), out
-
-
-def test_the_script_asks_slurm_for_the_job_its_warning_and_a_requeue(written):
-    proc, text, out = written
-    sbatch = re.findall(r"^#SBATCH (.*)$", text, flags=re.M)
-    assert sbatch == ["--job-name=trhash-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1",
-                      "--cpus-per-task=16", "--partition=gpu", "--account=proj-42", "--time=1-02:00:00", "--signal=B:USR1@600", "--requeue",
-                      "--open-mode=append", f"--output={out}/slurm/job-%j.out", "--qos=high"]
-    assert text.startswith("#!/bin/bash\n") and (out / "slurm" / "job.sbatch").stat().st_mode & 0o111
-    assert f"wrote {out}/slurm/job.sbatch" in proc.stdout and f"sbatch {out}/slurm/job.sbatch" in proc.stdout
-    assert "2 node(s) x 1 process(es) = 2 ranks: micro-batch 4 x grad_accum 1 x 2 = 1,024 tokens" in proc.stdout
-
-
-def test_one_deepspeed_launcher_per_node_with_its_rank_the_hostfile_and_resume_auto(written):
-    _, text, out = written
-    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\"" in text
-    assert re.search(r"srun --nodes=\"\$NODES\" --ntasks=\"\$NODES\" --ntasks-per-node=1 .*bash -c \"\$NODE_PART\"", text)
-    launch = re.search(r'exec "\$DS_TRHASH_DEEPSPEED" (.*?)\) >>"\$LOG" 2>&1 &', text, flags=re.S)[1]
-    words = shlex.split(launch.replace("\\\n", " "))
-    assert words[:10] == ["--hostfile", "$DS_TRHASH_HOSTFILE", "--no_ssh", "--node_rank", "$SLURM_NODEID",
-                          "--master_addr", "$MASTER_ADDR", "--master_port", "$MASTER_PORT", "launch/train.py"]
-    assert words[10:] == ["--config", TINY, "--output-dir", str(out), "--set", "training.log_every=1",
-                          "--max-steps", "12", "--resume", "auto"]
-    assert "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))" in text and master_port(123456) == 15000 + 3456
-    assert f"EXIT_REQUEUE={EXIT_REQUEUE}" in text and "scontrol requeue \"$SLURM_JOB_ID\"" in text
-
-
-def test_bash_parses_the_script_and_its_node_part(written):
-    _, text, _ = written
-    node = re.search(r"<<'NODE'\n(.*?)\nNODE\n", text, flags=re.S)[1]
-    for body in (text, node):
-        proc = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-
-
-def test_an_existing_script_is_kept_unless_forced(written, capsys):
-    _, text, out = written
+def test_an_existing_script_is_kept_unless_forced(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    assert main(_job(out, "--cpus-per-node", "16")) == 0
+    text = (out / "slurm" / "job.sbatch").read_text()
     before = tree_digest(out)
     code = main(_job(out, "--nodes", "1"))  # another shape for the same run
     assert code == 2 and "job.sbatch exists already; nothing was written. Pass --force" in capsys.readouterr().err
@@ -134,13 +88,3 @@ def test_slurm_time_limits_in_seconds():
         1800, 1815, 7200, 86400, 95400, 95405, None]
     with pytest.raises(SlurmJobError):
         time_limit_seconds("0")
-
-
-def test_the_script_outside_a_slurm_job_says_to_submit_it_and_starts_nothing(written):
-    _, _, out = written
-    before = tree_digest(out)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(["bash", str(out / "slurm" / "job.sbatch")], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode != 0 and "SLURM_JOB_ID: is not set: submit this script with sbatch" in proc.stderr
-    assert tree_digest(out) == before

@@ -1,41 +1,19 @@
-"""Rows exchanged between nodes (``exchange``): four ranks on two simulated nodes over gloo train
+"""Rows exchanged between nodes (``exchange.rows``): four ranks on two simulated nodes over gloo train
 on exactly the rows a direct read gives them, each node's cache fills only the shards it owns,
 and a node whose read fails stops every member at the same step."""
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, RowExchange, node_count, owners
+from ds_trhash.data.stream.exchange import PeerReadError, RowExchange, owners
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
-from tests.data.stream.gloo_ranks import run_ranks
+from tests.data.stream.exchange.gloo_ranks import run_ranks
 
 NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
 WORLD = NODES * PER_NODE
-
-
-def test_owners_are_a_pure_function_of_the_plan_and_deal_each_source_out_evenly(tmp_path):
-    reader = ReplayReader(plan_for(write_corpus(tmp_path / "c")), tmp_path / "c", 0)
-    two, again, three = owners(reader, 2), owners(reader, 2), owners(reader, 3)
-    assert two == again and len(two) == 12
-    for n, table in ((2, two), (3, three)):
-        for source in ("a", "b"):
-            counts = np.bincount([node for (s, _), node in table.items() if s == source], minlength=n)
-            assert counts.max() - counts.min() <= 1, (n, source, counts)
-    assert [two[("a", f"shard-{i:05d}.bin")] for i in range(4)] == [0, 1, 0, 1]
-    assert [two[("b", f"shard-{i:05d}.bin")] for i in range(4)] == [1, 0, 1, 0]  # the next source starts one node on
-
-
-def test_the_node_count_needs_whole_nodes_of_one_rank_count():
-    assert (node_count(16, 8), node_count(2, 1), node_count(4, 4)) == (2, 2, 1)
-    with pytest.raises(NodeLayoutError, match="3 ranks are not whole nodes of 2 rank") as e:
-        node_count(3, 2)
-    assert "same slots in the hostfile" in str(e.value)
-
-
 SCENARIOS = {"whole": (None, 0), "resumed": (None, 3), "broken": (1, 0)}  # name: (failing node, first step)
 
 

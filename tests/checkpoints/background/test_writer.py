@@ -1,4 +1,4 @@
-"""Checkpoints written off the training thread (checkpoints/background.py): the step returns
+"""Checkpoints written off the training thread (checkpoints/background/writer.py): the step returns
 while the files are still being written, a second save waits for the first, a failure in the
 thread surfaces on the training thread, a kill -9 mid-write publishes nothing and a resume
 picks the previous checkpoint. The writer is held on an event, not timed."""
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from ds_trhash.checkpoints import CheckpointError, find_resumable, list_checkpoints, verify
-from ds_trhash.checkpoints.background import BackgroundSaver, PendingFile, write_torch_file
-from ds_trhash.checkpoints.snapshot import host_snapshot
+from ds_trhash.checkpoints.background import BackgroundSaver, PendingFile, host_snapshot, write_torch_file
 from ds_trhash.io import sha256_file
 from tests.checkpoints.helpers import fake_engine, state
 
@@ -148,8 +147,7 @@ def test_two_ranks_publish_once_both_wrote_and_a_rank_failure_stops_the_publish(
 def test_kill_9_during_the_background_write_leaves_the_previous_checkpoint_newest(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from ds_trhash.checkpoints.background import BackgroundSaver, PendingFile
-        from ds_trhash.checkpoints.snapshot import host_snapshot
+        from ds_trhash.checkpoints.background import BackgroundSaver, PendingFile, host_snapshot
         from tests.checkpoints.helpers import fake_engine, state
 
         def capture(tmp):

@@ -1,11 +1,11 @@
-"""The host copy a background save writes (checkpoints/snapshot.py): the values of the save's
+"""The host copy a background save writes (checkpoints/background/snapshot.py): the values of the save's
 step, the storage layout torch.save would have written, containers and objects copied."""
 import io
 from collections import OrderedDict
 
 import torch
 
-from ds_trhash.checkpoints.snapshot import host_snapshot
+from ds_trhash.checkpoints.background import host_snapshot
 
 
 class Scaler:

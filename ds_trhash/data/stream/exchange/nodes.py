@@ -1,4 +1,4 @@
-"""The nodes of a job that exchanges rows (``exchange``): how many, agreed by every rank, and
+"""The nodes of a job that exchanges rows (``rows``): how many, agreed by every rank, and
 which node fills each shard of the plan."""
 from __future__ import annotations
 

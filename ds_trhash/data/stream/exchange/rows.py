@@ -52,9 +52,8 @@ import torch.distributed as dist
 from ds_trhash.batch_layout import micro_batch_start, step_rows
 from ds_trhash.data.formats.shards import TOKEN_DTYPE
 from ds_trhash.data.stream.deadline import read_deadline
-from ds_trhash.data.stream.exchange_nodes import NodeLayoutError, agreed_node_count, node_count, owners  # noqa: F401
-from ds_trhash.data.stream.exchange_chunk import (HEADER, OK, STOPPED, Chunk, PeerReadError,  # noqa: F401
-                                                  PeerStoreUnavailable, peer_error, status_of)
+from ds_trhash.data.stream.exchange.chunk import HEADER, OK, STOPPED, Chunk, peer_error, status_of
+from ds_trhash.data.stream.exchange.nodes import owners
 from ds_trhash.data.stream.order import RowRef
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
 from ds_trhash.data.stream.store.base import ReadTimedOut

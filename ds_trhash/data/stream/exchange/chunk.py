@@ -1,4 +1,4 @@
-"""One chunk's exchange between the members of a group (``exchange``): who sends which rows to
+"""One chunk's exchange between the members of a group (``rows``): who sends which rows to
 whom, the bytes on the wire (an 8-byte status before each member's part), and the errors a
 failed chunk raises on the ranks that did not fail themselves."""
 from __future__ import annotations

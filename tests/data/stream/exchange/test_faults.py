@@ -20,7 +20,7 @@ from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopRequests
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
-from tests.data.stream.gloo_ranks import run_ranks
+from tests.data.stream.exchange.gloo_ranks import run_ranks
 
 NODES, PER_NODE, MICRO, ACCUM = 2, 2, 1, 2
 WORLD = NODES * PER_NODE
