@@ -14,6 +14,15 @@ import torch.nn.functional as F
 from ds_trhash.model.loss import IGNORE_INDEX
 
 
+# Every case steps at the config's peak learning rate: the plain loops (compile_masked, eager,
+# compile, manual) run a constant rate, so the engine's scheduler is made constant too (no warmup,
+# a floor of 1.0), and the cases' losses on the repeated batch compare like for like. (The
+# 200m config's warmup over 1B tokens, capped at the case's few steps, kept the engine below
+# the plain loops' rate at every step of the first GPU run.)
+CONSTANT_LR = ("schedule.kind=cosine", "schedule.warmup_tokens=null", "schedule.warmup_fraction=0",
+               "schedule.min_warmup_steps=0", "schedule.floor=1.0")
+
+
 class Ctx:
     """What every case shares: arguments, device, dtype, model config, one fixed batch."""
 
@@ -26,7 +35,8 @@ class Ctx:
         self.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
         overrides = [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
                      f"batch.micro_batch={args.micro_batch}", f"batch.grad_accum={args.grad_accum}",
-                     "batch.global_tokens=null", f"zero.stage={args.zero}", f"precision={args.precision}"]
+                     "batch.global_tokens=null", f"zero.stage={args.zero}", f"precision={args.precision}",
+                     *CONSTANT_LR]
         if args.kernels_policy:
             overrides.append(f"kernels.policy={args.kernels_policy}")
         if args.activation_checkpointing:
@@ -59,10 +69,16 @@ class Ctx:
         return model
 
     def kernel_choice(self):
-        from ds_trhash.model import backend
+        """The trainer's kernels (``plan.kernel_choice``: the policy resolved, every fused kernel
+        checked once against PyTorch, the experts backend measured for this shape on CUDA) under
+        the trainer's ``training.deterministic`` setting; for the cases that stand for the trainer
+        (engine*, and manual, its like-for-like baseline). Each case runs in a process of its
+        own, so the deterministic mode set here reaches no other case."""
+        from ds_trhash.training.determinism import use_deterministic_kernels
+        from ds_trhash.training.launch.plan import kernel_choice
 
-        k = self.train_cfg.kernels
-        return backend.resolve(k.policy, self.device, self.model_cfg, require_liger=k.require_liger)
+        use_deterministic_kernels(self.train_cfg.training.deterministic)
+        return kernel_choice(self.train_cfg, self.model_cfg, self.device)
 
 
 def checkpointed(model) -> list[int]:
@@ -239,7 +255,7 @@ def build_manual(ctx: Ctx, holder: dict):
 def build_engine_case(ctx: Ctx, compile_mode: str, holder: dict):
     """Cases engine*: the trainer's build order (resolve, self-check, apply, compile_model,
     build_engine), steps via loop.train_step over grad_accum micro-batches."""
-    from ds_trhash.model import backend, selfcheck
+    from ds_trhash.model import backend
     from ds_trhash.model.compile import compile_model
     from ds_trhash.training import loop
     from ds_trhash.training.engine import build_engine, check_runnable
@@ -247,8 +263,7 @@ def build_engine_case(ctx: Ctx, compile_mode: str, holder: dict):
     cfg = ctx.train_cfg
     check_runnable(cfg, 1)
     model = ctx.new_model()
-    choice = selfcheck.verify(ctx.kernel_choice(), cfg.kernels.policy, ctx.device, ctx.model_cfg,
-                              dtype=ctx.dtype, require_liger=cfg.kernels.require_liger)
+    choice = ctx.kernel_choice()
     backend.apply(model, choice)
     compile_model(model, compile_mode)
     model = model.to(ctx.device)
@@ -262,4 +277,5 @@ def build_engine_case(ctx: Ctx, compile_mode: str, holder: dict):
     def step():
         return loop.train_step(eng.engine, batches, device, 1)["loss"]
 
-    return step, {"kernel_choice": choice.to_dict(), "compile": compile_mode}
+    return step, {"kernel_choice": choice.to_dict(), "compile": compile_mode,
+                  "deterministic": cfg.training.deterministic}
