@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Device side of a GPU session, as ONE call of the device tool (timeout_s 600) with carry
 # [".whl", ".ref"], after bench/fetch_wheels.sh here:
-#   bash bench/gpu_session.sh
+#   bash bench/gpu_session.sh [all|tests|bench]
+# all (default): everything below in one call, the GPU tests cut at 95 s (the kernel and probe
+# tests come first; the engine, compile-matrix and resume tests need about 5-7 min more);
+# tests: only step 1, with GPU_TESTS_S (default 540) for the whole GPU-marked set;
+# bench: steps 2-5 only. A session with the device's 15 minutes runs `tests` or `bench`, not both.
 # Order: correctness first (a fast wrong kernel is no result), then the kernel and step
 # benchmarks, the anchor as measured in November, and a real launch's own tokens/s. Every step
 # has a timeout and writes into $OUT (or ./gpu-out) as it goes, so a run cut short still returns
 # what finished. Budget: ~15 s of installs + the timeouts below (95 + 45 + 245 + 55 + 100 = 540 s)
 # fit one 600 s call. At most 8 files come back: session.log holds every step's text output.
 set -uo pipefail
+PART=${1:-all}
+case "$PART" in all) GPU_TESTS_S=${GPU_TESTS_S:-95} ;; tests) GPU_TESTS_S=${GPU_TESTS_S:-540} ;; bench) ;;
+  *) echo "usage: bash bench/gpu_session.sh [all|tests|bench]" >&2; exit 2 ;; esac
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -26,6 +33,7 @@ export PYTHONPATH=/tmp/proj:/tmp/site PATH=/tmp/site/bin:$PATH  # the deepspeed 
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee -a "$LOG"
 
+if [ "$PART" != bench ]; then
 # 1. Every GPU-marked test of the suite (skipped on CPU). pytest runs from a copy of the tests, so
 #    `ds_trhash` comes from /tmp/proj (where kernels/ is ds_trhash.kernels), not from the source
 #    tree in the working directory. The junit XML names each test's outcome and time.
@@ -34,8 +42,10 @@ step "pytest -m gpu" | tee -a "$LOG"
 rm -rf /tmp/run && mkdir -p /tmp/run && cp -r tests pytest.ini ds_configs launch bench /tmp/run/
 GPU_FILES=$(grep -rl --include='*.py' "mark.gpu" tests | sort)
 echo "$GPU_FILES" | tee -a "$LOG"
-(cd /tmp/run && timeout 95 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_FILES -rfEs --durations=15 \
+(cd /tmp/run && timeout "$GPU_TESTS_S" python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_FILES -rfEs --durations=15 \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -60) | tee -a "$LOG"
+fi
+[ "$PART" = tests ] && { step done | tee -a "$LOG"; exit 0; }
 
 # 2. Routed-expert kernels and head losses at N = 32,768, bf16
 step bench_kernels | tee -a "$LOG"
