@@ -58,7 +58,7 @@ from ds_trhash.data.stream.working_set import MappedShard
 ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
 CLOSE_JOIN_S = 5.0  # how long close waits for the prefetch thread (well inside the launcher's 30 s grace)
 
-Key = tuple[str, str]
+from ds_trhash.data.stream.types import Key
 __all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard"]
 
 

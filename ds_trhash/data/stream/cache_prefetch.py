@@ -25,7 +25,7 @@ from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache_files import CacheError, ShardIntegrityError
 from ds_trhash.data.stream.fetcher import Fetcher, FetcherGone
 
-Key = tuple[str, str]
+from ds_trhash.data.stream.types import Key
 
 
 class Prefetching:

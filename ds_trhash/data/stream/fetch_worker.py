@@ -16,8 +16,8 @@ from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import ShardCache
 from ds_trhash.data.stream.cache_files import CacheError
 from ds_trhash.data.stream.fetcher import STOP_SIGNALS
+from ds_trhash.data.stream.types import Key
 
-Key = tuple[str, str]
 _PARENT_POLL_S = 0.5
 # Below the rank: a fill can wait for the CPU, the rank's step and reads should not (on a machine
 # with few cores, the fills' hashing and copying slowed the reads beside them).

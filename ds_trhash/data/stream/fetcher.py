@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ds_trhash.data.stream.cache_files import CacheError
+from ds_trhash.data.stream.types import Key
 
-Key = tuple[str, str]
 # what the prefetch process ignores: the stop signals a job's whole process group may receive (SIGUSR1:
 # a SLURM step's time-limit warning reaches every process of the step; the rank stops, this must not die)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)

@@ -11,8 +11,8 @@ import bisect
 from typing import Sequence
 
 from ds_trhash.data.stream.order import Segment
+from ds_trhash.data.stream.types import Key
 
-Key = tuple[str, str]
 KEYS_AT_MOST = 64  # shards named ahead at most (the cache takes the first few it lacks)
 
 

@@ -31,8 +31,8 @@ from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_M
 from ds_trhash.data.plans.plan import plan_doc
 from ds_trhash.data.stream.pinning import pinned_commit
 from ds_trhash.data.stream.store import LOCAL_COMMIT, LocalStore, ShardStore, StoreFile, open_store
+from ds_trhash.data.stream.types import Key
 
-Key = tuple[str, str]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHOWN = 5
 PREFETCH_SHARDS = 2  # shards the cache fetches ahead of the reader (ShardCache prefetch)

@@ -63,7 +63,7 @@ DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minute
 # for most shards of a 40 MiB pass in bench/bench_egress.py.)
 _PACE_AFTER_S = 0.2
 
-Key = tuple[str, str]
+from ds_trhash.data.stream.types import Key
 _SHARD_OF = operator.itemgetter(0, 1)  # (source, file) of a RowRef
 
 

@@ -17,8 +17,7 @@ from typing import Callable, Collection, Optional, Sequence
 import numpy as np
 
 from ds_trhash.data.formats.shards import TOKEN_DTYPE, ShardError
-
-Key = tuple[str, str]
+from ds_trhash.data.stream.types import Key
 
 
 class MappedShard:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.types import Key
 from ds_trhash.errors import UserError
-
-Key = tuple[str, str]
 
 
 class NodeLayoutError(UserError, ValueError):

@@ -57,9 +57,9 @@ from ds_trhash.data.stream.exchange.nodes import owners
 from ds_trhash.data.stream.order import RowRef
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
 from ds_trhash.data.stream.store.base import ReadTimedOut
+from ds_trhash.data.stream.types import Key
 from ds_trhash.errors import UserError
 
-Key = tuple[str, str]
 Batch = tuple[torch.Tensor, torch.Tensor]
 Readiness = tuple[int, int, int]  # (this rank still reads its part: 1, the status it sent, its node + 1 when failed)
 CHUNK_ROWS = 4096  # global rows per exchange (rounded down to whole steps, at least one)
