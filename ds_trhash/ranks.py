@@ -1,13 +1,20 @@
-"""How many ranks run on this node: the one lookup every package uses.
+"""The ranks of a launch, as every package asks about them: how many run on this node, whether
+there are several, and waiting for them all. One definition each, so that the trainer, the data
+preparation, the model's self-checks and evaluation cannot disagree on when a collective is due.
 
 DeepSpeed's launcher exports ``LOCAL_SIZE``, torchrun ``LOCAL_WORLD_SIZE``; a plain single
 process has neither and is alone on its node unless the world says otherwise. Reading only one
 of the two made the node cache's checks use the global world size on several nodes.
+
+A single process, or one without a process group, has nobody to agree with: ``is_multi_rank`` is
+false there and ``barrier`` returns at once, so the same code runs alone and under a launcher.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+
+import torch.distributed as dist
 
 NODE_RANK_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
@@ -20,3 +27,15 @@ def ranks_on_node(world: int, env: Mapping[str, str] | None = None) -> int:
         if value:
             return int(value)
     return world
+
+
+def is_multi_rank() -> bool:
+    """Whether a process group of more than one rank is running: only then is a collective due
+    (every rank must then make the same calls in the same order)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    if is_multi_rank():
+        dist.barrier()

@@ -17,6 +17,7 @@ from ds_trhash.data.formats.tokenizer import load_tokenizer
 from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
+from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
 
 PIQA_RESULTS = "piqa.jsonl"
@@ -139,7 +140,7 @@ class PiqaCallback(Callback):
     def _recorded(self, step: int) -> bool:
         """Whether ``piqa.jsonl`` holds ``step`` (rank 0 knows; the others follow it)."""
         recorded = [step in self.results] if self.rank == 0 else [False]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_multi_rank():
             dist.broadcast_object_list(recorded, src=0)
         return recorded[0]
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.ranks import is_multi_rank
 
 
 @torch.no_grad()
@@ -33,7 +34,7 @@ def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torc
         loss_sum += float(batch_loss) if n else 0.0
         tokens += n
     t = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_multi_rank():
         dist.all_reduce(t)
     if was_training:
         model.train()

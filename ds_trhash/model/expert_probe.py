@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ds_trhash.ranks import is_multi_rank
+
 from .backend import BackendError, KernelChoice
 from .experts import routed_experts
 
@@ -86,8 +88,7 @@ def time_backend(backend: str, shape: Shape, repeats: int = 5, warmup: int = 2) 
 
 
 def _summed_over_ranks(ms: dict[str, float], device: torch.device) -> dict[str, float]:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1):
+    if not is_multi_rank():
         return ms
     on = device if torch.distributed.get_backend() == "nccl" else "cpu"
     t = torch.tensor([ms[c] for c in CANDIDATES], dtype=torch.float64, device=on)

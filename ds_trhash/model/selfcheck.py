@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ds_trhash.ranks import is_multi_rank
+
 from .attention import apply_rope, rope_cos_sin
 from .backend import BackendError, KernelChoice
 from .experts import routed_experts
@@ -167,8 +169,7 @@ def faulty_kernels() -> set[str]:
 def _failed_anywhere(failed: list[bool], device: torch.device) -> list[bool]:
     """Each component's failure flag OR-ed over the ranks, so that every rank runs the same
     kernels (and every rank raises, rather than one rank leaving the others in a collective)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1):
+    if not is_multi_rank():
         return failed
     flags = torch.tensor([int(f) for f in failed], dtype=torch.int32,
                          device=device if torch.distributed.get_backend() == "nccl" else "cpu")

@@ -17,6 +17,7 @@ import torch.serialization
 from ds_trhash.checkpoints import run_lock
 from ds_trhash.data.stream.store import StoreUnavailable
 from ds_trhash.errors import UserError
+from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE, install as install_stop_handlers
@@ -321,8 +322,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         if checked is None:
             checked = check_output_side(cfg, args, rank)
         state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None)
-        if dist.is_initialized() and world > 1:
-            dist.barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
+        barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
             return _stopped(state, rank, world)
     except UserError as e:

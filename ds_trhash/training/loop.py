@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import Callback, StepBatches, TrainState  # the loop's names too
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
@@ -45,13 +46,9 @@ def _host_group():
     return _HOST_GROUP
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _all_reduce_counts(values: list[int], op=dist.ReduceOp.SUM) -> list[int]:
     """Sum (or ``op``) host integers over ranks (gloo, CPU tensors): no device involved."""
-    if not _distributed():
+    if not is_multi_rank():
         return list(values)
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=op, group=_host_group())
@@ -126,13 +123,13 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
         if i == len(micro_batches) - 1:
             own_norm = _reduced_grad_norm(engine)
             if skip_nonfinite:  # decided before the update, alike on every rank (global values)
-                if _distributed():
+                if is_multi_rank():
                     dist.all_reduce(loss_sum_local)
                 skipped = not is_finite(loss_sum_local, own_norm)
                 if skipped:
                     skip_update(engine)
         engine.step()
-    if _distributed() and not skip_nonfinite:
+    if is_multi_rank() and not skip_nonfinite:
         dist.all_reduce(loss_sum_local)  # on the device stream: nothing waits for it here
     loss = loss_sum_local / max(n_step, 1)
     # a device tensor (or DeepSpeed's float): read on the host only when a callback logs it

@@ -19,6 +19,7 @@ from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks import (
@@ -37,7 +38,6 @@ from ds_trhash.training.launch import checks as launch_checks
 from ds_trhash.training.launch import resources
 from ds_trhash.training.launch.output import OutputSide
 from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
-from ds_trhash.training.launch.stage_data import barrier
 from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.files import CONFIG_FILE

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import sha256_file
+from ds_trhash.ranks import is_multi_rank
 
 from ds_trhash.safe_names import bare_name
 
@@ -232,15 +233,15 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
     return Corpus(store, commit, manifests, layout, shards, plan=doc)
 
 
-def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, world: int,
-                   deep: bool, hub_wait_s: Optional[float] = None) -> Corpus:
+def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, deep: bool,
+                   hub_wait_s: Optional[float] = None) -> Corpus:
     """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
     answer, or its refusal, to every rank: N ranks never make N look-ups at once. ``saved``: the
     record this launch is held to (``stream.pinning``): its commit is read again when it is of this
     store."""
     store = open_store(shards_dir, plan_doc(plan), origin, hub_wait_s)
     pinned = pinned_commit(saved, store)
-    if not (dist.is_initialized() and world > 1):
+    if not is_multi_rank():
         return open_corpus(plan, shards_dir, origin, pinned=pinned, deep=deep, store=store)
     payload: list = [None]
     if rank == 0:

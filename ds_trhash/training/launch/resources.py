@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ds_trhash.data.stream.cache_bound import cache_bytes_from
 from ds_trhash.data.stream.cache_place import cache_dir_of
 from ds_trhash.errors import UserError
-from ds_trhash.ranks import ranks_on_node
+from ds_trhash.ranks import is_multi_rank, ranks_on_node
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.launch.footprint import GIB, Footprint, estimate, gib
@@ -253,7 +253,7 @@ def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int
 def shared_free_bytes(path: str | os.PathLike) -> int:
     """Free bytes under ``path`` as rank 0 measures them, the same number on every rank, so that
     a refusal is unanimous (a single rank refusing would leave the others waiting)."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = is_multi_rank()
     value = [free_bytes(path) if not distributed or dist.get_rank() == 0 else None]
     if distributed:
         dist.broadcast_object_list(value, src=0)

@@ -34,16 +34,10 @@ from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.data.formats.tokenizer_check import check_tokenizer_matches, data_tokenizer_identity
-from ds_trhash.ranks import ranks_on_node
+from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
-
-
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for in a single process)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _rank0_first(rank: int, fn):
@@ -181,7 +175,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     # Before the model and engine: the revision pinned, every planned shard listed with its size.
     resume_commit(shards_dir, plan.doc, saved_source)  # asking for another commit explicitly is refused
     wait_s = cfg.data.hub_wait_minutes * 60 if hub_wait_s is None else hub_wait_s
-    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), saved_source, rank, world, deep=shard_hashes == "all",
+    corpus = shared_corpus(plan, shards_dir, str(cfg.origin), saved_source, rank, deep=shard_hashes == "all",
                            hub_wait_s=wait_s)
     node_ranks = ranks_on_node(world)
     nodes = exchanging_nodes(corpus, world, node_ranks)  # a collective: before any check that depends on the node

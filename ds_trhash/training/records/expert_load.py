@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.records.csv_log import CsvLog
 from ds_trhash.training.records.files import EXPERT_LOAD_FILE
 
@@ -38,7 +39,7 @@ def gather_expert_load(model: Any, device: torch.device) -> torch.Tensor | None:
     if counts is None:
         return None
     counts = counts.to(device=device, dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_multi_rank():
         dist.all_reduce(counts)
     return counts.cpu()
 

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.data.stream.types import Key
 from ds_trhash.errors import UserError
+from ds_trhash.ranks import is_multi_rank
 
 
 class NodeLayoutError(UserError, ValueError):
@@ -32,7 +33,7 @@ def agreed_node_count(world_size: int, per_node: int) -> int:
     gathered (one ``all_gather`` on the default group, before any exchange group is formed), so
     that unequal nodes are refused on every node at once, naming each node's count (a node that
     refused alone left the others waiting in ``new_group``)."""
-    if world_size == 1 or not dist.is_initialized():
+    if not is_multi_rank():
         return node_count(world_size, per_node)
     counts: list = [None] * world_size
     dist.all_gather_object(counts, int(per_node))
