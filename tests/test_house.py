@@ -2,7 +2,8 @@
 
 A function over 60 lines does several things that want names of their own. The few allowed to
 stay longer are named here with the reason (and say it in their docstrings); TEMPORARY is for a
-function another change is editing, split once that change merges (none is left now). The import
+function another change is editing, split once that change merges (none is left now). An import
+inside a function defers a heavy dependency its module does not load already. The other import
 rules, cycles included, are checked in tests/test_run.py; the error base in tests/test_errors.py.
 """
 import ast
@@ -121,3 +122,127 @@ def test_the_layout_formula():
     assert step_rows(8, 2, 3) == 48 and step_tokens(8, 2, 3, 128) == 48 * 128
     layout = resolve(128, 8, None, 48 * 128, 3)
     assert (layout.grad_accum, layout.rows, layout.global_tokens) == (2, 48, 48 * 128)
+
+
+# Function-level imports (docs/architecture.md, "Packages and the import rule"): each one defers a
+# dependency that is heavy to import or used on one path only, and that its module does not load
+# already (at module level, directly or through our modules, its own packages included).
+DEFERRED = {"torch", "deepspeed", "triton", "liger_kernel", "transformers", "huggingface_hub", "safetensors",
+            "datasets", "pyarrow", "matplotlib", "rich", "numpy"}
+# the other function-level imports, each with its reason
+DEFERRED_OTHERWISE = {
+    ("ds_trhash/data/embedded.py", "pydoc_data.topics"): "the interpreter's help texts (0.5 MB), read only to "
+                                                         "build the demo corpus",
+    ("ds_trhash/checkpoints/state.py", "importlib.metadata"): "about 80 ms, for the version a checkpoint records; "
+                                                              "`sync` runs without it",
+}
+
+
+def _dotted(path: Path) -> str:
+    """``ds_trhash.x.y`` for ds_trhash/x/y.py (its package for an ``__init__``); kernels/ is ds_trhash.kernels."""
+    root, rel = next((name, path.relative_to(base)) for name, base in ROOTS.items() if path.is_relative_to(base))
+    parts = ["ds_trhash", *(["kernels"] if root == "kernels" else []), *rel.with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node, module: str, is_package: bool) -> list[str]:
+    """The modules an import statement names (``from a import b``: a and a.b), relative ones resolved."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    return [base, *(f"{base}.{a.name}" for a in node.names)]
+
+
+def _import_sites(path: Path):
+    """(in a function?, line, targets) of every import in ``path``, ``TYPE_CHECKING`` blocks left out."""
+    module, package = _dotted(path), path.name == "__init__.py"
+
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from walk(ast.Module(body=child.orelse, type_ignores=[]), in_function)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield in_function, child.lineno, _targets(child, module, package)
+            else:
+                yield from walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    yield from walk(ast.parse(path.read_text(encoding="utf-8")), False)
+
+
+@functools.cache
+def _sources() -> dict[str, Path]:
+    return {_dotted(path): path for root in ROOTS.values() for path in sorted(root.rglob("*.py"))}
+
+
+def _named(targets: list[str], importer: str) -> tuple[set[str], set[str]]:
+    """(the DEFERRED dependencies ``targets`` name, our modules importing them runs), ``importer``'s
+    own packages left out (they already run when it is imported)."""
+    deferred = {name.split(".")[0] for name in targets} & DEFERRED
+    ours = {".".join(name.split(".")[:i]) for name in targets for i in range(2, name.count(".") + 2)}
+    return deferred, {m for m in ours & set(_sources()) if m != importer and not importer.startswith(m + ".")}
+
+
+@functools.cache
+def _loads() -> dict[str, frozenset[str]]:
+    """module -> the DEFERRED dependencies importing it loads (its packages' and its module-level
+    imports', followed through our modules until nothing changes)."""
+    loads, follows = {}, {}
+    for module, path in _sources().items():
+        parents = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)} & set(_sources())
+        loads[module], follows[module] = set(), parents
+        for in_function, _, targets in _import_sites(path):
+            if not in_function:
+                deferred, ours = _named(targets, module)
+                loads[module] |= deferred
+                follows[module] |= ours
+    changed = True
+    while changed:
+        changed = False
+        for module, others in follows.items():
+            more = set().union(*(loads[other] for other in others)) - loads[module]
+            loads[module] |= more
+            changed = changed or bool(more)
+    return {module: frozenset(found) for module, found in loads.items()}
+
+
+def _brings(targets: list[str], importer: str) -> set[str]:
+    """The DEFERRED dependencies that importing ``targets`` from ``importer`` loads."""
+    deferred, ours = _named(targets, importer)
+    return deferred.union(*(_loads()[module] for module in ours))
+
+
+def _function_imports() -> dict[tuple[str, str], str]:
+    """(file, first module named) -> "file:line module" of every import inside a function that
+    loads no DEFERRED dependency its module does not load already."""
+    found = {}
+    for module, path in _sources().items():
+        rel = str(path.relative_to(REPO))
+        for in_function, line, targets in _import_sites(path):
+            if in_function and not _brings(targets, module) - _loads()[module]:
+                found[(rel, targets[0])] = f"{rel}:{line} {targets[0]}"
+    return found
+
+
+def test_function_level_imports_defer_a_heavy_dependency():
+    """An import inside a function hides a dependency from the module's reader; it is kept for a
+    dependency that would slow a light command, or that one path needs: move the others up."""
+    found = _function_imports()
+    needless = sorted(where for key, where in found.items() if key not in DEFERRED_OTHERWISE)
+    assert not needless, f"import these at module level (or name the reason in DEFERRED_OTHERWISE): {needless}"
+    stale = sorted(set(DEFERRED_OTHERWISE) - set(found))
+    assert not stale, f"these are gone (or defer a DEFERRED dependency now): remove them from DEFERRED_OTHERWISE: {stale}"
+
+
+def test_the_import_scan_follows_our_modules_and_packages():
+    loads = _loads()
+    # a package's __init__ counts: the callbacks package imports profile.py, which imports torch
+    assert "torch" in loads["ds_trhash.training.callbacks.stop"]
+    assert not _brings(["torch"], "ds_trhash.training.callbacks.stop") - loads["ds_trhash.training.callbacks.stop"]
+    # our modules are followed: the expert-parallel layer imports DeepSpeed; kernels/ is ds_trhash.kernels
+    assert "deepspeed" in _brings(["ds_trhash.model.expert_parallel"], "ds_trhash.checkpoints.weights")
+    assert "triton" in _brings(["ds_trhash.kernels.routed_experts"], "ds_trhash.model.experts")
+    # what commands reading only files import stays free of torch
+    assert "torch" not in loads["ds_trhash.checkpoints.consistency"] | loads["ds_trhash.release.hub.sync"]

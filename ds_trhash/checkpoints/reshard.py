@@ -9,10 +9,12 @@ universal path. Per-rank RNG states cannot move across world sizes; they are re-
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -86,9 +88,6 @@ def _run_ds_to_universal(source_tag_dir: Path, out_tag_dir: Path, log_path: Path
     """DeepSpeed's own ZeRO -> universal converter (``deepspeed.checkpoint.ds_to_universal``),
     in this process: one worker (no process pool forked from a rank holding a process group),
     its prints captured into ``convert.log``."""
-    import argparse
-    import contextlib
-
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(source_tag_dir), output_folder=str(out_tag_dir),
@@ -202,8 +201,6 @@ def reseed_rng_for_reshard(seed: int, step: int, rank: int) -> int:
     CPU, all CUDA) is seeded from (seed, step, rank). Deterministic, but not the generator
     stream of the uninterrupted run: random draws after the resume (dropout, LoRA dropout)
     differ from it. Returns the seed used."""
-    import random
-
     import numpy as np
     import torch
 

@@ -18,7 +18,8 @@ from ds_trhash.outputs import writes_dirs
 
 from ds_trhash.data.plans.corpus_index import read_corpus_index
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.build.inputs import FORMATS
+from ds_trhash.data.build.inputs import FORMATS, decode_record, file_inputs, iter_records
+from ds_trhash.data.build.tokenize import where
 from ds_trhash.data.build.commands import add_corpus_commands
 from ds_trhash.data.plans.plan import check_refinement, derive_refinement, load_plan, write_plan
 from ds_trhash.data.plans.build import build_plan
@@ -49,9 +50,6 @@ def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str]
 def _tokenizer_texts(paths: Sequence[str], fmt: str, text_field: str) -> Iterator[object]:
     """The inputs `data tokenize` reads, for training: a text file whole (as always), the texts of
     JSONL(.gz) and Parquet records; a bad record stops it, named like `data tokenize` names it."""
-    from ds_trhash.data.build.inputs import decode_record, file_inputs, iter_records
-    from ds_trhash.data.build.tokenize import where
-
     for spec in file_inputs(paths, fmt):
         if spec.fmt == "text":
             yield spec.path

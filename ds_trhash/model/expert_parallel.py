@@ -54,7 +54,9 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from ds_trhash.errors import UserError
 
@@ -83,8 +85,6 @@ def group_name(ep_size: int) -> str:
 def deepspeed_expert_group(ep_size: int):
     """The expert-parallel group DeepSpeed registers for ep_size, created (collectively, on
     every rank) when missing; DeepSpeed's engine then finds and reuses it."""
-    from deepspeed.utils import groups
-
     name = group_name(ep_size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size)
@@ -193,8 +193,6 @@ class HashRoutedExperts(MoE):
         codes = (flat_expert[order] - dest[order] * local) * k + flat_slot[order]
         recv_codes = codes.new_empty(sum(recv_split))
         dist.all_to_all_single(recv_codes, codes, recv_split, send_split, group=self.group)
-
-        from torch.distributed.nn.functional import all_to_all_single
 
         tokens = flat_token[order]
         send_rows = x.index_select(0, tokens)

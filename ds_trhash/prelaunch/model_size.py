@@ -80,8 +80,6 @@ def deepspeed_zero2_states(dense: int, expert_per_rank: int, world: int, ep_size
 def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
     """The figures of ``cfg`` on ``gpus`` GPUs on each of ``nodes`` nodes; ConfigError when the
     world size cannot hold the config (ep_size, the global batch)."""
-    import dataclasses
-
     from ds_trhash.model.flops import train_flops_per_token
     from ds_trhash.training import config as tcfg
     from ds_trhash.training.launch import footprint as fp
@@ -99,7 +97,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
         dense = params.trainable_per_rank - params.expert_trainable_per_rank
         ds_states = deepspeed_zero2_states(dense, params.expert_trainable_per_rank, world, cfg.parallel.ep_size)
     return SizeEstimate(
-        model=tcfg.describe_model(cfg), shape={k: v for k, v in dataclasses.asdict(mc).items()
+        model=tcfg.describe_model(cfg), shape={k: v for k, v in asdict(mc).items()
                                                 if k not in ("loss_chunk_tokens", "route_weights")},
         gpus=gpus, nodes=nodes, zero_stage=cfg.zero.stage, ep_size=cfg.parallel.ep_size, precision=cfg.precision,
         micro_batch=cfg.batch.micro_batch, seq_len=cfg.data.seq_len, total_params=params.total,

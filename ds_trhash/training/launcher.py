@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.serialization
 
+from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints import run_lock
 from ds_trhash.data.stream.store import StoreUnavailable
 from ds_trhash.errors import UserError
@@ -64,8 +65,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
     cfg = tcfg.load_config(args.config, launch_overrides(args))
-    import torch
-
     tcfg.check_device(cfg, torch.cuda.is_available())
     return cfg
 
@@ -236,8 +235,6 @@ def _refused(e: UserError, rank: int, output_dir: str | None) -> int:
 
 def _relaunch_advice(output_dir: str | None) -> str:
     """After the Hub stayed away longer than data.hub_wait_minutes: what is kept, what to run."""
-    from ds_trhash import checkpoints as ckpt
-
     found = [c for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if output_dir is not None else []
     if not found:
         return "no checkpoint was written: run the same command again once the Hub answers"

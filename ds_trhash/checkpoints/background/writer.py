@@ -1,10 +1,11 @@
 """Checkpoints written off the training thread: the step pays for a copy to host memory only.
 
 ``save.save_checkpoint`` writes, fsyncs and hashes the whole state before training goes on
-(6 to 7 s a checkpoint at 200m on an H200). Here the training thread does only the collective
-part: every rank prepares ``step_<N>.tmp`` together, the engine's state is captured as a copy
-in host memory (``snapshot.host_snapshot``, through the capturing checkpoint engine the trainer
-installs), the RNG state is written, and a thread per rank takes over:
+(seconds per checkpoint at 200m on a GPU: docs/performance.md, "Checkpoint save"). Here the
+training thread does only the collective part: every rank prepares ``step_<N>.tmp`` together,
+the engine's state is captured as a copy in host memory (``snapshot.host_snapshot``, through the
+capturing checkpoint engine the trainer installs), the RNG state is written, and a thread per
+rank takes over:
 
 1. it writes the captured files, hashing their bytes as they go (no second read) and fsyncing
    each, then records their sizes and SHA-256 in ``.written/rank_<r>.json`` (or the error in

@@ -69,7 +69,8 @@ class _Worker:
     def fill(self, key: Key) -> None:
         """One shard fetched and kept held (while the allowance lasts), and the answer sent: the
         rank's counts, and the error for the rank to raise at its next read. A shard found
-        verified already changes no count: no answer (each cost the reading rank about 0.1 ms)."""
+        verified already changes no count: no answer (each answer costs the reading rank a read at
+        its next poll; docs/performance.md, "Shard streaming")."""
         hold: Optional[cf.Hold] = None
         try:
             result, hold = self.cache.fetch_ahead(key)

@@ -2,9 +2,8 @@
 
 Why a process: a prefetch thread in the reading process needs the interpreter lock at every turn
 of a download (the client's chunks, the cache's locks, markers and bound walk), and on a busy node
-each hand-over of that lock waits for the scheduler: measured with ``bench/bench_stream.py``, a
-cold cache prefetched by a thread ran at about half the speed of direct reads, and slower still
-when the thread only waited on another process for each fill. So the whole prefetch (which shards,
+each hand-over of that lock waits for the scheduler, and the reads wait with it (figures:
+docs/performance.md, "Shard streaming"). So the whole prefetch (which shards,
 their fills, the holds that keep them from eviction until they are read) runs in this worker; the
 reading thread only writes what it wants next and reads, without blocking, what was done.
 

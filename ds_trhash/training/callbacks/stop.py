@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+import torch.distributed as dist
+
 from ds_trhash.training.callbacks.base import Callback, RunContext
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
@@ -130,8 +133,6 @@ class StopAgreement:
         self.requeue = False  # agreed too: some rank had the scheduler's warning (SIGUSR1)
         self._group = None
         if world_size > 1:
-            import torch.distributed as dist
-
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
     def _local(self) -> bool:
@@ -163,9 +164,6 @@ class StopAgreement:
             self._agree(step, stop=False)
 
     def _agree(self, step: int | None, stop: bool) -> bool:
-        import torch
-        import torch.distributed as dist
-
         while True:
             ready = self.data.readiness(step) if self.data is not None and step is not None else (0, 0, 0)
             wants = (2 if self.requests.requeue else 1) if stop and self._local() else 0

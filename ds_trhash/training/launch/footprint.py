@@ -26,8 +26,8 @@ FP32 = 4
 ADAM_MOMENTS = 2 * FP32  # exp_avg and exp_avg_sq per trainable parameter, always fp32
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Resident size of one training process besides the model, optimizer and activations
-# (interpreter, torch, DeepSpeed, the CPU communication op, data): a tiny-preset rank peaked at
-# 551 MiB RSS with 83 MiB of those on CPU with torch 2.13 / DeepSpeed 0.19 (ds-trhash smoke).
+# (interpreter, torch, DeepSpeed, the CPU communication op, data), on CPU; set from a tiny-preset
+# rank's peak under `ds-trhash smoke` (docs/performance.md, "Sizes").
 CPU_PROCESS_BYTES = int(0.5 * GIB)
 # A CUDA context and the caching allocator's slack on one device.
 CUDA_CONTEXT_BYTES = int(1.0 * GIB)

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ds_trhash.model.flops import nominal_bf16_tflops
+
 __all__ = ["MonitorSink", "IntervalMean", "peak_memory_mib", "model_flops_utilisation"]
 
 # metrics.csv column -> monitor event name
@@ -88,8 +90,6 @@ def model_flops_utilisation(tokens_per_s: float, flops_per_token: float, world_s
     peak is not known (CPU, unknown GPUs, other precisions)."""
     if device.type != "cuda" or precision != "bf16":
         return None
-    from ds_trhash.model.flops import nominal_bf16_tflops
-
     peak = nominal_bf16_tflops(torch.cuda.get_device_name(device))
     if not peak:
         return None

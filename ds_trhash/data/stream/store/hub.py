@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 # Loaded with this module, which only a Hub store imports: a prefetch process loads them as it starts,
-# not at its first download (about 40 ms, which a read waiting for that shard paid).
+# not at its first download, where a read waiting for that shard would pay for them
+# (figures: docs/performance.md, "Shard streaming").
 from huggingface_hub import constants, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import get_session, hf_raise_for_status, http_stream_backoff
@@ -64,8 +65,9 @@ class HubStore:
 
     def warm_up(self) -> None:
         """The client's headers (built once per process: the client also looks up its agent
-        registry then) and its HTTP session (an SSL context): about 50 ms that a new prefetch
-        process spent in its first download, while a read waited for that shard."""
+        registry then) and its HTTP session (an SSL context), made as a prefetch process starts
+        rather than in its first download, while a read waits for that shard (figures:
+        docs/performance.md, "Shard streaming")."""
         hub_access.headers()
         get_session()
 
