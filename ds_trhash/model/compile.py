@@ -7,7 +7,7 @@
   so the layers share their compiled code rather than compiling once each);
 - ``model``: the whole model is compiled as one graph, the head loss included when it is the
   chunked or plain one. Liger's fused linear cross entropy is never traced
-  (``torch.compiler.disable`` on ``loss.liger_ce``): its ``.item()`` broke the graph inside the
+  (``torch.compiler.disable`` on ``loss.liger_ce``, ``loss.keep_liger_outside_graph``): its ``.item()`` broke the graph inside the
   function and dynamo resumed tracing in the middle of its in-place gradient writes, which on a
   GPU gave non-finite gradients and then an illegal memory access. With it the graph breaks
   once, at the loss, which then runs as in eager mode.
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds_trhash.model.loss import keep_liger_outside_graph
+
 COMPILE_MODES = ("none", "layers", "model")
 
 
@@ -29,6 +31,8 @@ def compile_model(model: Any, mode: str) -> Any:
     """Compile `model` (a TRHashForCausalLM, possibly LoRA-adapted) in place; returns it."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode {mode!r}; allowed: {list(COMPILE_MODES)}")
+    if mode != "none":
+        keep_liger_outside_graph()  # the wrapper made before dynamo traces the loss
     if mode == "layers":
         for layer in model.layers:
             layer.compile()

@@ -101,9 +101,11 @@ def chunked_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 # break inside its autograd Function, after which dynamo resumes tracing in the middle of it) and
 # writes its gradients into slices of preallocated buffers from Triton kernels. Traced under
 # ``kernels.compile: model`` that gave non-finite gradients on a GPU (Liger-Kernel PR #1338: a
-# wrong loss under torch.compile when labels hold ignore_index). Disabled, a compiled model
-# breaks its graph once, here, and the fused loss runs as in eager mode (docs/kernels.md).
-@torch.compiler.disable
+# wrong loss under torch.compile when labels hold ignore_index). Under compilation ``tied_ce``
+# calls it through ``torch.compiler.disable``, so a compiled model breaks its graph once, here,
+# and the fused loss runs as in eager mode (docs/kernels.md). The disabled wrapper is made at the
+# first compilation (``keep_liger_outside_graph``), not at import: making it imports dynamo
+# (about 1.2 s), which no eager process (a data command, an uncompiled launch) needs.
 def liger_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
     """Liger's fused linear cross entropy, brought to the shared contract (0 valid -> 0)."""
@@ -123,5 +125,19 @@ def tied_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ba
     if backend == "chunked":
         return chunked_ce(hidden, weight, labels, chunk_tokens, reduction)
     if backend == "liger":
+        if torch.compiler.is_compiling():
+            return keep_liger_outside_graph()(hidden, weight, labels, reduction)
         return liger_ce(hidden, weight, labels, reduction)
     raise ValueError(f"unknown loss backend {backend!r}; allowed: {list(LOSS_BACKENDS)}")
+
+
+_liger_outside_graph = None
+
+
+def keep_liger_outside_graph():
+    """``liger_ce`` behind ``torch.compiler.disable``, made once. ``compile_model`` calls it
+    before it compiles, so dynamo meets a ready wrapper rather than its making."""
+    global _liger_outside_graph
+    if _liger_outside_graph is None:
+        _liger_outside_graph = torch.compiler.disable(liger_ce)
+    return _liger_outside_graph
