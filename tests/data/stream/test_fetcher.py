@@ -104,11 +104,11 @@ RANK = textwrap.dedent("""
     cache = open_corpus(plan_for(root), str(root)).open_cache(cache_dir, 1 << 30, fetch_process=True)
     cache.prefetch([("a", "shard-00000.bin")])
     assert cache.wait_idle(30)
-    print(cache._fetcher.pid, flush=True)
+    print(cache.prefetch_pid, flush=True)
     while not stop:
         time.sleep(0.05)
     # still there after the group's SIGUSR1 and Ctrl-C (running, not a zombie the rank has not reaped)
-    assert open(f"/proc/{cache._fetcher.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    assert open(f"/proc/{cache.prefetch_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     print("worker alive after Ctrl-C", flush=True)
     cache.close()
     print("closed", flush=True)

@@ -219,7 +219,7 @@ def test_leaving_the_block_by_an_exception_closes_everything(store, tmp_path, ex
             stream.micro_batches(0)
             raise exc()
     assert not assembly_threads() and cache._closed and not cache._holding and not fetch_workers()
-    assert cache._worker is None or not cache._worker.is_alive()
+    assert cache._prefetcher.thread is None or not cache._prefetcher.thread.is_alive()
 
 
 def test_a_closed_cache_refuses_to_wait_for_room(store, tmp_path):
