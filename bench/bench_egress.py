@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, cpu_s, hub_process, rows_per_s  # noqa: E402
-from ds_trhash.batch_layout import step_rows  # noqa: E402
+from ds_trhash.batch_layout import BatchLayout  # noqa: E402
 from ds_trhash.data.stream.exchange import RowExchange  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
@@ -72,10 +72,11 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Pat
         tmp.mkdir(parents=True, exist_ok=True)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=node, world_size=nodes)
     rows = sum(e["rows"] for ph in plan["phases"] for es in ph["sources"].values() for e in es)
-    steps = rows // step_rows(MICRO, 1, nodes)
+    layout = BatchLayout(micro_batch=MICRO, grad_accum=1, rank=node, world_size=nodes)
+    steps = rows // layout.global_batch
     with corpus_.open_cache(tmp / f"cache-{node}", 2**40, fetch_process=True) as cache:
         reader = ReplayReader(plan, None, 0, cache=cache)
-        exchange = RowExchange(reader, MICRO, 1, node, nodes, node, nodes) if shared else None
+        exchange = RowExchange(reader, layout, node, nodes) if shared else None
         cache.prefetch([])  # the prefetch process starts, as at a stage's start
         cache.wait_idle()
         helpers = [p.pid for p in psutil.Process().children(recursive=True)]  # the prefetch process
@@ -85,7 +86,7 @@ def _node(plan: dict, node: int, nodes: int, tmp: Path, out, local: Optional[Pat
             if exchange is not None:
                 exchange.get(step)
             else:
-                reader.batch(step, 0, node, nodes, MICRO, 1)
+                reader.batch(step, 0, layout)
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu[0], sum(cpu_s(pid) for pid in helpers) - cpu[1]
         sent = 0

@@ -47,6 +47,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ds_trhash.batch_layout import BatchLayout  # noqa: E402
 from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
 from ds_trhash.data.plans.build import build_plan  # noqa: E402
 from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
@@ -69,9 +70,10 @@ def corpus(root: Path, shards: int, rows: int, seq_len: int) -> dict:
 
 
 def rows_per_s(reader: ReplayReader, rows: int, micro: int = 8) -> float:
+    layout = BatchLayout(micro_batch=micro, grad_accum=1, rank=0, world_size=1)
     started = time.perf_counter()
     for step in range(rows // micro):
-        reader.batch(step, 0, 0, 1, micro, 1)
+        reader.batch(step, 0, layout)
     return (rows // micro * micro) / (time.perf_counter() - started)
 
 
@@ -102,11 +104,11 @@ def warm_beside_direct(plan: dict, root: Path, cache_dir: Path, n: int) -> tuple
         cache.prefetch([])
         cache.wait_idle()
         readers = (ReplayReader(plan, root, 0), ReplayReader(plan, None, 0, cache=cache))
-        spent = [0.0, 0.0]
+        spent, layout = [0.0, 0.0], BatchLayout(micro_batch=8, grad_accum=1, rank=0, world_size=1)
         for step in range(n // 8):
             for which in (0, 1) if step % 2 else (1, 0):  # neither always goes first
                 started = time.perf_counter()
-                readers[which].batch(step, 0, 0, 1, 8, 1)
+                readers[which].batch(step, 0, layout)
                 spent[which] += time.perf_counter() - started
     return n // 8 * 8 / spent[1], spent[0] / spent[1]
 

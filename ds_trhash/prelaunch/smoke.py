@@ -36,7 +36,7 @@ import torch
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.argtypes import positive_float, positive_int
-from ds_trhash.batch_layout import step_rows
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval import commands as eval_commands
@@ -153,8 +153,8 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
     data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
-    mb = cfg.batch.micro_batch
-    per_step = step_rows(mb, 1, 1)  # the reader's steps here: one process, one micro-batch each
+    layout = BatchLayout(cfg.batch.micro_batch, grad_accum=1, rank=0, world_size=1)
+    per_step = layout.global_batch  # the reader's steps here: one process, one micro-batch each
     first = int(state["data_cursor"]) // per_step  # step index of the next unseen rows
     last = reader.num_rows // per_step
     which = "after the trained ones" if first < last else "trained last (the smoke covered the whole plan)"
@@ -162,7 +162,7 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
     idx = range(first, min(last, first + batches))
     model, _config, _source, _ = load_model(ckpt)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = ({"input_ids": x, "labels": y} for x, y in (reader.batch(s, 0, 0, 1, mb, 1) for s in idx))
+    rows = ({"input_ids": x, "labels": y} for x, y in (reader.batch(s, 0, layout) for s in idx))
     result = heldout_loss(model.to(device), rows, device)
     return result["eval_loss"], f"loss on {len(idx) * per_step} plan rows {which} ({result['eval_tokens']:,} tokens)"
 

@@ -86,6 +86,7 @@ def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(roo
 def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root, two_rank_run):
     """The data order is world-size independent: with G fixed, step s reads rows [s·G, (s+1)·G)."""
     from ds_trhash.data.plans.plan import load_plan
+    from ds_trhash.batch_layout import BatchLayout
     from ds_trhash.data.stream.reader import ReplayReader
 
     from ds_trhash.data.embedded import build_embedded
@@ -95,7 +96,8 @@ def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root,
     reader = ReplayReader(load_plan(embedded.pretrain_plan), embedded.shards_dir, 1234)
 
     def step_rows(step, world, micro, accum):
-        parts = [reader.batch(step, m, r, world, micro, accum)[0] for m in range(accum) for r in range(world)]
+        layouts = [BatchLayout(micro_batch=micro, grad_accum=accum, rank=r, world_size=world) for r in range(world)]
+        parts = [reader.batch(step, m, layout)[0] for m in range(accum) for layout in layouts]
         return torch.cat(parts)
 
     for step in range(STOP, STEPS):

@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.embedded import SYSTEM_PROMPT, EmbeddedError, build_embedded
 from ds_trhash.data.plans.plan import load_plan, validate_refinement
 from ds_trhash.data.stream.reader import ReplayReader
@@ -43,7 +44,7 @@ def test_plans_replay_one_source_and_refinement_matches(built):
     validate_refinement(ref, pre)
     assert pre.doc["dataset"] == "pydoc_data.topics"
     reader = ReplayReader(pre, paths.shards_dir, seed=0)
-    inputs, labels = reader.batch(0, 0, 0, 1, 4, 1)
+    inputs, labels = reader.batch(0, 0, BatchLayout(micro_batch=4, grad_accum=1, rank=0, world_size=1))
     assert inputs.shape == (4, 128) and int(inputs.max()) < 4096
 
 

@@ -17,7 +17,8 @@ from ds_trhash.data.stream.reader import ReplayReader
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.assembly import THREAD_NAME
 from ds_trhash.data.stream.reader import ReaderError
-from ds_trhash.data.stream.steps import BatchLayout, RankStream, open_stream
+from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.data.stream.steps import RankStream, open_stream
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks.base import Callback
 from tests.training.test_loop import FakeEngine, TokenModel

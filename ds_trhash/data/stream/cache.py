@@ -16,18 +16,18 @@ than its share of the bound (the bound over the node's ranks, less room for its 
 least one shard), so the smallest bound that always works is one largest shard per rank of the
 node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
 
-Prefetching (the shards a reader names next, fetched ahead and held until read) is
-``cache_prefetch``'s part of the class.
+Prefetching (the shards a reader names next, fetched ahead and held until read) is the job of
+the cache's ``cache_prefetch.Prefetcher``: built here, handed the lock, the holds, the counts and
+the fill that never waits for room (``fetch_ahead``).
 
-A fill reads the node's usage from a ledger kept under the eviction lock (``cache_files``) and
-walks the directory only when the ledger leaves no room (or is missing), and once as the cache
-opens: a walk per fill cost as much as the rest of the fill's bookkeeping, and grew with the entries.
+A fill reads the node's usage from a ledger kept under the eviction lock and walks the directory
+only when the ledger leaves no room (or is missing), and once as the cache opens: a walk per fill
+cost as much as the rest of the fill's bookkeeping, and grew with the entries. The file layout,
+the ledger and the locks are in ``cache_files``.
 
 Figures: ``counters()`` is this process's counts and the usage it last saw (no lock, no walk:
 cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for the
 rare caller (tests, a stage's end).
-
-The file layout and the locks are in ``cache_files``.
 """
 from __future__ import annotations
 
@@ -36,10 +36,9 @@ import hashlib
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 from ds_trhash.io import sha256_file
 
@@ -50,8 +49,7 @@ from ds_trhash.data.stream import deadline as read_deadline
 from ds_trhash.data.stream.store.base import ReadTimedOut
 from ds_trhash.data.stream.cache_bound import CACHE_ENV, hold_budget, prefetch_holds
 from ds_trhash.data.stream.cache_files import CacheError, ShardIntegrityError
-from ds_trhash.data.stream.cache_prefetch import Prefetching
-from ds_trhash.data.stream.fetcher import Fetcher
+from ds_trhash.data.stream.cache_prefetch import Prefetcher, Usage
 from ds_trhash.data.stream.store import ShardStore
 from ds_trhash.data.stream.working_set import MappedShard
 
@@ -76,7 +74,7 @@ def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
     return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
 
 
-class ShardCache(Prefetching):
+class ShardCache:
     def __init__(self, store: ShardStore, cache_dir: os.PathLike | str, max_bytes: int, shards: Mapping[Key, ExpectedShard],
                  commit: str = "local", prefetch: int = 2, ranks_on_node: int = 1,
                  fetch_process: bool = False) -> None:
@@ -85,32 +83,24 @@ class ShardCache(Prefetching):
         self.store, self.max_bytes, self.prefetch_depth = store, int(max_bytes), max(0, int(prefetch))
         ranks, largest = max(1, int(ranks_on_node)), max((shard.size for shard in shards.values()), default=0)
         self.hold_budget = hold_budget(self.max_bytes, ranks, self.prefetch_depth, largest)
-        self._hold_allowance = prefetch_holds(self.max_bytes, ranks, self.prefetch_depth, largest)
+        allowance = prefetch_holds(self.max_bytes, ranks, self.prefetch_depth, largest)
         self.cache_dir = Path(cache_dir)
         self.root = cache_root(self.cache_dir, store.identity, commit)
         self._shards, self.commit = dict(shards), commit
-        # the prefetch process (``fetcher``): None until the first prefetch starts it; False when
-        # it is not wanted, or could not start or exited (then a thread here prefetches)
-        self._fetcher: Optional[Fetcher | bool] = None if fetch_process else False
-        self._fetcher_lock = threading.Lock()  # starting or dropping the process (several threads read)
-        self._cond = threading.Condition()
-        self._queue: deque[Key] = deque()
-        self._inflight: set[Key] = set()  # the shard the prefetcher is fetching now
-        # changes whenever what a prefetch call would queue may have changed (a shard held or
-        # released, a prefetch done or let go): a reader that was told "not all queued" asks
-        # again only then, not at every micro-batch
-        self.generation = 0
+        self._cond = threading.Condition()  # guards the counts and the holds (the prefetcher's state too)
+        self._generation = 0  # the reads' part of ``generation``: a shard held or released
         self._counts = {"hits": 0, "misses": 0, "evictions": 0, "prefetched": 0, "prefetch_errors": 0,
                         "redownloads": 0, "waited_s": 0.0, "downloaded_bytes": 0}
-        self._worker: Optional[threading.Thread] = None
         self._closed = False
-        self._error: Optional[BaseException] = None
         self._seen: dict[Key, int] = {}  # entries this process found trusted: their mtime_ns then
-        self._usage_seen: Optional[tuple[int, int]] = None  # (bytes, entries) as this process last saw them
+        self._usage_seen: Usage = None  # (bytes, entries) as this process last saw them
         self._holding: dict[Key, int] = {}  # holds this process has on each entry now
-        # entries the prefetcher verified: held until read or let go (None: verified, not held,
-        # when this process's share of the bound leaves no room to hold more)
-        self._ready: dict[Key, Optional[cf.Hold]] = {}
+        recipe = None if not fetch_process else {  # how a prefetch process opens this cache (``fetcher``)
+            "store": store, "cache_dir": self.cache_dir, "max_bytes": self.max_bytes, "shards": self._shards,
+            "commit": commit, "depth": self.prefetch_depth, "allowance": allowance}
+        self._prefetcher = Prefetcher(self.prefetch_depth, allowance, lock=self._cond,
+                                      holding=self._holding, fill=self.fetch_ahead, count=self._count,
+                                      tally=self._tally, recipe=recipe)
         self.root.mkdir(parents=True, exist_ok=True)
         self._resolved_root = self.root.resolve()
         self._evict_lock = cf.evict_lock(self.cache_dir)  # one object: a new one per fill cost more than the lock
@@ -133,6 +123,19 @@ class ShardCache(Prefetching):
         with self._cond:
             self._counts[name] += amount
 
+    def _tally(self, counts: Mapping[str, float], usage: Usage) -> None:
+        """A prefetch process's counts since its last answer, and the usage it saw then."""
+        with self._cond:
+            for name, amount in counts.items():
+                self._counts[name] += amount
+        self._usage_seen = usage or self._usage_seen
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever what a prefetch would queue may have (a shard held or released, a prefetch
+        done or let go): a reader told "not all queued" asks again only then, not every micro-batch."""
+        return self._generation + self._prefetcher.generation
+
     def _reserve(self, path: Path, size: int, wait: bool) -> Optional[Path]:
         """A partial file of ``size`` bytes, once the bound allows it (LRU eviction of entries no
         reader holds); None for a prefetch that finds no room now."""
@@ -148,7 +151,7 @@ class ShardCache(Prefetching):
                     return partial
             if not wait:
                 return None
-            if self._give_back_prefetched():
+            if self._prefetcher.give_back():
                 continue
             if self._closed:
                 raise CacheError(f"the shard cache {self.cache_dir} was closed while {path.name} waited for room")
@@ -263,15 +266,15 @@ class ShardCache(Prefetching):
         """A verified local copy of ``source/file`` (fetched now if needed) and the release of the
         hold that keeps it from eviction until then. The names are checked (and the path
         resolved) here."""
-        self._poll_fetcher()
-        self._raise_worker_error()
+        self._prefetcher.poll()
+        self._prefetcher.raise_error()
         key = (source, file)
         path = cf.entry_path(self.root, source, file, self._resolved_root)
         hold = cf.Hold(path)
         with self._cond:
             self._holding[key] = self._holding.get(key, 0) + 1
-            prefetched = self._ready.pop(key, None)
-            self.generation += 1
+            prefetched = self._prefetcher.taken(key)
+            self._generation += 1
         if prefetched is not None:
             prefetched.release()  # the reader's own hold (taken above) keeps it from here on
 
@@ -281,7 +284,7 @@ class ShardCache(Prefetching):
                 self._holding[key] -= 1
                 if not self._holding[key]:
                     del self._holding[key]
-                self.generation += 1
+                self._generation += 1
 
         try:
             shard = self._expected(key)
@@ -328,9 +331,8 @@ class ShardCache(Prefetching):
 
     @property
     def prefetch_pid(self) -> Optional[int]:
-        """The prefetch process's pid (what ``ps`` shows; the benchmark reads its CPU time), None
-        while prefetches run in this process or before the first one."""
-        return self._fetcher.pid if isinstance(self._fetcher, Fetcher) else None
+        """The prefetch process's pid (the benchmark reads its CPU time), or None (``Prefetcher.pid``)."""
+        return self._prefetcher.pid
 
     def usage(self) -> int:
         """Bytes of entries and partial downloads now, walked under the eviction lock (one
@@ -344,7 +346,7 @@ class ShardCache(Prefetching):
     def counters(self) -> dict:
         """This process's counts, and the node's usage as this process last saw it (a walk, or the
         ledger at its last fill): no lock taken, nothing walked."""
-        self._poll_fetcher()
+        self._prefetcher.poll()
         used, files = self._usage_seen or (None, None)
         with self._cond:
             return {"bytes": used, "files": files, "max_bytes": self.max_bytes, **self._counts}
@@ -354,18 +356,41 @@ class ShardCache(Prefetching):
         self.usage()
         return self.counters()
 
+    # -- prefetching (``cache_prefetch.Prefetcher``) -------------------------------------
+    def prefetch(self, upcoming: Iterable[Key]) -> bool:
+        """Fetch ahead the first of ``upcoming`` (``Prefetcher.want``): False when not all were queued."""
+        return self._prefetcher.want(upcoming)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until no prefetch is queued or downloading (tests and clean shutdown)."""
+        return self._prefetcher.wait_idle(timeout)
+
+    def fetch_ahead(self, key: Key) -> tuple[bool, cf.Hold]:
+        """A prefetch's fill: ``key`` fetched (or found verified) without waiting for room, and
+        held: (verified in the cache now, the hold, which the caller keeps or releases)."""
+        path = cf.entry_path(self.root, *key, self._resolved_root)
+        shard = self._expected(key)
+        hold = cf.Hold(path)
+        try:
+            ready = cf.trusted(path, shard.sha256, shard.size)
+            if not ready and self._ensure(key, path, wait=False):
+                ready = True
+                self._count("prefetched")
+        except BaseException:
+            hold.release()
+            raise
+        return ready, hold
+
+    def take_counts(self) -> tuple[dict, Usage]:
+        """(this process's counts since the last call, the usage last seen): a prefetch process's answer."""
+        with self._cond:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return counts, self._usage_seen
+
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._queue.clear()
-            self._cond.notify_all()
-            fetcher = self._fetcher
-        if isinstance(fetcher, Fetcher):  # a fill in flight is cut short: its partial is a stale one
-            fetcher.close()
-        if self._worker is not None:  # a daemon: one still in a download is not waited for long
-            self._worker.join(timeout=CLOSE_JOIN_S)
-        with self._cond:
-            self._let_go(set())
+        """No more reads or prefetches: the prefetcher closed (its process, its thread, its holds)."""
+        self._closed = True  # a read waiting for room gives up
+        self._prefetcher.close(CLOSE_JOIN_S)
 
     def __enter__(self) -> "ShardCache":
         return self

@@ -33,12 +33,12 @@ import itertools
 import operator
 import time
 from collections import OrderedDict
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from ds_trhash.batch_layout import micro_batch_start, step_rows
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.errors import UserError
 
 from ds_trhash.data.stream.cache import ShardCache
@@ -58,13 +58,27 @@ _LOOKAHEAD_MICRO_BATCHES = 32  # whose shards are prefetched (and stay in the wo
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
 _ROWS_MEMO = 72  # more than the micro-batches one look names
 DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minutes (data.prefetch_minutes)
-# The pace is measured once the reader has run this long; until then: two windows. (At 1 s, a
-# reader of small shards spent its whole pass two windows ahead, about four shards, and waited
-# for most shards of a 40 MiB pass in bench/bench_egress.py.)
+# The pace is measured once the reader has run this long; until then: two windows. Short, so that
+# a fast reader does not spend its pass only two windows ahead (docs/performance.md, "Shard streaming").
 _PACE_AFTER_S = 0.2
 
 from ds_trhash.data.stream.types import Key
 _SHARD_OF = operator.itemgetter(0, 1)  # (source, file) of a RowRef
+
+
+class _FarLook(NamedTuple):
+    """The last look past the next micro-batches (``_far_ahead``), reused while it holds."""
+    low: int  # the global rows [low, high) of the shuffle window it was made in
+    high: int
+    when: float  # monotonic time of the look
+    keys: tuple[Key, ...]  # this rank's shards of the next window, then the plan's within the horizon
+
+
+class _Asked(NamedTuple):
+    """What the cache was asked at the last prefetch call (``_prefetch``)."""
+    upcoming: tuple[Key, ...]  # the next micro-batches' shards
+    generation: Optional[int]  # None when all was queued, else the cache's generation then
+    ahead: tuple[Key, ...]  # the shards after them (``_far_ahead``)
 
 
 class ReaderError(UserError, ValueError):
@@ -93,7 +107,7 @@ class ReplayReader:
         self.shuffle_window = int(shuffle_window)
         self.prefetch_s = max(0.0, float(prefetch_s))
         self._pace_start: Optional[tuple[float, int]] = None  # (monotonic time, global row) of the first look
-        self._far: tuple[int, int, float, tuple[Key, ...]] = (0, 0, 0.0, ())  # (window's rows [low, high), when, keys)
+        self._far = _FarLook(0, 0, 0.0, ())
         self.shards_dir = sources_dir(shards_dir) if shards_dir is not None else None  # either layout
         self.cache = cache
         self.segments: list[Segment] = []
@@ -109,12 +123,11 @@ class ReplayReader:
         self.horizon = PlanHorizon(self.segments, self._window_size())  # the plan's shards over a span of rows
         self._windows: OrderedDict[tuple[int, int], list[RowRef]] = OrderedDict()
         self._rows_memo: OrderedDict[tuple[int, int], tuple[list[RowRef], tuple[Key, ...]]] = OrderedDict()
-        self._prefetched: Optional[tuple] = None  # the last prefetch call's (upcoming, None when all was
-        # queued else the cache's generation then, ahead)
+        self._prefetched: Optional[_Asked] = None  # None: the cache was never asked
         self._looked: tuple[Key, ...] = ()  # the shards ahead at the last look (and as a set), and the first rows of
         self._looked_named: frozenset[Key] = frozenset()
         self._looked_next: frozenset[int] = frozenset()  # the micro-batches after it that reuse that look
-        self._ahead_memo: dict[tuple, tuple[Key, ...]] = {}
+        self._ahead_memo: dict[tuple[int, int, BatchLayout], tuple[Key, ...]] = {}
         budget = cache.hold_budget if cache is not None else None
         self._working = WorkingSet(self._open_shard, budget, cache.expected_size if cache is not None else None)
 
@@ -166,10 +179,6 @@ class ReplayReader:
         return self.segments[bisect.bisect_right(self._segment_starts, global_row) - 1].phase_name
 
     # -- batches -----------------------------------------------------------------------
-    @staticmethod
-    def _first_row(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> int:
-        return micro_batch_start(step, micro_step, rank, micro_batch, grad_accum, world_size)
-
     def _open_shard(self, key: Key) -> MappedShard:
         """A shard entering the working set: held and mapped by the cache, or mapped from the
         shard directory (its names checked where they are read)."""
@@ -187,10 +196,10 @@ class ReplayReader:
         """Release every shard of the working set (the cache itself is its owner's to close)."""
         self._working.close()
 
-    def batch(
-        self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro_step: int, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each int64 [micro_batch, seq_len], of this rank's micro-batch."""
+        rank, world_size = layout.rank, layout.world_size
+        micro_batch, grad_accum = layout.micro_batch, layout.grad_accum
         if min(world_size, micro_batch, grad_accum) < 1 or not 0 <= rank < world_size:
             raise ReaderError(
                 f"invalid batch layout: rank {rank}, world_size {world_size}, micro_batch {micro_batch}, "
@@ -198,44 +207,41 @@ class ReplayReader:
             )
         if not 0 <= micro_step < grad_accum or step < 0:
             raise ReaderError(f"micro_step {micro_step} must lie in [0, {grad_accum}) and step {step} be >= 0")
-        global_batch = step_rows(micro_batch, grad_accum, world_size)
+        global_batch = layout.global_batch
         if (step + 1) * global_batch > self.num_rows:
             raise ReaderError(
                 f"step {step} needs global rows up to {(step + 1) * global_batch}, but the plan holds "
                 f"{self.num_rows} rows; automatic dataset repetition is forbidden"
             )
-        first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
+        first = layout.first_row(step, micro_step)
         refs = self._rows_at(first, micro_batch)[0]
         windows = self._read(refs)
         upcoming: tuple[Key, ...] = ()
         if self.cache is not None:
             moved_on = self._cache_moved_on()
-            if first in self._looked_next and not moved_on:  # 15 of 16 micro-batches: what was looked at
+            if first in self._looked_next and not moved_on:  # 31 of 32 micro-batches: what was looked at
                 upcoming = self._looked
             else:
-                upcoming = self._look_ahead(first, moved_on, step, micro_step, rank, world_size, micro_batch,
-                                            grad_accum)
+                upcoming = self._look_ahead(first, moved_on, step, micro_step, layout)
         self._working.next_read(_RECENT_MICRO_BATCHES, upcoming)
         tensor = torch.from_numpy(windows)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
-    def _look_ahead(self, first: int, moved_on: bool, step: int, micro_step: int, rank: int, world_size: int,
-                    micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
+    def _look_ahead(self, first: int, moved_on: bool, step: int, micro_step: int,
+                    layout: BatchLayout) -> tuple[Key, ...]:
         """The shards of the next micro-batches (kept in the working set), prefetched with those
         of the next window and the plan's horizon. Looked at every 32nd micro-batch of a
-        sequential read (at every fourth, the looks took about a tenth of the reading time in
-        ``bench/bench_stream.py``; at every 16th, a warm micro-batch cost about 0.8 % more CPU
-        than at every 32nd, three alternated runs): the 31 after a look were in it, and so is the
-        one after them.
+        sequential read, not at each: a look costs more than a warm micro-batch's read, and the
+        31 after a look were in it, and so is the one after them.
         The cache is asked again only when what it would be asked changed (``_prefetch``): the
-        shards named, not their order within the next micro-batches (all are read within them;
-        the order changed at 695 of 1,280 looks of a warm pass, the shards named far less). The
-        micro-batches in between take the last look as it is (``batch``): a micro-batch costs
-        about 40 µs, and each µs spent there showed in the warm cache's rate."""
-        upcoming, self._looked_next = self._upcoming(step, micro_step, rank, world_size, micro_batch, grad_accum)
-        far = self._far_ahead(first, rank, world_size, micro_batch, grad_accum)
+        shards named, not their order within the next micro-batches (all are read within them,
+        and the order changes at about every other look). The micro-batches in between take the
+        last look as it is (``batch``): their time is the warm cache's rate. Figures:
+        docs/performance.md, "Shard streaming"."""
+        upcoming, self._looked_next = self._upcoming(step, micro_step, layout)
+        far = self._far_ahead(first, layout)
         named = frozenset(upcoming)  # their order changes at almost every look; what is named, rarely
-        if moved_on or named != self._looked_named or far is not self._prefetched[2]:
+        if moved_on or named != self._looked_named or far is not self._prefetched.ahead:
             self._prefetch(upcoming, far)
         self._looked, self._looked_named = upcoming, named
         return upcoming
@@ -243,26 +249,25 @@ class ReplayReader:
     def _cache_moved_on(self) -> bool:
         """Ask the cache again: never asked yet, or the last call could not queue everything and
         the cache's state changed since (a shard held, released or fetched)."""
-        prefetched = self._prefetched
-        return prefetched is None or prefetched[1] not in (None, self.cache.generation)
+        asked = self._prefetched
+        return asked is None or (asked.generation is not None and asked.generation != self.cache.generation)
 
-    def _far_ahead(self, first: int, rank: int, world_size: int, micro_batch: int, grad_accum: int) -> tuple[Key, ...]:
+    def _far_ahead(self, first: int, layout: BatchLayout) -> tuple[Key, ...]:
         """This rank's shards of the next window, then the plan's within the horizon: looked at
         again when ``first`` leaves the window of the last look, or 0.2 s after it (the pace
         may have changed), else the last answer (the same object)."""
-        now = time.monotonic()
-        low, high, when, keys = self._far
-        if low <= first < high and now - when <= _PACE_AFTER_S:
-            return keys
+        now, last = time.monotonic(), self._far
+        if last.low <= first < last.high and now - last.when <= _PACE_AFTER_S:
+            return last.keys
         index = bisect.bisect_right(self._segment_starts, first) - 1
         segment, size = self.segments[index], self._window_size()
         low = segment.start + (first - segment.start) // size * size
-        ahead = self._window_ahead(first, rank, world_size, micro_batch, grad_accum)
+        ahead = self._window_ahead(first, layout)
         later = self.horizon.keys(first, self._horizon_rows(first, now))
         keys = ahead + tuple(k for k in later if k not in ahead)
-        if keys == self._far[3]:
-            keys = self._far[3]
-        self._far = (low, min(low + size, segment.start + segment.length), now, keys)
+        if keys == last.keys:
+            keys = last.keys
+        self._far = _FarLook(low, min(low + size, segment.start + segment.length), now, keys)
         return keys
 
     def _horizon_rows(self, first: int, now: Optional[float] = None) -> int:
@@ -281,13 +286,12 @@ class ReplayReader:
         of a window's shards are wanted at its first rows: the micro-batches alone see them too
         late). The cache skips what it holds or has fetched; the caller asks again only when that
         changes: the shards named, or (after a call that could not queue them all) the cache's
-        state, remembered here as (upcoming, generation or None when all was queued, ahead)."""
+        state, remembered here (``_Asked``)."""
         generation = self.cache.generation
         complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
-        self._prefetched = (upcoming, None if complete is not False else generation, ahead)
+        self._prefetched = _Asked(upcoming, None if complete is not False else generation, ahead)
 
-    def _window_ahead(self, first: int, rank: int, world_size: int, micro_batch: int,
-                      grad_accum: int) -> tuple[Key, ...]:
+    def _window_ahead(self, first: int, layout: BatchLayout) -> tuple[Key, ...]:
         """The shards of this rank's rows in the window after the one holding global row
         ``first``, within its segment (() at a segment's last window), in order of first use."""
         index = bisect.bisect_right(self._segment_starts, first) - 1
@@ -295,12 +299,12 @@ class ReplayReader:
         window = (first - segment.start) // size + 1
         if window * size >= segment.length:
             return ()
-        memo_key = (index, window, rank, world_size, micro_batch, grad_accum)
+        memo_key = (index, window, layout)
         if memo_key not in self._ahead_memo:
             rows: Iterable[RowRef] = self._window(index, window)
-            if world_size > 1:
-                start, per_step = segment.start + window * size, step_rows(micro_batch, grad_accum, world_size)
-                offsets = (start + np.arange(len(rows))) % per_step // micro_batch % world_size == rank
+            if layout.world_size > 1:
+                start, per_step, micro_batch = segment.start + window * size, layout.global_batch, layout.micro_batch
+                offsets = (start + np.arange(len(rows))) % per_step // micro_batch % layout.world_size == layout.rank
                 rows = itertools.compress(rows, offsets.tolist())
             self._ahead_memo = {memo_key: tuple(dict.fromkeys(map(_SHARD_OF, rows)))}  # one window at a time
         return self._ahead_memo[memo_key]
@@ -345,20 +349,19 @@ class ReplayReader:
                 self._rows_memo.popitem(last=False)
         return found
 
-    def _upcoming(self, step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
-                  grad_accum: int) -> tuple[tuple[Key, ...], frozenset[int]]:
+    def _upcoming(self, step: int, micro_step: int, layout: BatchLayout) -> tuple[tuple[Key, ...], frozenset[int]]:
         """(the shards of this rank's next few micro-batches in plan order, the first rows of
         those of them but the last, which reuse this look: the last one looks again)."""
         following: list[int] = []
         keys: list[tuple[Key, ...]] = []
         for _ in range(_LOOKAHEAD_MICRO_BATCHES):
             micro_step += 1
-            if micro_step == grad_accum:
+            if micro_step == layout.grad_accum:
                 step, micro_step = step + 1, 0
-            first = self._first_row(step, micro_step, rank, world_size, micro_batch, grad_accum)
-            if first + micro_batch > self.num_rows:
+            first = layout.first_row(step, micro_step)
+            if first + layout.micro_batch > self.num_rows:
                 break
             following.append(first)
-            keys.append(self._rows_at(first, micro_batch)[1])
+            keys.append(self._rows_at(first, layout.micro_batch)[1])
         upcoming = keys[0] if len(set(keys)) == 1 else tuple(dict.fromkeys(itertools.chain.from_iterable(keys)))
         return upcoming, frozenset(following[:-1])

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ds_trhash.batch_layout import step_rows
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.assembly import Ahead
 from ds_trhash.data.stream.deadline import read_deadline
 from ds_trhash.data.stream.exchange import CHUNK_ROWS, Readiness, RowExchange
@@ -25,19 +25,6 @@ from ds_trhash.data.stream.reader import DEFAULT_PREFETCH_S, ReplayReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
 DEFAULT_AHEAD = 2
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How the global batch is cut: step s covers global rows [s·G, (s+1)·G) whatever the world size."""
-    micro_batch: int
-    grad_accum: int
-    rank: int
-    world_size: int
-
-    @property
-    def global_batch(self) -> int:
-        return step_rows(self.micro_batch, self.grad_accum, self.world_size)
 
 
 @dataclass(frozen=True)
@@ -96,9 +83,8 @@ class RankStream:
         self._device: Optional[int] = torch.cuda.current_device() if pin_memory else None
         self._ahead: Optional[Ahead | RowExchange] = None
         if share is not None:
-            self._ahead = RowExchange(reader, layout.micro_batch, layout.grad_accum, layout.rank, layout.world_size,
-                                      share.node, share.nodes, share.group, end, share.chunk_rows, finish=self._pinned,
-                                      budget_s=share.budget_s)
+            self._ahead = RowExchange(reader, layout, share.node, share.nodes, share.group, end, share.chunk_rows,
+                                      finish=self._pinned, budget_s=share.budget_s)
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
@@ -113,8 +99,7 @@ class RankStream:
         layout, out = self.layout, []
         with read_deadline(self.budget_s):  # the step's waits for shards end within one budget
             for micro in range(layout.grad_accum):
-                inputs, labels = self.reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch,
-                                                   layout.grad_accum)
+                inputs, labels = self.reader.batch(step, micro, layout)
                 if self.pin_memory:  # the copy to the device then runs asynchronously
                     inputs, labels = inputs.pin_memory(), labels.pin_memory()
                 out.append((inputs, labels))

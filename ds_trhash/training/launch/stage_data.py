@@ -29,11 +29,12 @@ from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.stream.exchange import agreed_node_count
-from ds_trhash.data.stream.steps import BatchLayout, NodeShare, open_stream
+from ds_trhash.data.stream.steps import NodeShare, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.data.formats.tokenizer_check import check_tokenizer_matches, data_tokenizer_identity
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
@@ -202,7 +203,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
         # downloaded once and verified (size and SHA-256) before any rank reads it. The next
         # steps' batches are assembled in the background, in pinned memory on CUDA, from the
         # first step on at once: its shards are fetched while the model and engine are built.
-        layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank, world)
+        layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank=rank, world_size=world)
         stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
                              pin_memory=torch.cuda.is_available(), end=data.total_steps,
                              prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.cli import main
 from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE, read_corpus, sources_dir
 from ds_trhash.data.formats.manifest import LEGACY_FORMAT, ManifestError
@@ -66,8 +67,9 @@ def test_a_plan_over_the_release_layout_reads_the_same_rows_as_over_ours(corpora
     corpus = open_corpus(plan_release, str(release))  # every planned shard listed with its size
     assert corpus.layout == LAYOUT_RELEASE and len(corpus.shards) == len(open_corpus(plan_ours, str(ours)).shards)
     a, b = ReplayReader(plan_ours, ours, seed=3), ReplayReader(plan_release, release, seed=3)
+    layout = BatchLayout(micro_batch=8, grad_accum=1, rank=0, world_size=1)
     for step in range(2):
-        assert all((x == y).all() for x, y in zip(a.batch(step, 0, 0, 1, 8, 1), b.batch(step, 0, 0, 1, 8, 1)))
+        assert all((x == y).all() for x, y in zip(a.batch(step, 0, layout), b.batch(step, 0, layout)))
 
 
 def test_release_cross_file_rules_name_the_file(corpora):

@@ -62,8 +62,7 @@ def test_bound_is_never_exceeded_and_the_least_recently_used_goes_first(store, t
 def test_a_held_shard_is_never_evicted(store, tmp_path):
     cache = cache_for(store, tmp_path / "cache", SHARD_BYTES, prefetch=0)
     with cache.held("a", "shard-00000.bin") as path:
-        other = cache_for(store, tmp_path / "cache", SHARD_BYTES, prefetch=0)
-        other.prefetch_depth = 1
+        other = cache_for(store, tmp_path / "cache", SHARD_BYTES, prefetch=1)  # no room to hold a prefetch
         other.prefetch([("a", "shard-00001.bin")])  # a prefetch finds no room and gives up
         assert other.wait_idle() and path.exists() and other.stats()["prefetched"] == 0
         other.close()

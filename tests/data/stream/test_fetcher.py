@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.cache import ShardIntegrityError
 from ds_trhash.data.stream.opening import open_corpus
@@ -45,8 +46,9 @@ def test_rows_through_the_prefetch_process_equal_direct_reads_within_the_bound(t
     limit = 4 * SHARD_BYTES
     cache = open_corpus(doc, str(root)).open_cache(tmp_path / "cache", limit, prefetch=2, fetch_process=True)
     cached, direct = ReplayReader(doc, None, seed=5, cache=cache, shuffle_window=8), ReplayReader(doc, root, seed=5, shuffle_window=8)
+    layout = BatchLayout(micro_batch=4, grad_accum=1, rank=0, world_size=1)
     for step in range(direct.num_rows // 4):
-        a, b = cached.batch(step, 0, 0, 1, 4, 1), direct.batch(step, 0, 0, 1, 4, 1)
+        a, b = cached.batch(step, 0, layout), direct.batch(step, 0, layout)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert cf.scan(tmp_path / "cache")[0] <= limit
         assert cache.wait_idle(30)  # every read after the first finds its shards prefetched
@@ -102,11 +104,11 @@ RANK = textwrap.dedent("""
     cache = open_corpus(plan_for(root), str(root)).open_cache(cache_dir, 1 << 30, fetch_process=True)
     cache.prefetch([("a", "shard-00000.bin")])
     assert cache.wait_idle(30)
-    print(cache._fetcher.pid, flush=True)
+    print(cache.prefetch_pid, flush=True)
     while not stop:
         time.sleep(0.05)
     # still there after the group's SIGUSR1 and Ctrl-C (running, not a zombie the rank has not reaped)
-    assert open(f"/proc/{cache._fetcher.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    assert open(f"/proc/{cache.prefetch_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     print("worker alive after Ctrl-C", flush=True)
     cache.close()
     print("closed", flush=True)

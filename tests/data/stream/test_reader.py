@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.plans.plan import derive_refinement
 from ds_trhash.data.plans.build import build_plan
 from ds_trhash.data.stream.reader import _LOOKAHEAD_MICRO_BATCHES, ReaderError, ReplayReader
@@ -86,8 +87,9 @@ def test_order_is_a_pure_function_of_plan_and_seed(corpus):
 def _step_rows(reader, step, world_size, micro_batch, grad_accum):
     rows = []
     for rank in range(world_size):
+        layout = BatchLayout(micro_batch=micro_batch, grad_accum=grad_accum, rank=rank, world_size=world_size)
         for micro in range(grad_accum):
-            inputs, labels = reader.batch(step, micro, rank, world_size, micro_batch, grad_accum)
+            inputs, labels = reader.batch(step, micro, layout)
             assert inputs.shape == labels.shape == (micro_batch, L) and inputs.dtype == torch.int64
             assert torch.equal(inputs[:, 1:], labels[:, :-1])
             rows += [tuple(row) for row in inputs.tolist()]
@@ -107,7 +109,8 @@ def test_rows_of_a_step_do_not_depend_on_world_size(corpus):
 def test_batch_holds_the_planned_rows(corpus):
     root, doc = corpus
     reader = ReplayReader(doc, root, seed=5)
-    inputs, labels = reader.batch(3, 1, 1, 2, 3, 2)  # G = 12; rows 36 + (1*2+1)*3 = 45..47
+    layout = BatchLayout(micro_batch=3, grad_accum=2, rank=1, world_size=2)
+    inputs, labels = reader.batch(3, 1, layout)  # G = 12; rows 36 + (1*2+1)*3 = 45..47
     refs = reader.global_rows(45, 3)
     expected = np.stack([read_rows(root / s / f, [r], L)[0] for s, f, r in refs])
     assert np.array_equal(inputs.numpy(), expected[:, :-1]) and np.array_equal(labels.numpy(), expected[:, 1:])
@@ -116,15 +119,15 @@ def test_batch_holds_the_planned_rows(corpus):
 def test_no_batch_beyond_the_plan(corpus):
     root, doc = corpus
     reader = ReplayReader(doc, root, seed=0)
-    reader.batch(13, 0, 0, 1, 4, 1)  # rows 52..55 of 58
+    reader.batch(13, 0, BatchLayout(micro_batch=4, grad_accum=1, rank=0, world_size=1))  # rows 52..55 of 58
     with pytest.raises(ReaderError, match="automatic dataset repetition is forbidden"):
-        reader.batch(14, 0, 0, 1, 4, 1)
+        reader.batch(14, 0, BatchLayout(micro_batch=4, grad_accum=1, rank=0, world_size=1))
     with pytest.raises(ReaderError, match="outside the plan"):
         reader.global_rows(57, 2)
     with pytest.raises(ReaderError, match="invalid batch layout"):
-        reader.batch(0, 0, 2, 2, 1, 1)
+        reader.batch(0, 0, BatchLayout(micro_batch=1, grad_accum=1, rank=2, world_size=2))
     with pytest.raises(ReaderError, match="micro_step 2"):
-        reader.batch(0, 2, 0, 1, 1, 2)
+        reader.batch(0, 2, BatchLayout(micro_batch=1, grad_accum=2, rank=0, world_size=1))
 
 
 class RecordingCache:
@@ -152,7 +155,7 @@ def test_each_rank_opens_only_its_own_shards(corpus):
     for rank in range(2):
         cache = RecordingCache(root)
         reader = ReplayReader(doc, None, seed=0, cache=cache, shuffle_window=0)
-        reader.batch(0, 0, rank, 2, 5, 1)
+        reader.batch(0, 0, BatchLayout(micro_batch=5, grad_accum=1, rank=rank, world_size=2))
         mine = {(s, f) for s, f, _ in reader.global_rows(rank * 5, 5)}
         assert cache.got == mine
         firsts = [first for first in (10 * i + rank * 5 for i in range(1, 1 + _LOOKAHEAD_MICRO_BATCHES))
@@ -175,7 +178,7 @@ def test_the_cache_is_asked_again_when_the_shards_named_change_not_their_order(t
     for step in range(512 // 2):
         named = set().union(*map(set, cache.prefetched))
         opened = set(cache.got)
-        reader.batch(step, 0, 0, 1, 2, 1)
+        reader.batch(step, 0, BatchLayout(micro_batch=2, grad_accum=1, rank=0, world_size=1))
         assert step == 0 or cache.got - opened <= named
     assert len(cache.got) == 16 and len(cache.prefetched) <= 2 * 4
 
@@ -186,9 +189,10 @@ def test_batches_through_a_bounded_cache_match_direct_reads(corpus, tmp_path):
     cache = open_corpus(doc, str(root)).open_cache(tmp_path / "cache", limit, prefetch=2)
     cached = ReplayReader(doc, None, seed=2, cache=cache)
     direct = ReplayReader(doc, root, seed=2)
+    layout = BatchLayout(micro_batch=2, grad_accum=2, rank=0, world_size=1)
     for step in range(58 // 4):
         for micro in range(2):
-            a, b = cached.batch(step, micro, 0, 1, 2, 2), direct.batch(step, micro, 0, 1, 2, 2)
+            a, b = cached.batch(step, micro, layout), direct.batch(step, micro, layout)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
             assert cache.stats()["bytes"] <= limit
     cache.wait_idle()

@@ -15,7 +15,8 @@ from ds_trhash.data.stream.assembly import THREAD_NAME
 from ds_trhash.data.stream.cache import CacheError, ShardIntegrityError
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReaderError, ReplayReader
-from ds_trhash.data.stream.steps import BatchLayout, RankStream, open_stream
+from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.data.stream.steps import RankStream, open_stream
 from tests.data.hub_corpus import SHARD_BYTES, plan_for, write_corpus
 
 SEED = 3
@@ -47,7 +48,7 @@ def fetch_workers() -> list[int]:
 
 def direct(root, layout: BatchLayout, steps=range(STEPS)) -> list:
     reader = ReplayReader(plan_for(root), root, SEED)
-    return [[reader.batch(s, m, layout.rank, layout.world_size, layout.micro_batch, layout.grad_accum)
+    return [[reader.batch(s, m, layout)
              for m in range(layout.grad_accum)] for s in steps]
 
 
@@ -218,7 +219,7 @@ def test_leaving_the_block_by_an_exception_closes_everything(store, tmp_path, ex
             stream.micro_batches(0)
             raise exc()
     assert not assembly_threads() and cache._closed and not cache._holding and not fetch_workers()
-    assert cache._worker is None or not cache._worker.is_alive()
+    assert cache._prefetcher.thread is None or not cache._prefetcher.thread.is_alive()
 
 
 def test_a_closed_cache_refuses_to_wait_for_room(store, tmp_path):

@@ -17,7 +17,8 @@ import pytest
 from ds_trhash.data.stream import cache_files as cf
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
-from ds_trhash.data.stream.steps import BatchLayout, RankStream
+from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.data.stream.steps import RankStream
 from ds_trhash.data.formats.shards import write_shards, load_manifests
 from ds_trhash.data.plans.build import build_plan
 
@@ -83,7 +84,7 @@ def test_no_file_system_call_per_micro_batch_once_its_shards_are_in_the_working_
     for step, micro in _micro_batches(layout, reader.num_rows):
         opened, before = reader._working.opened, calls.of("MainThread")
         calls.enabled = True
-        reader.batch(step, micro, layout.rank, layout.world_size, layout.micro_batch, layout.grad_accum)
+        reader.batch(step, micro, layout)
         calls.enabled = False
         made = calls.of("MainThread") - before
         if reader._working.opened == opened:
@@ -128,8 +129,9 @@ def test_a_reader_holds_no_more_than_its_share_of_the_cache(corpus, tmp_path):
     direct = ReplayReader(doc, root, 1, shuffle_window=32)
     for step in range(160 // 4):
         for rank, reader in enumerate(readers):
-            got = reader.batch(step, 0, rank, 2, 2, 1)
-            assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, direct.batch(step, 0, rank, 2, 2, 1)))
+            layout = BatchLayout(micro_batch=2, grad_accum=1, rank=rank, world_size=2)
+            got = reader.batch(step, 0, layout)
+            assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, direct.batch(step, 0, layout)))
             assert len(list(caches[rank]._holding)) <= 1
             assert cf.scan(tmp_path / "cache", prune=False)[0] <= 2 * shard_bytes
     for reader, cache in zip(readers, caches):

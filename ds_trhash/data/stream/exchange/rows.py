@@ -38,6 +38,7 @@ that no member's exchange is left unmatched and close never waits for a read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import queue
 import threading
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_trhash.batch_layout import micro_batch_start, step_rows
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.formats.shards import TOKEN_DTYPE
 from ds_trhash.data.stream.deadline import read_deadline
 from ds_trhash.data.stream.exchange.chunk import HEADER, OK, STOPPED, Chunk, peer_error, status_of
@@ -78,17 +79,16 @@ class RowExchange:
     issues nothing else on it); ``node`` / ``nodes``: this rank's node and the node count;
     ``end``: the step the stage stops before; ``budget_s``: one read's budget (None: none)."""
 
-    def __init__(self, reader: ReplayReader, micro_batch: int, grad_accum: int, rank: int, world_size: int,
-                 node: int, nodes: int, group=None, end: Optional[int] = None, chunk_rows: int = CHUNK_ROWS,
+    def __init__(self, reader: ReplayReader, layout: BatchLayout, node: int, nodes: int, group=None,
+                 end: Optional[int] = None, chunk_rows: int = CHUNK_ROWS,
                  finish: Optional[Callable[[torch.Tensor, torch.Tensor], Batch]] = None,
                  budget_s: Optional[float] = None) -> None:
-        if world_size % nodes or not 0 <= node < nodes:
-            raise ReaderError(f"world size {world_size} is not {nodes} nodes of equal rank counts (node {node})")
-        self.reader, self.micro_batch, self.grad_accum = reader, micro_batch, grad_accum
-        self.rank, self.world_size, self.node, self.nodes, self.group = rank, world_size, node, nodes, group
-        per_node = world_size // nodes
-        self.members = [m * per_node + rank % per_node for m in range(nodes)]  # the group, in node order
-        self.global_batch = step_rows(micro_batch, grad_accum, world_size)
+        if layout.world_size % nodes or not 0 <= node < nodes:
+            raise ReaderError(f"world size {layout.world_size} is not {nodes} nodes of equal rank counts (node {node})")
+        self.reader, self.layout, self.node, self.nodes, self.group = reader, layout, node, nodes, group
+        per_node = layout.world_size // nodes
+        self.members = [m * per_node + layout.rank % per_node for m in range(nodes)]  # the group, in node order
+        self.global_batch = layout.global_batch
         self.chunk_steps = max(1, chunk_rows // self.global_batch)
         self.plan_steps = reader.num_rows // self.global_batch
         self.end = self.plan_steps if end is None else min(int(end), self.plan_steps)
@@ -120,11 +120,11 @@ class RowExchange:
 
     def _positions(self, rank: int, steps: range) -> np.ndarray:
         """Positions in the chunk's rows of ``rank``'s rows, in the order it trains on them (step,
-        micro-step, row; ``batch_layout.micro_batch_start``)."""
-        first = steps.start * self.global_batch
-        starts = np.array([micro_batch_start(step, micro, rank, self.micro_batch, self.grad_accum, self.world_size)
-                           for step in steps for micro in range(self.grad_accum)]) - first  # [steps · ga]
-        return (starts[:, None] + np.arange(self.micro_batch)[None, :]).reshape(-1)
+        micro-step, row; ``BatchLayout.first_row``)."""
+        first, layout = steps.start * self.global_batch, dataclasses.replace(self.layout, rank=rank)
+        starts = np.array([layout.first_row(step, micro)
+                           for step in steps for micro in range(layout.grad_accum)]) - first  # [steps · ga]
+        return (starts[:, None] + np.arange(layout.micro_batch)[None, :]).reshape(-1)
 
     def _keys_owned(self, refs: list[RowRef]) -> tuple[Key, ...]:
         return tuple(key for key in dict.fromkeys((s, f) for s, f, _ in refs) if self.owner[key] == self.node)
@@ -145,7 +145,7 @@ class RowExchange:
         steps, refs = self._steps(chunk), self._rows(chunk)
         owner = np.fromiter((self.owner[(s, f)] for s, f, _ in refs), dtype=np.int64, count=len(refs))
         sends = [wanted[owner[wanted] == self.node] for wanted in (self._positions(m, steps) for m in self.members)]
-        mine = owner[self._positions(self.rank, steps)]
+        mine = owner[self._positions(self.layout.rank, steps)]
         places = [np.nonzero(mine == node)[0] for node in range(self.nodes)]
         return Chunk(refs, sends, [HEADER + len(part) * self._row_bytes for part in sends],
                      [HEADER + len(place) * self._row_bytes for place in places], places, len(mine))
@@ -267,7 +267,8 @@ class RowExchange:
         rows = self._unpack(chunk, found)
         if chunk in self._agreed:  # another group's read failed: every rank stops here
             raise peer_error(*self._agreed[chunk], self._steps(chunk))
-        tensor = torch.from_numpy(rows).view(-1, self.grad_accum, self.micro_batch, rows.shape[1])  # [steps, ga, mb, L+1]
+        layout = self.layout
+        tensor = torch.from_numpy(rows).view(-1, layout.grad_accum, layout.micro_batch, rows.shape[1])  # [steps, ga, mb, L+1]
         return [[self._finish(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()) for batch in step]
                 for step in tensor]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.exchange import NodeLayoutError, RowExchange, agreed_node_count
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
@@ -92,8 +93,8 @@ def _scenario(rank, groups, root, plan, folder, bad, how, signalled, first, whic
     reader, release = ReplayReader(plan, None, 3, cache=cache), threading.Event()
     if rank == bad:
         _misbehave(reader, how, release, which)
-    exchange = RowExchange(reader, MICRO, ACCUM, rank, WORLD, node, NODES, groups[rank % PER_NODE], chunk_rows=16,
-                           budget_s=BUDGET_S)
+    layout = BatchLayout(micro_batch=MICRO, grad_accum=ACCUM, rank=rank, world_size=WORLD)
+    exchange = RowExchange(reader, layout, node, NODES, groups[rank % PER_NODE], chunk_rows=16, budget_s=BUDGET_S)
     requests = StopRequests()
     ctrl_c = (lambda: requests.handle(signal.SIGINT)) if rank == signalled else (lambda: None)
     stop = StopAgreement(requests, LauncherWatch(), WORLD, data=_Batches(exchange, ctrl_c))  # Ctrl-C during the wait

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.exchange import PeerReadError, RowExchange, owners
 from ds_trhash.data.stream.opening import open_corpus
 from ds_trhash.data.stream.reader import ReplayReader
@@ -32,8 +33,8 @@ def _scenario(rank, groups, root, plan, folder, broken, first):
                 raise OSError("disk gone")
             return real(*args)
         reader.read_rows = failing
-    exchange = RowExchange(reader, MICRO, ACCUM, rank, WORLD, node, NODES, groups[rank % PER_NODE],
-                           end=5, chunk_rows=16)
+    layout = BatchLayout(micro_batch=MICRO, grad_accum=ACCUM, rank=rank, world_size=WORLD)
+    exchange = RowExchange(reader, layout, node, NODES, groups[rank % PER_NODE], end=5, chunk_rows=16)
     direct = ReplayReader(plan, root, 3)
     steps = direct.num_rows // (MICRO * ACCUM * WORLD)
     exchange.start(first)
@@ -43,7 +44,7 @@ def _scenario(rank, groups, root, plan, folder, broken, first):
     try:
         for step in range(first, steps):  # the stage ends at 5: step 5 is still the plan's
             for micro, (inputs, labels) in enumerate(exchange.get(step)):
-                want = direct.batch(step, micro, rank, WORLD, MICRO, ACCUM)
+                want = direct.batch(step, micro, exchange.layout)
                 assert torch.equal(inputs, want[0]) and torch.equal(labels, want[1]), (rank, step, micro)
                 assert inputs.dtype == torch.int64
     except Exception as exc:

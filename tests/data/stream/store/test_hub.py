@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.cache import ShardIntegrityError
 from ds_trhash.data.stream.opening import CorpusError, open_corpus, resume_commit
 from ds_trhash.data.stream.reader import ReplayReader
@@ -21,7 +22,8 @@ def fast_store(**kw) -> HubStore:
 
 
 def rows(reader, steps=6):
-    return [reader.batch(step, 0, 0, 1, 4, 1) for step in range(steps)]
+    layout = BatchLayout(micro_batch=4, grad_accum=1, rank=0, world_size=1)
+    return [reader.batch(step, 0, layout) for step in range(steps)]
 
 
 def test_rows_from_the_hub_equal_rows_from_local_disk(hub_corpus, tmp_path):
