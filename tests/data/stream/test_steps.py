@@ -37,7 +37,8 @@ def fetch_workers() -> list[int]:
     """This process's prefetch processes (``fetch_worker``) still running or not yet reaped."""
     children = []
     for task in os.listdir("/proc/self/task"):
-        children += open(f"/proc/self/task/{task}/children").read().split()
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            children += open(f"/proc/self/task/{task}/children").read().split()
     found = []
     for pid in children:
         with contextlib.suppress(FileNotFoundError):  # exited and reaped since the listing
