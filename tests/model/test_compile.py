@@ -37,6 +37,13 @@ def breaks(fn, *args, **kwargs):
     return explanation.graph_break_count, [b.reason for b in explanation.break_reasons]
 
 
+
+def assert_same_grads(compiled, eager, rtol: float, atol: float) -> None:
+    """Every parameter's gradient of the compiled model equals the eager one's, by name."""
+    grads = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=rtol, atol=atol, msg=name)
+
 def test_decoder_layer_and_model_trace_without_graph_breaks(batch):
     model = make_model()
     assert breaks(model, **batch) == (0, [])
@@ -64,9 +71,7 @@ def test_compiled_model_matches_eager_forward_and_gradients(batch):
     torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-5, atol=1e-6)
     loss_eager.backward()
     loss_compiled.backward()
-    grads = dict(compiled_model.named_parameters())
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_grads(compiled_model, eager, rtol=1e-4, atol=1e-6)
     assert compiled_model.layers[0].mlp.engine.expert_gate.grad.abs().sum() > 0
 
 
@@ -142,9 +147,7 @@ def test_a_compiled_model_runs_the_liger_loss_outside_its_graph_and_matches_eage
     torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-6, atol=1e-6)
     loss_eager.backward()
     loss_compiled.backward()
-    grads = dict(compiled.named_parameters())
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert_same_grads(compiled, eager, rtol=1e-5, atol=1e-7)
     assert compiled.backends_used()["loss"] == "liger"
 
 
