@@ -71,7 +71,7 @@ def test_an_outage_beyond_the_budget_stops_cleanly_and_resume_auto_finishes(tmp_
         assert stopped.returncode == 2 and "Traceback" not in said, L.explain(stopped)
         assert "Hub answers HTTP 503" in said and "retrying in 1 s" in said, L.explain(stopped)
         # the read gave up on the Hub itself, or on the prefetch process's download of the shard (within one budget)
-        assert re.search(r"error: rank 0: cannot get a/\S+ (\(hf://.* after \d+ attempts over .* \(last: HTTP 503\)|"
+        assert re.search(r"error: rank 0: cannot get \w+/\S+ (\(hf://.* after \d+ attempts over .* \(last: HTTP 503\)|"
                          r"within data.hub_wait_minutes \(3 s\): another process of this node)", said), L.explain(stopped)
         kept = L.checkpoint_steps(out)
         assert kept and f"the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with " \
