@@ -57,10 +57,10 @@ DIST := -n 3 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q $(DIST) tests
 
-# The inner loop: every in-process test, no training launch (those carry the `launch` marker,
+# The inner loop: every in-process test, no training launch (those carry the `e2e` marker,
 # pytest.ini); the same workers. `make test` is still what CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q $(DIST) -m "not launch" tests
+	$(PY) -m pytest -q $(DIST) -m "not e2e" tests
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

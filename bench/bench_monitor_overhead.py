@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ds_trhash.training.launch.command import free_port
+from ds_trhash.deepspeed_command import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

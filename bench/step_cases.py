@@ -75,7 +75,7 @@ class Ctx:
         (engine*, and manual, its like-for-like baseline). Each case runs in a process of its
         own, so the deterministic mode set here reaches no other case."""
         from ds_trhash.training.determinism import use_deterministic_kernels
-        from ds_trhash.training.launch.plan import kernel_choice
+        from ds_trhash.training.preparation.plan import kernel_choice
 
         use_deterministic_kernels(self.train_cfg.training.deterministic)
         return kernel_choice(self.train_cfg, self.model_cfg, self.device)

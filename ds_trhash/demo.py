@@ -19,7 +19,7 @@ from ds_trhash import outputs
 from ds_trhash.argtypes import positive_int
 from ds_trhash.checkpoints import find_resumable
 from ds_trhash.errors import UserError
-from ds_trhash.training.launch.command import REPO, deepspeed_command
+from ds_trhash.deepspeed_command import REPO, deepspeed_command
 
 # Written into each stage directory the demo creates: only such a directory (or an empty one) is
 # ever cleared by a later demo; anything else under --root was made by someone else.

@@ -6,7 +6,7 @@ single line naming what is wrong and how to fix it, and exits with status ``exit
 unless the class says otherwise). Any other exception is a bug and keeps its traceback.
 
 Two places turn a user error into its message and exit code: ``ds_trhash.cli.main`` for every
-``ds-trhash`` command and ``ds_trhash.training.launcher.main`` for a training launch. Code below
+``ds-trhash`` command and ``ds_trhash.training.entrypoint.main`` for a training launch. Code below
 them raises; it never prints an error and returns 2 itself. This module imports nothing of ours,
 so every package can derive its errors from it.
 """

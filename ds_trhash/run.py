@@ -10,8 +10,9 @@ from __future__ import annotations
 from ds_trhash.eval.callbacks import EVAL_CALLBACKS
 from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR
 from ds_trhash.release.lifecycle.finish import finish_stage
-from ds_trhash.training import launcher
+from ds_trhash.training import entrypoint
 from ds_trhash.training.callbacks import Callback, RunContext, training_parts
+from ds_trhash.training.signals import StopRequests
 
 
 class StageEndCallback(Callback):
@@ -49,5 +50,6 @@ def launch_parts() -> list[type[Callback]]:
     return [*training_parts(evaluation=EVAL_CALLBACKS), StageEndCallback]
 
 
-def main(argv: list[str] | None = None) -> int:
-    return launcher.main(argv, parts=launch_parts())
+def main(argv: list[str] | None = None, requests: StopRequests | None = None) -> int:
+    """One launch with every part; ``requests``: the stop-signal recorder ``launch/train.py`` installed."""
+    return entrypoint.main(argv, parts=launch_parts(), requests=requests)

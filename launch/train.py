@@ -10,11 +10,11 @@ import sys
 # First of all, before torch and DeepSpeed are imported (seconds): from here on SIGTERM/SIGINT
 # only record a stop request, so a rank that another rank's early exit gets terminated by
 # launch.py still prints its own message (ds_trhash/training/signals.py).
-from ds_trhash.training.signals import install
+from ds_trhash.training.signals import StopRequests
 
-install()
+REQUESTS = StopRequests().install()  # the launch's one recorder, handed to the entry point
 
 from ds_trhash.run import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(requests=REQUESTS))

@@ -32,16 +32,6 @@ import pytest  # noqa: E402
 from tests.data.sft_fixtures import tokenizer, tokenizer_dir  # noqa: E402,F401
 
 
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored():
-    """A test that runs ``launcher.main`` in-process installs the launch's stop handlers; the
-    next test (and Ctrl-C of pytest itself) gets the previous ones back."""
-    yield
-    from ds_trhash.training.callbacks.stop import uninstall
-
-    uninstall()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _default_shard_cache(tmp_path_factory):
     """The default shard cache is node-local scratch shared by every launch of the machine; each
@@ -68,9 +58,9 @@ def shared_session_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-# ----------------------------------------------------------------------------- the launch marker
-# `make test-fast` runs `-m "not launch"`: every test that starts a training launch must carry
-# @pytest.mark.launch (pytest.ini), or the fast loop would start one. So that the marker stays
+# ----------------------------------------------------------------------------- the e2e marker
+# `make test-fast` runs `-m "not e2e"`: every test that starts a training launch must carry
+# @pytest.mark.e2e (pytest.ini), or the fast loop would start one. So that the marker stays
 # true, a test without it (and the fixtures it sets up) cannot start one: any process whose
 # command line is a launch fails the test, in every run of the suite.
 
@@ -94,7 +84,7 @@ def _guarded_popen_init(original):
     def init(self, args, *rest, **kwargs):
         if not _LAUNCH_MARKED["now"] and starts_a_launch(args):
             raise AssertionError(f"this test starts a training launch ({' '.join(map(str, args))[:200]}) but is not "
-                                 "marked @pytest.mark.launch (make test-fast would run it)")
+                                 "marked @pytest.mark.e2e (make test-fast would run it)")
         original(self, args, *rest, **kwargs)
 
     return init
@@ -107,7 +97,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # before the item's fixtures are set up: a module or session fixture that launches belongs to it
-    _LAUNCH_MARKED["now"] = item.get_closest_marker("launch") is not None
+    _LAUNCH_MARKED["now"] = item.get_closest_marker("e2e") is not None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ def test_ranks_on_node_reads_either_variable(env, expected):
 
 
 def test_the_launch_checks_use_the_same_lookup(monkeypatch):
-    from ds_trhash.training.launch import resources
+    from ds_trhash.training.preparation import resources
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "3")
@@ -78,7 +78,7 @@ def _rank_worker(rank, port, marker, out):
 def test_with_two_ranks_the_barrier_waits_for_the_late_one(tmp_path):
     import torch.multiprocessing as mp
 
-    from ds_trhash.training.launch.command import free_port
+    from ds_trhash.deepspeed_command import free_port
 
     out = mp.Manager().dict()
     mp.start_processes(_rank_worker, args=(free_port(), tmp_path / "marker", out), nprocs=2, join=True,

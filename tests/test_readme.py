@@ -112,7 +112,7 @@ def _stand_in_runs(root: Path, tokenizer_dir: Path) -> None:
 def _check_launch(argv: list[str], cwd: Path, launcher: str = "deepspeed") -> None:
     """The launcher's own parser for its part (DeepSpeed's runner, or torchrun's), the trainer's
     parser and config loader for the rest."""
-    from ds_trhash.training.launcher import build_arg_parser, config_from_args
+    from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 
     if launcher == "torchrun":
         from torch.distributed.run import get_args_parser
@@ -188,7 +188,7 @@ def test_every_docs_command_parses(monkeypatch):
     a bare `--set KEY=VALUE` (docs/configs.md) one shell word, validated on the tiny SFT config."""
     from ds_trhash.cli import build_parser
     from ds_trhash.training.config import load_config
-    from ds_trhash.training.launcher import config_from_args
+    from ds_trhash.training.entrypoint import config_from_args
 
     monkeypatch.chdir(REPO)  # the docs run from the repository root
     checked = {"deepspeed": 0, "torchrun": 0, "ds-trhash": 0, "--set": 0}

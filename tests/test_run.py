@@ -47,14 +47,15 @@ FORBIDDEN = {
     "io.py": ("ds_trhash.",),
     "argtypes.py": ("ds_trhash.",),
     "batch_layout.py": ("ds_trhash.",),
+    "deepspeed_command.py": ("ds_trhash.",),
     "outputs.py": ("ds_trhash.training", "ds_trhash.data", "ds_trhash.model", "ds_trhash.checkpoints",
                    "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.ops", "ds_trhash.io"),
     "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report", "ds_trhash.training.trainer"),
     # the launch plan and the run's records sit below the trainer: both it and preflight import them
-    "training/launch": ("ds_trhash.training.trainer", "ds_trhash.training.launcher", "ds_trhash.training.loop",
-                        "ds_trhash.prelaunch"),
-    "training/records": ("ds_trhash.training.trainer", "ds_trhash.training.launcher", "ds_trhash.training.loop",
-                         "ds_trhash.training.launch", "ds_trhash.training.callbacks"),
+    "training/preparation": ("ds_trhash.training.trainer", "ds_trhash.training.entrypoint",
+                             "ds_trhash.training.loop", "ds_trhash.prelaunch"),
+    "training/records": ("ds_trhash.training.trainer", "ds_trhash.training.entrypoint", "ds_trhash.training.loop",
+                         "ds_trhash.training.preparation", "ds_trhash.training.callbacks"),
 }
 
 

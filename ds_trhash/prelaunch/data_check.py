@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ds_trhash.training.launch.stage_data import StageData, embedded_root, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.preparation.stage_data import StageData, embedded_root, prepare_pretrain_data, prepare_sft_data
 
 # A check run before GPUs are rented answers within seconds: it waits out a Hub outage only this
 # long (a training launch waits data.hub_wait_minutes).

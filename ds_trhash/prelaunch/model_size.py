@@ -4,7 +4,7 @@ Parameters (total, and active per token: a token passes through top_k of the rou
 training FLOPs per token, and the memory of one GPU for the config's ZeRO stage, ep_size,
 precision, micro-batch and sequence length: weights, gradients, optimizer state and activations,
 with and without activation checkpointing. The model is built on the meta device (shapes, no
-storage: ``training.launch.footprint``), so a 1B shape costs a fraction of a second on a laptop.
+storage: ``training.preparation.footprint``), so a 1B shape costs a fraction of a second on a laptop.
 
 Where DeepSpeed has an estimator of its own (ZeRO 2 with 16-bit weights:
 ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``), its figure for
@@ -82,7 +82,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
     world size cannot hold the config (ep_size, the global batch)."""
     from ds_trhash.model.flops import train_flops_per_token
     from ds_trhash.training import config as tcfg
-    from ds_trhash.training.launch import footprint as fp
+    from ds_trhash.training.preparation import footprint as fp
 
     world = gpus * nodes
     cfg = tcfg.for_world(cfg, world)

@@ -7,10 +7,10 @@ and kernels the profile resolves to, the data, the stage transition from the sou
 checkpoint, the output directory, memory against an estimate for the micro-batch, and the disk
 the run's checkpoints will take. Exit 0 when nothing failed (warnings allowed), 2 otherwise.
 
-The verdicts are the trainer's own: the checks ``training.launch.plan.plan_launch`` makes for a
+The verdicts are the trainer's own: the checks ``training.preparation.plan.plan_launch`` makes for a
 launch (config validation, data checks, stage guard and the --init-checkpoint's weights, output
 directory and resume checks, the kernel choice), called one by one here so that each gets its
-line, and the resource checks of ``training.launch.resources``, whose cheap part the trainer also
+line, and the resource checks of ``training.preparation.resources``, whose cheap part the trainer also
 runs at launch.
 """
 from __future__ import annotations
@@ -29,15 +29,15 @@ from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import check_runnable
-from ds_trhash.training.launch import checks as launch_checks
-from ds_trhash.training.launch import resources as res
-from ds_trhash.training.launch.footprint import estimate
-from ds_trhash.training.launch.init_weights import read_init_weights
-from ds_trhash.training.launch.output import check_output_side, check_resume
-from ds_trhash.training.launch.plan import kernel_choice
-from ds_trhash.training.launch.resources import FAIL, PASS, WARN, Check
-from ds_trhash.training.launch.stage_guard import guard_stage
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.preparation import checks as launch_checks
+from ds_trhash.training.preparation import resources as res
+from ds_trhash.training.preparation.footprint import estimate
+from ds_trhash.training.preparation.init_weights import read_init_weights
+from ds_trhash.training.preparation.output import check_output_side, check_resume
+from ds_trhash.training.preparation.plan import kernel_choice
+from ds_trhash.training.preparation.resources import FAIL, PASS, WARN, Check
+from ds_trhash.training.preparation.stage_guard import guard_stage
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}

@@ -112,7 +112,7 @@ def _deepspeed() -> Path:
 def check_job(args: argparse.Namespace) -> SlurmJob:
     """Every check, nothing written: the job as the script will run it."""
     from ds_trhash.training import config as tcfg
-    from ds_trhash.training.launcher import launch_overrides
+    from ds_trhash.training.entrypoint import launch_overrides
 
     workdir = Path.cwd()
     if not (workdir / "launch" / "train.py").is_file():
@@ -189,7 +189,7 @@ def run_slurm(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ds_trhash.training.launcher import build_arg_parser
+    from ds_trhash.training.entrypoint import build_arg_parser
 
     p = subparsers.add_parser("ops", help="training on clusters: `ops slurm` writes a SLURM batch job for a launch")
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)

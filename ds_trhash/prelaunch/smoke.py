@@ -49,10 +49,10 @@ from ds_trhash.release.export import command as export_command
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.display import format_duration
-from ds_trhash.training.launch.command import deepspeed_command
-from ds_trhash.training.launch.footprint import estimate, gib
-from ds_trhash.training.launch.resources import default_nproc, probe_devices
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.deepspeed_command import deepspeed_command
+from ds_trhash.training.preparation.footprint import estimate, gib
+from ds_trhash.training.preparation.resources import default_nproc, probe_devices
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 
 EXIT_FAILED = 1  # a step of the smoke failed (a refusal of its own arguments exits EXIT_USER_ERROR)
 OWNED = (("output_dir", "--output-dir"), ("resume", "--resume"), ("max_steps", "--max-steps"))

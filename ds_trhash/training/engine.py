@@ -144,7 +144,7 @@ DEFAULT_GROUP_MINUTES = 30.0  # the default group's timeout unless a launch need
 
 def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); the default
-    group's collectives fail after ``timeout_minutes`` (``launcher.group_timeout_minutes``)."""
+    group's collectives fail after ``timeout_minutes`` (``entrypoint.group_timeout_minutes``)."""
     import deepspeed
 
     os.environ.setdefault("RANK", "0")

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from ds_trhash.batch_layout import step_rows, step_tokens
 
-__all__ = ["BatchLayout", "resolve", "check_static"]
+__all__ = ["GlobalBatch", "resolve", "check_static"]
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class GlobalBatch:
     """How one optimizer step is cut for this world size."""
 
     seq_len: int
@@ -79,10 +79,10 @@ def check_static(seq_len: int, micro_batch: int, grad_accum: int | None, global_
 
 
 def resolve(seq_len: int, micro_batch: int, grad_accum: int | None, global_tokens: int | None,
-            world_size: int) -> BatchLayout | tuple[str, str]:
+            world_size: int) -> GlobalBatch | tuple[str, str]:
     """The layout on ``world_size`` ranks, or (key, problem) naming what to change."""
     if global_tokens is None:
-        return BatchLayout(seq_len, micro_batch, grad_accum or 1, world_size, derived=False)
+        return GlobalBatch(seq_len, micro_batch, grad_accum or 1, world_size, derived=False)
     static = check_static(seq_len, micro_batch, grad_accum, global_tokens)
     if static:
         return static
@@ -95,7 +95,7 @@ def resolve(seq_len: int, micro_batch: int, grad_accum: int | None, global_token
                                         f"world size {world_size}: {seq_len} x {micro_batch} x {grad_accum} x "
                                         f"{world_size} = {step_tokens(micro_batch, grad_accum, world_size, seq_len):,} tokens; drop "
                                         f"batch.grad_accum (derived: {derived} here) or set batch.global_tokens null")
-        return BatchLayout(seq_len, micro_batch, derived, world_size, derived=True)
+        return GlobalBatch(seq_len, micro_batch, derived, world_size, derived=True)
     head = (f"batch.global_tokens {global_tokens:,} ({rows} rows of {seq_len}) does not split over world size "
             f"{world_size} with micro_batch {micro_batch} ({per_step} rows per accumulation step)")
     if rows % world_size == 0:

@@ -8,6 +8,10 @@ showed only DeepSpeed's "exits with return code = 2"). Installed first, the requ
 recorded; rank 0 goes on to its own refusal, prints it, and exits. ``callbacks/stop.py`` turns
 the recorded requests into a stop every rank agrees on.
 
+``launch/train.py`` is the one place that installs a recorder: it hands it to the entry point
+(``run.main`` -> ``entrypoint.main`` -> ``trainer.run_stage``). A caller that runs a launch
+inside its own process (the tests) passes none and keeps its own handlers.
+
 SIGUSR1 is a scheduler's warning that the job's time is running out (a SLURM job written by
 ``ds-trhash ops slurm`` asks for it before its time limit): the same stop with a checkpoint, after
 which every rank exits ``EXIT_REQUEUE`` instead of 0, so the job script knows to requeue the job
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,23 +93,3 @@ class StopRequests:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-_PROCESS_REQUESTS: StopRequests | None = None
-
-
-def install(signals: Iterable[int] = STOP_SIGNALS) -> StopRequests:
-    """The process-wide recorder, installed at the start of a launch (idempotent)."""
-    global _PROCESS_REQUESTS
-    if _PROCESS_REQUESTS is None:
-        _PROCESS_REQUESTS = StopRequests(signals=tuple(signals)).install()
-    return _PROCESS_REQUESTS
-
-
-def uninstall() -> None:
-    """Give the previous handlers back: for callers that run a launch inside a longer-lived
-    process (tests calling ``launcher.main``); a real launch keeps them until it exits."""
-    global _PROCESS_REQUESTS
-    if _PROCESS_REQUESTS is not None:
-        _PROCESS_REQUESTS.uninstall()
-        _PROCESS_REQUESTS = None

@@ -1,7 +1,7 @@
 """One launch of one stage: plan → model → engine → restored state → callbacks → loop.
 
 Everything that can refuse a launch (config, data manifests, plan identity, stage transition,
-resume compatibility, resources, kernels) is decided by ``training.launch.plan.plan_launch``
+resume compatibility, resources, kernels) is decided by ``training.preparation.plan.plan_launch``
 before the model is allocated, so a wrong launch costs seconds and writes nothing.
 """
 
@@ -31,18 +31,18 @@ from ds_trhash.training.callbacks import (
     make_callbacks,
 )
 from ds_trhash.training.batches import data_wait_line
-from ds_trhash.training.callbacks.stop import install as install_stop_handlers
 from ds_trhash.training.display import Progress
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
-from ds_trhash.training.launch import checks as launch_checks
-from ds_trhash.training.launch import resources
-from ds_trhash.training.launch.output import OutputSide
-from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
+from ds_trhash.training.preparation import checks as launch_checks
+from ds_trhash.training.preparation import resources
+from ds_trhash.training.preparation.output import OutputSide
+from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
 from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.files import CONFIG_FILE
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
 from ds_trhash.training.records.monitor import MonitorSink
+from ds_trhash.training.signals import StopRequests
 from ds_trhash.training.summary import startup_summary
 
 log = logging.getLogger("ds_trhash.trainer")
@@ -151,7 +151,8 @@ def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, d
     return trainer_state
 
 
-def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, state: loop.TrainState) -> RunContext:
+def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, state: loop.TrainState,
+                requests: StopRequests | None = None) -> RunContext:
     """What the callbacks are built from: the engine and model, the record writers (opened here,
     closed by the metrics callback), the stop agreement, the trainer-state builder."""
     cfg, data, output_dir = plan.cfg, plan.data, plan.output_dir
@@ -162,9 +163,9 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
     model.track_expert_load = True  # counted on the device; read at logged steps only
     expert_load = ExpertLoadWriter(output_dir / EXPERT_LOAD_FILE, plan.model_config.num_experts, rank,
                                    resume_step=first_step)
-    # Signals were recorded since the launcher started (callbacks.stop.install); from here on
+    # Signals were recorded since launch/train.py started (training/signals.py); from here on
     # every rank asks once per step whether any rank wants to stop.
-    stop = StopAgreement(install_stop_handlers(), LauncherWatch.for_this_process(), plan.world,
+    stop = StopAgreement(requests or StopRequests(), LauncherWatch.for_this_process(), plan.world,
                          data=data.batches if hasattr(data.batches, "readiness") else None)
     return RunContext(
         cfg=cfg, rank=rank, world=plan.world, output_dir=output_dir, device=plan.device, engine=engine,
@@ -179,23 +180,25 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
 
 def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
               parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None,
-              on_first_write: Callable[[], None] | None = None) -> loop.TrainState:
+              on_first_write: Callable[[], None] | None = None,
+              requests: StopRequests | None = None) -> loop.TrainState:
     """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
     point composes them, evaluation included); default ``training_parts()``, without evaluation.
     ``checked``: what ``check_output_side`` decided under the run lock. ``on_first_write``: called
-    once every check passed, right before the launch's first write (the run lock is kept then)."""
+    once every check passed, right before the launch's first write (the run lock is kept then).
+    ``requests``: the process's stop-signal recorder (``launch/train.py``); None records nothing."""
     plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
     if on_first_write is not None:
         on_first_write()
     try:
         start_writing(plan, rank)
-        return _train_stage(plan, rank, world)
+        return _train_stage(plan, rank, world, requests)
     finally:  # every way out (the end, a stop, an error): the data's thread and shard cache closed
         if plan.data.stop is not None:
             plan.data.stop()
 
 
-def _train_stage(plan: LaunchPlan, rank: int, world: int) -> loop.TrainState:
+def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests | None) -> loop.TrainState:
     """The stage once its data is open: model, engine, restored state, callbacks, the loop."""
     cfg, data = plan.cfg, plan.data
     model = build_model(plan, rank)
@@ -208,7 +211,7 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int) -> loop.TrainState:
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:
         announce(plan, progress, model, engine, ds_config, state)
-    run = run_context(plan, rank, engine.engine, model, progress, state)
+    run = run_context(plan, rank, engine.engine, model, progress, state, requests)
     # the callbacks close the records and the display, even when a step raises
     callbacks = make_callbacks(list(plan.builders), run)
     guard = NonFiniteGuard.from_config(cfg, log=progress.message)

@@ -51,7 +51,7 @@ def test_resume_auto_falls_back_past_a_forged_step_and_an_explicit_resume_refuse
 
 
 def test_init_checkpoint_of_a_run_passes_over_an_inconsistent_last_step(tmp_path):
-    from ds_trhash.training.launch.checks import LaunchCheckError, resolve_init_checkpoint
+    from ds_trhash.training.preparation.checks import LaunchCheckError, resolve_init_checkpoint
 
     lines, log = messages()
     save(tmp_path, 3, trainer_state=consistent(3), write_engine_state=engine(3))

@@ -51,7 +51,7 @@ def _stopped_at(reference, out):
     return out
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 @pytest.mark.parametrize("zero", [1, 2])
 def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(root, two_rank_run, zero):
     reference = two_rank_run(zero)
@@ -82,7 +82,7 @@ def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(roo
         torch.testing.assert_close(final[name], ref_final[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root, two_rank_run):
     """The data order is world-size independent: with G fixed, step s reads rows [s·G, (s+1)·G)."""
     from ds_trhash.data.plans.plan import load_plan
@@ -110,7 +110,7 @@ def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root,
         assert len(refs) == GLOBAL
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_plain_resume_onto_another_world_size_is_refused_and_points_to_reshard(root, two_rank_run):
     out = _stopped_at(two_rank_run(1), root / "plain")
     proc = L.single(_args(out, micro=8, extra=["--resume", "auto"]))
@@ -119,7 +119,7 @@ def test_plain_resume_onto_another_world_size_is_refused_and_points_to_reshard(r
     assert not _step_dir(out, 9).exists() and not (out / ck.RESHARD_DIR).exists()
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_reshard_that_changes_the_global_batch_is_refused_naming_both(root, two_rank_run):
     out = _stopped_at(two_rank_run(1), root / "global-batch")
     # a per-rank batch (no global_tokens): micro_batch 4 on one rank is half the checkpoint's batch
@@ -133,7 +133,7 @@ def test_reshard_that_changes_the_global_batch_is_refused_naming_both(root, two_
 # ----------------------------------------------------------------------------- in process
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_universal_conversion_verifies_its_source_and_reuses_only_a_verified_copy(root, two_rank_run, tmp_path):
     source = tmp_path / "checkpoints" / f"step_{STOP:08d}"
     shutil.copytree(_step_dir(two_rank_run(1), STOP), source)
@@ -162,7 +162,7 @@ def test_universal_conversion_verifies_its_source_and_reuses_only_a_verified_cop
     assert not first.exists()
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_an_engine_built_without_load_universal_is_refused_for_a_reshard(root, two_rank_run):
     class Engine:  # only what load_engine_state asks before loading
         def load_universal_checkpoint(self):
@@ -180,7 +180,7 @@ def deepspeed_env(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_universal_load_restores_every_weight_frozen_ones_included(root, two_rank_run, tmp_path, deepspeed_env):
     """In process, on 1 rank: the 2-rank ZeRO-1 checkpoint loads bit-exact (fp32), the schedule
     and step with it. A frozen parameter (as in LoRA mode) is not held by the optimizer, which is

@@ -9,7 +9,7 @@ from ds_trhash import checkpoints as ck
 from ds_trhash.checkpoints import CheckpointError, inspect_saved_parts, load_weights_only, verify
 from ds_trhash.checkpoints.stages import Stage
 from ds_trhash.training.engine import without_shared_memory_op
-from ds_trhash.training.launch.command import free_port
+from ds_trhash.deepspeed_command import free_port
 from tests.checkpoints.helpers import save
 
 

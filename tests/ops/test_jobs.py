@@ -8,7 +8,7 @@ import pytest
 from tests.ops.conftest import EVERY, KILL_AFTER_STEP, PROBE_ARGS, SECRET, SECRET_VALUE, STEPS
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 def test_a_sigkilled_rank_is_restarted_and_the_run_ends_bit_identical(supervised):

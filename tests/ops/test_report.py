@@ -12,7 +12,7 @@ from ds_trhash.report.plots import DPI, HEIGHT_IN, WIDTH_IN
 from tests.ops.conftest import cli
 from tests.ops.test_manifest import tree_hash
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
 
 

@@ -18,7 +18,7 @@ def _figures(capsys, *argv):
 
 
 def test_the_200m_preset_counts_the_released_parameters_without_allocating(capsys, monkeypatch):
-    from ds_trhash.training.launch import footprint
+    from ds_trhash.training.preparation import footprint
 
     built = []
     real_meta_model = footprint.meta_model
@@ -153,7 +153,7 @@ def _saved_bytes_per_token(num_layers: int, dtype: torch.dtype, tokens: int = 32
 def test_the_activation_term_of_a_layer_is_what_autograd_keeps(dtype):
     """layer_bytes_per_token against a count of the tensors saved for backward (PyTorch kernels on
     CPU, the 200m widths): one layer more adds what the formula says, within 2 %."""
-    from ds_trhash.training.launch.footprint import layer_bytes_per_token
+    from ds_trhash.training.preparation.footprint import layer_bytes_per_token
 
     measured = _saved_bytes_per_token(3, dtype) - _saved_bytes_per_token(2, dtype)
     act = torch.tensor([], dtype=dtype).element_size()
@@ -164,7 +164,7 @@ def test_the_fused_kernels_keep_less_and_the_engine_peak_is_estimated_within_ten
     """At the bench's shape the estimate (activations for Triton experts + Liger, DeepSpeed's
     gradient bucket, the model states, 1 GiB of runtime) is within 10 % of the engine's measured
     peak; kernels.policy pytorch counts the reference kernels, which keep more."""
-    from ds_trhash.training.launch.footprint import layer_bytes_per_token
+    from ds_trhash.training.preparation.footprint import layer_bytes_per_token
 
     mc = TRHashConfig()
     fused, reference = layer_bytes_per_token(mc, 2, fused=True), layer_bytes_per_token(mc, 2, fused=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 # every case reads the session's runs (tests/prelaunch/runs.py), which launch the smoke
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 CHECKS = ("config", "devices", "precision", "package deepspeed", "kernels", "deepspeed ops", "data", "output",
           "stage", "memory", "disk")
@@ -95,7 +95,7 @@ def test_an_empty_output_dir_or_a_modifier_without_its_option_fails_the_config_o
     from ds_trhash.prelaunch.preflight import _output
     from ds_trhash.prelaunch.preflight import Report
     from ds_trhash.training import config as tcfg
-    from ds_trhash.training.launcher import build_arg_parser
+    from ds_trhash.training.entrypoint import build_arg_parser
 
     for argv, needle in ((["--fork"], "--fork modifies --resume DIR"),
                          (["--output-dir", str(tmp_path / "file")], "is a regular file")):

@@ -29,11 +29,11 @@ import pytest
 
 from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.prelaunch.slurm_script import master_port
-from ds_trhash.training.launcher import port_in_use
+from ds_trhash.training.entrypoint import port_in_use
 from tests.fail_closed import ds_trhash
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STANDINS = Path(__file__).parent / "slurm_standins"
 NODELIST = "localhost,127.0.0.1"

@@ -10,7 +10,7 @@ import pytest
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_smoke_reports_positive_figures(prelaunch_runs):
     out, r = prelaunch_runs["smoke"].stdout, prelaunch_runs["report"]
     for step in ("train", "save", "resume", "evaluate", "export", "project"):
@@ -27,7 +27,7 @@ def test_smoke_reports_positive_figures(prelaunch_runs):
     assert "smoke passed" in out
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_projection_arithmetic(prelaunch_runs):
     r = prelaunch_runs["report"]
     p = r["projection"]
@@ -40,7 +40,7 @@ def test_projection_arithmetic(prelaunch_runs):
     assert p["disk_bytes"] == 3 * p["checkpoint_bytes"]
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_failure_names_the_step(prelaunch_runs):
     """TARGET_TOKENS off the plan: the first launch refuses, and the smoke says at which step."""
     proc = prelaunch_runs["failing_smoke"]

@@ -19,7 +19,7 @@ import psutil
 import torch
 from filelock import FileLock
 
-from ds_trhash.training.launch.command import free_port  # noqa: F401  (tests import it from here)
+from ds_trhash.deepspeed_command import free_port  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -166,7 +166,7 @@ def test_every_way_out_of_a_stage_closes_the_stream_and_leaves_no_thread(tmp_pat
     ends, is stopped, or fails in a step, a callback or the data; the assembly thread is gone and
     the cache closed every time (the callbacks close nothing of the data)."""
     from ds_trhash.training import trainer
-    from ds_trhash.training.launch.stage_data import StageData
+    from ds_trhash.training.preparation.stage_data import StageData
 
     root = write_corpus(tmp_path / "corpus")
     doc = plan_for(root)
@@ -185,7 +185,7 @@ def test_every_way_out_of_a_stage_closes_the_stream_and_leaves_no_thread(tmp_pat
     plan = SimpleNamespace(data=data, output=SimpleNamespace(damaged=[], saved=None))
     monkeypatch.setattr(trainer, "plan_launch", lambda *a, **k: plan)
 
-    def train(plan, rank, world):
+    def train(plan, rank, world, requests):
         engine = (_FailingEngine if way == "step_error" else FakeEngine)(TokenModel())
         return loop.run(engine, plan.data.batches, loop.TrainState(step=0, total_steps=steps), [_Exit(way)],
                         torch.device("cpu"), 1, lr_of=lambda: 0.1)

@@ -11,7 +11,7 @@ from ds_trhash.data.embedded import build_embedded
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 GIB = 1024**3
 
 

@@ -65,7 +65,7 @@ def test_paths_that_are_right_pass_and_a_hub_store_is_not_a_local_path(tmp):
     tcfg.check_paths(ok)
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_a_missing_piqa_file_is_refused_by_the_real_launch_before_anything_starts(tmp):
     before = tree_digest(tmp)
     proc = L.single(_argv(tmp, PRETRAIN, [f"eval.piqa={tmp}/nonexistent/piqa.jsonl"]))

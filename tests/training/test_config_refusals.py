@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ds_trhash.training.launcher import main
+from ds_trhash.training.entrypoint import main
 from tests.fail_closed import REPO, tree_digest
 
 TINY = (REPO / "ds_configs" / "tiny" / "pretrain.yaml").read_text(encoding="utf-8")
@@ -57,7 +57,7 @@ def test_a_duplicate_key_names_the_key_and_both_lines(capsys, tmp_path):
     assert "duplicate key 'seq_len'" in _refused(capsys, tmp_path, nested)
 
 
-@pytest.mark.launch  # launch/train.py itself, refused before torch.distributed starts
+@pytest.mark.e2e  # launch/train.py itself, refused before torch.distributed starts
 def test_the_real_entry_point_prints_one_line_and_no_traceback(tmp_path):
     config = _config(tmp_path, TINY + "seed: 7\n")
     before = tree_digest(tmp_path)

@@ -18,7 +18,7 @@ from ds_trhash.checkpoints import list_checkpoints, verify
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 def _can_mount() -> bool:

@@ -101,7 +101,7 @@ def _resharded_onto_one_rank(killed, out, ref_losses, ref):
         torch.testing.assert_close(final[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_a_one_rank_checkpoint_resumes_expert_parallel_on_two_ranks(tmp_path, shared_launches):
     """ep_size 1 on 1 rank (the session's 1-process reference, stopped at its step-6 checkpoint)
     resumed at ep_size 2 on 2 ranks: every expert and its Adam moments land on their owner."""
@@ -125,7 +125,7 @@ def test_a_one_rank_checkpoint_resumes_expert_parallel_on_two_ranks(tmp_path, sh
 # so it finds no scheduler state and refuses the resume.
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path, shared_launches):
     ref = shared_launches.get(2, _args)  # read only
     ref_losses = L.train_losses(ref)
@@ -183,7 +183,7 @@ SHAPE = {"hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1, 
 SHAPE_STEPS = 3
 
 
-@pytest.mark.launch
+@pytest.mark.e2e
 def test_a_custom_shape_trains_expert_parallel_and_exports_a_transformers_model(tmp_path):
     import dataclasses
     import json

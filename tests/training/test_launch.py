@@ -9,7 +9,7 @@ import torch
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash.cli import main as cli_main
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.io import sha256_file
-from ds_trhash.training.launcher import main as launcher_main
+from ds_trhash.training.entrypoint import main as entrypoint_main
 from tests.fail_closed import flip_byte, tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 def _args(out, *extra, config="pretrain", steps=2):
@@ -132,14 +132,14 @@ def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_fin
     assert f"the run's final complete checkpoint is {root / 'base' / 'checkpoints' / 'step_00000002'}" in err
 
 
-# --- in-process refusals (launcher.main returns before the model and the data side exist; those the
+# --- in-process refusals (entrypoint.main returns before the model and the data side exist; those the
 # plan makes, after its one-rank process group started)
 
 
 def _refused_here(capsys, root: Path, argv: list[str], *needles: str) -> str:
     """``capsys``, or ``capfd`` where a process the launch starts could write too."""
     before = tree_digest(root)
-    rc = launcher_main(argv)
+    rc = entrypoint_main(argv)
     out, err = capsys.readouterr()
     assert rc == 2, err[-3000:]
     assert "Traceback" not in out + err, err[-3000:]
@@ -152,7 +152,7 @@ def _refused_here(capsys, root: Path, argv: list[str], *needles: str) -> str:
 
 @pytest.fixture()
 def rank_zero_of_one(monkeypatch):
-    """``launcher.main`` in this process starts a one-rank gloo group when a refusal comes from the
+    """``entrypoint.main`` in this process starts a one-rank gloo group when a refusal comes from the
     plan: on a free port (29500, its default, may be another launch's), the variables it reads
     put back after the test."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -1,6 +1,6 @@
 """The test harness's own rules, in-process: the shared reference launches run once per session
 (whichever xdist worker asks first), a "killed" launch is a SIGKILL and not any failure, and a
-test that starts a launch must carry the `launch` marker."""
+test that starts a launch must carry the `e2e` marker."""
 
 from __future__ import annotations
 
@@ -88,5 +88,5 @@ def test_a_launch_is_recognised_and_refused_in_a_test_without_the_marker():
     assert starts_a_launch(["python", "-m", "ds_trhash.cli", "jobs", "up", "m.toml"])
     assert not starts_a_launch(["python", "-m", "ds_trhash.cli", "jobs", "status", "m.toml"])
     assert not starts_a_launch(["ds-trhash", "preflight", "--config", "x"])
-    with pytest.raises(AssertionError, match="not marked @pytest.mark.launch"):
+    with pytest.raises(AssertionError, match="not marked @pytest.mark.e2e"):
         subprocess.run([str(L.VENV_BIN / "deepspeed"), "--help"], capture_output=True)

@@ -7,7 +7,7 @@ import yaml
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.routing import build_route_table
 from ds_trhash.training.config import ConfigError, dump_config, load_config, model_config, training_critical
-from ds_trhash.training.launch.footprint import count_parameters, meta_model
+from ds_trhash.training.preparation.footprint import count_parameters, meta_model
 
 # a whole shape, no preset: 3 layers of width 96 (3 heads of 32), 4 experts of width 24
 CUSTOM = {"vocab_size": 4096, "hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1,

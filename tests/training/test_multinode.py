@@ -27,7 +27,7 @@ from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = L.REFERENCE_STEPS
 STOP = 6  # the two-node run's checkpoint resumed on one node, which trains the rest

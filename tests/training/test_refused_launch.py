@@ -5,7 +5,7 @@ import pytest
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 def _tree(root):

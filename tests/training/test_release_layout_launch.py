@@ -18,7 +18,7 @@ from tests.data.layout_fixtures import edit_json, our_corpus, release_copy
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 SEQ, ROWS = 128, 12  # 12 rows of each of two sources: 3 steps of 8 rows
 
 

@@ -29,11 +29,11 @@ import pytest
 
 from ds_trhash.checkpoints import run_lock
 from ds_trhash.checkpoints.run_lock import RUN_LOCK
-from ds_trhash.training.launch.checks import DAMAGED_SUFFIX
+from ds_trhash.training.preparation.checks import DAMAGED_SUFFIX
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = L.REFERENCE_STEPS  # 12, a checkpoint every 3 steps
 

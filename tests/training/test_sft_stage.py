@@ -15,7 +15,7 @@ from ds_trhash.checkpoints.run_lock import RUN_LOCK
 from tests.fail_closed import tree_digest
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 
 def _ok(proc):

@@ -26,7 +26,7 @@ import pytest
 
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = L.REFERENCE_STEPS
 

@@ -24,7 +24,7 @@ from ds_trhash.checkpoints import list_checkpoints, verify
 from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = 150  # of the 157 the embedded plan holds at this batch: every launch ends by its signal
 

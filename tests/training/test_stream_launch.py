@@ -26,7 +26,7 @@ from tests.fail_closed import tree_digest
 from tests.release.hub_server import HubServer, seed_dataset
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = L.REFERENCE_STEPS
 REPO = "team/embedded"

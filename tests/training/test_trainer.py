@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ds_trhash.training import loop
-from ds_trhash.training.launch.plan import plan_launch
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.preparation.plan import plan_launch
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 
 
@@ -49,7 +49,7 @@ def test_the_stage_starts_reading_its_first_step_before_the_model_is_built(tmp_p
     its shards are fetched while the model and engine are built."""
     from types import SimpleNamespace
 
-    from ds_trhash.training.launch.stage_data import StageData
+    from ds_trhash.training.preparation.stage_data import StageData
 
     started = []
     for saved, first in ((None, 0), ({"step": 7}, 7)):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ds_trhash.training.callbacks.base import Callback, RunContext
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
-    DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests, install, uninstall)
+    DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
 
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0

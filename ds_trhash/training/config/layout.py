@@ -43,7 +43,7 @@ def shape_critical(cfg: TrainConfig) -> dict[str, Any]:
             if base is None or getattr(shape, name) != getattr(base, name)}
 
 
-def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.BatchLayout:
+def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.GlobalBatch:
     """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""
     _check_world(cfg, world_size)
     bt = cfg.batch

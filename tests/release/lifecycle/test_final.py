@@ -20,7 +20,7 @@ from ds_trhash.release.lifecycle.final import (
 from ds_trhash.release.lifecycle.finish import write_final
 from ds_trhash.run import StageEndCallback
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch.checks import resolve_init_checkpoint
+from ds_trhash.training.preparation.checks import resolve_init_checkpoint
 from tests.release.run_fixtures import TOTAL, make_run, tiny_state, tree_digest, write_step
 
 REPO = Path(__file__).resolve().parents[3]

@@ -32,7 +32,7 @@ from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR, final_st
 from tests.release.conftest import stand_in_hub
 from tests.training import launch_utils as L
 
-pytestmark = pytest.mark.launch
+pytestmark = pytest.mark.e2e
 
 STEPS = 60
 PREFIX = "runs/tiny-pretrain"

@@ -181,8 +181,8 @@ def test_the_record_carries_a_custom_models_shape(tmp_path):
     config.json, written from the same loaded config, carries it too."""
     from ds_trhash.training import config as tcfg
     from ds_trhash.training.callbacks.base import TrainState
-    from ds_trhash.training.launch.plan import plan_launch
-    from ds_trhash.training.launcher import build_arg_parser, config_from_args
+    from ds_trhash.training.preparation.plan import plan_launch
+    from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
     from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 
     shape = {"hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1, "shared_width": 192,

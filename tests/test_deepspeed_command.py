@@ -1,7 +1,7 @@
 """The command line the demo, smoke and the tests start a launch with."""
 import socket
 
-from ds_trhash.training.launch.command import LAUNCH, deepspeed_command, free_port
+from ds_trhash.deepspeed_command import LAUNCH, deepspeed_command, free_port
 
 
 def test_cpu_launch_form_uses_the_deepspeed_launcher():
@@ -20,7 +20,7 @@ def test_free_port_is_free_on_loopback():
 def test_free_port_lies_below_the_ephemeral_range_so_no_outgoing_connection_takes_it(monkeypatch):
     """Between the choice and the launch's bind (the imports of every
     rank; longer on a loaded machine) a port in the ephemeral range can become an outgoing connection's source port."""
-    from ds_trhash.training.launch import command
+    from ds_trhash import deepspeed_command as command
 
     low = command._ephemeral_low()
     ports = {free_port() for _ in range(20)}

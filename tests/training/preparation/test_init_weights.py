@@ -11,7 +11,7 @@ import torch
 from ds_trhash.checkpoints import CheckpointError
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.transformer import WeightsError
-from ds_trhash.training.launch.init_weights import read_init_weights
+from ds_trhash.training.preparation.init_weights import read_init_weights
 from tests.fail_closed import flip_byte, tree_digest
 from tests.release.conftest import shifted_routes
 from tests.release.run_fixtures import tiny_state, write_step

@@ -15,8 +15,8 @@ from typing import Any
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch import checks as launch_checks
-from ds_trhash.training.launch.stage_data import StageData
+from ds_trhash.training.preparation import checks as launch_checks
+from ds_trhash.training.preparation.stage_data import StageData
 
 log = logging.getLogger("ds_trhash.trainer")
 

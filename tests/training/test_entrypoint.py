@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_trhash.training import launcher
+from ds_trhash.training import entrypoint
 from ds_trhash.training.config import ConfigError
-from ds_trhash.training.launcher import build_arg_parser, config_from_args, main
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args, main
 
 
 def _cfg(*argv):
@@ -65,17 +65,17 @@ class _FullDisk(io.RawIOBase):
 
 def test_a_failed_disk_is_recognised_by_errno_and_origin_not_by_its_words(tmp_path):
     full = _raised(lambda: torch.save({"w": torch.zeros(64)}, _FullDisk()))
-    assert launcher.disk_failure(full, str(tmp_path)) == "no space left on the device"
+    assert entrypoint.disk_failure(full, str(tmp_path)) == "no space left on the device"
     read_only = OSError(errno.EROFS, "Read-only file system", str(tmp_path / "checkpoints" / "step_2.tmp"))
-    assert launcher.disk_failure(read_only, str(tmp_path)) == (
+    assert entrypoint.disk_failure(read_only, str(tmp_path)) == (
         f"the file system is read-only writing {tmp_path / 'checkpoints' / 'step_2.tmp'}")
     # a cause further down the chain counts; a missing file or a bug does not, whatever it says
     wrapped = _raised(lambda: _reraise(RuntimeError("saving failed"), OSError(errno.EDQUOT, "quota")))
-    assert launcher.disk_failure(wrapped, str(tmp_path)) == "the disk quota is exceeded"
-    assert launcher.disk_failure(OSError(errno.ENOENT, "No such file", "x"), str(tmp_path)) is None
-    assert launcher.disk_failure(RuntimeError("file write failed: no space left"), str(tmp_path)) is None
+    assert entrypoint.disk_failure(wrapped, str(tmp_path)) == "the disk quota is exceeded"
+    assert entrypoint.disk_failure(OSError(errno.ENOENT, "No such file", "x"), str(tmp_path)) is None
+    assert entrypoint.disk_failure(RuntimeError("file write failed: no space left"), str(tmp_path)) is None
     shape_bug = _raised(lambda: torch.zeros(2) @ torch.zeros(3))  # raised inside torch, not its writer
-    assert launcher.disk_failure(shape_bug, str(tmp_path)) is None
+    assert entrypoint.disk_failure(shape_bug, str(tmp_path)) is None
 
 
 def _reraise(outer, inner):
@@ -86,9 +86,9 @@ def _reraise(outer, inner):
 
 
 def test_a_lost_rank_is_recognised_by_type_and_origin_not_by_the_word_gloo():
-    assert launcher.peer_lost(dist.DistNetworkError("connection reset"), world=2)
-    assert not launcher.peer_lost(RuntimeError("gloo: Connection closed by peer"), world=2)
-    assert not launcher.peer_lost(ValueError("bad value"), world=2)
+    assert entrypoint.peer_lost(dist.DistNetworkError("connection reset"), world=2)
+    assert not entrypoint.peer_lost(RuntimeError("gloo: Connection closed by peer"), world=2)
+    assert not entrypoint.peer_lost(ValueError("bad value"), world=2)
 
 
 def test_a_port_held_by_another_process_is_in_use_and_a_free_one_is_not():
@@ -96,8 +96,8 @@ def test_a_port_held_by_another_process_is_in_use_and_a_free_one_is_not():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        assert launcher.port_in_use("127.0.0.1", port)
-    assert not launcher.port_in_use("127.0.0.1", port)
+        assert entrypoint.port_in_use("127.0.0.1", port)
+    assert not entrypoint.port_in_use("127.0.0.1", port)
 
 
 def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(capsys, tmp_path):
@@ -113,8 +113,8 @@ def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(cap
     for rank in (0, 3):
         for error in (own, PeerReadError("node 1 could not read"), NodeLayoutError("the nodes run 2 + 1 ranks"),
                       UserError("a key is wrong")):
-            assert launcher._refused(error, rank, str(tmp_path)) == 2
-        launcher._refused(PeerStoreUnavailable("node 0 could not read"), rank, str(tmp_path))
+            assert entrypoint._refused(error, rank, str(tmp_path)) == 2
+        entrypoint._refused(PeerStoreUnavailable("node 0 could not read"), rank, str(tmp_path))
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
         "error: rank 0: shard a/x.bin from here: two downloads hashed 1 and 2", "error: rank 0: node 1 could not read",
@@ -128,6 +128,6 @@ def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(cap
 def test_the_default_groups_timeout_outlasts_one_reads_budget():
     """30 minutes at least, and the Hub wait of one read plus ten minutes: the defaults' 30
     minutes of Hub wait make it 40 (a fixed 30 was no longer than the wait it had to outlast)."""
-    assert launcher.group_timeout_minutes(_cfg()) == 40.0
-    assert launcher.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=0.05")) == 30.0
-    assert launcher.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=120")) == 130.0
+    assert entrypoint.group_timeout_minutes(_cfg()) == 40.0
+    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=0.05")) == 30.0
+    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=120")) == 130.0

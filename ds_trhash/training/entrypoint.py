@@ -21,11 +21,12 @@ from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
-from ds_trhash.training.callbacks.stop import EXIT_REQUEUE, install as install_stop_handlers
+from ds_trhash.training.callbacks.stop import EXIT_REQUEUE
 from ds_trhash.training.determinism import use_deterministic_kernels
 from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
-from ds_trhash.training.launch.checks import LaunchCheckError
-from ds_trhash.training.launch.output import OutputSide, check_output_paths, check_output_side
+from ds_trhash.training.preparation.checks import LaunchCheckError
+from ds_trhash.training.preparation.output import OutputSide, check_output_paths, check_output_side
+from ds_trhash.training.signals import StopRequests
 from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -281,28 +282,30 @@ def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
         raise
 
 
-def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None) -> int:
+def _set_up_logging(rank: int) -> None:
+    """INFO on rank 0, warnings elsewhere; the Hub client's HTTP library logs every request at INFO
+    (404s of probes included): a streamed launch reports its shards through the cache's counters."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "httpx2", "httpcore", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
+         requests: StopRequests | None = None) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
-    them with evaluation).
+    them with evaluation). ``requests``: the stop-signal recorder ``launch/train.py`` installed
+    before it imported torch; None (a launch inside a caller's process) records nothing and leaves
+    the caller's handlers alone.
 
     The one place a launch's refusal becomes output: a ``UserError`` (raised by the config, the
     data, the checkpoints, any part) prints ``error: <message>`` on rank 0 and exits with its
     code (2). A disk that fails under the run or a rank that is lost ends it with one line per
     rank and exit 1. A stop on the scheduler's time-limit warning (SIGUSR1) exits ``EXIT_REQUEUE``
     (75) on every rank, after its checkpoint. Anything else is a bug and keeps its traceback."""
-    # First of all: from here on SIGTERM/SIGINT only record a stop request (callbacks/stop.py).
-    install_stop_handlers()
     args = build_arg_parser().parse_args(argv)
     rank, world = launch_rank_and_world()
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # the Hub client's HTTP library logs every request at INFO (404s of probes included): a
-    # streamed launch reports its shards through the cache's counters instead
-    for noisy in ("httpx", "httpx2", "httpcore", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _set_up_logging(rank)
     output_dir = lock = None
     started = False  # whether this launch made the process group (only then does it tear it down)
     try:
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
             logging.getLogger(noisy).setLevel(logging.WARNING)
         if checked is None:
             checked = check_output_side(cfg, args, rank)
-        state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None)
+        state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None,
+                          requests=requests)
         barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
             return _stopped(state, rank, world)

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch" / "train.py"
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from ds_trhash.data.plans.budget import BudgetError
 from ds_trhash.training.callbacks import training_parts
-from ds_trhash.training.launch.plan import LaunchPlan, plan_launch
-from ds_trhash.training.launch.resources import ResourceError
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
+from ds_trhash.training.preparation.resources import ResourceError
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 from tests.fail_closed import tree_digest
 
 

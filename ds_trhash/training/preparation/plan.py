@@ -30,12 +30,12 @@ from ds_trhash.training.callbacks import Callback, build_callbacks, training_par
 from ds_trhash.training.callbacks.base import Builder
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.engine import check_runnable, compute_dtype
-from ds_trhash.training.global_batch import BatchLayout
-from ds_trhash.training.launch import resources
-from ds_trhash.training.launch.init_weights import InitWeights, read_init_weights
-from ds_trhash.training.launch.output import OutputSide, check_output_side, check_resume
-from ds_trhash.training.launch.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
-from ds_trhash.training.launch.stage_guard import guard_stage
+from ds_trhash.training.global_batch import GlobalBatch
+from ds_trhash.training.preparation import resources
+from ds_trhash.training.preparation.init_weights import InitWeights, read_init_weights
+from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
+from ds_trhash.training.preparation.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.preparation.stage_guard import guard_stage
 from ds_trhash.training.records.files import TRAINER_FILES
 
 log = logging.getLogger("ds_trhash.trainer")
@@ -55,7 +55,7 @@ class LaunchPlan:
     source: SourceRecord | None  # the stage guard's verdict: the checkpoint this stage starts from
     resharding: bool  # --reshard onto another world size: universal load, re-seeded RNG
     critical: dict[str, Any]  # the training-critical settings a resume must match
-    layout: BatchLayout
+    layout: GlobalBatch
     checkpoints: CheckpointPlan  # cadence, token-pack boundaries, epoch ends
     device: torch.device
     kernels: backend.KernelChoice

@@ -3,9 +3,9 @@ refusals that need only the command line and the output directory (nothing is wr
 import pytest
 
 from ds_trhash.checkpoints import CheckpointError
-from ds_trhash.training.launch.checks import LaunchCheckError
-from ds_trhash.training.launch.output import check_output_side, requested_resume
-from ds_trhash.training.launcher import build_arg_parser, config_from_args
+from ds_trhash.training.preparation.checks import LaunchCheckError
+from ds_trhash.training.preparation.output import check_output_side, requested_resume
+from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 from tests.fail_closed import tree_digest
 
 

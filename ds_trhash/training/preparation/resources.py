@@ -27,7 +27,7 @@ from ds_trhash.errors import UserError
 from ds_trhash.ranks import is_multi_rank, ranks_on_node
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
-from ds_trhash.training.launch.footprint import GIB, Footprint, estimate, gib
+from ds_trhash.training.preparation.footprint import GIB, Footprint, estimate, gib
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DISK_FREE_ENV = "DS_TRHASH_TEST_DISK_FREE"

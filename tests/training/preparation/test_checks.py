@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_trhash.training.launch.checks import (
+from ds_trhash.training.preparation.checks import (
     LaunchCheckError,
     check_fresh_output_dir,
     check_sft_manifest_unchanged,

@@ -5,7 +5,7 @@ import torch
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.lora import apply_lora
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.launch.footprint import count_parameters, estimate, meta_model
+from ds_trhash.training.preparation.footprint import count_parameters, estimate, meta_model
 
 
 PRETRAIN, LORA = "ds_configs/tiny/pretrain.yaml", "ds_configs/tiny/sft_lora.yaml"

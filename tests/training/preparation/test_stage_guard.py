@@ -2,8 +2,8 @@
 import pytest
 
 from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.training.launch.stage_data import StageData
-from ds_trhash.training.launch.stage_guard import check_tokenizer_identity
+from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.training.preparation.stage_guard import check_tokenizer_identity
 
 
 def _data(tok):
