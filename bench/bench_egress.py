@@ -10,7 +10,7 @@ release's plan.
 2. For each node count N, a fresh Hub serves it to N processes, one per simulated node: each is one
    rank of a world of N (its rows of every step, micro-batches of 8) with a node cache of its own;
    as in a multi-node launch, each node fills only the shards it owns and the rows travel between
-   the nodes over gloo (``data.stream.exchange``). Printed: the rows/s of the slowest node (times N) against the same N
+   the nodes over gloo (``data.stream.delivery.exchange``). Printed: the rows/s of the slowest node (times N) against the same N
    node processes reading the plan from local disk (each node cache filled from the directory),
    run just before and just after it (the machine's speed drifts by a third within seconds: the
    figure is the median of the rounds' ratios to the mean of those two; N readers on two cores
@@ -48,9 +48,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_stream import GOAL_TOKENS_PER_S, TOKEN, cached_pass, corpus, cpu_s, hub_process, rows_per_s  # noqa: E402
 from ds_trhash.batch_layout import BatchLayout  # noqa: E402
-from ds_trhash.data.stream.exchange import RowExchange  # noqa: E402
-from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
-from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
+from ds_trhash.data.stream.corpus import open_corpus
+from ds_trhash.data.stream.delivery import ReplayReader, RowExchange
 from ds_trhash.data.stream.store import HubStore  # noqa: E402
 from tests.data.hub_corpus import corpus_files  # noqa: E402
 

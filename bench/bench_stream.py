@@ -8,7 +8,7 @@ and the launch's data check over a 1,000-shard corpus before and after the store
    ``huggingface_hub`` client) and read in plan order, micro-batches of 8 rows, by one reader:
    straight from the directory (no cache), through the node cache filled from the directory, and
    through the node cache filled from the Hub (cold: every shard downloaded on the way, prefetched
-   by the reader's prefetch process as in training, ``data/stream/fetcher.py``), and through a
+   by the reader's prefetch process as in training, ``data/stream/cache/fetcher.py``), and through a
    warm node cache (every shard already in it and verified, as a
    resumed run or a second stage finds it), and through a cold node cache that another process
    fills in plan order while the reader runs no prefetch thread (the fill's interpreter work off
@@ -48,9 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ds_trhash.batch_layout import BatchLayout  # noqa: E402
-from ds_trhash.data.stream.opening import open_corpus  # noqa: E402
+from ds_trhash.data.stream.corpus import open_corpus
 from ds_trhash.data.plans.build import build_plan  # noqa: E402
-from ds_trhash.data.stream.reader import ReplayReader  # noqa: E402
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.data.formats.shards import load_manifests, write_shards  # noqa: E402
 from ds_trhash.data.stream.store import HubStore  # noqa: E402
 from tests.data.hub_corpus import corpus_files  # noqa: E402

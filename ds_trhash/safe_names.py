@@ -26,7 +26,7 @@ class UnsafeNameError(UserError, ValueError):
 # Every part of a name: letters, digits, '_', '-', '.', not a leading '.' (no hidden files, no
 # spaces or shell-special characters in the folders we create from it).
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-# Endings the node's shard cache keeps for its own files beside an entry (data/stream/cache_files.py):
+# Endings the node's shard cache keeps for its own files beside an entry (data/stream/cache/files.py):
 # a shard of such a name would collide with them (".pin": the hold files of earlier versions, still
 # found in old cache directories and skipped like the others).
 RESERVED_ENDINGS = (".verified.json", ".lock", ".hold", ".pin")

@@ -1,4 +1,5 @@
-"""House rules the code keeps as it grows: functions stay short; the batch layout has one formula.
+"""House rules the code keeps as it grows: functions stay short; the batch layout has one formula;
+folders stay small, the stream in rooms by job.
 
 A function over 60 lines does several things that want names of their own. The few allowed to
 stay longer are named here with the reason (and say it in their docstrings); TEMPORARY is for a
@@ -246,3 +247,51 @@ def test_the_import_scan_follows_our_modules_and_packages():
     assert "triton" in _brings(["ds_trhash.kernels.routed_experts"], "ds_trhash.model.experts")
     # what commands reading only files import stays free of torch
     assert "torch" not in loads["ds_trhash.checkpoints.consistency"] | loads["ds_trhash.release.hub.sync"]
+
+
+# Package folders stay rooms a reader takes in at once: at most 16 modules beside ``__init__``; a
+# folder that grows past it is split by job into sub-packages (docs/architecture.md draws them).
+MAX_MODULES = 16
+# the stream keeps only its shared names at its top; its jobs live in rooms below it
+STREAM_TOP_MODULES = 8
+
+
+def _modules_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+
+
+def test_no_package_folder_holds_more_than_16_modules():
+    crowded = {str(folder.relative_to(REPO)): len(_modules_in(folder))
+               for root in ROOTS.values() for folder in [root, *root.rglob("*")]
+               if folder.is_dir() and len(_modules_in(folder)) > MAX_MODULES}
+    assert not crowded, f"split these folders by job into sub-packages: {crowded}"
+
+
+def test_the_stream_keeps_its_jobs_in_rooms():
+    stream = ROOTS["ds_trhash"] / "data" / "stream"
+    top = _modules_in(stream)
+    assert len(top) <= STREAM_TOP_MODULES, f"data/stream/ holds {len(top)} modules directly: {top}"
+    rooms = sorted(p.name for p in stream.iterdir() if (p / "__init__.py").exists())
+    assert rooms == ["cache", "corpus", "delivery", "order", "store"], rooms
+    for room in rooms:  # each room says what it holds, and its callers import its public names
+        package = stream / room / "__init__.py"
+        assert ast.get_docstring(ast.parse(package.read_text(encoding="utf-8"))), f"{package}: say what the room holds"
+
+
+def test_callers_import_the_stream_rooms_public_names():
+    """Outside the stream, code imports ``ds_trhash.data.stream.<room>``, never a room's module
+    (the tests, which mirror the modules, may)."""
+    stream = ROOTS["ds_trhash"] / "data" / "stream"
+    rooms = {p.name for p in stream.iterdir() if (p / "__init__.py").exists()}
+    inside = []
+    for path in sorted([*ROOTS["ds_trhash"].rglob("*.py"), *(REPO / "bench").rglob("*.py")]):
+        if path.is_relative_to(stream):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            modules = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                       [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for module in modules:
+                parts = module.split(".")
+                if parts[:3] == ["ds_trhash", "data", "stream"] and len(parts) > 4 and parts[3] in rooms:
+                    inside.append(f"{path.relative_to(REPO)}:{node.lineno} {module}")
+    assert not inside, f"import the room's public names instead: {inside}"

@@ -37,7 +37,7 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.argtypes import positive_float, positive_int
 from ds_trhash.batch_layout import BatchLayout
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.eval import commands as eval_commands
 from ds_trhash.eval.commands import load_model

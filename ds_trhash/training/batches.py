@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_trhash.data.stream.steps import DataFigures, RankStream
+from ds_trhash.data.stream.delivery import DataFigures, RankStream
 
 
 @dataclass

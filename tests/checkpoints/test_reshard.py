@@ -87,7 +87,7 @@ def test_the_same_global_rows_are_read_in_every_layout_of_the_global_batch(root,
     """The data order is world-size independent: with G fixed, step s reads rows [s·G, (s+1)·G)."""
     from ds_trhash.data.plans.plan import load_plan
     from ds_trhash.batch_layout import BatchLayout
-    from ds_trhash.data.stream.reader import ReplayReader
+    from ds_trhash.data.stream.delivery import ReplayReader
 
     from ds_trhash.data.embedded import build_embedded
 

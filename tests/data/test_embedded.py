@@ -6,7 +6,7 @@ import pytest
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.embedded import SYSTEM_PROMPT, EmbeddedError, build_embedded
 from ds_trhash.data.plans.plan import load_plan, validate_refinement
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.data.formats.shards import load_manifests
 from ds_trhash.data.formats.tokenizer import load_tokenizer, tokenizer_sha256
 from tests.fail_closed import tree_digest

@@ -11,7 +11,7 @@ from ds_trhash.data.formats.shards import load_manifests
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
-from ds_trhash.data.stream.opening import CorpusError
+from ds_trhash.data.stream.corpus import CorpusError
 from tests.data.layout_fixtures import our_corpus, release_copy
 from tests.fail_closed import tree_digest
 

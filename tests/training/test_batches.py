@@ -13,12 +13,9 @@ from tests.data.sft_fixtures import VOCAB_SIZE, conversation, write_jsonl
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.data.stream.reader import ReplayReader
-from ds_trhash.data.stream.opening import open_corpus
-from ds_trhash.data.stream.assembly import THREAD_NAME
-from ds_trhash.data.stream.reader import ReaderError
+from ds_trhash.data.stream.delivery import RankStream, ReaderError, ReplayReader, THREAD_NAME, open_stream
+from ds_trhash.data.stream.corpus import open_corpus
 from ds_trhash.batch_layout import BatchLayout
-from ds_trhash.data.stream.steps import RankStream, open_stream
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks.base import Callback
 from tests.training.test_loop import FakeEngine, TokenModel

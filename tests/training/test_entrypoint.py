@@ -104,8 +104,8 @@ def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(cap
     """A read's failure is printed by the rank that met it and by each peer naming its node (the
     Hub's with what to run next); a refusal every rank meets alike, by rank 0 alone; unequal
     nodes, by every rank (each node's terminal shows it)."""
-    from ds_trhash.data.stream.cache_files import ShardIntegrityError
-    from ds_trhash.data.stream.exchange import NodeLayoutError, PeerReadError, PeerStoreUnavailable
+    from ds_trhash.data.stream.cache import ShardIntegrityError
+    from ds_trhash.data.stream.delivery import NodeLayoutError, PeerReadError, PeerStoreUnavailable
     from ds_trhash.errors import UserError
 
     own = ShardIntegrityError("shard a/x.bin from here: two downloads hashed 1 and 2")

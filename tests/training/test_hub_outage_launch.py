@@ -22,8 +22,8 @@ from ds_trhash.data.formats.tokenizer import tokenizer_sha256
 from ds_trhash.data.plans.build import build_plan
 from ds_trhash.data.plans.plan import write_plan
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.exchange import owners
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.delivery.exchange import owners
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.training.callbacks.stop import LAUNCHER_GRACE_S
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset

@@ -99,7 +99,7 @@ def test_data_tokenizer_is_checked_against_the_plan_and_shards(root, tmp_path):
 
 def test_a_deleted_or_truncated_shard_is_found_at_launch_before_the_model(root, tmp_path):
     """The launch checks sizes from one listing of the store; a shard's bytes are hashed when it
-    enters the node's cache (tests/data/stream/test_cache.py: a changed shard stops the run naming both
+    enters the node's cache (tests/data/stream/cache/test_shard_cache.py: a changed shard stops the run naming both
     hashes), not at every launch."""
     paths = build_embedded(root / "embedded")
     shards = tmp_path / "shards"

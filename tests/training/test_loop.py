@@ -285,7 +285,7 @@ class Lifecycle(loop.Callback):
 def test_an_exception_in_the_loop_still_closes_every_callback(tmp_path, failure):
     """Records flushed and closed, the live display stopped, and every callback told through
     on_error, whether the step or a callback's hook raised (the shard cache is the data layer's
-    to close: tests/data/stream/test_steps.py)."""
+    to close: tests/data/stream/delivery/test_steps.py)."""
     import io
     from types import SimpleNamespace
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache import files as cf
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
 from tests.data.hub_corpus import TOKEN, corpus_files

@@ -29,7 +29,7 @@ LAYOUT_RELEASE = "release"
 
 @dataclass(frozen=True)
 class CorpusDir:
-    """A local corpus directory of either layout, read from its manifests (``stream.opening.Corpus``
+    """A local corpus directory of either layout, read from its manifests (``stream.corpus.Corpus``
     is a corpus opened for training from any store, local or Hub)."""
     root: Path
     layout: str  # LAYOUT_OURS or LAYOUT_RELEASE

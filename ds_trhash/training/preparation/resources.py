@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.stream.cache_bound import cache_bytes_from
-from ds_trhash.data.stream.cache_place import cache_dir_of
+from ds_trhash.data.stream.cache import cache_bytes_from, cache_dir_of
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import is_multi_rank, ranks_on_node
 from ds_trhash.model import backend

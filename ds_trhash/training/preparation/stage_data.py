@@ -1,7 +1,7 @@
 """Stage data: what a launch trains on, checked before any model exists.
 
 ``prepare_pretrain_data`` (pretraining, refinement) loads the replay plan, checks the token budget,
-asks the data package its one question (``data.stream.shared_corpus``: the store's commit, every
+asks the data package its one question (``data.stream.corpus.shared_corpus``: the store's commit, every
 planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
 and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
 builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining stream
@@ -21,15 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
-from ds_trhash.data.stream.cache_bound import CACHE_ENV, cache_bytes_from
-from ds_trhash.data.stream.opening import resume_commit, shared_corpus
-from ds_trhash.data.stream.cache_place import CACHE_DIR_ENV, cache_dir_of, check_cache_place, claim
-from ds_trhash.data.stream.pinning import check_same_bytes, moved_note
+from ds_trhash.data.stream.cache import CACHE_DIR_ENV, CACHE_ENV, cache_bytes_from, cache_dir_of, check_cache_place, claim
+from ds_trhash.data.stream.corpus import check_same_bytes, moved_note, resume_commit, shared_corpus
+from ds_trhash.data.stream.delivery import NodeShare, agreed_node_count, open_stream
 from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.plans.plan import load_plan
-from ds_trhash.data.stream.exchange import agreed_node_count
-from ds_trhash.data.stream.steps import NodeShare, open_stream
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -93,7 +90,7 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
 
 
 def exchanging_nodes(corpus, world: int, per_node: int) -> int:
-    """The nodes that exchange rows (``data.stream.exchange``): on several nodes reading a Hub
+    """The nodes that exchange rows (``data.stream.delivery.exchange``): on several nodes reading a Hub
     store, each node fills only the shards it owns and the rows travel between nodes, one Hub
     download per shard per job; 1 from a local store (each node reads its own copy). Checked
     with the launch's other checks, by every rank together: unequal nodes are refused on every
@@ -125,7 +122,7 @@ def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
 
 
 def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
-    """The corpus of this launch is the one ``saved`` records (``data.stream.pinning``): the same
+    """The corpus of this launch is the one ``saved`` records (``data.stream.corpus.pinning``): the same
     bytes under every planned name, else a refusal naming a file; a note when the branch moved."""
     fix = ("point data.shards_dir (or the plan's dataset) at the corpus it read, or start a new run"
            if read_by == "this run" else "refine on the corpus pretraining read (same store, or a copy of the "

@@ -13,10 +13,10 @@ from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE, read_corp
 from ds_trhash.data.formats.manifest import LEGACY_FORMAT, ManifestError
 from ds_trhash.data.plans.plan import load_plan
 from ds_trhash.data.plans.build import build_plan
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.data.formats.shards import load_manifest, load_manifests
 from ds_trhash.data.stream.store import StoreError
-from ds_trhash.data.stream.opening import open_corpus
+from ds_trhash.data.stream.corpus import open_corpus
 from tests.data.layout_fixtures import L, edit_json, our_corpus, release_copy
 from tests.fail_closed import tree_digest
 

@@ -9,11 +9,10 @@ import time
 
 import pytest
 
-from ds_trhash.data.stream import cache_files as cf
+from ds_trhash.data.stream.cache import CacheError, files as cf
 from ds_trhash.data.stream import deadline
-from ds_trhash.data.stream.cache import CacheError
 from tests.data.hub_corpus import SHARD_BYTES, write_corpus
-from tests.data.stream.test_cache import _entries, cache_for
+from tests.data.stream.cache.test_shard_cache import _entries, cache_for
 
 
 def test_without_a_deadline_each_wait_keeps_its_own_budget():

@@ -2,8 +2,11 @@
 import ast
 from pathlib import Path
 
-from ds_trhash.data.stream import cache, cache_prefetch, fetch_worker, fetcher, horizon, opening, reader, working_set
-from ds_trhash.data.stream.exchange import nodes, rows
+from ds_trhash.data.stream.cache import fetch_worker, fetcher, prefetch, shard_cache
+from ds_trhash.data.stream.corpus import opening
+from ds_trhash.data.stream.delivery import reader, working_set
+from ds_trhash.data.stream.order import horizon
+from ds_trhash.data.stream.delivery.exchange import nodes, rows
 from ds_trhash.data.stream.types import Key
 
 STREAM = Path(__file__).resolve().parents[3] / "ds_trhash" / "data" / "stream"
@@ -29,5 +32,5 @@ def test_key_is_declared_once():
 
 def test_the_modules_share_the_one_key():
     assert Key == tuple[str, str]
-    for module in (cache, cache_prefetch, fetch_worker, fetcher, horizon, opening, reader, working_set, nodes, rows):
+    for module in (shard_cache, prefetch, fetch_worker, fetcher, horizon, opening, reader, working_set, nodes, rows):
         assert module.Key is Key, module.__name__

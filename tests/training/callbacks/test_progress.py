@@ -5,7 +5,7 @@ else (the data layer closes the cache)."""
 import re
 from types import SimpleNamespace
 
-from ds_trhash.data.stream.steps import DataFigures
+from ds_trhash.data.stream.delivery import DataFigures
 from ds_trhash.training.callbacks import ProgressCallback
 from ds_trhash.training.loop import TrainState
 from tests.training.callbacks import fakes

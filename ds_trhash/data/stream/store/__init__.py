@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from ds_trhash.data.stream.store.base import HF_PREFIX, ShardStore, StoreError, StoreFile, StoreUnavailable, parse_hf_url, relative_name
+from ds_trhash.data.stream.store.base import (HF_PREFIX, ReadTimedOut, ShardStore, StoreError, StoreFile, StoreUnavailable,
+                                              parse_hf_url, relative_name)
 from ds_trhash.data.stream.store.local import LOCAL_COMMIT, LocalStore
 
-__all__ = ["HubStore", "LocalStore", "LOCAL_COMMIT", "ShardStore", "StoreError", "StoreFile", "StoreUnavailable",
+__all__ = ["HubStore", "LocalStore", "LOCAL_COMMIT", "ReadTimedOut", "ShardStore", "StoreError", "StoreFile", "StoreUnavailable",
            "open_store", "relative_name"]
 
 

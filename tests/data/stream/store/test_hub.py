@@ -7,8 +7,8 @@ import torch
 
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.cache import ShardIntegrityError
-from ds_trhash.data.stream.opening import CorpusError, open_corpus, resume_commit
-from ds_trhash.data.stream.reader import ReplayReader
+from ds_trhash.data.stream.corpus import CorpusError, open_corpus, resume_commit
+from ds_trhash.data.stream.delivery import ReplayReader
 from ds_trhash.data.stream.store import HubStore, StoreError, StoreUnavailable, open_store
 from tests.data.hub_corpus import REPO, SHARD_BYTES, TOKEN, hub_corpus  # noqa: F401 (fixture)
 from tests.fail_closed import tree_digest
@@ -173,7 +173,7 @@ def test_an_outage_longer_than_the_budget_stops_naming_it(hub_corpus, tmp_path):
 
 
 def test_a_shard_is_hashed_as_it_streams_in_never_read_back(hub_corpus, tmp_path, monkeypatch):
-    from ds_trhash.data.stream import cache as cache_module
+    from ds_trhash.data.stream.cache import shard_cache as cache_module
 
     hub, root, plan = hub_corpus
     corpus = open_corpus(plan, None, store=fast_store())
