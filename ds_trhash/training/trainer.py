@@ -30,7 +30,7 @@ from ds_trhash.training.callbacks import (
     StopAgreement,
     make_callbacks,
 )
-from ds_trhash.training.batches import data_wait_line
+from ds_trhash.training.data_loader import data_wait_line
 from ds_trhash.training.display import Progress
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.preparation import checks as launch_checks

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ds_trhash.training.batches import downloaded
+from ds_trhash.training.data_loader import downloaded
 from ds_trhash.training.callbacks.base import Callback, RunContext
 
 

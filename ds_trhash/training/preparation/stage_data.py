@@ -38,7 +38,7 @@ from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+from ds_trhash.training.data_loader import PretrainBatches, SFTStepBatches
 
 
 def _rank0_first(rank: int, fn):

@@ -22,7 +22,7 @@ from ds_trhash.data.stream.steps import RankStream, open_stream
 from ds_trhash.training import loop
 from ds_trhash.training.callbacks.base import Callback
 from tests.training.test_loop import FakeEngine, TokenModel
-from ds_trhash.training.batches import PretrainBatches, SFTStepBatches, byte_size, data_wait_line
+from ds_trhash.training.data_loader import PretrainBatches, SFTStepBatches, byte_size, data_wait_line
 from tests.data.hub_corpus import REPO, hub_corpus, plan_for, write_corpus  # noqa: F401  (the fixture)
 
 SEQ = 128
