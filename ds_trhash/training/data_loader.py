@@ -1,52 +1,177 @@
-"""Adapters from the data layer to the loop's ``StepBatches``: micro-batches as a pure
-function of the optimizer step, so an exact resume only needs the step number."""
+"""The stage's data loader: one declared interface that the loop, the trainer and the callbacks
+rely on, and its two implementations.
+
+Micro-batches are a pure function of the optimizer step, so an exact resume needs only the step
+number (and the saved ``cursor`` says where in the data that step starts). ``PretrainLoader``
+streams replay-plan rows through the node's shard cache (``data.stream``); it is built complete
+from a :class:`StreamRecipe` before any model exists, reads nothing until ``open`` (once every
+launch check passed) and releases its thread and cache in ``close`` (the trainer's ``finally``).
+``SFTLoader`` serves packed SFT windows held in memory: nothing to open or close.
+"""
 
 from __future__ import annotations
 
+import abc
+import datetime
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from ds_trhash.data.stream.steps import DataFigures, RankStream
+from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.data.plans.plan import PlanLike
+from ds_trhash.data.sft.dataset import SFTBatches
+from ds_trhash.data.stream.cache_place import claim
+from ds_trhash.data.stream.exchange import CHUNK_ROWS, Readiness
+from ds_trhash.data.stream.opening import Corpus
+from ds_trhash.data.stream.steps import DataFigures, NodeShare, RankStream, open_stream
+
+MicroBatches = list[dict[str, torch.Tensor]]  # one optimizer step of this rank, in micro-step order
 
 
-@dataclass
-class PretrainBatches:
-    """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size. The
-    stream (data layer) assembles them and owns the reading's lifetime; the launch closes it."""
+class DataLoader(abc.ABC):
+    """What a stage trains on, as the loop, the trainer and the callbacks use it."""
 
-    stream: RankStream
+    @abc.abstractmethod
+    def micro_batches(self, step: int) -> MicroBatches:
+        """This rank's micro-batches of optimizer step ``step``."""
+
+    @abc.abstractmethod
+    def epoch_of(self, step: int) -> int:
+        """The epoch optimizer step ``step`` belongs to (0 for a one-pass stream)."""
+
+    @abc.abstractmethod
+    def cursor(self, step: int) -> int:
+        """Where in the data step ``step`` starts: the data cursor every checkpoint records."""
 
     @property
-    def rank(self) -> int:
-        return self.stream.layout.rank
+    @abc.abstractmethod
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch; None for a one-pass pretraining stream."""
 
-    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        return [{"input_ids": inputs, "labels": labels} for inputs, labels in self.stream.micro_batches(step)]
+    def open(self, first_step: int) -> None:
+        """Start reading at ``first_step`` (the saved step on a resume): called once, after every
+        launch check passed and before the model is built. Nothing to open by default."""
+
+    def close(self) -> None:
+        """Release what ``open`` started; safe before ``open`` and twice. Nothing by default."""
+
+    def figures(self) -> DataFigures | None:
+        """The stream's reading figures (waits, cache counts, downloads); None when nothing streams."""
+        return None
+
+    def readiness(self, step: int) -> Readiness:
+        """Before ``step``, for the stop agreement: (this rank still reads its part, the status of a
+        failed read, its node + 1). Ready by default."""
+        return (0, 0, 0)
+
+    def agreed(self, step: int, status: int, node: int) -> None:
+        """What the stop agreement found before ``step``; nothing to do by default."""
+
+
+@dataclass(frozen=True)
+class StreamRecipe:
+    """What opening a pretraining stream needs, decided before the model exists."""
+
+    corpus: Corpus  # the store, its pinned commit and every planned shard (``data.stream.opening``)
+    plan: PlanLike
+    seed: int
+    layout: BatchLayout  # this rank's cut of the global batch
+    cache_dir: Path  # the node's shard cache, created by ``open``
+    max_bytes: int  # the cache bound
+    ranks_on_node: int
+    end: int  # the step the stage stops before
+    prefetch_s: float  # how far ahead the plan's shards are fetched
+    budget_s: float | None = None  # one read's budget (data.hub_wait_minutes); None: none
+    nodes: int = 1  # the nodes that exchange rows (1: each node reads its own part)
+    chunk_rows: int = CHUNK_ROWS  # global rows per exchange (data.exchange_rows)
+    pin_memory: bool = False  # batches assembled in pinned memory (CUDA)
+
+
+def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
+    """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
+    every node's exchange group (the ranks with one local index), in the same order, as
+    ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
+    steps after the others'). A member's exchange waits, in the background, for a node whose read
+    waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
+    budget and ten minutes more."""
+    timeout = datetime.timedelta(seconds=wait_s + 600)
+    groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
+              for local in range(per_node)]
+    return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows, budget_s=wait_s)
+
+
+class PretrainLoader(DataLoader):
+    """Replay-plan rows: step s covers global rows [s·G, (s+1)·G) whatever the world size. The
+    stream (data layer) assembles them and owns the reading's lifetime, from ``open`` to ``close``."""
+
+    recipe: StreamRecipe
+    _stream: RankStream | None
+
+    def __init__(self, recipe: StreamRecipe) -> None:
+        self.recipe = recipe
+        self._stream = None
+
+    @property
+    def stream(self) -> RankStream | None:
+        """The open stream (None before ``open``; kept, closed, after ``close``)."""
+        return self._stream
+
+    def _reading(self) -> RankStream:
+        if self._stream is None:
+            raise RuntimeError("the pretraining data loader is not open: call open(first_step) before asking "
+                               "for batches (the trainer opens it once every launch check passed)")
+        return self._stream
+
+    @property
+    def steps_per_epoch(self) -> None:
+        return None
+
+    def open(self, first_step: int) -> None:
+        # One cache per node: every rank of this node opens the same folder; each shard is
+        # downloaded once and verified (size and SHA-256) before any rank reads it. The next
+        # steps' batches are assembled in the background, in pinned memory on CUDA, from the
+        # first step on at once: its shards are fetched while the model and engine are built.
+        if self._stream is not None:
+            raise RuntimeError("the pretraining data loader is already open")
+        r, layout = self.recipe, self.recipe.layout
+        share = (node_share(layout.rank, layout.world_size, r.ranks_on_node, r.budget_s, r.chunk_rows)
+                 if r.nodes > 1 else None)
+        self._stream = open_stream(r.corpus, r.plan, r.seed, layout, claim(r.cache_dir), r.max_bytes,
+                                   r.ranks_on_node, pin_memory=r.pin_memory, end=r.end, prefetch_s=r.prefetch_s,
+                                   first_step=first_step, share=share, budget_s=r.budget_s)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()  # itself safe to call twice
+
+    def micro_batches(self, step: int) -> MicroBatches:
+        return [{"input_ids": inputs, "labels": labels} for inputs, labels in self._reading().micro_batches(step)]
 
     def epoch_of(self, step: int) -> int:
         return 0
 
     def cursor(self, step: int) -> int:
         """The global row index the next step starts at (saved in checkpoints)."""
-        return step * self.stream.layout.global_batch
+        return step * self.recipe.layout.global_batch
 
-    def data_figures(self) -> DataFigures:
-        return self.stream.figures()
+    def figures(self) -> DataFigures | None:
+        return self._stream.figures() if self._stream is not None else None
 
-    def readiness(self, step: int) -> tuple[int, int, int]:
+    def readiness(self, step: int) -> Readiness:
         """Before ``step``: whether this rank's data is still being read (the stop agreement asks)."""
-        return self.stream.readiness(step)
+        return self._reading().readiness(step)
 
     def agreed(self, step: int, status: int, node: int) -> None:
-        self.stream.agreed(step, status, node)
+        self._reading().agreed(step, status, node)
 
 
-@dataclass
-class SFTStepBatches:
+@dataclass(frozen=True)
+class SFTLoader(DataLoader):
     """Packed SFT windows; epoch e's order is a pure function of (seed, e)."""
 
-    batches: object  # ds_trhash.data.sft.dataset.SFTBatches
+    batches: SFTBatches
     grad_accum: int
     policy: str  # cross_document | per_document
 
@@ -57,7 +182,7 @@ class SFTStepBatches:
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
 
-    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+    def micro_batches(self, step: int) -> MicroBatches:
         epoch, within = divmod(step, self.steps_per_epoch)
         out = []
         for m in range(self.grad_accum):
@@ -71,46 +196,3 @@ class SFTStepBatches:
 
     def cursor(self, step: int) -> int:
         return step * self.grad_accum
-
-    def data_figures(self) -> None:
-        return None  # packed in memory: nothing streamed
-
-
-def _share(part: float, whole: float) -> str:
-    return f"{100.0 * part / whole:.1f} %" if whole > 0 else "0.0 %"
-
-
-def byte_size(n: float) -> str:
-    """Bytes for people, in the largest binary unit that keeps them at least 1 ("3.2 GiB", "512 B")."""
-    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
-        if n >= scale:
-            return f"{n / scale:.{digits}f} {unit}"
-    return f"{n:.0f} B"
-
-
-def downloaded(figures: DataFigures, seconds: float) -> str:
-    """This process's downloads in one figure: the bytes of the shards it downloaded and verified
-    (on demand and prefetched) and their average rate over ``seconds`` ("42.0 MiB at 1.1 MiB/s")."""
-    rate = f" at {byte_size(figures.downloaded_bytes / seconds)}/s" if seconds > 0 else ""
-    return f"{byte_size(figures.downloaded_bytes)}{rate}"
-
-
-def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int) -> str | None:
-    """Whether the data keeps up with the model, in parts that add up: of the step time, the
-    seconds the training thread waited for its batches; apart from it (in the background, or
-    inside that wait when assembling on the training thread), the seconds assembling them took,
-    split into reading rows and waiting for shards, with the node cache's counts and the bytes
-    downloaded (the one line that reports a streamed stage's downloads). None for batches that
-    are not streamed from shards."""
-    if figures is None or steps < 1:
-        return None
-    f, assembly = figures, figures.assembly_s
-    where = "in the background" if f.background else "on the training thread, inside that wait"
-    line = (f"data wait on rank {f.rank}: {f.queue_wait_s:.3f} s of {step_seconds:.3f} s in {steps} step(s) "
-            f"({_share(f.queue_wait_s, step_seconds)}) waiting for batches; assembling them took {assembly:.3f} s "
-            f"{where}: {f.read_s:.3f} s reading rows ({_share(f.read_s, assembly)}), {f.shard_wait_s:.3f} s "
-            f"waiting for shards ({_share(f.shard_wait_s, assembly)})")
-    if f.cached:
-        line += (f" ({f.fetched} fetched on demand, {f.prefetched} prefetched, {f.hits} cache hits; "
-                 f"downloaded {downloaded(f, step_seconds)})")
-    return line
