@@ -28,7 +28,7 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
         data = prepare_sft_data(data_cfg, model_cfg, 0, world)
         name = "SFT set" if embedded else f"SFT set {data.sft_dir}"
         return data, (f"{where}{name}: manifest hashes, vocabulary, labels and tokenizer check out; "
-                      f"{data.batches.steps_per_epoch} steps per epoch, {data.total_steps} steps")
+                      f"{data.loader.steps_per_epoch} steps per epoch, {data.total_steps} steps")
     data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none", hub_wait_s=PREFLIGHT_HUB_WAIT_S)
     hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"

@@ -183,7 +183,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     else:
         # a fresh start holds no complete checkpoint (else the output check failed): size it as one
         existing = [c.step for c in ckpt.list_checkpoints(cfg.output_dir) if c.has_manifest] if saved else []
-        spe = getattr(data.batches, "steps_per_epoch", None)
+        spe = data.loader.steps_per_epoch
         after = int(saved["step"]) if saved else 0
         for check in res.check_disk(res.disk_needs(cfg, footprint, data.total_steps, spe, world, after, existing)):
             report.add(check)

@@ -226,7 +226,7 @@ def _step_export(final: Path, workdir: Path) -> dict:
 def _step_project(cfg, world: int, workdir: Path, step_s: float, save: dict) -> dict:
     size, save_s = save["checkpoint_bytes"], save["save_seconds"]
     data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
-    plan = CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None))
+    plan = CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch)
     projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
                                 plan.peak_kept(), size)
     _say("project", f"full run: {projection.total_steps:,} steps x {step_s:.3f} s + {projection.saves} saves x "

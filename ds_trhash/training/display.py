@@ -4,7 +4,8 @@ Long runs are mostly watched through log files (nohup, Slurm, supervisors), wher
 display would write cursor codes into the log; so the live panel is used only when the
 stream is a TTY, and the plain mode prints one self-contained grep-able line every N steps
 and at the last step. Other ranks print nothing: eight copies of a line help nobody, and
-their errors travel through ``logging``.
+their errors travel through ``logging``. The streamed data's figures are said here too, for the
+progress line and the stage's last lines (byte sizes, downloads, the data-wait line).
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import datetime as _dt
 import math
 import sys
 import time
-from typing import Any, Callable, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TextIO
 
-__all__ = ["Progress", "format_duration", "eta_seconds"]
+if TYPE_CHECKING:  # a type name only
+    from ds_trhash.data.stream.delivery import DataFigures
+
+__all__ = ["Progress", "byte_size", "data_wait_line", "downloaded", "eta_seconds", "format_duration"]
 
 
 def format_duration(seconds: float | None) -> str:
@@ -37,6 +41,46 @@ def eta_seconds(elapsed: float, steps_done: int, steps_left: int) -> float | Non
 
 def _fmt_loss(loss: float | None) -> str:
     return "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f} %" if whole > 0 else "0.0 %"
+
+
+def byte_size(n: float) -> str:
+    """Bytes for people, in the largest binary unit that keeps them at least 1 ("3.2 GiB", "512 B")."""
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def downloaded(figures: DataFigures, seconds: float) -> str:
+    """This process's downloads in one figure: the bytes of the shards it downloaded and verified
+    (on demand and prefetched) and their average rate over ``seconds`` ("42.0 MiB at 1.1 MiB/s")."""
+    rate = f" at {byte_size(figures.downloaded_bytes / seconds)}/s" if seconds > 0 else ""
+    return f"{byte_size(figures.downloaded_bytes)}{rate}"
+
+
+def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int) -> str | None:
+    """Whether the data keeps up with the model, in parts that add up: of the step time, the
+    seconds the training thread waited for its batches; apart from it (in the background, or
+    inside that wait when assembling on the training thread), the seconds assembling them took,
+    split into reading rows and waiting for shards, with the node cache's counts and the bytes
+    downloaded (the one line that reports a streamed stage's downloads). None for batches that
+    are not streamed from shards."""
+    if figures is None or steps < 1:
+        return None
+    f, assembly = figures, figures.assembly_s
+    where = "in the background" if f.background else "on the training thread, inside that wait"
+    line = (f"data wait on rank {f.rank}: {f.queue_wait_s:.3f} s of {step_seconds:.3f} s in {steps} step(s) "
+            f"({_share(f.queue_wait_s, step_seconds)}) waiting for batches; assembling them took {assembly:.3f} s "
+            f"{where}: {f.read_s:.3f} s reading rows ({_share(f.read_s, assembly)}), {f.shard_wait_s:.3f} s "
+            f"waiting for shards ({_share(f.shard_wait_s, assembly)})")
+    if f.cached:
+        line += (f" ({f.fetched} fetched on demand, {f.prefetched} prefetched, {f.hits} cache hits; "
+                 f"downloaded {downloaded(f, step_seconds)})")
+    return line
 
 
 def _value(loss):

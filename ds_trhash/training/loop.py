@@ -1,8 +1,8 @@
 """The model-agnostic training loop.
 
-It knows only an engine (forward / backward / step), a source of micro-batches per optimizer
-step, and callbacks. Evaluation, checkpointing, progress and metrics plug in as callbacks, so
-the same loop serves pretraining, refinement and SFT.
+It knows only an engine (forward / backward / step), a data loader (``training.data_loader``:
+micro-batches per optimizer step), and callbacks. Evaluation, checkpointing, progress and
+metrics plug in as callbacks, so the same loop serves pretraining, refinement and SFT.
 
 Loss normalisation: the loss of an optimizer step is the sum of token losses over every
 micro-batch on every rank divided by the number of supervised tokens in the whole step (not a
@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Callback, StepBatches, TrainState  # the loop's names too
+from ds_trhash.training.callbacks.base import Callback, TrainState  # the loop's names too
+from ds_trhash.training.data_loader import DataLoader
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
 log = logging.getLogger("ds_trhash.loop")
@@ -186,7 +187,7 @@ class StepMetrics(Mapping):
 
 def run(
     engine,
-    batches: StepBatches,
+    loader: DataLoader,
     state: TrainState,
     callbacks: list[Callback],
     device: torch.device,
@@ -207,7 +208,7 @@ def run(
     if nonfinite is not None:
         nonfinite.agree = _min_over_ranks
     try:
-        return _train(engine, batches, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite)
+        return _train(engine, loader, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite)
     except BaseException as exc:
         failed = True
         for cb in callbacks:
@@ -229,19 +230,19 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
         raise errors[0]
 
 
-def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Callback], device: torch.device,
+def _train(engine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
            world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
            guard: NonFiniteGuard | None = None) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
-    state.epoch = state.epochs_done = batches.epoch_of(state.step)
+    state.epoch = state.epochs_done = loader.epoch_of(state.step)
     for cb in callbacks:
         cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:
-        epoch = batches.epoch_of(state.step)
+        epoch = loader.epoch_of(state.step)
         t0 = time.perf_counter()
         lr = lr_of()
-        stats = train_step(engine, batches.micro_batches(state.step), device, world_size, vocab_size,
+        stats = train_step(engine, loader.micro_batches(state.step), device, world_size, vocab_size,
                            skip_nonfinite=guard is not None and guard.skips)
         dt = time.perf_counter() - t0
         state.step += 1
@@ -254,7 +255,7 @@ def _train(engine, batches: StepBatches, state: TrainState, callbacks: list[Call
                 guard.record(state.step, stats["loss"], stats["grad_norm"])
         state.tokens_seen += stats["tokens"]
         state.supervised_seen += stats["supervised_tokens"]
-        next_epoch = state.epochs_done = batches.epoch_of(state.step)
+        next_epoch = state.epochs_done = loader.epoch_of(state.step)
         metrics = StepMetrics({
             "step": state.step,
             "epoch": state.epochs_done,

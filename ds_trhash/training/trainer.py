@@ -30,8 +30,7 @@ from ds_trhash.training.callbacks import (
     StopAgreement,
     make_callbacks,
 )
-from ds_trhash.training.batches import data_wait_line
-from ds_trhash.training.display import Progress
+from ds_trhash.training.display import Progress, data_wait_line
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources
@@ -91,8 +90,8 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
             launch_checks.set_aside_checkpoints(plan.output_dir, [name for name, _ in plan.output.damaged],
                                                 time.strftime("%Y%m%dT%H%M%S"), log=log.info)
         barrier()
-    if plan.data.start is not None:  # the stage's first step: the saved one on a resume (``restore``)
-        plan.data.start(int(plan.output.saved["step"]) if plan.output.saved is not None else 0)
+    # the stage's first step: the saved one on a resume (``restore``)
+    plan.data.loader.open(int(plan.output.saved["step"]) if plan.output.saved is not None else 0)
 
 
 def restore(plan: LaunchPlan, engine, rank: int) -> loop.TrainState:
@@ -143,7 +142,7 @@ def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, d
 
     def trainer_state(st: loop.TrainState, reason: str, extra: dict) -> dict:
         return record.trainer_state(
-            step=st.step, epoch=st.epochs_done, total_steps=st.total_steps, data_cursor=data.batches.cursor(st.step),
+            step=st.step, epoch=st.epochs_done, total_steps=st.total_steps, data_cursor=data.loader.cursor(st.step),
             tokens_seen=st.tokens_seen, supervised_seen=st.supervised_seen,
             backends_used=model.backends_used(),  # the checkpointing callback passes the training step's
             reason=reason, peak_memory=resources.peak_memory(plan.device), extra=extra)
@@ -165,11 +164,10 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
                                    resume_step=first_step)
     # Signals were recorded since launch/train.py started (training/signals.py); from here on
     # every rank asks once per step whether any rank wants to stop.
-    stop = StopAgreement(requests or StopRequests(), LauncherWatch.for_this_process(), plan.world,
-                         data=data.batches if hasattr(data.batches, "readiness") else None)
+    stop = StopAgreement(requests or StopRequests(), LauncherWatch.for_this_process(), plan.world, data=data.loader)
     return RunContext(
         cfg=cfg, rank=rank, world=plan.world, output_dir=output_dir, device=plan.device, engine=engine,
-        model=model, model_config=plan.model_config, batches=data.batches, progress=progress, writer=writer,
+        model=model, model_config=plan.model_config, loader=data.loader, progress=progress, writer=writer,
         trainer_state=state_recorder(plan, model), eval_batches=data.eval_batches, tokenizer_dir=data.tokenizer_dir,
         protect_steps=set(plan.checkpoints.protect), stop=stop, faults=FaultInjection.from_env(), barrier=barrier,
         monitor=monitor, expert_load=expert_load)
@@ -194,8 +192,7 @@ def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
         start_writing(plan, rank)
         return _train_stage(plan, rank, world, requests)
     finally:  # every way out (the end, a stop, an error): the data's thread and shard cache closed
-        if plan.data.stop is not None:
-            plan.data.stop()
+        plan.data.loader.close()
 
 
 def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests | None) -> loop.TrainState:
@@ -216,11 +213,11 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     callbacks = make_callbacks(list(plan.builders), run)
     guard = NonFiniteGuard.from_config(cfg, log=progress.message)
     run.callbacks.insert(0, guard)  # its before_save runs first at every save: no checkpoint of diverged weights
-    state = loop.run(engine.engine, data.batches, state, callbacks, plan.device, world, nonfinite=guard,
+    state = loop.run(engine.engine, data.loader, state, callbacks, plan.device, world, nonfinite=guard,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
-        wait = data_wait_line(data.batches.data_figures(), state.step_seconds, state.steps_timed)
+        wait = data_wait_line(data.loader.figures(), state.step_seconds, state.steps_timed)
         for line in (wait, state.throughput.describe()):
             if line:
                 progress.message(line)

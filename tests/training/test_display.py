@@ -4,7 +4,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ds_trhash.training.display import Progress, eta_seconds, format_duration
+from ds_trhash.training.display import Progress, byte_size, eta_seconds, format_duration
 
 
 class Clock:
@@ -132,3 +132,8 @@ def test_notices_still_print_once_the_display_is_closed():
     live.close()
     live.message("checkpoint step_00000002 (final, 0.1s)")
     assert not live.live and "checkpoint step_00000002 (final, 0.1s)" in console_out.getvalue()
+
+
+def test_byte_sizes_are_said_in_the_largest_unit_that_keeps_them_at_least_one():
+    assert [byte_size(n) for n in (0, 512, 1536, 3 * 2**20, 2.5 * 2**30)] == [
+        "0 B", "512 B", "1.5 KiB", "3.0 MiB", "2.50 GiB"]

@@ -287,7 +287,6 @@ def test_an_exception_in_the_loop_still_closes_every_callback(tmp_path, failure)
     on_error, whether the step or a callback's hook raised (the shard cache is the data layer's
     to close: tests/data/stream/delivery/test_steps.py)."""
     import io
-    from types import SimpleNamespace
 
     from rich.console import Console
 
@@ -305,7 +304,6 @@ def test_an_exception_in_the_loop_still_closes_every_callback(tmp_path, failure)
     progress = Progress("pretraining", 5, rank=0, every=1, console=Console(file=io.StringIO(), force_terminal=True))
     assert progress.live
     run = fakes.run(tmp_path, cfg=fakes.config(log_every=1), model=Model(), progress=progress,
-                    batches=SimpleNamespace(data_figures=lambda: None, epoch_of=lambda s: 0),
                     writer=MetricsWriter(tmp_path / "metrics.csv", rank=0),
                     expert_load=ExpertLoadWriter(tmp_path / "expert_load.csv", num_experts=2, rank=0))
     callbacks = make_callbacks([

@@ -3,12 +3,16 @@ trainer-state record every checkpoint of the launch writes. (The whole stage run
 launcher in test_launch.py.)"""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ds_trhash.training import loop
 from ds_trhash.training.preparation.plan import plan_launch
+from ds_trhash.training.preparation.stage_data import StageData
 from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
 from ds_trhash.training.trainer import build_model, start_writing, state_recorder
+from tests.training.callbacks import fakes
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +25,7 @@ def planned(tmp_path_factory):
     try:
         yield plan, build_model(plan, rank=0)
     finally:
-        plan.data.stop()  # what the trainer's finally closes
+        plan.data.loader.close()  # what the trainer's finally closes
 
 
 def test_the_model_runs_the_planned_kernels(planned):
@@ -38,21 +42,28 @@ def test_trainer_state_records_the_plan_and_the_step(planned):
     st = loop.TrainState(step=2, total_steps=4, epochs_done=0, tokens_seen=2048, supervised_seen=2000)
     doc = record(st, "token pack", {"eval": None})
     assert doc["step"] == 2 and doc["total_steps"] == 4 and doc["reason"] == "token pack" and doc["eval"] is None
-    assert doc["data_cursor"] == plan.data.batches.cursor(2) and doc["pack_index"] == plan.checkpoints.pack_of.get(2)
+    assert doc["data_cursor"] == plan.data.loader.cursor(2) and doc["pack_index"] == plan.checkpoints.pack_of.get(2)
     assert doc["model_config"] == plan.model_config.to_dict() and doc["init_checkpoint"] is None
     assert doc["backends_used"] == model.backends_used()
     assert isinstance(doc["peak_memory"], dict) and doc["hardware"].startswith("1 process(es); rank 0 on ")
 
 
-def test_the_stage_starts_reading_its_first_step_before_the_model_is_built(tmp_path):
-    """``start_writing`` opens the stream at the stage's first step (a resume's saved step), so
+class _Opening(fakes.Loader):
+    """Records the step each ``open`` starts reading at."""
+
+    def __init__(self):
+        super().__init__()
+        self.opened = []
+
+    def open(self, first_step):
+        self.opened.append(first_step)
+
+
+def test_the_stage_starts_reading_its_first_step_before_the_model_is_built():
+    """``start_writing`` opens the stage's loader at its first step (a resume's saved step), so
     its shards are fetched while the model and engine are built."""
-    from types import SimpleNamespace
-
-    from ds_trhash.training.preparation.stage_data import StageData
-
-    started = []
-    for saved, first in ((None, 0), ({"step": 7}, 7)):
-        data = StageData(batches=None, total_steps=10, start=started.append)
+    loader = _Opening()
+    for saved in (None, {"step": 7}):
+        data = StageData(loader=loader, total_steps=10)
         start_writing(SimpleNamespace(data=data, output=SimpleNamespace(damaged=[], saved=saved)), rank=0)
-    assert started == [0, 7]
+    assert loader.opened == [0, 7]

@@ -1,6 +1,6 @@
 """The callback interface: what the training loop calls, and what a callback is given.
 
-The loop (``ds_trhash.training.loop``) knows nothing but an engine, a batch source and a list of
+The loop (``ds_trhash.training.loop``) knows nothing but an engine, a data loader and a list of
 ``Callback`` objects; everything else a launch does per step (progress, metrics, checkpoints,
 evaluation, selection, stop handling, fault injection) is a callback. Packages above training
 (evaluation) implement this interface; the entry point that composes a launch decides which
@@ -12,9 +12,9 @@ A callback is made in two steps, both from the config:
   file fails in seconds); it returns a builder, or None when the config does not ask for it;
 * the builder gets the ``RunContext`` once the engine exists and returns the callback.
 
-The step state the hooks are given (``TrainState``) and the batch source's shape
-(``StepBatches``) live here, with the hooks, and the loop imports them: a callback module never
-imports the loop (nor the loop a callback), so the interface sits below both.
+The step state the hooks are given (``TrainState``) lives here, with the hooks, and the loop
+imports it: a callback module never imports the loop (nor the loop a callback), so the interface
+sits below both. The data both read is a ``training.data_loader.DataLoader``.
 """
 from __future__ import annotations
 
@@ -33,20 +33,13 @@ if TYPE_CHECKING:  # type names only: these import much more (and none of them i
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.config import TrainConfig
+    from ds_trhash.training.data_loader import DataLoader
     from ds_trhash.training.display import Progress
     from ds_trhash.training.records.expert_load import ExpertLoadWriter
     from ds_trhash.training.records.metrics_csv import MetricsWriter
     from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
-
-
-class StepBatches(Protocol):
-    """Where micro-batches come from: a pure function of the step (so resume is exact)."""
-
-    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]: ...
-
-    def epoch_of(self, step: int) -> int: ...
 
 
 @dataclass
@@ -155,7 +148,7 @@ class RunContext:
     engine: DeepSpeedEngine  # forward, save_checkpoint
     model: TRHashForCausalLM  # the module inside it (backends_used)
     model_config: TRHashConfig
-    batches: StepBatches
+    loader: DataLoader  # the stage's data (epochs, the stream's figures)
     progress: Progress
     writer: MetricsWriter  # metrics.csv
     trainer_state: Callable[[TrainState, str, dict], dict]  # (state, reason, extra) -> trainer_state.json
@@ -174,9 +167,9 @@ class RunContext:
     wait_for_checkpoint: Callable[[], Any] = lambda: None
 
 
-def is_epoch_end(batches: StepBatches, step: int) -> bool:
-    """Whether optimizer step ``step`` (> 0) completes an epoch of ``batches``."""
-    return step > 0 and batches.epoch_of(step) != batches.epoch_of(step - 1)
+def is_epoch_end(loader: DataLoader, step: int) -> bool:
+    """Whether optimizer step ``step`` (> 0) completes an epoch of ``loader``."""
+    return step > 0 and loader.epoch_of(step) != loader.epoch_of(step - 1)
 
 
 def build_callbacks(parts: list[type[Callback]], cfg: TrainConfig) -> list[Builder]:

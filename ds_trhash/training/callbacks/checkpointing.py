@@ -93,7 +93,7 @@ class CheckpointCallback(Callback):
     def on_step_end(self, state, metrics):
         self._finished(self.saver.poll())  # a background failure surfaces here, at the next step
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
-        if is_epoch_end(self.run.batches, state.step):
+        if is_epoch_end(self.run.loader, state.step):
             return
         reason = "stop signal" if state.stop_requested else cadence_reason(state.step, self.every, self.protect)
         if reason:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import time
 
-from ds_trhash.training.batches import downloaded
 from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.display import downloaded
 
 
 class ProgressCallback(Callback):
     def __init__(self, progress, model, every: int, figures=None, clock=time.monotonic):
-        """``figures``: a callable returning the stream's ``DataFigures`` (or None), read per step;
+        """``figures``: the loader's ``figures`` (the stream's ``DataFigures``, or None), read per step;
         ``clock``: the download rate is averaged from this callback's start (the launch's steps)."""
         self.progress, self.model, self.every, self.figures = progress, model, every, figures
         self.clock, self.started = clock, clock()
 
     @classmethod
     def from_run(cls, run: RunContext) -> "ProgressCallback":
-        return cls(run.progress, run.model, run.cfg.training.log_every, getattr(run.batches, "data_figures", None))
+        return cls(run.progress, run.model, run.cfg.training.log_every, run.loader.figures)
 
     def on_step_end(self, state, metrics):
         # the loss lazily: read from the device only for a step the progress display shows;

@@ -32,7 +32,7 @@ class SelectionCallback(Callback):
         if state.step > 0 and path.is_file():
             done = json.loads(path.read_text())["candidates"]
             self.candidates = [Candidate(**c) for c in done if c["step"] <= state.step]
-        missing = is_epoch_end(run.batches, state.step) and all(c.step != state.step for c in self.candidates)
+        missing = is_epoch_end(run.loader, state.step) and all(c.step != state.step for c in self.candidates)
         if run.rank != 0 or not missing:
             return
         checkpoint = ckpt.checkpoints_root(run.output_dir) / ckpt.step_dir_name(state.step)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,12 @@ from ds_trhash.training.callbacks.base import Callback, RunContext
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
 
+if TYPE_CHECKING:  # a type name only
+    from ds_trhash.training.data_loader import DataLoader
+
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0
 POLL_S = 0.2  # how often the ranks ask each other again while one still reads the next step's data
-
-
-class DataReadiness(Protocol):
-    """What the agreement asks of the stage's batches (``PretrainBatches``; by its shape)."""
-
-    def readiness(self, step: int) -> tuple[int, int, int]: ...
-
-    def agreed(self, step: int, status: int, node: int) -> None: ...
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
@@ -119,14 +114,14 @@ class StopAgreement:
     A MAX all-reduce of four integers over a CPU group (the default group when it is gloo, else
     a gloo group made once here: every rank constructs this object at the same point): a stop
     request (2: and a requeue), whether the rank still reads its part of the next step's row exchange, the status
-    of a failed read and its node (``data``: the stage's batches, ``readiness`` / ``agreed``;
-    None: no data to wait for). While a rank still reads, every rank asks again every
+    of a failed read and its node (``data``: the stage's loader, ``readiness`` / ``agreed``; one
+    with nothing read in the background is always ready). While a rank still reads, every rank asks again every
     ``POLL_S``: no rank waits for a read inside a collective (whose timeout would end the run
     instead of the read's own budget), a stop requested meanwhile is agreed as at any step, and
     a failed read is known to every rank before the step, which each then raises."""
 
-    def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1,
-                 data: DataReadiness | None = None) -> None:
+    def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1, *,
+                 data: DataLoader) -> None:
         self.requests, self.watch, self.world_size, self.data = requests, watch or LauncherWatch(), world_size, data
         self.local_reason: str | None = None
         self.agreed = False
@@ -165,7 +160,7 @@ class StopAgreement:
 
     def _agree(self, step: int | None, stop: bool) -> bool:
         while True:
-            ready = self.data.readiness(step) if self.data is not None and step is not None else (0, 0, 0)
+            ready = self.data.readiness(step) if step is not None else (0, 0, 0)
             wants = (2 if self.requests.requeue else 1) if stop and self._local() else 0
             flag = torch.tensor([wants, *ready], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
@@ -174,7 +169,7 @@ class StopAgreement:
                 self.requeue = found[0] == 2
                 return True
             if not found[1]:
-                if self.data is not None and step is not None:
+                if step is not None:
                     self.data.agreed(step, found[2], found[3])
                 return False
             time.sleep(POLL_S)

@@ -127,7 +127,7 @@ def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageDa
     local = 1 if devices.kind == "cuda" else resources.local_processes(world)
     existing = [c.step for c in ckpt.list_checkpoints(output_dir) if c.has_manifest] if saved is not None else []
     for warning in resources.check_at_launch(
-            cfg, model_cfg, world, local, devices, data.total_steps, getattr(data.batches, "steps_per_epoch", None),
+            cfg, model_cfg, world, local, devices, data.total_steps, data.loader.steps_per_epoch,
             after=int(saved["step"]) if saved is not None else 0, existing=existing,
             output_free=resources.shared_free_bytes(output_dir)):
         if rank == 0:
@@ -179,6 +179,6 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     return LaunchPlan(
         cfg=cfg, loaded=loaded, world=world, model_config=model_cfg, output=output, data=data, source=source,
         resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(loaded, world),
-        checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, getattr(data.batches, "steps_per_epoch", None)),
+        checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch),
         device=device, kernels=choice, builders=tuple(builders), initial=initial,
         run_files=tuple(dict.fromkeys([*TRAINER_FILES, *(name for part in classes for name in part.run_files)])))

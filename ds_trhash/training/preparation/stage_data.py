@@ -4,29 +4,27 @@
 asks the data package its one question (``data.stream.corpus.shared_corpus``: the store's commit, every
 planned shard listed with its size, the plan against the manifests), checks the tokenizer identity
 and the cache bound; ``prepare_sft_data`` opens (or, for the tiny preset,
-builds) the tokenized SFT set and packs it. Both return a :class:`StageData`; the pretraining stream
-(its reader, background assembly and shard cache) is created only by ``StageData.start``, once
-every launch check has passed, and closed by ``StageData.stop``, which the trainer calls in a ``finally``.
+builds) the tokenized SFT set and packs it. Both return a :class:`StageData`, complete at
+construction, whose ``loader`` is the stage's ``DataLoader``: the pretraining stream (its reader,
+background assembly and shard cache) is created only by ``loader.open``, once every launch check
+has passed, and closed by ``loader.close``, which the trainer calls in a ``finally``.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
-from ds_trhash.data.stream.cache import CACHE_DIR_ENV, CACHE_ENV, cache_bytes_from, cache_dir_of, check_cache_place, claim
+from ds_trhash.data.stream.cache import CACHE_DIR_ENV, CACHE_ENV, cache_bytes_from, cache_dir_of, check_cache_place
 from ds_trhash.data.stream.corpus import check_same_bytes, moved_note, resume_commit, shared_corpus
-from ds_trhash.data.stream.delivery import NodeShare, agreed_node_count, open_stream
+from ds_trhash.data.stream.delivery import agreed_node_count
 from ds_trhash.data.stream.store import LOCAL_COMMIT
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.plans.plan import load_plan
+from ds_trhash.data.plans.plan import ReplayPlan, load_plan
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -35,7 +33,7 @@ from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.batches import PretrainBatches, SFTStepBatches
+from ds_trhash.training.data_loader import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
 
 
 def _rank0_first(rank: int, fn):
@@ -48,13 +46,13 @@ def _rank0_first(rank: int, fn):
     return result
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageData:
-    batches: object  # loop.StepBatches
+    loader: DataLoader  # what the loop reads; opened by the trainer once every check passed
     total_steps: int
     planned_steps: int | None = None  # what the data holds; more than total_steps when --max-steps capped it
-    plan: object | None = None  # ReplayPlan (pretraining, refinement)
-    eval_batches: object | None = None  # SFTBatches over the eval partition
+    plan: ReplayPlan | None = None  # pretraining, refinement
+    eval_batches: SFTBatches | None = None  # over the SFT set's eval partition
     tokenizer_dir: str | None = None
     tokenizer_sha256: str | None = None  # identity of the tokenizer the data was made with
     sft_dir: str | None = None  # the resolved SFT set (the embedded one when the config says null)
@@ -64,11 +62,6 @@ class StageData:
     tokenizer_assumed: bool = False  # the data records no tokenizer: the configured one is taken as its
     notes: tuple[str, ...] = ()  # said once by rank 0 (e.g. that the corpus records no tokenizer)
     describe: str = ""
-    # Creates what reading needs on disk (the shard cache) and starts reading the stage's first
-    # step (its argument); called once every check has passed, before the model is built.
-    start: Callable[[int], None] | None = None
-    # Closes what ``start`` opened (the stream's thread, the shard cache); the trainer's ``finally``.
-    stop: Callable[[], None] | None = None
 
 
 def embedded_root(cfg: tcfg.TrainConfig) -> Path:
@@ -96,19 +89,6 @@ def exchanging_nodes(corpus, world: int, per_node: int) -> int:
     with the launch's other checks, by every rank together: unequal nodes are refused on every
     node (``NodeLayoutError``, naming each node's rank count) before any exchange group exists."""
     return 1 if corpus.commit == LOCAL_COMMIT else agreed_node_count(world, per_node)
-
-
-def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
-    """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
-    every node's exchange group (the ranks with one local index), in the same order, as
-    ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
-    steps after the others'). A member's exchange waits, in the background, for a node whose read
-    waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
-    budget and ten minutes more."""
-    timeout = datetime.timedelta(seconds=wait_s + 600)
-    groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
-              for local in range(per_node)]
-    return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows, budget_s=wait_s)
 
 
 def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
@@ -187,29 +167,20 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     cache_dir = cache_dir_of(cfg.data.cache_dir)
     check_cache_place(cache_dir, "data.cache_dir" if cfg.data.cache_dir else f"the default shard cache ({CACHE_DIR_ENV})",
                       cfg.data.cache_on_network_fs)
-    data = StageData(batches=None, total_steps=_max_steps(cfg, steps), planned_steps=planned, plan=plan,
+    total = _max_steps(cfg, steps)
+    recipe = StreamRecipe(
+        corpus=corpus, plan=plan, seed=cfg.seed,
+        layout=BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank=rank, world_size=world),
+        cache_dir=cache_dir, max_bytes=max_bytes, ranks_on_node=node_ranks, end=total,
+        prefetch_s=cfg.data.prefetch_minutes * 60, budget_s=wait_s, nodes=nodes, chunk_rows=cfg.data.exchange_rows,
+        pin_memory=torch.cuda.is_available())
+    return StageData(loader=PretrainLoader(recipe), total_steps=total, planned_steps=planned, plan=plan,
                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                      tokenizer_sha256=identity, tokenizer_assumed=assumed,
                      notes=notes + tokenizer_notes + _cap_note(cfg, planned),
                      shards_dir=corpus.store.description, data_source=corpus.record,
                      describe=f"plan {plan_path} fingerprint {plan.fingerprint[:12]}, shards {corpus.store.description} "
                               f"({corpus.layout} layout)")
-
-    def start(first_step: int) -> None:
-        # One cache per node: every rank of this node opens the same folder; each shard is
-        # downloaded once and verified (size and SHA-256) before any rank reads it. The next
-        # steps' batches are assembled in the background, in pinned memory on CUDA, from the
-        # first step on at once: its shards are fetched while the model and engine are built.
-        layout = BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank=rank, world_size=world)
-        stream = open_stream(corpus, plan, cfg.seed, layout, claim(cache_dir), max_bytes, node_ranks,
-                             pin_memory=torch.cuda.is_available(), end=data.total_steps,
-                             prefetch_s=cfg.data.prefetch_minutes * 60, first_step=first_step,
-                             share=node_share(rank, world, node_ranks, wait_s, cfg.data.exchange_rows)
-                             if nodes > 1 else None, budget_s=wait_s)
-        data.batches, data.stop = PretrainBatches(stream), stream.close
-
-    data.start = start
-    return data
 
 
 def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
@@ -232,8 +203,8 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     policy = cfg.data.packing.policy
     train_packs = pack(data.partition("train"), cfg.data.seq_len, policy)
     train = SFTBatches(train_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=True)
-    batches = SFTStepBatches(train, cfg.batch.grad_accum, policy)
-    if batches.steps_per_epoch < 1:
+    loader = SFTLoader(train, cfg.batch.grad_accum, policy)
+    if loader.steps_per_epoch < 1:
         raise SFTDataError(
             f"{train.batches_per_epoch} micro-batches per epoch make no optimizer step with grad_accum "
             f"{cfg.batch.grad_accum}; lower batch.grad_accum or batch.micro_batch")
@@ -241,8 +212,8 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     if cfg.eval.heldout:
         eval_packs = pack(data.partition("eval"), cfg.data.seq_len, policy)
         eval_batches = SFTBatches(eval_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=False)
-    planned = batches.steps_per_epoch * cfg.training.epochs
-    return StageData(batches=batches, total_steps=_max_steps(cfg, planned), planned_steps=planned,
+    planned = loader.steps_per_epoch * cfg.training.epochs
+    return StageData(loader=loader, total_steps=_max_steps(cfg, planned), planned_steps=planned,
                      eval_batches=eval_batches,
                      tokenizer_dir=str(data.tokenizer_path), tokenizer_sha256=data.tokenizer_hash,
                      sft_dir=str(Path(sft_dir).resolve()),

@@ -202,7 +202,7 @@ def test_the_record_carries_a_custom_models_shape(tmp_path):
     try:
         doc = state_recorder(plan, model)(TrainState(step=2, total_steps=2), "final", {})
     finally:
-        plan.data.stop()  # what the trainer's finally closes
+        plan.data.loader.close()  # what the trainer's finally closes
     save_checkpoint(out, 2, write_engine_state=engine, trainer_state=doc, rank=0, world_size=1)
     record = write_run_record(tmp_path / "run_record.json", run_dir=out)
     assert record["model"] == plan.model_config.to_dict() == model.config.to_dict()

@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ds_trhash.training.callbacks import RunContext
+from ds_trhash.training.data_loader import DataLoader
 from ds_trhash.training.loop import TrainState
 
 
@@ -43,14 +44,28 @@ class Model:
         return dict(self.last)
 
 
-class Batches:
-    """Epochs of ``per_epoch`` steps."""
+class Loader(DataLoader):
+    """Epochs of ``per_epoch`` steps (no batches: the callbacks never read one); ``figures``: what
+    the stream's figures would say (default: nothing streamed)."""
 
-    def __init__(self, per_epoch=100):
-        self.per_epoch = per_epoch
+    def __init__(self, per_epoch=100, figures=None):
+        self.per_epoch, self._figures = per_epoch, figures
+
+    def micro_batches(self, step):
+        raise AssertionError("a callback read the stage's batches")
 
     def epoch_of(self, step):
         return step // self.per_epoch
+
+    def cursor(self, step):
+        return step
+
+    @property
+    def steps_per_epoch(self):
+        return self.per_epoch
+
+    def figures(self):
+        return self._figures() if self._figures is not None else None
 
 
 def metrics(step, loss=2.0, epoch=0):
@@ -78,7 +93,7 @@ class Engine:
 
 def run(tmp_path, cfg=None, **over) -> RunContext:
     fields = dict(cfg=cfg or config(), rank=0, world=1, output_dir=Path(tmp_path), device="cpu", engine=Engine(),
-                  model=Model(), model_config=None, batches=Batches(), progress=Progress(), writer=None,
+                  model=Model(), model_config=None, loader=Loader(), progress=Progress(), writer=None,
                   trainer_state=trainer_state)
     fields.update(over)
     return RunContext(**fields)

@@ -37,7 +37,7 @@ def test_cadence_pack_boundary_stop_and_final(tmp_path):
 
 
 def test_epoch_end_is_saved_once_with_the_evaluation_results(tmp_path):
-    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1), batches=fakes.Batches(per_epoch=2))
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1), loader=fakes.Loader(per_epoch=2))
     run.results["eval"][2] = {"eval_loss": 1.25}
     cb = CheckpointCallback.from_run(run)
     state = TrainState(step=2, total_steps=4, epoch=0, epochs_done=1)
@@ -90,7 +90,7 @@ def test_rotation_waits_while_a_sync_holds_the_lock_and_keeps_what_no_sync_verif
 def test_a_resume_at_the_last_step_saves_nothing_and_hooks_run_before_each_save(tmp_path):
     """A finished run resumed (RESUME=auto after its end) does not write its last checkpoint
     again; every save is preceded by every callback's before_save hook (expert load flushed first)."""
-    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=2), batches=fakes.Batches(per_epoch=3))
+    run = fakes.run(tmp_path, cfg=fakes.config(every_steps=2), loader=fakes.Loader(per_epoch=3))
     seen = []
 
     class Watcher(Callback):

@@ -3,7 +3,6 @@ this process's downloads (bytes and average rate, one figure) when the stage str
 from the stream's figures, never from the cache itself); closing it stops the display and nothing
 else (the data layer closes the cache)."""
 import re
-from types import SimpleNamespace
 
 from ds_trhash.data.stream.delivery import DataFigures
 from ds_trhash.training.callbacks import ProgressCallback
@@ -17,8 +16,8 @@ FIGURES = DataFigures(rank=0, steps=3, background=True, queue_wait_s=0.0, read_s
 
 def test_updates_carry_loss_lr_backends_and_the_cache_state(tmp_path):
     asked = []
-    batches = SimpleNamespace(data_figures=lambda: asked.append(1) or FIGURES)
-    cb = ProgressCallback.from_run(fakes.run(tmp_path, batches=batches))
+    loader = fakes.Loader(figures=lambda: asked.append(1) or FIGURES)
+    cb = ProgressCallback.from_run(fakes.run(tmp_path, loader=loader))
     cb.on_step_end(TrainState(step=3, total_steps=10), fakes.metrics(3, loss=1.5))
     step, loss, lr, tok_s, backends, extra = cb.progress.updates[0]
     # the loss travels as a callable: the display reads it (from the device) only when it shows it
@@ -35,16 +34,16 @@ def test_updates_carry_loss_lr_backends_and_the_cache_state(tmp_path):
 def test_before_any_scan_the_usage_is_unknown_not_walked(tmp_path):
     from dataclasses import replace
 
-    batches = SimpleNamespace(data_figures=lambda: replace(FIGURES, cache_bytes=None, cache_files=None))
-    cb = ProgressCallback.from_run(fakes.run(tmp_path, batches=batches))
+    loader = fakes.Loader(figures=lambda: replace(FIGURES, cache_bytes=None, cache_files=None))
+    cb = ProgressCallback.from_run(fakes.run(tmp_path, loader=loader))
     cb.on_step_end(TrainState(step=1, total_steps=2), fakes.metrics(1))
     assert cb.progress.updates[0][5]["cache"] == "?/8 MiB ? shards hit 5 miss 2 evict 1"
 
 
 def test_the_downloads_are_one_figure_averaged_from_the_callbacks_start(tmp_path):
     ticks = iter([100.0, 102.0, 104.0])  # made at 100 s; steps at 102 s and 104 s
-    run = fakes.run(tmp_path, batches=SimpleNamespace(data_figures=lambda: FIGURES))
-    cb = ProgressCallback(run.progress, run.model, 1, run.batches.data_figures, clock=lambda: next(ticks))
+    run = fakes.run(tmp_path, loader=fakes.Loader(figures=lambda: FIGURES))
+    cb = ProgressCallback(run.progress, run.model, 1, run.loader.figures, clock=lambda: next(ticks))
     cb.on_step_end(TrainState(step=1, total_steps=3), fakes.metrics(1))
     assert cb.progress.updates[0][5]["downloaded"] == "3.0 MiB at 1.5 MiB/s"
     cb.on_step_end(TrainState(step=2, total_steps=3), fakes.metrics(2))

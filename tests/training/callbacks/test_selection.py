@@ -41,7 +41,7 @@ def test_only_sft_and_only_rank_0(tmp_path):
 def test_a_resume_at_an_epoch_end_adds_the_candidate_the_stopped_run_did_not_publish(tmp_path):
     """Stopped between writing the last epoch's checkpoint and publishing best/: the resumed run
     (RESUME=auto of the finished stage) takes that epoch's results from the checkpoint's record."""
-    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), batches=fakes.Batches(per_epoch=2))
+    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), loader=fakes.Loader(per_epoch=2))
     cb = SelectionCallback.from_run(run)
     _epoch_checkpoint(run, tmp_path, 2, 3.0)
     cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0, epochs_done=1, last={"loss": 1.5}))
@@ -53,7 +53,7 @@ def test_a_resume_at_an_epoch_end_adds_the_candidate_the_stopped_run_did_not_pub
         "piqa": {"acc": 0.5, "acc_norm": 0.625}}))
     assert json.loads((tmp_path / "selection.json").read_text())["selected"]["step"] == 2
 
-    resumed_run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), batches=fakes.Batches(per_epoch=2))
+    resumed_run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), loader=fakes.Loader(per_epoch=2))
     SelectionCallback.from_run(resumed_run).on_start(TrainState(step=4, total_steps=4))
     doc = json.loads((tmp_path / "selection.json").read_text())
     assert [c["step"] for c in doc["candidates"]] == [2, 4] and doc["selected"]["step"] == 4

@@ -7,6 +7,7 @@ import signal
 import time
 
 from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
+from tests.training.callbacks import fakes
 
 
 def test_handlers_only_record_and_a_duplicate_within_the_window_counts_once():
@@ -34,7 +35,7 @@ def test_a_repeat_after_the_window_is_a_new_request():
 
 def test_single_process_agreement_follows_the_local_request():
     requests = StopRequests()
-    stop = StopAgreement(requests, LauncherWatch.for_this_process(), world_size=1)
+    stop = StopAgreement(requests, LauncherWatch.for_this_process(), world_size=1, data=fakes.Loader())
     assert not stop() and not stop()
     requests.handle(signal.SIGTERM)
     assert stop() and stop.describe() == "stop requested here: SIGTERM"
@@ -49,7 +50,7 @@ def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
     from ds_trhash.training.loop import TrainState
 
     requests = StopRequests()
-    cb = StopCallback(StopAgreement(requests, LauncherWatch(), world_size=1))
+    cb = StopCallback(StopAgreement(requests, LauncherWatch(), world_size=1, data=fakes.Loader()))
     state = TrainState(step=1, total_steps=10)
     cb.on_step_end(state, {})
     assert not state.stop_requested
@@ -64,7 +65,7 @@ def test_a_closing_terminal_sighup_is_a_stop_request_like_sigterm():
     try:
         os.kill(os.getpid(), signal.SIGHUP)  # the process would have died of it without the handler
         time.sleep(0.05)
-        stop = StopAgreement(requests)
+        stop = StopAgreement(requests, data=fakes.Loader())
         assert stop() and stop.describe() == "stop requested here: SIGHUP"
     finally:
         requests.uninstall()
@@ -80,7 +81,7 @@ def test_the_schedulers_warning_sigusr1_is_a_stop_that_asks_for_a_requeue():
     try:
         os.kill(os.getpid(), signal.SIGUSR1)  # the process would have died of it without the handler
         time.sleep(0.05)
-        cb = StopCallback(StopAgreement(requests))
+        cb = StopCallback(StopAgreement(requests, data=fakes.Loader()))
         state = TrainState(step=3, total_steps=10)
         cb.on_step_end(state, {})
         assert state.stop_requested and state.stop_requeue and state.stop_reason == "stop requested here: SIGUSR1"
@@ -93,5 +94,5 @@ def test_the_schedulers_warning_sigusr1_is_a_stop_that_asks_for_a_requeue():
 def test_other_stop_signals_do_not_ask_for_a_requeue():
     requests = StopRequests()
     requests.handle(signal.SIGTERM)
-    stop = StopAgreement(requests)
+    stop = StopAgreement(requests, data=fakes.Loader())
     assert stop() and not stop.requeue and not requests.requeue

@@ -4,10 +4,11 @@ import pytest
 from ds_trhash.checkpoints.stages import StageError
 from ds_trhash.training.preparation.stage_data import StageData
 from ds_trhash.training.preparation.stage_guard import check_tokenizer_identity
+from tests.training.callbacks import fakes
 
 
 def _data(tok):
-    return StageData(batches=None, total_steps=1, tokenizer_sha256=tok)
+    return StageData(loader=fakes.Loader(), total_steps=1, tokenizer_sha256=tok)
 
 
 def test_next_stage_data_must_use_the_checkpoints_tokenizer():

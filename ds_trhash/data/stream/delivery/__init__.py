@@ -11,11 +11,11 @@
 Imports ``order``, ``cache``, ``store`` and the stream's shared names.
 """
 from ds_trhash.data.stream.delivery.assembly import THREAD_NAME
-from ds_trhash.data.stream.delivery.exchange import (NodeLayoutError, PeerReadError, PeerStoreUnavailable, RowExchange,
-                                                     agreed_node_count)
+from ds_trhash.data.stream.delivery.exchange import (CHUNK_ROWS, NodeLayoutError, PeerReadError, PeerStoreUnavailable,
+                                                     Readiness, RowExchange, agreed_node_count)
 from ds_trhash.data.stream.delivery.reader import DEFAULT_PREFETCH_S, ReaderError, ReplayReader
 from ds_trhash.data.stream.delivery.steps import DataFigures, NodeShare, RankStream, open_stream
 
-__all__ = ["DEFAULT_PREFETCH_S", "THREAD_NAME", "DataFigures", "NodeLayoutError", "NodeShare", "PeerReadError",
-           "PeerStoreUnavailable", "RankStream", "ReaderError", "ReplayReader", "RowExchange", "agreed_node_count",
-           "open_stream"]
+__all__ = ["CHUNK_ROWS", "DEFAULT_PREFETCH_S", "THREAD_NAME", "DataFigures", "NodeLayoutError", "NodeShare",
+           "PeerReadError", "PeerStoreUnavailable", "RankStream", "Readiness", "ReaderError", "ReplayReader",
+           "RowExchange", "agreed_node_count", "open_stream"]
