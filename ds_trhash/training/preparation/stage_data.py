@@ -48,6 +48,9 @@ def _rank0_first(rank: int, fn):
 
 @dataclass(frozen=True)
 class StageData:
+    """What a launch trains on, decided and checked before the model exists: the stage's loader
+    (not yet reading) and what the records, the stage guard and the resume checks need of its data."""
+
     loader: DataLoader  # what the loop reads; opened by the trainer once every check passed
     total_steps: int
     planned_steps: int | None = None  # what the data holds; more than total_steps when --max-steps capped it
