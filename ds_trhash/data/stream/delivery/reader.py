@@ -32,16 +32,15 @@ import numpy as np
 import torch
 
 from ds_trhash.batch_layout import BatchLayout
-
-from ds_trhash.data.stream.cache import ShardCache
 from ds_trhash.data.formats.layout import shard_path_under, sources_dir
 from ds_trhash.data.formats.shards import TOKEN_DTYPE
-from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
 from ds_trhash.data.formats.tokenizer import PathLike
-from ds_trhash.data.stream.order import DEFAULT_SHUFFLE_WINDOW, PlanHorizon, PlanOrder, ReaderError, RowRef, Segment
+from ds_trhash.data.plans.plan import PlanLike, plan_doc, validate_plan_doc
+from ds_trhash.data.stream.cache import ShardCache
 from ds_trhash.data.stream.delivery.working_set import WorkingSet
 from ds_trhash.data.stream.mapped_shard import MappedShard
-
+from ds_trhash.data.stream.order import DEFAULT_SHUFFLE_WINDOW, PlanHorizon, PlanOrder, ReaderError, RowRef, Segment
+from ds_trhash.data.stream.types import Key
 
 _LOOKAHEAD_MICRO_BATCHES = 32  # whose shards are prefetched (and stay in the working set); looked at every 32nd
 _RECENT_MICRO_BATCHES = 8  # a shard none of these read leaves the working set
@@ -50,8 +49,6 @@ DEFAULT_PREFETCH_S = 600.0  # prefetch the shards read within the next 10 minute
 # The pace is measured once the reader has run this long; until then: two windows. Short, so that
 # a fast reader does not spend its pass only two windows ahead (docs/performance.md, "Shard streaming").
 _PACE_AFTER_S = 0.2
-
-from ds_trhash.data.stream.types import Key
 _SHARD_OF = operator.itemgetter(0, 1)  # (source, file) of a RowRef
 
 
