@@ -2,11 +2,14 @@
 process not started by the deepspeed launcher watches nothing, and StopCallback turns an agreed
 stop into a stop request (the multi-rank behaviour: tests/training/test_stop_signals.py)."""
 
+import contextlib
 import os
 import signal
 import time
 
 from ds_trhash.training.callbacks.stop import LauncherWatch, StopAgreement, StopCallback, StopRequests
+from ds_trhash.training.loop import TrainState
+from ds_trhash.training.signals import EXIT_REQUEUE
 from tests.training.callbacks import fakes
 
 
@@ -47,8 +50,6 @@ def test_a_process_not_started_by_the_launcher_watches_nothing():
 
 
 def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
-    from ds_trhash.training.loop import TrainState
-
     requests = StopRequests()
     cb = StopCallback(StopAgreement(requests, LauncherWatch(), world_size=1, data=fakes.Loader()))
     state = TrainState(step=1, total_steps=10)
@@ -59,35 +60,33 @@ def test_stop_callback_turns_an_agreed_stop_into_a_stop_request():
     assert state.stop_requested and state.stop_reason == "stop requested here: SIGTERM"
 
 
-def test_a_closing_terminal_sighup_is_a_stop_request_like_sigterm():
-    before = signal.getsignal(signal.SIGHUP)
+@contextlib.contextmanager
+def _delivered(signum):
+    """The recorder installed and ``signum`` sent to this process (which it would have killed without
+    the handler); the previous handler back afterwards."""
+    before = signal.getsignal(signum)
     requests = StopRequests().install()
     try:
-        os.kill(os.getpid(), signal.SIGHUP)  # the process would have died of it without the handler
+        os.kill(os.getpid(), signum)
         time.sleep(0.05)
-        stop = StopAgreement(requests, data=fakes.Loader())
-        assert stop() and stop.describe() == "stop requested here: SIGHUP"
+        yield requests
     finally:
         requests.uninstall()
-    assert signal.getsignal(signal.SIGHUP) is before
+    assert signal.getsignal(signum) is before
+
+
+def test_a_closing_terminal_sighup_is_a_stop_request_like_sigterm():
+    with _delivered(signal.SIGHUP) as requests:
+        stop = StopAgreement(requests, data=fakes.Loader())
+        assert stop() and stop.describe() == "stop requested here: SIGHUP"
 
 
 def test_the_schedulers_warning_sigusr1_is_a_stop_that_asks_for_a_requeue():
-    from ds_trhash.training.loop import TrainState
-    from ds_trhash.training.signals import EXIT_REQUEUE
-
-    before = signal.getsignal(signal.SIGUSR1)
-    requests = StopRequests().install()
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)  # the process would have died of it without the handler
-        time.sleep(0.05)
+    with _delivered(signal.SIGUSR1) as requests:
         cb = StopCallback(StopAgreement(requests, data=fakes.Loader()))
         state = TrainState(step=3, total_steps=10)
         cb.on_step_end(state, {})
         assert state.stop_requested and state.stop_requeue and state.stop_reason == "stop requested here: SIGUSR1"
-    finally:
-        requests.uninstall()
-    assert signal.getsignal(signal.SIGUSR1) is before
     assert EXIT_REQUEUE not in (0, 1, 2)  # distinct from finished, failed and refused
 
 
