@@ -32,6 +32,15 @@ REQUEUE_SIGNALS = (signal.SIGUSR1,)
 # (sysexits' EX_TEMPFAIL: a temporary failure, try again). 0: finished or stopped on any other
 # signal; 1: failed; 2: refused (a user error).
 EXIT_REQUEUE = 75
+# A rank was lost: another rank stopped answering (killed, frozen, cut off, stuck in one phase
+# past its limit), and every rank that could still run ended without waiting on a collective.
+# The last complete checkpoint is kept; the same command with --resume auto continues once the
+# node is back (the SLURM job requeues without the blamed host).
+EXIT_PEER_LOST = 76
+# A step ran out of device memory where the ranks could not retry it in place (a collective lay
+# between the failure and their agreement): every rank ended; --resume auto continues from the
+# last complete checkpoint at the smaller micro-batch the run recorded.
+EXIT_OUT_OF_MEMORY = 77
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
 DUPLICATE_WINDOW_S = 2.0
 
