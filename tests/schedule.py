@@ -25,6 +25,7 @@ SHARED = {
 FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
+    "tests/training/test_real_network.py",  # ~150 s: two hosts (network namespaces) train; a master no host reaches
     "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
     "tests/training/test_stop_signals.py",  # ~130 s: 4 signalled 2-process launches
     "tests/training/test_multinode.py",  # ~130 s: two launchers through a 45 s Hub outage, a resume on one

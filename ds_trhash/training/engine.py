@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_trhash.errors import UserError
+from ds_trhash.network import use_gloo_interface
 from ds_trhash.training.schedule import build_scheduler
 
 
@@ -144,7 +145,9 @@ DEFAULT_GROUP_MINUTES = 30.0  # the default group's timeout unless a launch need
 
 def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); the default
-    group's collectives fail after ``timeout_minutes`` (``entrypoint.group_timeout_minutes``)."""
+    group's collectives fail after ``timeout_minutes`` (``entrypoint.group_timeout_minutes``).
+    Before it, gloo's interface toward the master is chosen (``ds_trhash.network``; refused when
+    none reaches it), for every gloo group of the launch."""
     import deepspeed
 
     os.environ.setdefault("RANK", "0")
@@ -152,6 +155,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[in
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    use_gloo_interface(os.environ)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with without_shared_memory_op():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
