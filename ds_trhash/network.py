@@ -139,13 +139,44 @@ def _try_address(address: str, interfaces: dict[str, list[str]]) -> tuple[GlooIn
     return GlooInterface(name, source, f"the route to the master {address}"), ""
 
 
-def choose_gloo_interface(master: str, interfaces: dict[str, list[str]] | None = None) -> GlooInterface:
+def loopback_name(master: str, addresses: list[str]) -> bool:
+    """Whether ``master`` is a host name (not an address, not ``localhost``) this host resolves to
+    loopback only: its own name, mapped to 127.0.0.1 or 127.0.1.1 in /etc/hosts."""
+    try:
+        ipaddress.ip_address(master)
+        return False
+    except ValueError:
+        return master.lower() != "localhost" and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def outward_interface(master: str, addresses: list[str], interfaces: dict[str, list[str]]) -> GlooInterface:
+    """The master's node, named by a host name it maps to loopback, in a job of several nodes: the
+    interface of its default route (the others reach it over that network, not over its loopback)."""
+    for version in (4, 6):
+        for net, device in _routes(version):
+            held = [a for a in interfaces.get(device, []) if ipaddress.ip_address(a).version == version]
+            if net.prefixlen == 0 and held and not is_loopback(device, interfaces[device]):
+                return GlooInterface(device, held[0], f"the default route's: the master name {master} is this host's "
+                                                      f"loopback {addresses[0]} here")
+    raise NetworkError(
+        f"MASTER_ADDR={master} resolves to the loopback address {', '.join(addresses)} on this node, which the other "
+        "nodes cannot reach, and no default route names another interface; pass this node's address on the nodes' "
+        f"network as the master address (deepspeed --master_addr), map {master} to it in /etc/hosts, or set "
+        f"{GLOO_VARIABLE} to the interface the other nodes reach")
+
+
+def choose_gloo_interface(master: str, interfaces: dict[str, list[str]] | None = None,
+                          several_nodes: bool = False) -> GlooInterface:
     """The interface that reaches the master ``master`` (a name or an address): the one holding
     it on the master's node, else the one its route leaves through; never loopback toward another
-    host. Refused (``NetworkError``) when none does."""
+    host. ``several_nodes``: the job has ranks on other nodes (a master name this host maps to
+    loopback then means the default route's interface). Refused (``NetworkError``) when none does."""
     interfaces = local_addresses() if interfaces is None else interfaces
+    addresses = resolve_master(master)
+    if several_nodes and loopback_name(master, addresses):
+        return outward_interface(master, addresses, interfaces)
     tried = []
-    for address in resolve_master(master):
+    for address in addresses:
         found, why = _try_address(address, interfaces)
         if found is not None:
             return found
@@ -172,9 +203,10 @@ def _named_by_user(value: str, interfaces: dict[str, list[str]]) -> GlooInterfac
 _in_use: GlooInterface | None = None
 
 
-def use_gloo_interface(env: MutableMapping[str, str] = os.environ) -> GlooInterface:
+def use_gloo_interface(env: MutableMapping[str, str] = os.environ, several_nodes: bool = False) -> GlooInterface:
     """Set ``GLOO_SOCKET_IFNAME`` in ``env`` to the interface reaching MASTER_ADDR, unless the user
-    set it (then checked, and kept): the choice, also what ``gloo_interface_in_use`` says after."""
+    set it (then checked, and kept): the choice, also what ``gloo_interface_in_use`` says after.
+    ``several_nodes``: whether the job has ranks on other nodes (``choose_gloo_interface``)."""
     global _in_use
     if _in_use is not None and env.get(GLOO_VARIABLE) == _in_use.name:
         return _in_use  # this process chose it already (a second group start in the same process)
@@ -182,7 +214,7 @@ def use_gloo_interface(env: MutableMapping[str, str] = os.environ) -> GlooInterf
     if env.get(GLOO_VARIABLE, "").strip():
         _in_use = _named_by_user(env[GLOO_VARIABLE], interfaces)
     else:
-        _in_use = choose_gloo_interface(env.get("MASTER_ADDR", "127.0.0.1"), interfaces)
+        _in_use = choose_gloo_interface(env.get("MASTER_ADDR", "127.0.0.1"), interfaces, several_nodes)
         env[GLOO_VARIABLE] = _in_use.name
     return _in_use
 

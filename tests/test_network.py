@@ -11,8 +11,10 @@ from tests.netns import hosts_or_skip, ip
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Two hosts on one switch; host 1 also has a route into 198.19.255.0/24 over its loopback."""
+    """Two hosts on one switch; host 0 has a default route (through a gateway on its network),
+    host 1 none, and a route into 198.19.255.0/24 over its loopback."""
     with hosts_or_skip(2) as made:
+        ip("-n", made.namespaces[0], "route", "add", "default", "via", f"{made.prefix}.254")
         ip("-n", made.namespaces[1], "route", "add", "198.19.255.0/24", "dev", "lo")
         yield made
 
@@ -90,5 +92,29 @@ def test_a_master_name_that_does_not_resolve_is_refused():
 def test_the_route_source_is_the_kernels_answer(hosts):
     assert network.route_source("127.0.0.1") == "127.0.0.1"
     assert hosts.inside(0, lambda: network.route_source(hosts.address(1))) == hosts.address(0)
+    assert hosts.inside(0, lambda: network.route_source("198.19.254.1")) == hosts.address(0)  # the default route
     with pytest.raises(OSError):
-        hosts.inside(0, lambda: network.route_source("198.19.254.1"))
+        hosts.inside(1, lambda: network.route_source("198.19.254.1"))
+
+
+def test_a_master_name_mapped_to_loopback_on_its_own_node_means_the_default_routes_interface(hosts, monkeypatch):
+    """/etc/hosts maps the master node's own name to 127.0.1.1: in a job of several nodes its peers
+    cannot reach that, so the master's node takes the interface of its default route; alone, loopback."""
+    monkeypatch.setattr(network, "resolve_master", lambda master: ["127.0.1.1"])  # the node's /etc/hosts
+    several = hosts.inside(0, lambda: network.choose_gloo_interface("node-a", several_nodes=True))
+    alone = hosts.inside(0, lambda: network.choose_gloo_interface("node-a", several_nodes=False))
+    assert (several.name, several.address, alone.name) == (hosts.device(0), hosts.address(0), "lo")
+    assert network.loopback_name("node-a", ["127.0.1.1"])
+    assert not network.loopback_name("localhost", ["127.0.0.1"]) and not network.loopback_name("127.0.0.1", ["127.0.0.1"])
+    assert not network.loopback_name("node-a", ["127.0.1.1", hosts.address(0)])
+    chosen = hosts.inside(0, lambda: network.outward_interface("node-a", ["127.0.1.1"], network.local_addresses()))
+    assert chosen == network.GlooInterface(hosts.device(0), hosts.address(0),
+                                           "the default route's: the master name node-a is this host's loopback "
+                                           "127.0.1.1 here")
+    with pytest.raises(network.NetworkError) as refused:
+        hosts.inside(1, lambda: network.outward_interface("node-a", ["127.0.1.1"], network.local_addresses()))
+    assert str(refused.value) == (
+        "MASTER_ADDR=node-a resolves to the loopback address 127.0.1.1 on this node, which the other nodes cannot "
+        "reach, and no default route names another interface; pass this node's address on the nodes' network as the "
+        "master address (deepspeed --master_addr), map node-a to it in /etc/hosts, or set GLOO_SOCKET_IFNAME to the "
+        "interface the other nodes reach")

@@ -17,6 +17,7 @@ import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.network import use_gloo_interface
+from ds_trhash.ranks import ranks_on_node
 from ds_trhash.training.schedule import build_scheduler
 
 
@@ -155,7 +156,8 @@ def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[in
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    use_gloo_interface(os.environ)
+    world = int(os.environ["WORLD_SIZE"])
+    use_gloo_interface(os.environ, several_nodes=ranks_on_node(world) < world)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with without_shared_memory_op():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
