@@ -30,6 +30,7 @@ from ds_trhash.errors import UserError
 GLOO_VARIABLE = "GLOO_SOCKET_IFNAME"
 NCCL_VARIABLE = "NCCL_SOCKET_IFNAME"
 _PROBE_PORT = 9  # the discard port: a UDP connect only picks a route, it sends nothing
+_RTF_UP, _RTF_REJECT = 0x0001, 0x0200  # a route's flags (linux/route.h): usable; unreachable (no way out)
 
 
 class NetworkError(UserError):
@@ -99,6 +100,8 @@ def _routes(version: int) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Ne
             rows = [line.split() for line in f.read().splitlines()[1 if version == 4 else 0:] if line.strip()]
     except OSError:
         return []  # no table to read: the route's source address alone decides
+    flags = 3 if version == 4 else 8
+    rows = [r for r in rows if int(r[flags], 16) & _RTF_UP and not int(r[flags], 16) & _RTF_REJECT]
     if version == 4:  # Iface, Destination, ..., Mask: little-endian hex
         return [(ipaddress.IPv4Network((int.from_bytes(bytes.fromhex(r[1]), "little"),
                                         bin(int.from_bytes(bytes.fromhex(r[7]), "little")).count("1")), strict=False), r[0])
