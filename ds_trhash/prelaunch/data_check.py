@@ -18,9 +18,11 @@ from ds_trhash.training.preparation.stage_data import StageData, embedded_root, 
 PREFLIGHT_HUB_WAIT_S = 8.0
 
 
-def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> tuple[StageData, str]:
+def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path,
+                       target_tokens: str | None = None) -> tuple[StageData, str]:
     """(the launch's StageData, what was checked); raises the trainer's user errors when the data
-    would refuse the launch. ``deep``: hash every planned shard (else sizes only)."""
+    would refuse the launch. ``deep``: hash every planned shard (else sizes only);
+    ``target_tokens``: the launch request's ``TARGET_TOKENS``."""
     embedded = (cfg.data.plan if cfg.data.kind == "pretrain" else cfg.data.sft_dir) is None
     where = f"embedded demo corpus (the launch builds it under {embedded_root(cfg)}); " if embedded else ""
     data_cfg = dataclasses.replace(cfg, output_dir=str(Path(scratch) / "run")) if embedded else cfg
@@ -29,7 +31,8 @@ def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) ->
         name = "SFT set" if embedded else f"SFT set {data.sft_dir}"
         return data, (f"{where}{name}: manifest hashes, vocabulary, labels and tokenizer check out; "
                       f"{data.loader.steps_per_epoch} steps per epoch, {data.total_steps} steps")
-    data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none", hub_wait_s=PREFLIGHT_HUB_WAIT_S)
+    data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none",
+                                 hub_wait_s=PREFLIGHT_HUB_WAIT_S, target_tokens=target_tokens)
     hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
     source = data.data_source or {}

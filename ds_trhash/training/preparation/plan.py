@@ -34,6 +34,7 @@ from ds_trhash.training.global_batch import GlobalBatch
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.init_weights import InitWeights, read_init_weights
 from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.preparation.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
 from ds_trhash.training.preparation.stage_guard import guard_stage
 from ds_trhash.training.records.files import TRAINER_FILES
@@ -144,20 +145,21 @@ def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     return {}
 
 
-def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
-                checked: OutputSide | None = None) -> LaunchPlan:
-    """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
+def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world: int,
+                parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> LaunchPlan:
+    """Every check of the launch, before the model exists; raises the first refusal. ``request``:
+    the command line and environment, resolved by the entry point. ``parts``:
     the callback classes of the launch (default ``training_parts()``); ``checked``: what
     ``check_output_side`` decided before the process group existed."""
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
     loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     model_cfg = tcfg.model_config(cfg)
-    output = checked if checked is not None else check_output_side(cfg, args, rank)
+    output = checked if checked is not None else check_output_side(cfg, request, rank)
     # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world, **held_to(cfg, output)))
+            else prepare_pretrain_data(cfg, rank, world, **held_to(cfg, output), target_tokens=request.target_tokens))
     for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
         if rank == 0:
             log.info(note)
@@ -170,7 +172,7 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     builders = build_callbacks(classes, cfg)
     resharding = False
     if output.saved is not None:
-        resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
+        resharding = check_resume(cfg, request, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts
     initial = read_init_weights(output.init_dir, model_cfg) if output.saved is None and output.init_dir else None

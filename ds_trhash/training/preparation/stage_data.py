@@ -115,8 +115,9 @@ def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, 
     return (moved,) if moved else ()
 
 
-def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
-    """The replay plan, checked against the config: its seq_len, its vocabulary, the token target."""
+def _checked_plan(cfg: tcfg.TrainConfig, plan_path, target_tokens: str | None):
+    """The replay plan, checked against the config: its seq_len, its vocabulary, the token target
+    (``TARGET_TOKENS`` of the launch request when set, else ``data.target_tokens``)."""
     plan = load_plan(plan_path)
     if plan.seq_len != cfg.data.seq_len:
         raise tcfg.ConfigError(cfg.origin, "data.seq_len",
@@ -127,9 +128,8 @@ def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
                                f"the plan {plan_path} records vocab_size {plan_vocab}, more than the model's "
                                f"{model_vocab} ({tcfg.describe_model(cfg)}): token ids beyond it have no "
                                "embedding; use data tokenized for this model's vocabulary")
-    env_target = os.environ.get("TARGET_TOKENS")
-    if env_target not in (None, ""):
-        check_target_tokens(plan.doc, env_target, name="TARGET_TOKENS")
+    if target_tokens not in (None, ""):
+        check_target_tokens(plan.doc, target_tokens, name="TARGET_TOKENS")
     else:
         check_target_tokens(plan.doc, cfg.data.target_tokens, name="data.target_tokens")
     return plan
@@ -137,19 +137,20 @@ def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
 
 def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_hashes: str = "none",
                           saved_source: dict | None = None, hub_wait_s: float | None = None,
-                          read_by: str = "this run") -> StageData:
+                          read_by: str = "this run", target_tokens: str | None = None) -> StageData:
     """``shard_hashes``: "none" (sizes from one listing; bytes are verified as they enter the
     cache) or "all" (``preflight --deep``: hash every planned shard now). ``saved_source``: the
     ``data_source`` a resumed checkpoint recorded (its commit is read again). ``hub_wait_s``: how
     long a Hub store waits out an outage (default: ``data.hub_wait_minutes``). ``read_by``: whose
-    record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement)."""
+    record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement).
+    ``target_tokens``: the launch's ``TARGET_TOKENS`` (``LaunchRequest``)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
         plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
         shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
     else:
         plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
-    plan = _checked_plan(cfg, plan_path)
+    plan = _checked_plan(cfg, plan_path, target_tokens)
     planned = plan_steps(plan, tcfg.tokens_per_step(cfg, world))
     steps = plan_steps(plan, tcfg.tokens_per_step(cfg, world), requested_steps=cfg.training.max_steps)
 
