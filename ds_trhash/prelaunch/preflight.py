@@ -171,7 +171,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     if not deepspeed.failed:
         report.add(res.check_comm_op(devices))
     with tempfile.TemporaryDirectory(prefix="ds-trhash-preflight-") as scratch:
-        data = report.run("data", lambda: resolve_stage_data(cfg, model_cfg, world, args.deep, Path(scratch),
+        data = report.run("data", lambda: resolve_stage_data(cfg, world, args.deep, Path(scratch),
                                                                 request.target_tokens))
     pre = _output(report, cfg, request, world, data)
     saved = pre.saved if pre is not None else None

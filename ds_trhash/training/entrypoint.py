@@ -16,7 +16,7 @@ import torch.serialization
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints import run_lock
-from ds_trhash.data.stream.store import StoreUnavailable
+from ds_trhash.data.stage import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg

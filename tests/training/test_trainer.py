@@ -9,7 +9,7 @@ import pytest
 
 from ds_trhash.training import loop
 from ds_trhash.training.preparation.plan import plan_launch
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.data.stage import StageData
 from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
 from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 from tests.training.callbacks import fakes

@@ -14,7 +14,7 @@ A callback is made in two steps, both from the config:
 
 The step state the hooks are given (``TrainState``) lives here, with the hooks, and the loop
 imports it: a callback module never imports the loop (nor the loop a callback), so the interface
-sits below both. The data both read is a ``training.data_loader.DataLoader``.
+sits below both. The data both read is a ``data.stage.DataLoader``.
 
 Callbacks never read each other's state: what one produces reaches the others as a typed hook
 argument, sent to every callback of the launch through ``RunContext`` (``evaluated`` with a
@@ -34,11 +34,10 @@ if TYPE_CHECKING:  # type names only: these import much more (and none of them i
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from ds_trhash.data.sft.dataset import SFTBatches
+    from ds_trhash.data.stage import DataLoader, SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.config import TrainConfig
-    from ds_trhash.training.data_loader import DataLoader
     from ds_trhash.training.display import Progress
     from ds_trhash.training.records.expert_load import ExpertLoadWriter
     from ds_trhash.training.records.metrics_csv import MetricsWriter

@@ -7,10 +7,17 @@ Key reference: ``docs/configs.md``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import MISSING, dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from ds_trhash.errors import UserError
+from ds_trhash.config_fields import ConfigError
+from ds_trhash.config_fields import closed_unit as _closed_unit
+from ds_trhash.config_fields import half_open_unit as _half_open_unit
+from ds_trhash.config_fields import non_negative as _non_negative
+from ds_trhash.config_fields import optional as _optional
+from ds_trhash.config_fields import positive as _positive
+from ds_trhash.config_fields import setting as _f
+from ds_trhash.data.config import DataSection, PackingSection  # the data's own section
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
 from ds_trhash.model.config import SHAPE_FIELDS
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
@@ -21,39 +28,6 @@ SFT = "supervised-finetuning"
 DEFAULT_WARMUP_FRACTION = 0.03
 # LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
 # weights are switched by `lora.experts`.
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration that must not be launched; the message is meant for the user as is."""
-
-    def __init__(self, source: str, key: str, problem: str):
-        self.source = source
-        self.key = key
-        self.problem = problem
-        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
-
-
-# --- field checks -------------------------------------------------------------------------
-# Each returns a problem string, or None when the value is acceptable.
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v!r}"
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else f"must be >= 0, got {v!r}"
-
-
-def _half_open_unit(v: float) -> str | None:
-    return None if 0 <= v < 1 else f"must be in [0, 1), got {v!r}"
-
-
-def _closed_unit(v: float) -> str | None:
-    return None if 0 <= v <= 1 else f"must be in [0, 1], got {v!r}"
-
-
-def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    return lambda v: None if v is None else check(v)
 
 
 def _betas(v: tuple[float, float]) -> str | None:
@@ -75,14 +49,6 @@ def _lora_targets(v: tuple[str, ...]) -> str | None:
 def _seed(v: int) -> str | None:
     # Every RNG seeded from it (torch, numpy PCG64, DeepSpeed) takes an unsigned 64-bit value.
     return None if 0 <= v < 2**64 else f"must fit an unsigned 64-bit integer (0 <= seed < 2**64), got {v}"
-
-
-def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = None,
-       factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"check": check} if check else {}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 # --- schema ----------------------------------------------------------------------------------
@@ -120,37 +86,6 @@ class ModelSection:
     def shape_overrides(self) -> dict[str, int]:
         """The architecture fields this section sets (the rest come from the preset)."""
         return {name: getattr(self, name) for name in SHAPE_FIELDS if getattr(self, name) is not None}
-
-
-@dataclass(frozen=True)
-class PackingSection:
-    policy: Literal["cross_document", "per_document"] = "cross_document"
-
-
-@dataclass(frozen=True)
-class DataSection:
-    kind: Literal["pretrain", "sft"] = "pretrain"
-    plan: str | None = None
-    shards_dir: str | None = None
-    cache_dir: str | None = None
-    cache_gb: float = _f(1.0, check=_positive)
-    # How long a Hub store waits out an outage (503s, 429s, no connection) before the run stops with
-    # a checkpoint: each wait is one line, Retry-After and rate limits are honoured.
-    hub_wait_minutes: float = _f(30.0, check=_positive)
-    # How far ahead, in time at the measured pace, the cache fetches the shards the plan reads next
-    # (two at a time per rank, held until read); 0 looks only at the next shuffle window.
-    prefetch_minutes: float = _f(10.0, check=_non_negative)
-    # On several nodes reading the Hub: the global rows whose exchange between the nodes is one
-    # collective (rounded down to whole steps, at least one step).
-    exchange_rows: int = _f(4096, check=_positive)
-    # A cache folder on a network filesystem (nfs, lustre, gpfs, cifs, fuse) is refused unless this
-    # says its locks work and only one node uses it.
-    cache_on_network_fs: bool = False
-    sft_dir: str | None = None
-    tokenizer: str | None = None
-    seq_len: int = _f(2048, check=_positive)
-    packing: PackingSection = _f(factory=PackingSection)
-    target_tokens: int | None = _f(None, check=_optional(_positive))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ds_trhash import outputs
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation.request import LaunchRequest
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.data.stage import StageData
 
 log = logging.getLogger("ds_trhash.trainer")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ds_trhash.training.callbacks import Callback, RunContext
-from ds_trhash.training.data_loader import DataLoader
+from ds_trhash.data.stage import DataLoader
 from ds_trhash.training.loop import TrainState
 
 
