@@ -149,7 +149,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     def config():
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
-        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, {tcfg.describe_model(cfg)}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
+        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, {cfg.model.describe()}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
                       f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size

@@ -122,7 +122,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / CONFIG_FILE).write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
-        f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
+        f"{cfg.stage}: {cfg.model.describe()} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.resuming and state.step == state.total_steps:

@@ -143,7 +143,7 @@ def data_request(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageRequest:
     return StageRequest(
         data=cfg.data, stage=cfg.stage, origin=str(cfg.origin), output_dir=cfg.output_dir, seed=cfg.seed,
         layout=BatchLayout(step.micro_batch, step.grad_accum, rank=rank, world_size=world),
-        vocab_size=tcfg.model_config(cfg).vocab_size, model=tcfg.describe_model(cfg), preset=cfg.model.preset,
+        vocab_size=tcfg.model_config(cfg).vocab_size, model=cfg.model.describe(), preset=cfg.model.preset,
         max_steps=cfg.training.max_steps, epochs=cfg.training.epochs, heldout=cfg.eval.heldout)
 
 
