@@ -16,6 +16,7 @@ import torch.serialization
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints import run_lock
+from ds_trhash.data.config import DataSection
 from ds_trhash.data.stage import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
@@ -204,12 +205,12 @@ def port_in_use(addr: str, port: int) -> bool:
 GROUP_MARGIN_MINUTES = 10.0
 
 
-def group_timeout_minutes(cfg: tcfg.TrainConfig) -> float:
+def group_timeout_minutes(data: DataSection) -> float:
     """The default group's timeout: 30 minutes, or one read's budget (``data.hub_wait_minutes``)
     and ten minutes more when that is longer. No rank waits in it for a read (the stop agreement
     polls instead), but a rank that stops on its read's failure ends its budget no later than
     that; the margin keeps its peers' collectives from timing out first."""
-    return max(DEFAULT_GROUP_MINUTES, cfg.data.hub_wait_minutes + GROUP_MARGIN_MINUTES)
+    return max(DEFAULT_GROUP_MINUTES, data.hub_wait_minutes + GROUP_MARGIN_MINUTES)
 
 
 def start_process_group(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         lock, checked = lock_and_decide(cfg, request, rank, world)
         use_deterministic_kernels(cfg.training.deterministic)  # before CUDA's first matmul (the self-check)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
-        rank, world = start_process_group(group_timeout_minutes(cfg))
+        rank, world = start_process_group(group_timeout_minutes(cfg.data))
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         if checked is None:
