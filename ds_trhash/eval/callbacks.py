@@ -29,13 +29,12 @@ from ds_trhash.training.callbacks.base import (
     TrainState,
 )
 
+PIQA_RESULTS = "piqa.jsonl"
 Announce = Callable[[TrainState, EvalResult], None]  # RunContext.evaluated: to every callback
 
 
 def _nobody(state: TrainState, result: EvalResult) -> None:
     """A callback built alone (tests) tells no one."""
-
-PIQA_RESULTS = "piqa.jsonl"
 
 
 class HeldoutCallback(Callback):

@@ -230,7 +230,7 @@ def _sft_dir(req: StageRequest) -> Path:
         return Path(req.data.sft_dir)
     paths = _embedded(req)
 
-    def build():
+    def build() -> Path:
         out = Path(paths.root) / "sft"
         if not (out / "manifest.json").exists():
             build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
