@@ -127,7 +127,7 @@ def _check_model_fit(cfg: TrainConfig, shape: TRHashConfig, b: _Builder) -> None
     ep_size that splits its experts evenly, a sequence that fits its context."""
     if cfg.model.preset != "tiny":
         # null paths mean "the embedded demo corpus", which is sized for the tiny preset only
-        # (a null data.shards_dir beside a plan means the plan's own dataset, stage_data.py).
+        # (a null data.shards_dir beside a plan means the plan's own dataset, data/stage/opening.py).
         need = ("data.plan", cfg.data.plan) if cfg.data.kind == "pretrain" else ("data.sft_dir", cfg.data.sft_dir)
         if need[1] is None:
             raise b.fail(need[0], f"required for {cfg.model.describe()}; null (the embedded demo corpus) "
