@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_trhash.argtypes import positive_int
-from ds_trhash.checkpoints import load_merged_weights
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.formats.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.errors import UserError

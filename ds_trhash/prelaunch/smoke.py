@@ -35,6 +35,7 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
+from ds_trhash.checkpoints.weights import load_weights_only
 from ds_trhash.argtypes import positive_float, positive_int
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.delivery import ReplayReader
@@ -115,7 +116,7 @@ def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
 
 
 def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
-    wa, wb = ckpt.load_weights_only(a)[0], ckpt.load_weights_only(b)[0]
+    wa, wb = load_weights_only(a)[0], load_weights_only(b)[0]
     if wa.keys() != wb.keys():
         return False, f"different tensor names ({sorted(set(wa) ^ set(wb))[:3]})"
     diff = [k for k in wa if not torch.equal(wa[k], wb[k])]

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, read_trainer_state
 from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.argtypes import seed as seed_arg
 from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
@@ -131,7 +132,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     progress.message(startup_summary(
         cfg, plan.layout, model=model, total_steps=data.total_steps, start_step=state.step,
         ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
-        kernels=plan.kernels.to_dict(), hardware=ckpt.describe_hardware(),
+        kernels=plan.kernels.to_dict(), hardware=describe_hardware(),
         checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed],
         device_type=plan.device.type))
 

@@ -262,7 +262,9 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
             prov["framework_commit"] = "git rev-parse HEAD where the record was written (the run recorded none)"
             limitations.append("framework commit is the checkout that wrote this record; the run did not record one")
     if "hardware" not in collected:
-        collected["hardware"] = ckpt.describe_hardware()  # loads torch, only for a run that recorded none
+        from ds_trhash.checkpoints.hardware import describe_hardware  # loads torch: only for a run that recorded none
+
+        collected["hardware"] = describe_hardware()
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
     schedule = collected.get("optimizer_schedule")

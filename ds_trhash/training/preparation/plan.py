@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.checkpoints.weights import read_source_metadata
 from ds_trhash.model import backend, expert_probe, selfcheck
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import config as tcfg
@@ -92,7 +94,7 @@ class LaunchPlan:
             model_config=self.model_config.to_dict(), tokenizer_dir=data.tokenizer_dir,
             tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
             sft_manifest_sha256=data.sft_manifest_sha256,
-            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
+            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {describe_hardware()}",
             pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()),
             data_source=data.data_source, planned_steps=data.planned_steps)
 
@@ -140,7 +142,7 @@ def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     if output.saved is not None:
         return {"saved_source": output.saved.get("data_source"), "read_by": "this run"}
     if cfg.stage == "refinement" and output.init_dir:
-        return {"saved_source": ckpt.read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
+        return {"saved_source": read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
     return {}
 
 
@@ -162,7 +164,7 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
         if rank == 0:
             log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
-    capped = ckpt.capped_by(ckpt.read_source_metadata(output.init_dir)) if output.init_dir else None
+    capped = ckpt.capped_by(read_source_metadata(output.init_dir)) if output.init_dir else None
     if capped and rank == 0:  # e.g. refinement from a pretraining cut short: legal, but it should be said
         log.warning("--init-checkpoint %s comes from a stage %s", output.init_dir, capped)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)

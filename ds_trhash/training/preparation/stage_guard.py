@@ -2,8 +2,8 @@
 may start this stage, with data tokenized like the checkpoint's."""
 from __future__ import annotations
 
-from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
+from ds_trhash.checkpoints.weights import read_source_metadata
 from ds_trhash.data.plans.plan import unique_core_fingerprint, validate_refinement
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.preparation.stage_data import StageData
@@ -25,7 +25,7 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
     if init_dir is None:
         record, source_meta = None, {}
     else:
-        source_meta = ckpt.read_source_metadata(init_dir)
+        source_meta = read_source_metadata(init_dir)
         record = SourceRecord.from_mapping(source_meta, path=str(init_dir))
     if record is None and resuming:
         return None
