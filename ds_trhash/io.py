@@ -22,7 +22,8 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 PathLike = str | os.PathLike
 HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
@@ -40,7 +41,8 @@ class os_errors_as(contextlib.ContextDecorator):
     def __enter__(self) -> "os_errors_as":
         return self
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         if isinstance(exc, OSError) and exc.filename is not None:
             raise self.error(str(exc)) from exc
         return False

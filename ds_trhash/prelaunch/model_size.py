@@ -13,6 +13,7 @@ rank's routed experts over its expert-data-parallel group.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -180,7 +181,7 @@ def run_model(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="parameters, FLOPs per token and memory per GPU of a config's model, "
                                      "without allocating it",
                        description="Counts the model of a stage config on the meta device and estimates one GPU's "

@@ -190,7 +190,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     return report.finish()
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "preflight", parents=[build_arg_parser()], conflict_handler="resolve",
         help="check a launch against this machine in seconds: devices, memory, disk, packages, data, stage, output",

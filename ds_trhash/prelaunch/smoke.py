@@ -296,7 +296,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "smoke", parents=[build_arg_parser()], conflict_handler="resolve",
         help="run a stage at its real size for a few steps: train, save, resume, evaluate, export, project",

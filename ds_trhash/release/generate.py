@@ -15,6 +15,7 @@ Greedy unless ``--temperature`` > 0; sampling is reproducible with ``--seed``. `
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -283,7 +284,7 @@ def run(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="generate text from an export or a checkpoint (streams to stdout)")
     gen.add_argument("--model", required=True,
                      help="export directory, checkpoints/step_<N>, best/, or a run directory (its final checkpoint, "
