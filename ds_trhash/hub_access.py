@@ -42,6 +42,7 @@ TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSPORT = frozenset({"TransportError"})
 _NOT_TRANSIENT = frozenset({"UnsupportedProtocol", "LocalProtocolError"})
 T = TypeVar("T")
+E = TypeVar("E", bound=UserError)
 Say = Callable[[str], None]
 
 
@@ -166,7 +167,7 @@ def reason(exc: BaseException) -> str:
     return f"HTTP {status}" if status else type(exc).__name__
 
 
-def refusal(exc: BaseException, what: str, error: type[UserError], repo: str = "") -> UserError:
+def refusal(exc: BaseException, what: str, error: type[E], repo: str = "") -> E:
     """A final Hub answer as the caller's ``error``, naming what to fix (the token never in it)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 

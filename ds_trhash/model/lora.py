@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,9 +104,9 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        like = {"device": self.weight.device, "dtype": self.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, **like))
+        device, dtype = self.weight.device, self.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, self.in_features)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
@@ -138,9 +139,9 @@ class ExpertAdapter(nn.Module):
         self.rank = int(rank)
         self.alpha = float(alpha)
         self.scaling = self.alpha / self.rank
-        like = {"device": weight.device, "dtype": weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, **like))
-        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, **like))
+        device, dtype = weight.device, weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, fan_in)
 
     def delta(self) -> torch.Tensor:
@@ -181,7 +182,7 @@ class LoRAMoEEngine(TRHashMoEEngine):
 # ----------------------------------------------------------------------------- set-up
 
 
-def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
+def _check_hyper(rank: object, alpha: float, dropout: float) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise LoRAError(f"LoRA mode needs a positive rank; pass --lora-rank N or use --full-parameter "
                         f"(got rank {rank!r})")
@@ -191,14 +192,24 @@ def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
         raise LoRAError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
 
 
-def _cfg(lora_cfg: Any, name: str) -> Any:
-    try:
-        return getattr(lora_cfg, name)
-    except AttributeError:
-        raise LoRAError(f"LoRA settings lack {name!r}; expected a LoraSection") from None
+class LoraSettings(Protocol):
+    """What ``apply_lora`` reads (the training config's ``LoraSection`` has these fields)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def targets(self) -> Sequence[str]: ...
+    @property
+    def experts(self) -> bool: ...
 
 
-def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
+def apply_lora(model: TRHashForCausalLM, lora_cfg: LoraSettings) -> list[str]:
     """Wrap `lora_cfg.targets` in every layer (and the routed experts when `lora_cfg.experts`),
     freeze every other parameter, and return the adapted names in model order: linear modules
     (`layers.0.self_attn.q_proj`) and, with experts, stacked weights (`layers.0.mlp.engine.expert_gate`).
@@ -207,12 +218,12 @@ def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
     source checkpoint before calling this: the base keys are unchanged afterwards, but a
     strict load then also expects the adapter keys.
     """
-    if not _cfg(lora_cfg, "enabled"):
+    if not lora_cfg.enabled:
         raise LoRAError("apply_lora called with lora.enabled false; a full-parameter run has no adapters")
-    rank, alpha, dropout = _cfg(lora_cfg, "rank"), _cfg(lora_cfg, "alpha"), _cfg(lora_cfg, "dropout")
+    rank, alpha, dropout = lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout
     _check_hyper(rank, alpha, dropout)
-    targets = tuple(_cfg(lora_cfg, "targets"))
-    experts = bool(_cfg(lora_cfg, "experts"))
+    targets = tuple(lora_cfg.targets)
+    experts = bool(lora_cfg.experts)
     if not targets and not experts:
         raise LoRAError(f"LoRA needs at least one target; allowed: {', '.join(LINEAR_TARGETS)}")
     unknown = [t for t in targets if t not in LINEAR_TARGETS]
@@ -229,7 +240,7 @@ def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
 
     wanted = {LINEAR_TARGETS[t] for t in targets}
     adapted = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         for path in LINEAR_TARGETS.values():  # fixed order, whatever the order of `targets`
             if path not in wanted:
                 continue
@@ -260,12 +271,12 @@ def is_lora_key(key: str) -> bool:
     return key.endswith(("lora_A", "lora_B"))
 
 
-def has_lora_state(state_dict: Mapping[str, Any]) -> bool:
+def has_lora_state(state_dict: Mapping[str, object]) -> bool:
     """Whether a state dict (or any mapping/iterable of keys) holds LoRA adapter tensors."""
     return any(is_lora_key(k) for k in state_dict)
 
 
-def check_state_mode(state_dict: Mapping[str, Any], lora_enabled: bool, where: str = "checkpoint") -> None:
+def check_state_mode(state_dict: Mapping[str, object], lora_enabled: bool, where: str = "checkpoint") -> None:
     """Resume rule (docs/contracts.md §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
     found = has_lora_state(state_dict)
     if found and not lora_enabled:

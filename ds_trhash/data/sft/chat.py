@@ -14,10 +14,13 @@ through unchanged and supervised like any other completion text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX  # re-exported: the data layer writes it into labels
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding
 
 CHAT_TEMPLATE_ID = "complexity-chat-v2"
 EOS_TOKEN = "</s>"
@@ -92,7 +95,7 @@ class ChatError(UserError, ValueError):
 class Encoder(Protocol):
     """What is needed from a tokenizer: `tokenizers.Tokenizer` satisfies it."""
 
-    def encode(self, sequence: str, add_special_tokens: bool = ...) -> Any: ...
+    def encode(self, sequence: str, *, add_special_tokens: bool = ...) -> Encoding: ...
 
 
 @dataclass(frozen=True)
