@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -62,7 +62,7 @@ def _not_utf8(path: PathLike, line_no: int, line: bytes, exc: UnicodeDecodeError
                  "re-encode the file as UTF-8")
 
 
-def utf8_lines(path: PathLike, error: type[Exception] = ValueError) -> Iterator[str]:
+def utf8_lines(path: PathLike, error: type[Exception] = ValueError) -> Generator[str, None, None]:
     """The lines of a UTF-8 text file, newlines kept, read one at a time (a file of any size); a
     line that is not UTF-8 raises ``error`` naming the file, the line and the byte."""
     with open(path, "rb") as fh:

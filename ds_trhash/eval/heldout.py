@@ -18,7 +18,7 @@ from ds_trhash.ranks import is_multi_rank
 
 
 @torch.no_grad()
-def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> dict:
+def heldout_loss(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> dict:
     """``model(input_ids, labels=..., reduction="sum", **extra)`` over this rank's batches."""
     was_training = model.training
     model.eval()

@@ -15,7 +15,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NoReturn, overload
 
 from ds_trhash.errors import UserError
 from ds_trhash.outputs import OutputPathError, check_dir_target
@@ -122,7 +122,7 @@ class _Reader:
         if unknown:
             self.fail(unknown[0], f"unknown key; allowed keys: {', '.join(allowed)}")
 
-    def fail(self, key: str, message: str) -> None:
+    def fail(self, key: str, message: str) -> NoReturn:
         raise ManifestError(f"{self.file}: {self.where}key {key!r}: {message}")
 
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
@@ -136,6 +136,10 @@ class _Reader:
             self.fail(key, f"must be a {names}, got {type(value).__name__}")
         return value
 
+    @overload
+    def path(self, key: str, base: Path, default: Path) -> Path: ...
+    @overload
+    def path(self, key: str, base: Path, default: None) -> Path | None: ...
     def path(self, key: str, base: Path, default: Path | None) -> Path | None:
         text = self.get(key, str)
         if text is None:

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from ds_trhash.io import os_errors_as, read_json_object
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.model.config import TRHashConfig as NativeConfig
 from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
+
+if TYPE_CHECKING:  # transformers (seconds to import) is imported where a model is loaded
+    from transformers import PreTrainedTokenizerFast
 
 
 class GenerateError(UserError, ValueError):
@@ -59,7 +62,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, GenerateError)
 
 
-def _hf_tokenizer(tokenizer_json: Path, max_len: int):
+def _hf_tokenizer(tokenizer_json: Path, max_len: int) -> PreTrainedTokenizerFast:
     """A PreTrainedTokenizerFast over a run's tokenizer.json, set up as an export's would be."""
     from transformers import PreTrainedTokenizerFast  # lazy: transformers (seconds), as in load()
 
@@ -204,9 +207,9 @@ def check_conversation(messages: list[dict[str, Any]]) -> None:
         raise GenerateError("the conversation ends with an assistant turn; end it with a user turn to generate a reply")
 
 
-def chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+def chat_prompt(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]]) -> str:
     """The template's rendering up to and including the generation prompt "Assistant:\\n"."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))  # tokenize=False: text
 
 
 # --------------------------------------------------------------------------- generation
@@ -251,7 +254,7 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
 
 
 @os_errors_as(GenerateError)
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
     if args.prompt == "":
         raise GenerateError("--prompt is empty; give some text to continue")

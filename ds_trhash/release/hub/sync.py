@@ -41,7 +41,7 @@ from ds_trhash.io import remove_dir
 from ds_trhash.release.hub.client import (TOKEN_ENV, Log, SyncError, call_hub, check_repo_id, make_api, probe_hub,
                                           redact)
 from ds_trhash.release.hub.lock import discover_lock_dir, mark_verified, recorded_as_verified, sync_lock
-from ds_trhash.release.hub.units import (Unit, check_prefix, discover, git_blob_sha1, prune_candidates,
+from ds_trhash.release.hub.units import (Unit, _Plan, check_prefix, discover, git_blob_sha1, prune_candidates,
                                          remote_differences, remote_files, stale_remote_files)
 
 __all__ = ["TOKEN_ENV", "SyncError", "SyncReport", "Unit", "check_prefix", "check_repo_id", "discover",
@@ -144,7 +144,7 @@ def sync(
     return one.report
 
 
-def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: bool):
+def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: bool) -> _Plan:
     """The units under ``root`` (those an earlier pass verified left out when ``incremental``)."""
     records = read_verified(one.lock_dir) if incremental else {}
     plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, one.repo_id, prefix))
@@ -163,7 +163,7 @@ def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: 
     return plan
 
 
-def _open_repo(one: _Pass, plan) -> None:
+def _open_repo(one: _Pass, plan: _Plan) -> None:
     """Create the repository (private) before an upload; a dry run only proves it can read it."""
     if not plan.units:
         return
@@ -203,7 +203,7 @@ def _sync_unit(one: _Pass, unit: Unit) -> bool:
     return True
 
 
-def _prune(one: _Pass, plan, verified: set[str], keep_last: int) -> None:
+def _prune(one: _Pass, plan: _Plan, verified: set[str], keep_last: int) -> None:
     """Delete verified local checkpoints beyond the newest ``keep_last`` (a dry run says which)."""
     assume = verified | set(one.report.would_upload) if one.dry_run else verified
     prune, keep = prune_candidates(plan, assume, keep_last)

@@ -48,6 +48,7 @@ RUN_MARKERS = ("config.json", CHECKPOINTS, RUN_LOCK, COMPLETE_FILE, FINAL_DIR)
 _PR_SET_PDEATHSIG = 1
 
 
+_PRCTL: Callable[..., int] | None
 try:  # looked up once here: between fork and exec the child only calls it (no loading, no allocation)
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):

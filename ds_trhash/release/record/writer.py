@@ -152,9 +152,9 @@ def _checkpoint_entries(run: Path, rows: list[dict[str, str]],
     return checkpoints, states
 
 
-def _effective_batch(crit: Mapping[str, Any], world: Any) -> dict[str, Any] | None:
+def _effective_batch(crit: Mapping[str, Any], world: int | None) -> dict[str, Any] | None:
     micro, accum = crit.get("batch.micro_batch"), crit.get("batch.grad_accum")
-    if None in (micro, accum, world):
+    if micro is None or accum is None or world is None:
         return None
     seq_len = crit.get("data.seq_len")
     return {"sequences": step_rows(micro, accum, world), "micro_batch": micro, "grad_accum": accum,
@@ -246,7 +246,8 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
     unknown_names = sorted(set(fields) - set(RECORD_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown_names:
         raise RecordError(f"unknown run record fields {unknown_names}; allowed: {list(RECORD_FIELDS)}")
-    collected, prov = ({}, {})
+    collected: dict[str, Any] = {}
+    prov: dict[str, str] = {}
     if run_dir is not None:
         collected, prov = collect_run_fields(run_dir, export_dir=export_dir,
                                              selection_rule=fields.get("selection_rule")
