@@ -28,9 +28,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ds_trhash.errors import UserError
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 TOKEN_ENV = "HF_TOKEN"
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
@@ -75,7 +78,7 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
 
 
-def make_api(error: type[UserError], *, require_token: bool = False, what: str = "this command") -> Any:
+def make_api(error: type[UserError], *, require_token: bool = False, what: str = "this command") -> HfApi:
     """An ``HfApi`` on ``endpoint()`` authenticated by ``HF_TOKEN`` only; without the variable an
     ``error`` when a token is required, else an anonymous client."""
     from huggingface_hub import HfApi

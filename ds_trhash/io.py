@@ -101,7 +101,7 @@ def fsync_tree(root: PathLike) -> None:
         fsync_path(sub)
 
 
-def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
+def json_text(doc: object, *, indent: int | None = 2, sort_keys: bool = False) -> str:
     """The project's JSON file layout: indented, one trailing newline."""
     return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
 

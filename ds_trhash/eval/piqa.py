@@ -64,7 +64,7 @@ class Request:
 # --------------------------------------------------------------------------- input
 
 
-def _parse_label(value: Any, where: str) -> int:
+def _parse_label(value: object, where: str) -> int:
     if isinstance(value, bool):
         raise PiqaDataError(f"{where}: label must be 0 or 1, got {value!r}")
     if isinstance(value, int) and value in (0, 1):

@@ -166,8 +166,9 @@ class LoRAMoEEngine(TRHashMoEEngine):
 
     def effective_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) with W + (alpha/r) · A·B folded in, differentiable w.r.t. A and B."""
-        return tuple(getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
-                     for name in EXPERT_WEIGHTS)  # type: ignore[return-value]
+        gate, up, down = (getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
+                          for name in EXPERT_WEIGHTS)
+        return gate, up, down
 
     def merged_expert_weights(self) -> dict[str, torch.Tensor]:
         """Detached W + delta per stacked weight, summed in fp32, in the weight's dtype."""

@@ -211,7 +211,7 @@ def _environment(r: _Reader, kind: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
-def _job(file: Path, index: int, table: Any, here: Path, base_dir: Path) -> Job:
+def _job(file: Path, index: int, table: object, here: Path, base_dir: Path) -> Job:
     """One [[jobs]] table; relative paths are relative to the manifest's folder ``here``."""
     if not isinstance(table, dict):
         raise ManifestError(f"{file}: jobs[{index}] must be a table ([[jobs]]), got {type(table).__name__}")

@@ -55,7 +55,7 @@ class PendingFile:
     """One file of the engine's state, captured in host memory, written by the thread."""
 
     path: Path
-    state: Any
+    state: object
     zipfile: bool = True  # torch.save's _use_new_zipfile_serialization, as the engine asked
 
 

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 from ds_trhash.data.formats.shards import ShardError
 
@@ -94,7 +94,7 @@ class Record:
     source: int  # index into the run's input list
     number: int  # line (from 1) or row (from 0), see the module docstring
     kind: str  # TEXT / JSONL: raw is bytes; VALUE: raw is the field's value; MISSING: no such field
-    raw: Any
+    raw: object
 
 
 @dataclass(frozen=True)
@@ -200,9 +200,9 @@ def decode_record(record: Record, text_field: str) -> tuple[Optional[str], Optio
     """``(text, None)`` for a good record, ``(None, reason)`` for a bad one."""
     raw = record.raw
     if record.kind == TEXT:
-        return _utf8(raw)
+        return _utf8(cast(bytes, raw))  # the kind says what raw holds
     if record.kind == JSONL:
-        text, bad = _utf8(raw)
+        text, bad = _utf8(cast(bytes, raw))
         if text is None:
             return None, bad
         try:

@@ -15,7 +15,7 @@ import datetime as _dt
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from ds_trhash.data.build.inputs import JSONL, TEXT, InputSpec, Record, Skipped
 
@@ -75,7 +75,7 @@ class TokenizeProgress:
                 self.records_read += item.count
             else:
                 self.current = item.source
-                self.read[item.source] += len(item.raw) + 1 if item.kind in (TEXT, JSONL) else 1
+                self.read[item.source] += len(cast(bytes, item.raw)) + 1 if item.kind in (TEXT, JSONL) else 1
                 self.records_read += 1
             yield item
 

@@ -113,7 +113,7 @@ class _Fields:
         self.fields: dict[str, Any] = {}
         self.prov: dict[str, str] = {}
 
-    def put(self, name: str, value: Any, source: str | None) -> None:
+    def put(self, name: str, value: object, source: str | None) -> None:
         if value is not None:
             self.fields[name], self.prov[name] = value, source or "run files"
 
@@ -286,7 +286,7 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
 
 
 def render_markdown(doc: Mapping[str, Any]) -> str:
-    def show(value: Any) -> str:
+    def show(value: object) -> str:
         if value is None:
             return "**unknown**"
         if isinstance(value, (dict, list)):
@@ -325,11 +325,11 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _selected_name(selected: Any) -> str | None:
+def _selected_name(selected: object) -> str | None:
     """``selected_checkpoint`` is a name (computed or given) or the run's selection.json entry."""
     if isinstance(selected, Mapping):
         return Path(str(selected.get("checkpoint", ""))).name or None
-    return selected
+    return None if selected is None else str(selected)
 
 
 def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
