@@ -18,7 +18,7 @@ from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
+from ds_trhash.training.callbacks.base import Builder, Callback, RunContext, TrainState
 
 PIQA_RESULTS = "piqa.jsonl"
 
@@ -50,11 +50,11 @@ class HeldoutCallback(Callback):
             f"ppl {result['eval_ppl']:.2f} over {result['eval_tokens']:,} supervised tokens")
         return result
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step == 0:
             self.evaluate(state)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         self.evaluate(state)
 
 
@@ -122,17 +122,17 @@ class PiqaCallback(Callback):
         if text != before:
             write_text_atomic(path, text)
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if self.rank == 0:  # step 0 is a fresh start: rows of an attempt that left no checkpoint go
             self._keep_rows_up_to(state.step if state.step > 0 else -1)
         if self.sft and state.step == 0:
             self.evaluate(state)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         if self.sft:
             self.evaluate(state)
 
-    def on_end(self, state):
+    def on_end(self, state: TrainState) -> None:
         # a finished run resumed (RESUME=auto after the end) evaluates only if the end was cut short
         if not self.sft and state.step == state.total_steps and not self._recorded(state.step):
             self.evaluate(state)

@@ -18,7 +18,7 @@ sits below both. The data both read is a ``training.data_loader.DataLoader``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
@@ -41,6 +41,9 @@ if TYPE_CHECKING:  # type names only: these import much more (and none of them i
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
 
+# one step's metrics as the loop hands them to the callbacks (loss, lr, tokens, ...: numbers, mostly)
+Metrics = Mapping[str, Any]
+
 
 @dataclass
 class TrainState:
@@ -55,7 +58,7 @@ class TrainState:
     stop_requested: bool = False
     stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     stop_requeue: bool = False  # stopped on the scheduler's time-limit warning: exit EXIT_REQUEUE
-    last: dict = field(default_factory=dict)  # metrics of the last step
+    last: Metrics = field(default_factory=dict)  # metrics of the last step
     step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
     steps_timed: int = 0
     # the launch's steady tokens/s (not saved); ``pauses``: why this step's callbacks paused
@@ -115,7 +118,7 @@ class Callback:
 
     def on_start(self, state: TrainState) -> None: ...
 
-    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None: ...
 
     def on_epoch_end(self, state: TrainState) -> None: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.background import BackgroundSaver, Finished
-from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState, is_epoch_end
 from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
 
@@ -86,11 +86,11 @@ class CheckpointCallback(Callback):
     def _trained_with(self) -> dict:
         return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step > 0:  # a resume starts from a complete checkpoint of this step: never saved again
             self.last_saved = state.step
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         self._finished(self.saver.poll())  # a background failure surfaces here, at the next step
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if is_epoch_end(self.run.loader, state.step):
@@ -99,18 +99,18 @@ class CheckpointCallback(Callback):
         if reason:
             self.save(state, reason)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         self.protect.add(state.step)
         results = self.run.results
         self.save(state, f"end of epoch {state.epochs_done}",
                   {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step),
                    "train_loss": state.last.get("loss") if state.last else None}, wait=True)
 
-    def on_end(self, state):
+    def on_end(self, state: TrainState) -> None:
         if state.step == state.total_steps:
             self.save(state, "final")
         self.wait()
 
-    def close(self):
+    def close(self) -> None:
         """Every way out of the stage (an error too) lets the save in flight finish."""
         self.wait()

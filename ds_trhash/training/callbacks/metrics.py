@@ -10,7 +10,7 @@ route up to its step recorded). On the regular rows the monitors also get peak m
 from __future__ import annotations
 
 from ds_trhash.model.flops import train_flops_per_token
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
 from ds_trhash.training.records.expert_load import gather_expert_load, load_shares
 from ds_trhash.training.records.files import EXPERT_LOAD_FILE, METRICS_FILE
 from ds_trhash.training.records.monitor import IntervalMean, model_flops_utilisation, peak_memory_mib
@@ -48,15 +48,15 @@ class MetricsCallback(Callback):
         self.logged_step = state.step
         return counts
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         self.logged_step = state.step
 
-    def before_save(self, state):
+    def before_save(self, state: TrainState) -> None:
         """The expert load counted so far goes to its file first: a resume from any checkpoint
         finds every route up to its step recorded."""
         self.flush_expert_load(state)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         self.interval.add(loss=metrics["loss"])
         regular = state.step % self.every == 0 or state.step in (1, state.total_steps)
         if not (regular or state.stop_requested):
@@ -81,7 +81,7 @@ class MetricsCallback(Callback):
                 events["Train/mfu"] = self.mfu(metrics["tok_s"])
             self.monitor.write(state.step, events)
 
-    def close(self):
+    def close(self) -> None:
         """The run's record files, flushed and closed; DeepSpeed's monitors flushed."""
         self.writer.close()
         if self.expert_load is not None:

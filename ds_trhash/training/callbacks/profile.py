@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
 
 PROFILE_DIR = "profile"
 
@@ -56,7 +56,7 @@ class ProfileCallback(Callback):
             self.message(f"profile of steps {self.first}-{self.seen}: {self.written[0]} (one per rank; open "
                          f"with `tensorboard --logdir {self.out_dir}` or ui.perfetto.dev)")
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step >= self.last:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -68,7 +68,7 @@ class ProfileCallback(Callback):
         self.prof.step_num = state.step + 1  # the step about to run: ProfilerStep#n is optimizer step n
         self.prof.start()
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.prof is None:
             return
         if state.step >= self.first - 1:
@@ -86,7 +86,7 @@ class ProfileCallback(Callback):
         prof, self.prof = self.prof, None
         prof.stop()
 
-    def close(self):
+    def close(self) -> None:
         """A stage that failed inside the window: the trace of what was recorded."""
         if self.prof is not None:
             self._stop()

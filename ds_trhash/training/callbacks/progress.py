@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
 from ds_trhash.training.display import downloaded
 
 
@@ -20,7 +20,7 @@ class ProgressCallback(Callback):
     def from_run(cls, run: RunContext) -> "ProgressCallback":
         return cls(run.progress, run.model, run.cfg.training.log_every, run.loader.figures)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         # the loss lazily: read from the device only for a step the progress display shows;
         # tokens/s: the launch's steady rate so far (training.throughput), this step's own before it
         steady = state.throughput.rate
@@ -40,6 +40,6 @@ class ProgressCallback(Callback):
                          f"hit {f.hits} miss {f.fetched} evict {f.evictions}",
                 "downloaded": downloaded(f, self.clock() - self.started)}
 
-    def close(self):
+    def close(self) -> None:
         """The live display stopped (its last state left on screen)."""
         self.progress.close()

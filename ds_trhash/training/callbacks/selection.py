@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
+from ds_trhash.training.callbacks.base import Callback, RunContext, TrainState, is_epoch_end
 from ds_trhash.checkpoints.selection import Candidate, publish
 
 
@@ -23,7 +23,7 @@ class SelectionCallback(Callback):
     def from_run(cls, run: RunContext) -> "SelectionCallback | None":
         return cls(run) if run.cfg.data.kind == "sft" else None
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         """A resumed run keeps the candidates of the epochs it already finished. Resumed at an
         epoch-end checkpoint whose candidate is missing (the run stopped between saving it and
         publishing ``best/``), it adds that candidate from the checkpoint's own record and publishes."""
@@ -46,7 +46,7 @@ class SelectionCallback(Callback):
         run.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule} "
                              f"(epoch {saved['epoch']}'s candidate added from {checkpoint.name} on resume)")
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         run = self.run
         if run.rank != 0 or run.last_checkpoint is None:
             return

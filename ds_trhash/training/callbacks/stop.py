@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
@@ -193,10 +193,10 @@ class StopCallback(Callback):
     def from_run(cls, run: RunContext) -> "StopCallback | None":
         return cls(run.stop) if run.stop is not None else None
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         self.stop.wait_for_data(state.step)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.stop(state.step):
             state.stop_requested = True
             state.stop_requeue = self.stop.requeue
