@@ -27,7 +27,13 @@ class DeepSpeedEngine(Protocol):
     checkpoint_engine: object  # where save_checkpoint's files go (training/checkpoint_capture.py)
     monitor: object  # DeepSpeed's monitors (training/records/monitor.py)
 
+    training: bool  # it is a torch module: evaluation switches it like one
+
     def __call__(self, *inputs: object, **kwargs: object) -> torch.Tensor: ...
+
+    def eval(self) -> object: ...
+
+    def train(self, mode: bool = True) -> object: ...
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> object: ...
 

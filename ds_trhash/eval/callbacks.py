@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ds_trhash.data.formats.tokenizer import load_tokenizer
-from ds_trhash.eval.heldout import heldout_loss
-from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
+from ds_trhash.eval.heldout import Scored, heldout_loss
+from ds_trhash.eval.piqa import PiqaCountWarning, PiqaExample, TextEncoder, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import Builder, Callback, RunContext, TrainState
+
+if TYPE_CHECKING:  # type names only (of training, what its callback interface names)
+    import torch
+
+    from ds_trhash.data.sft.dataset import SFTBatches
+    from ds_trhash.training.callbacks.base import MetricsWriter, Progress, TrainConfig
 
 PIQA_RESULTS = "piqa.jsonl"
 
@@ -27,7 +35,8 @@ class HeldoutCallback(Callback):
     """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
     on every rank (each scores its share; the loss is reduced over ranks)."""
 
-    def __init__(self, model, eval_batches, device, writer, progress, results: dict[int, dict] | None = None):
+    def __init__(self, model: Scored, eval_batches: SFTBatches, device: torch.device, writer: MetricsWriter,
+                 progress: Progress, results: dict[int, dict] | None = None) -> None:
         self.model, self.eval_batches, self.device = model, eval_batches, device
         self.writer, self.progress = writer, progress
         self.results: dict[int, dict] = results if results is not None else {}
@@ -38,7 +47,7 @@ class HeldoutCallback(Callback):
             return None
         return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.results["eval"])
 
-    def evaluate(self, state) -> dict:
+    def evaluate(self, state: TrainState) -> dict:
         state.pause("eval")  # out of the steady tokens/s
         result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
         result.update(step=state.step, epoch=state.epochs_done)
@@ -65,28 +74,31 @@ class PiqaCallback(Callback):
 
     run_files = (PIQA_RESULTS,)
 
-    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
-                 sft: bool, results: dict[int, dict] | None = None, barrier=lambda: None):
+    def __init__(self, model: torch.nn.Module, examples: list[PiqaExample], tokenizer: TextEncoder, max_len: int,
+                 output_dir: Path, rank: int, progress: Progress, sft: bool, results: dict[int, dict] | None = None,
+                 barrier: Callable[[], object] = lambda: None) -> None:
         self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
         self.output_dir, self.rank, self.progress, self.sft = Path(output_dir), rank, progress, sft
         self.results: dict[int, dict] = results if results is not None else {}
         self.barrier = barrier
 
     @classmethod
-    def prepare(cls, cfg) -> Builder | None:
+    def prepare(cls, cfg: TrainConfig) -> Builder | None:
         """Reads ``eval.piqa`` before the model exists: a malformed file refuses the launch."""
         if not cfg.eval.piqa:
             return None
         examples = read_piqa(cfg.eval.piqa)
 
         def build(run: RunContext) -> "PiqaCallback":
+            if run.tokenizer_dir is None:  # a launch with PIQA names its tokenizer (data.tokenizer)
+                raise RuntimeError("eval.piqa needs data.tokenizer")
             return cls(run.model, examples, load_tokenizer(run.tokenizer_dir), run.model_config.max_seq_len,
                        run.output_dir, run.rank, run.progress, sft=run.cfg.data.kind == "sft",
                        results=run.results["piqa"], barrier=run.barrier)
 
         return build
 
-    def evaluate(self, state) -> None:
+    def evaluate(self, state: TrainState) -> None:
         state.pause("piqa")  # out of the steady tokens/s (every rank waits for rank 0's scoring)
         if self.rank == 0:
             with warnings.catch_warnings():

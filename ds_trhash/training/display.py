@@ -153,7 +153,7 @@ class Progress:
         loss: float | None | Callable[[], float | None],
         lr: float,
         tokens_per_s: float,
-        backends: Mapping[str, str] | None = None,
+        backends: Mapping[str, object] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``loss`` may be a callable: it is called only for a step that is shown (every N steps
@@ -210,7 +210,7 @@ class Progress:
 
     # -- formatting ----------------------------------------------------------------------
     def format_line(self, step: int, loss: float | None, lr: float, tokens_per_s: float, elapsed: float,
-                    eta: float | None, backends: Mapping[str, str] | None = None,
+                    eta: float | None, backends: Mapping[str, object] | None = None,
                     extra: Mapping[str, Any] | None = None) -> str:
         parts = [
             f"[{self.stage}] step {step}/{self.total_steps}",
@@ -224,7 +224,7 @@ class Progress:
         return " ".join(parts) + (f" {tail}" if tail else "")
 
     def _render(self, step: int, loss: float | None, lr: float, tokens_per_s: float, elapsed: float, eta: float | None,
-                backends: Mapping[str, str] | None, extra: Mapping[str, Any] | None) -> Panel:
+                backends: Mapping[str, object] | None, extra: Mapping[str, Any] | None) -> Panel:
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
         from rich.table import Table

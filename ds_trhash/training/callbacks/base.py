@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.training.throughput import SteadyRate
 
 if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
     import torch
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
     from ds_trhash.data.sft.dataset import SFTBatches
     from ds_trhash.model.config import TRHashConfig
@@ -76,6 +76,9 @@ class StopQuestion(Protocol):
     """What the stop callback asks once per step (``callbacks.stop.StopAgreement``; named by
     its shape so that this module does not import the callbacks that import it)."""
 
+    @property
+    def requeue(self) -> bool: ...
+
     def __call__(self, next_step: int | None = None) -> bool: ...
 
     def wait_for_data(self, step: int) -> None: ...
@@ -85,6 +88,8 @@ class StopQuestion(Protocol):
 
 class FaultPoints(Protocol):
     """Where a deliberate crash may happen (``callbacks.faults.FaultInjection``, by its shape)."""
+
+    def due(self, kind: str, step: int) -> bool: ...
 
     def maybe_kill(self, kind: str, step: int) -> None: ...
 

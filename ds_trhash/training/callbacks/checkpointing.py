@@ -2,8 +2,10 @@
 stop signal and at the end of the stage; old ones rotated away."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.checkpoints.background import BackgroundSaver, Finished
+from ds_trhash.checkpoints.background import BackgroundSaver, Finished, PendingFile
 from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState, is_epoch_end
 from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
@@ -45,7 +47,7 @@ class CheckpointCallback(Callback):
         if self.run.faults is not None:  # the crash-safety tests: killed mid-write, in the thread
             self.run.faults.maybe_kill("kill_during_save", step)
 
-    def save(self, state, reason: str, extra: dict | None = None, *, wait: bool = False):
+    def save(self, state: TrainState, reason: str, extra: dict | None = None, *, wait: bool = False) -> None:
         if state.step == self.last_saved:
             return
         state.pause("checkpoint")  # this step's interval stays out of the steady tokens/s
@@ -54,7 +56,7 @@ class CheckpointCallback(Callback):
         for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first
             cb.before_save(state)
 
-        def capture(tmp):
+        def capture(tmp: Path) -> list[PendingFile]:
             run.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
             return self.capture.take() if self.capture is not None else []
 

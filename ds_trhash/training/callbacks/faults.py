@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
+from ds_trhash.training.callbacks.base import Callback, FaultPoints, Metrics, RunContext, TrainState
 
 FAULT_ENV = "DS_TRHASH_FAULT"
 
@@ -39,7 +39,7 @@ class FaultInjection:
 class FaultCallback(Callback):
     """``kill_after_step``: the kill right after the step, before any other callback saves it."""
 
-    def __init__(self, faults: FaultInjection, run: RunContext | None = None):
+    def __init__(self, faults: FaultPoints, run: RunContext | None = None) -> None:
         self.faults, self.run = faults, run
 
     @classmethod

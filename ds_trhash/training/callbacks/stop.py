@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, TrainState
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, StopQuestion, TrainState
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
@@ -186,7 +186,7 @@ class StopCallback(Callback):
     checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
     and the loop obeys."""
 
-    def __init__(self, stop: StopAgreement):
+    def __init__(self, stop: StopQuestion) -> None:
         self.stop = stop
 
     @classmethod
