@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar, cast
 
 T = TypeVar("T")
 THREAD_NAME = "batch-assembly"
@@ -56,7 +56,7 @@ class Ahead(Generic[T]):
         self._next = step + 1
         if error is not None:
             raise error
-        return item
+        return cast(T, item)  # assembled: an item, not an error
 
     def start(self, step: int) -> None:
         """Assemble from ``step`` on now, before it is asked for (a stage's first step, while the
