@@ -27,6 +27,7 @@ from .layout import (
     batch_layout,
     describe_model,
     for_world,
+    grad_accum,
     model_config,
     to_deepspeed_dict,
     tokens_per_step,
@@ -91,6 +92,7 @@ __all__ = [
     "tokens_per_step",
     "batch_layout",
     "for_world",
+    "grad_accum",
     "model_config",
     "describe_model",
 ]

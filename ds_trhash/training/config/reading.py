@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, cast
 
 import yaml
 
@@ -140,7 +140,7 @@ class _Builder:
             if name in raw:
                 value = self.convert(tp, raw[name], full)
             elif dataclasses.is_dataclass(tp):
-                value = self.build(tp, {}, full)
+                value = self.build(cast(type, tp), {}, full)
             elif f.default is MISSING and f.default_factory is MISSING:
                 raise self.fail(full, f"missing required field; expected {_type_name(tp)}")
             else:
@@ -158,7 +158,7 @@ class _Builder:
         orr = " or null" if nullable else ""
         got = "null" if value is None else f"{type(value).__name__} {value!r}"
         if dataclasses.is_dataclass(tp):
-            return self.build(tp, value, key)
+            return self.build(cast(type, tp), value, key)
         if origin is Literal:
             for allowed in args:
                 if type(value) is type(allowed) and value == allowed:

@@ -224,7 +224,7 @@ class ZeroSection:
 
 @dataclass(frozen=True)
 class KernelsSection:
-    policy: Literal[KERNEL_POLICIES] = "auto"
+    policy: Literal["auto", "triton", "pytorch"] = "auto"  # KERNEL_POLICIES (tests/training/config checks they agree)
     require_liger: bool = False
     loss_chunk_tokens: int = _f(1024, check=_positive)
     # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)

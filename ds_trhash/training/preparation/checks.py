@@ -8,6 +8,7 @@ naming what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -144,7 +145,7 @@ def check_resume_source(resume_dir: Path, output_dir: Path, fork: bool, written_
             f"resume it in its own run (--output-dir {written_in}), or pass --fork to continue it as a new run here")
 
 
-def check_flags(args, resume_choice: str | None) -> None:
+def check_flags(args: argparse.Namespace, resume_choice: str | None) -> None:
     """Modifiers without the option they modify would be silently ignored: refuse them."""
     if getattr(args, "fork", False) and (resume_choice is None or resume_choice == "auto"):
         raise LaunchCheckError("--fork modifies --resume DIR (continue another run's checkpoint as a new run "

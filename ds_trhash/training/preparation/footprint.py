@@ -13,12 +13,15 @@ master weights and Adam moments), within a few per cent.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ds_trhash.model import TRHashForCausalLM
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.model.lora import apply_lora
 
 GIB = 1024**3
@@ -47,6 +50,9 @@ class ParamCount:
     # group (world / ep_size ranks), the rest over every rank
     expert_trainable_per_rank: int = 0
     routed_total: int = 0  # every routed expert's parameters, all ranks (for the active count)
+
+if TYPE_CHECKING:  # the config's type name only
+    from ds_trhash.training.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -81,22 +87,23 @@ def _is_routed_expert(name: str, ndim: int) -> bool:
     return ndim == 3 and ".expert_" in name
 
 
-def _shapes_only():
+def _shapes_only() -> TorchFunctionMode:
     """A torch function mode that skips random initialisation: on the meta device there are no
     values to draw, and PyTorch's meta versions of the init ops would import the compiler stack
     (seconds) for nothing."""
     class SkipInit(TorchFunctionMode):
         SKIP = frozenset({"normal_", "uniform_", "trunc_normal_"})
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
+                               kwargs: dict | None = None) -> object:
             if getattr(func, "__name__", None) in self.SKIP:
-                return args[0] if args else kwargs["tensor"]
+                return args[0] if args else (kwargs or {})["tensor"]
             return func(*args, **(kwargs or {}))
 
     return SkipInit()
 
 
-def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
+def meta_model(cfg: TrainConfig, model_cfg: TRHashConfig) -> TRHashForCausalLM:
     """The model this config trains, on the meta device: LoRA adapters and activation
     checkpointing as the launch sets them, no storage."""
     with torch.device("meta"), _shapes_only():
@@ -107,7 +114,7 @@ def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
     return model
 
 
-def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
+def count_parameters(cfg: TrainConfig, model: TRHashForCausalLM) -> ParamCount:
     """Exact parameter counts of ``meta_model(cfg, ...)``."""
     ep = cfg.parallel.ep_size
     total = trainable = per_rank = trainable_per_rank = expert_trainable = routed = 0
@@ -126,7 +133,7 @@ def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
     return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers, expert_trainable, routed)
 
 
-def fused_kernels(cfg, device_type: str) -> bool:
+def fused_kernels(cfg: TrainConfig, device_type: str) -> bool:
     """Whether the launch runs the fused kernels (Triton experts, Liger norm/RoPE/loss): on CUDA
     under kernels.policy auto or triton (Liger assumed importable there), never on CPU."""
     return device_type == "cuda" and cfg.kernels.policy in ("auto", "triton")
@@ -141,7 +148,7 @@ def _norm_bytes(width: int, act: int, fused: bool) -> int:
     return width * FP32 + width * act if act < FP32 else 2 * width * act
 
 
-def layer_bytes_per_token(model_cfg, act: int, fused: bool) -> int:
+def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool) -> int:
     """Bytes autograd keeps per token for one decoder layer (checked against saved-tensor counts
     in tests/prelaunch/test_model_size.py):
 
@@ -163,7 +170,7 @@ def layer_bytes_per_token(model_cfg, act: int, fused: bool) -> int:
     return norms + 2 * h * act + attention + 4 * s * act + routed
 
 
-def loss_bytes(cfg, model_cfg, tokens: int, act: int, fused: bool) -> int:
+def loss_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool) -> int:
     """The head: the final norm, what the loss keeps until backward and its largest temporary.
     Liger's fused linear CE computes the gradients in forward and keeps grad_input [N, H] and an
     fp32 grad_weight [V, H]; its logits come in chunks of about N / ceil(V / H) rows. The chunked
@@ -178,7 +185,7 @@ def loss_bytes(cfg, model_cfg, tokens: int, act: int, fused: bool) -> int:
     return final_norm + tokens * (h * act + FP32) + _LOGIT_COPIES * chunk * v * FP32
 
 
-def activation_bytes(cfg, model_cfg, checkpointed: int = 0, device_type: str = "cuda") -> int:
+def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: int = 0, device_type: str = "cuda") -> int:
     """One micro-batch [micro_batch, seq_len] through every layer and the loss, for the kernels
     ``device_type`` runs. A ``checkpointed`` layer keeps only its input and is recomputed, one at a
     time, in backward."""
@@ -191,7 +198,7 @@ def activation_bytes(cfg, model_cfg, checkpointed: int = 0, device_type: str = "
     return layers + loss_bytes(cfg, model_cfg, tokens, act, fused)
 
 
-def gradient_buffers(cfg, params: "ParamCount") -> int:
+def gradient_buffers(cfg: TrainConfig, params: "ParamCount") -> int:
     """DeepSpeed's ZeRO 1/2 optimizer copies gradients into a contiguous bucket of
     ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward;
     unless the config sets it, the engine sizes it to the trainable parameters when they are fewer
@@ -206,7 +213,7 @@ def gradient_buffers(cfg, params: "ParamCount") -> int:
     return copies * bucket * PRECISION_BYTES[cfg.precision]
 
 
-def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
+def checkpoint_bytes(cfg: TrainConfig, params: ParamCount, world: int) -> int:
     """One checkpoint as DeepSpeed writes it: the module in the training precision (rank 0, all
     experts), fp32 Adam moments for every trainable parameter, and fp32 master weights wherever
     they exist apart from the module (bf16/fp16, or ZeRO partitions)."""
@@ -216,7 +223,7 @@ def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
     return params.total * p + params.buffer_bytes + params.trainable * (ADAM_MOMENTS + master) + small
 
 
-def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
+def estimate(cfg: TrainConfig, model_cfg: TRHashConfig, world: int, device_type: str) -> Footprint:
     """The footprint of one rank of ``world`` for ``cfg`` on a ``device_type`` ("cuda" or "cpu")."""
     model = meta_model(cfg, model_cfg)
     params = count_parameters(cfg, model)

@@ -6,6 +6,7 @@ The launcher runs :func:`check_output_paths` before it takes the run lock and
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from dataclasses import dataclass
@@ -31,12 +32,12 @@ class OutputSide:
     damaged: list  # (name, why) of checkpoints to set aside: all (--allow-fresh-over-damaged) or those newer than resume_dir
 
 
-def requested_resume(args) -> str | None:
+def requested_resume(args: argparse.Namespace) -> str | None:
     """``--resume`` or else ``RESUME`` ("auto", a checkpoint directory), None for neither."""
     return args.resume or os.environ.get("RESUME") or None
 
 
-def check_output_paths(cfg: tcfg.TrainConfig, args) -> None:
+def check_output_paths(cfg: tcfg.TrainConfig, args: argparse.Namespace) -> None:
     """The refusals that need only the command line and the output path, not what the output
     directory holds: the launcher makes them before it takes the run lock (which creates the
     directory), so a wrong path is refused without touching anything."""
@@ -48,7 +49,7 @@ def check_output_paths(cfg: tcfg.TrainConfig, args) -> None:
     outputs.check_dir_target("--output-dir", output_dir)
 
 
-def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+def check_output_side(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int) -> OutputSide:
     """Fresh start, resume (from which checkpoint) or refusal: what the command line and the
     output directory decide. The launcher runs this while rank 0 holds the output directory's
     run lock (the other ranks after the process group started, which waits for rank 0), so no
@@ -68,7 +69,7 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
     launch_checks.check_not_own_source(output_dir, init_dir, explicit)
     if explicit is not None:
-        launch_checks.check_resume_source(explicit, output_dir, args.fork, saved.get("output_dir"))
+        launch_checks.check_resume_source(explicit, output_dir, args.fork, (saved or {}).get("output_dir"))
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
     if not damaged or resume_dir is not None:
@@ -79,7 +80,8 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     return OutputSide(resume_dir, saved, init_dir, damaged)
 
 
-def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
+def check_resume(cfg: tcfg.TrainConfig, args: argparse.Namespace, world: int, data: StageData, saved: dict,
+                 resume_dir: str | os.PathLike) -> bool:
     """An exact resume continues the saved run: every training-critical setting, the world size
     (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
     ckpt.check_resume_compatible(

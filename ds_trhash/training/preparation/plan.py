@@ -13,6 +13,7 @@ the model and the engine from the plan; ``ds-trhash preflight`` makes the same c
 """
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ class LaunchPlan:
 
     @property
     def start_step(self) -> int:
-        return int(self.output.saved["step"]) if self.resuming else 0
+        saved = self.output.saved
+        return int(saved["step"]) if saved is not None else 0  # saved: resuming
 
     @property
     def init_weights(self) -> str | None:
@@ -146,7 +148,7 @@ def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     return {}
 
 
-def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
+def plan_launch(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
                 checked: OutputSide | None = None) -> LaunchPlan:
     """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
     the callback classes of the launch (default ``training_parts()``); ``checked``: what
@@ -171,7 +173,7 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     classes = list(parts) if parts is not None else training_parts()
     builders = build_callbacks(classes, cfg)
     resharding = False
-    if output.saved is not None:
+    if output.saved is not None and output.resume_dir is not None:  # a saved state comes from its checkpoint
         resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts

@@ -13,17 +13,19 @@ has passed, and closed by ``loader.close``, which the trainer calls in a ``final
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import torch
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
 from ds_trhash.data.stream.cache import CACHE_DIR_ENV, CACHE_ENV, cache_bytes_from, cache_dir_of, check_cache_place
-from ds_trhash.data.stream.corpus import check_same_bytes, moved_note, resume_commit, shared_corpus
+from ds_trhash.data.stream.corpus import Corpus, check_same_bytes, moved_note, resume_commit, shared_corpus
 from ds_trhash.data.stream.delivery import agreed_node_count
 from ds_trhash.data.stream.store import LOCAL_COMMIT
-from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.embedded import EmbeddedPaths, build_embedded
 from ds_trhash.data.plans.plan import ReplayPlan, load_plan
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
@@ -33,17 +35,21 @@ from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 from ds_trhash.training import config as tcfg
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training.data_loader import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
 
+T = TypeVar("T")
 
-def _rank0_first(rank: int, fn):
+
+def _rank0_first(rank: int, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
     made once and only read by the other ranks."""
-    result = fn() if rank == 0 else None
-    barrier()
-    if rank != 0:
+    if rank == 0:
         result = fn()
-    return result
+        barrier()
+        return result
+    barrier()
+    return fn()
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def embedded_root(cfg: tcfg.TrainConfig) -> Path:
     return Path(cfg.output_dir).resolve().parent / "embedded"
 
 
-def _embedded(cfg: tcfg.TrainConfig, rank: int):
+def _embedded(cfg: tcfg.TrainConfig, rank: int) -> EmbeddedPaths:
     if cfg.model.preset != "tiny":
         raise tcfg.ConfigError(cfg.origin, "data.plan" if cfg.data.kind == "pretrain" else "data.sft_dir",
                                f"required for {tcfg.describe_model(cfg)} (the embedded demo corpus is for the tiny "
@@ -85,7 +91,7 @@ def _max_steps(cfg: tcfg.TrainConfig, steps: int) -> int:
     return min(steps, cfg.training.max_steps) if cfg.training.max_steps else steps
 
 
-def exchanging_nodes(corpus, world: int, per_node: int) -> int:
+def exchanging_nodes(corpus: Corpus, world: int, per_node: int) -> int:
     """The nodes that exchange rows (``data.stream.delivery.exchange``): on several nodes reading a Hub
     store, each node fills only the shards it owns and the rows travel between nodes, one Hub
     download per shard per job; 1 from a local store (each node reads its own copy). Checked
@@ -104,7 +110,7 @@ def _cap_note(cfg: tcfg.TrainConfig, planned: int) -> tuple[str, ...]:
             "stage_complete.json and run record say it was capped",)
 
 
-def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
+def _held_to(saved: dict | None, corpus: Corpus, read_by: str, rank: int) -> tuple[str, ...]:
     """The corpus of this launch is the one ``saved`` records (``data.stream.corpus.pinning``): the same
     bytes under every planned name, else a refusal naming a file; a note when the branch moved."""
     fix = ("point data.shards_dir (or the plan's dataset) at the corpus it read, or start a new run"
@@ -115,7 +121,7 @@ def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, 
     return (moved,) if moved else ()
 
 
-def _checked_plan(cfg: tcfg.TrainConfig, plan_path):
+def _checked_plan(cfg: tcfg.TrainConfig, plan_path: str | os.PathLike) -> ReplayPlan:
     """The replay plan, checked against the config: its seq_len, its vocabulary, the token target."""
     plan = load_plan(plan_path)
     if plan.seq_len != cfg.data.seq_len:
@@ -145,8 +151,9 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     record ``saved_source`` is ("this run" on a resume, "pretraining" for refinement)."""
     if cfg.data.plan is None:
         paths = _embedded(cfg, rank)
-        plan_path = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
+        plan_path: str | os.PathLike = paths.refine_plan if cfg.stage == "refinement" else paths.pretrain_plan
+        shards_dir: str | None = str(paths.shards_dir)
+        tokenizer_dir: str | os.PathLike | None = paths.tokenizer_dir
     else:
         plan_path, shards_dir, tokenizer_dir = cfg.data.plan, cfg.data.shards_dir, cfg.data.tokenizer
     plan = _checked_plan(cfg, plan_path)
@@ -173,7 +180,7 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     total = _max_steps(cfg, steps)
     recipe = StreamRecipe(
         corpus=corpus, plan=plan, seed=cfg.seed,
-        layout=BatchLayout(cfg.batch.micro_batch, cfg.batch.grad_accum, rank=rank, world_size=world),
+        layout=BatchLayout(cfg.batch.micro_batch, tcfg.grad_accum(cfg), rank=rank, world_size=world),
         cache_dir=cache_dir, max_bytes=max_bytes, ranks_on_node=node_ranks, end=total,
         prefetch_s=cfg.data.prefetch_minutes * 60, budget_s=wait_s, nodes=nodes, chunk_rows=cfg.data.exchange_rows,
         pin_memory=torch.cuda.is_available())
@@ -186,19 +193,19 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
                               f"({corpus.layout} layout)")
 
 
-def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) -> StageData:
-    sft_dir = cfg.data.sft_dir
+def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, rank: int, world: int) -> StageData:
+    sft_dir: str | None = cfg.data.sft_dir
     if sft_dir is None:
         paths = _embedded(cfg, rank)
 
-        def build():
+        def build() -> Path:
             out = Path(paths.root) / "sft"
             if not (out / "manifest.json").exists():
                 build_sft_dataset(paths.chat_train_jsonl, paths.chat_eval_jsonl, paths.tokenizer_dir,
                                   cfg.data.seq_len, out, source_name="pydoc_data.topics", revision="python-stdlib")
             return out
 
-        sft_dir = _rank0_first(rank, build)
+        sft_dir = str(_rank0_first(rank, build))
     tokenizer_hash = None
     if cfg.data.tokenizer:
         tokenizer_hash = tokenizer_sha256(cfg.data.tokenizer)
@@ -206,7 +213,7 @@ def prepare_sft_data(cfg: tcfg.TrainConfig, model_cfg, rank: int, world: int) ->
     policy = cfg.data.packing.policy
     train_packs = pack(data.partition("train"), cfg.data.seq_len, policy)
     train = SFTBatches(train_packs, cfg.batch.micro_batch, world, rank, cfg.seed, drop_last=True)
-    loader = SFTLoader(train, cfg.batch.grad_accum, policy)
+    loader = SFTLoader(train, tcfg.grad_accum(cfg), policy)
     if loader.steps_per_epoch < 1:
         raise SFTDataError(
             f"{train.batches_per_epoch} micro-batches per epoch make no optimizer step with grad_accum "
