@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -43,6 +43,8 @@ from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
 if TYPE_CHECKING:  # transformers (seconds to import) is imported where a model is loaded
     from transformers import PreTrainedTokenizerFast
 
+    from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM as HFModel
+
 
 class GenerateError(UserError, ValueError):
     """A model directory or request that cannot be served; the message says how to fix it."""
@@ -50,8 +52,8 @@ class GenerateError(UserError, ValueError):
 
 @dataclass
 class Loaded:
-    model: Any  # TRHashForCausalLM (transformers)
-    tokenizer: Any  # PreTrainedTokenizerFast
+    model: HFModel  # the export's model class, loaded through transformers
+    tokenizer: PreTrainedTokenizerFast
     source: str  # how it was loaded, for the log line
 
 
@@ -77,6 +79,8 @@ def _load_export(root: Path) -> Loaded:
     # would ask whether to trust the export's code just to build a tokenizer.
     # lazy: transformers (seconds), as in load(); the export's model code imports it at its top
     from transformers import PreTrainedTokenizerFast
+
+    from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM as HFModel
 
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
 
@@ -173,7 +177,7 @@ def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str
         loaded = _load_export(root)
     else:
         loaded = _load_checkpoint(root, tokenizer)
-    loaded.model.to(target).eval()
+    cast(torch.nn.Module, loaded.model).to(target).eval()  # transformers types its own .to oddly
     return loaded
 
 

@@ -114,7 +114,7 @@ class Progress:
         every: int = 10,
         *,
         start_step: int = 0,
-        console: Any = None,
+        console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if total_steps < 1:
@@ -205,7 +205,7 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- formatting ----------------------------------------------------------------------
@@ -251,7 +251,7 @@ class Progress:
         return Panel(grid, title=f"ds-trhash · {self.stage}", expand=False)
 
     # -- plumbing ------------------------------------------------------------------------
-    def _start_live(self, console: Any) -> None:
+    def _start_live(self, console: Console | None) -> None:
         from rich.console import Console
         from rich.live import Live
         from rich.text import Text

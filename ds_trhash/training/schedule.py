@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ds_trhash.training.config.schema import ScheduleSection
 
 __all__ = ["KINDS", "warmup_steps_for", "warmup_steps_from_tokens", "schedule_warmup_steps", "lr_factor",
            "describe_schedule", "build_scheduler"]
@@ -47,11 +50,14 @@ def warmup_steps_from_tokens(total_steps: int, warmup_tokens: int, tokens_per_st
     return min(total_steps, max(minimum, -(-warmup_tokens // tokens_per_step)))
 
 
-def schedule_warmup_steps(schedule_cfg: Any, total_steps: int, tokens_per_step: int | None) -> int:
+def schedule_warmup_steps(schedule_cfg: ScheduleSection, total_steps: int, tokens_per_step: int | None) -> int:
     """W of a ``schedule`` config section: from ``warmup_tokens`` when set, else its warmup fraction."""
     tokens = schedule_cfg.warmup_tokens
     if tokens is None:
-        return warmup_steps_for(total_steps, schedule_cfg.fraction, schedule_cfg.min_warmup_steps)
+        fraction = schedule_cfg.fraction
+        if fraction is None:  # None only beside warmup_tokens
+            raise ValueError("schedule: neither a warmup fraction nor warmup_tokens")
+        return warmup_steps_for(total_steps, fraction, schedule_cfg.min_warmup_steps)
     if tokens_per_step is None:
         raise ValueError("schedule.warmup_tokens needs the tokens per optimizer step to size the warmup")
     return warmup_steps_from_tokens(total_steps, tokens, tokens_per_step, schedule_cfg.min_warmup_steps)
@@ -99,7 +105,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1
     return _cosine((after - stable) / (remaining - stable), floor)
 
 
-def describe_schedule(schedule_cfg: Any, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
+def describe_schedule(schedule_cfg: ScheduleSection, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
     """One line for the startup summary: the phases in steps, so a log shows the recipe it ran."""
     warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
     sized = (f"{schedule_cfg.warmup_tokens:,} tokens" if schedule_cfg.warmup_tokens is not None
@@ -114,7 +120,7 @@ def describe_schedule(schedule_cfg: Any, total_steps: int, tokens_per_step: int,
     return f"{text}, then a cosine over {remaining:,} steps to {floor}"
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: Any,
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: ScheduleSection,
                     tokens_per_step: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over ``total_steps`` optimizer steps; DeepSpeed calls ``.step()`` after each.
 

@@ -19,6 +19,8 @@ which every rank exits ``EXIT_REQUEUE`` instead of 0, so the job script knows to
 """
 from __future__ import annotations
 
+from types import FrameType
+
 import signal
 import time
 from dataclasses import dataclass, field
@@ -61,7 +63,7 @@ class StopRequests:
     _last: dict[int, float] = field(default_factory=dict)
     _previous: dict[int, Any] = field(default_factory=dict)
 
-    def handle(self, signum: int, frame: Any = None) -> None:
+    def handle(self, signum: int, frame: FrameType | None = None) -> None:
         now = time.monotonic()
         self.deliveries.append((signum, now))
         last = self._last.get(signum)

@@ -64,10 +64,10 @@ class TRHashRotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor  # a registered buffer
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> TRHashRotaryEmbedding:  # Any: torch passes them on
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TRHashRotaryEmbedding:
         """model.to(bfloat16) / .half() move the frequencies but keep them fp32."""
         kept = self.inv_freq
-        super()._apply(fn, *args, **kwargs)
+        super()._apply(fn, recurse)
         if kept.dtype == torch.float32 and self.inv_freq.dtype != torch.float32 and not kept.is_meta:
             self.inv_freq = kept.to(self.inv_freq.device)
         return self
@@ -267,16 +267,15 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> None:
         return None  # the head is embed_tokens itself; there is no separate module to tie
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:  # Any: transformers' own
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:  # Any: transformers'
         """transformers' save, plus this model's two code files where a release (4.5x) would not
         copy them, so that the saved directory loads with trust_remote_code like the export."""
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             here = os.path.dirname(os.path.abspath(__file__))
             for name in ("configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py"):
                 if not os.path.exists(os.path.join(save_directory, name)):
                     shutil.copyfile(os.path.join(here, name), os.path.join(save_directory, name))
-        return result
 
     def _check_routes(self) -> None:
         """Validate the route tables once per loaded version (not on every decoding step)."""
@@ -303,9 +302,9 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs: Any) -> CausalLMOutputWithPast | tuple[Any, ...]:  # Any: generate() passes its own
+                **kwargs: object) -> CausalLMOutputWithPast | tuple:
         if kwargs.get("cache") is not None:
-            past_key_values = kwargs["cache"]
+            past_key_values = cast(Cache, kwargs["cache"])
         if kwargs.get("output_attentions"):
             raise ValueError("TR-HASH attention runs through scaled_dot_product_attention; attention weights "
                              "are not returned (output_attentions is not supported)")

@@ -241,7 +241,7 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 
 
 def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None,
-                     **fields: Any) -> dict[str, Any]:
+                     **fields: object) -> dict[str, Any]:
     """The record document; explicit ``fields`` override what is read from ``run_dir``."""
     unknown_names = sorted(set(fields) - set(RECORD_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown_names:
@@ -249,9 +249,9 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
     collected: dict[str, Any] = {}
     prov: dict[str, str] = {}
     if run_dir is not None:
+        rule = fields.get("selection_rule")
         collected, prov = collect_run_fields(run_dir, export_dir=export_dir,
-                                             selection_rule=fields.get("selection_rule")
-                                             if fields.get("selection_rule") in SELECTION_RULES else None)
+                                             selection_rule=rule if isinstance(rule, str) and rule in SELECTION_RULES else None)
     for name, value in fields.items():
         if value is not None:
             collected[name], prov[name] = value, "given"
@@ -333,7 +333,7 @@ def _selected_name(selected: object) -> str | None:
 
 
 def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
-                     export_dir: str | os.PathLike | None = None, **fields: Any) -> dict[str, Any]:
+                     export_dir: str | os.PathLike | None = None, **fields: object) -> dict[str, Any]:
     """Write ``path`` (JSON) and ``run_record.md`` beside it; return the record."""
     doc = build_run_record(run_dir=run_dir, export_dir=export_dir, **fields)
     out = Path(path)

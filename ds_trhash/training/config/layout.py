@@ -7,7 +7,7 @@ A loaded config is world-size free (``batch.grad_accum`` may still be derived fr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.model.config import SHAPE_FIELDS, TRHashConfig, resolve_shape
@@ -183,6 +183,6 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
     if s.kind == "wsd":
         crit["schedule.stable_fraction"] = s.stable_fraction
     if cfg.lora.enabled:
-        crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
+        crit.update({f"lora.{k}": v for k, v in cast(dict, _plain(cfg.lora)).items() if k != "enabled"})
     crit.update(dsc.critical_items(cfg.deepspeed))
     return crit

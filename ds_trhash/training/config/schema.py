@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar, cast, overload
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
@@ -21,6 +21,8 @@ SFT = "supervised-finetuning"
 DEFAULT_WARMUP_FRACTION = 0.03
 # LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
 # weights are switched by `lora.experts`.
+
+T = TypeVar("T")
 
 
 class ConfigError(UserError, ValueError):
@@ -77,8 +79,12 @@ def _seed(v: int) -> str | None:
     return None if 0 <= v < 2**64 else f"must fit an unsigned 64-bit integer (0 <= seed < 2**64), got {v}"
 
 
-def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = None,
-       factory: Callable[[], Any] | None = None) -> Any:
+@overload
+def _f(default: T, *, check: Callable[[T], str | None] | None = None) -> T: ...
+@overload
+def _f(*, factory: Callable[[], T], check: Callable[[T], str | None] | None = None) -> T: ...
+def _f(default: object = MISSING, *, check: Callable[[Any], str | None] | None = None,
+       factory: Callable[[], object] | None = None) -> object:
     meta = {"check": check} if check else {}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -308,7 +314,7 @@ class TrainConfig:
     origin: str = field(default="<config>", compare=False, repr=False, metadata={"internal": True})
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if dataclasses.is_dataclass(value):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not f.metadata.get("internal")}
@@ -319,4 +325,4 @@ def _plain(value: Any) -> Any:
 
 def dump_config(cfg: TrainConfig) -> dict:
     """The full config (defaults included) as plain YAML/JSON types; loads back to an equal config."""
-    return _plain(cfg)
+    return cast(dict, _plain(cfg))  # a dataclass: its fields as a mapping

@@ -185,7 +185,7 @@ class HubStore:
         sink.truncate(state.offset)
         return state.digest.hexdigest()
 
-    def read_json(self, path: str) -> Any:
+    def read_json(self, path: str) -> object:
         buffer = io.BytesIO()
         self._fetch(path, buffer, 1 << 30, exact=False)
         try:
