@@ -116,7 +116,7 @@ _DW_CONFIGS = _configs(DW_OPTIONS, {"BLOCK_P": 16, "BLOCK_Q": 16, "BLOCK_R": 16}
 # --------------------------------------------------------------------------------------------
 # TRITON_PARAMETERS: Triton reads a kernel's parameter annotations as kernel types (``tl.constexpr``
 # makes a compile-time constant), so the tensor pointers and scalars stay unannotated, for Triton to
-# specialise on, and the type checker is told to let these defs be (``type: ignore[no-untyped-def]``).
+# specialise on, and the type checker is told to let these defs be (each with a ``type: ignore`` for no-untyped-def).
 
 
 @triton.jit

@@ -34,11 +34,17 @@ def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.arg]:
     return params[1:] if params and params[0].arg in ("self", "cls") else params
 
 
+def _triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
+
+
 def _untyped(path: Path, text: str | None = None) -> list[str]:
-    """"file:line name" of every parameter without an annotation (self and cls left out)."""
+    """"file:line name" of every parameter without an annotation (self and cls left out), but a
+    Triton kernel's: Triton reads a kernel's annotations as its types (kernels/routed_experts.py,
+    TRITON_PARAMETERS), so those defs tell the checker to let them be."""
     tree = ast.parse(path.read_text(encoding="utf-8") if text is None else text)
     return [f"{path.relative_to(REPO)}:{p.lineno} {p.arg}" for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _triton_kernel(node)
             for p in _parameters(node) if p.annotation is None]
 
 
@@ -69,12 +75,18 @@ def _bare_any(path: Path, text: str | None = None) -> list[tuple[str, bool]]:
 
 
 def test_no_parameter_is_untyped():
-    """mypy's settings refuse an untyped def; this sees the Triton kernels too, whose defs the
-    checker is told to let be (their parameters stay Triton's): only those may lack types."""
+    """mypy refuses an untyped def already; this holds where the checker is told to let a def be
+    (``type: ignore``): only a Triton kernel may be, and says so on its line."""
     untyped = [where for path in SOURCES for where in _untyped(path)]
-    triton = [where for where in untyped if where.startswith("kernels/routed_experts.py")]
-    assert not set(untyped) - set(triton), sorted(set(untyped) - set(triton))
-    assert len(triton) < 80, "only the Triton kernels' own parameters stay unannotated"
+    assert not untyped, untyped
+    kernels = REPO / "kernels" / "routed_experts.py"
+    lines = kernels.read_text(encoding="utf-8").splitlines()
+    jit = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef) and _triton_kernel(n)]
+    assert jit and all("type: ignore[no-untyped-def]  # TRITON_PARAMETERS" in lines[n.lineno - 1] for n in jit)
+    ignored = [f"{path.relative_to(REPO)}:{i}" for path in SOURCES
+               for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+               if "ignore[no-untyped-def]" in line and "TRITON_PARAMETERS" not in line]
+    assert not ignored, ignored
 
 
 def test_bare_any_is_rare_and_says_why():
@@ -89,6 +101,7 @@ def test_the_counts_see_what_they_count():
     assert _untyped(path, "def f(a, b: int, *c, **d) -> None: ...\n") == [
         "ds_trhash/io.py:1 a", "ds_trhash/io.py:1 c", "ds_trhash/io.py:1 d"]
     assert _untyped(path, "class C:\n    def m(self, x: int) -> None: ...\n") == []
+    assert _untyped(path, "@triton.jit\ndef k(x_ptr, N: tl.constexpr): ...\n") == []
     text = "def f(a: Any) -> Any:  # Any: a reason\n    x: Any = 1\n    y: dict[str, Any] = {}\n"
     assert _bare_any(path, text) == [("ds_trhash/io.py:1", True), ("ds_trhash/io.py:1", True),
                                      ("ds_trhash/io.py:2", False)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 from pathlib import Path
 
 import torch
@@ -180,7 +180,9 @@ def prepare_pretrain_data(cfg: tcfg.TrainConfig, rank: int, world: int, shard_ha
     total = _max_steps(cfg, steps)
     recipe = StreamRecipe(
         corpus=corpus, plan=plan, seed=cfg.seed,
-        layout=BatchLayout(cfg.batch.micro_batch, tcfg.grad_accum(cfg), rank=rank, world_size=world),
+        # grad_accum: derived for the world (for_world) before a launch opens the loader; the
+        # preflight's data check, on the config as loaded, never opens it
+        layout=BatchLayout(cfg.batch.micro_batch, cast(int, cfg.batch.grad_accum), rank=rank, world_size=world),
         cache_dir=cache_dir, max_bytes=max_bytes, ranks_on_node=node_ranks, end=total,
         prefetch_s=cfg.data.prefetch_minutes * 60, budget_s=wait_s, nodes=nodes, chunk_rows=cfg.data.exchange_rows,
         pin_memory=torch.cuda.is_available())
