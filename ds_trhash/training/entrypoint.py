@@ -252,11 +252,14 @@ def rank_line(text: str) -> None:
 
 
 def _stopped(state: TrainState, rank: int, world: int) -> int:
-    """One line per rank, so the operator (and the tests) see every rank stop at the same step; the
-    exit status: EXIT_REQUEUE after the scheduler's time-limit warning, else 0."""
+    """One line per rank, so the operator (and the tests) see every rank stop at the same step (or
+    before this launch's first, when nothing was trained); the exit status: EXIT_REQUEUE after the
+    scheduler's time-limit warning, else 0."""
     code = EXIT_REQUEUE if state.stop_requeue else 0
-    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
-              f"checkpoint ({state.stop_reason}); exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
+    done = ("before its first step: nothing was trained and no checkpoint was written" if state.steps_timed == 0
+            else "after a complete checkpoint")
+    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} {done} ({state.stop_reason}); "
+              f"exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
     return code
 
 

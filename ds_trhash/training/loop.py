@@ -237,6 +237,8 @@ def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callb
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = loader.epoch_of(state.step)
     for cb in callbacks:
+        if state.stop_requested:  # agreed before the first step (the stop callback comes first): no
+            break  # evaluation of the starting point, no profiler; every on_end still runs
         cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:

@@ -216,7 +216,9 @@ def test_a_pretraining_loader_reads_only_between_open_and_close(tmp_path):
             loader.open(2)
         step = loader.micro_batches(2)
         assert [sorted(mb) for mb in step] == [["input_ids", "labels"]] * 2
-        assert step[0]["input_ids"].shape == (2, 8) and loader.readiness(3) == (0, 0, 0)
+        assert step[0]["input_ids"].shape == (2, 8)
+        loader.wait_read(3, 30)  # the next step, read in the background: ready once read
+        assert loader.readiness(3) == (0, 0, 0)
         figures = loader.figures()
         assert isinstance(figures, DataFigures) and figures.cached and figures.steps == 1
         assert (tmp_path / "cache").is_dir()
