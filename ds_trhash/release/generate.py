@@ -80,8 +80,6 @@ def _load_export(root: Path) -> Loaded:
     # lazy: transformers (seconds), as in load(); the export's model code imports it at its top
     from transformers import PreTrainedTokenizerFast
 
-    from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM as HFModel
-
     from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM
 
     if not (root / "tokenizer.json").is_file():
