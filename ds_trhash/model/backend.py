@@ -37,10 +37,11 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, cast
+from typing import Any, Literal, Optional, Protocol, cast
 
 import torch
 
+from ds_trhash.config_fields import positive, setting
 from ds_trhash.errors import UserError
 
 from .config import TRHashConfig
@@ -54,6 +55,22 @@ from .norms import NORM_BACKENDS
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "triton", "pytorch")
+
+
+@dataclass(frozen=True)
+class KernelsSection:
+    """The config's ``kernels:`` section (the YAML keys are these field names); ``policy`` is one
+    of ``POLICIES``."""
+
+    policy: Literal["auto", "triton", "pytorch"] = "auto"
+    require_liger: bool = False
+    loss_chunk_tokens: int = setting(1024, check=positive)
+    # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
+    compile: Literal["none", "layers", "model"] = "none"
+    # routed experts: auto (the policy's choice; on CUDA the Triton kernel and the dense masked path
+    # timed at the launch's shape, the faster runs: model/expert_probe.py) or one of them fixed
+    experts: Literal["auto", "triton", "masked", "pytorch"] = "auto"
+
 
 #: Widest routed expert the Triton kernel is selected for (a block holds the full width).
 MAX_TRITON_EXPERT_WIDTH = 256

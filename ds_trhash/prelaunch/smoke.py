@@ -153,7 +153,7 @@ def _evaluate(cfg: tcfg.TrainConfig, ckpt: Path, workdir: Path, world: int, batc
 
 def _plan_rows_loss(cfg: tcfg.TrainConfig, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
-    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
     if data.plan is None:  # a pretraining stage's data has its plan
         raise RuntimeError("pretraining data came without its plan")
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
@@ -229,7 +229,7 @@ def _step_export(final: Path, workdir: Path) -> dict:
 
 def _step_project(cfg: tcfg.TrainConfig, world: int, workdir: Path, step_s: float, save: dict) -> dict:
     size, save_s = save["checkpoint_bytes"], save["save_seconds"]
-    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
     plan = CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch)
     projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
                                 plan.peak_kept(), size)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # type names only (rich is imported where the live display st
     from rich.live import Live
     from rich.panel import Panel
 
-    from ds_trhash.data.stream.delivery import DataFigures
+    from ds_trhash.data.stage import DataFigures
 
 __all__ = ["Progress", "byte_size", "data_wait_line", "downloaded", "eta_seconds", "format_duration"]
 

@@ -1,6 +1,6 @@
 """The model-agnostic training loop.
 
-It knows only an engine (forward / backward / step), a data loader (``training.data_loader``:
+It knows only an engine (forward / backward / step), a data loader (``data.stage.DataLoader``:
 micro-batches per optimizer step), and callbacks. Evaluation, checkpointing, progress and
 metrics plug in as callbacks, so the same loop serves pretraining, refinement and SFT.
 
@@ -27,7 +27,7 @@ from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import Callback, TrainState  # the loop's names too
-from ds_trhash.training.data_loader import DataLoader
+from ds_trhash.data.stage import DataLoader
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
 log = logging.getLogger("ds_trhash.loop")

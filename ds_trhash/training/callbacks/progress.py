@@ -11,7 +11,7 @@ from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, Tra
 from ds_trhash.training.display import downloaded
 
 if TYPE_CHECKING:
-    from ds_trhash.data.stream.delivery import DataFigures
+    from ds_trhash.data.stage import DataFigures
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.display import Progress
 

@@ -41,7 +41,7 @@ from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers im
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
 
 if TYPE_CHECKING:  # a type name only
-    from ds_trhash.training.data_loader import DataLoader
+    from ds_trhash.data.stage import DataLoader
 
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0

@@ -25,7 +25,6 @@ from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .checks import check_device, check_paths, require_source_stage
 from .layout import (
     batch_layout,
-    describe_model,
     for_world,
     grad_accum,
     model_config,
@@ -94,5 +93,4 @@ __all__ = [
     "for_world",
     "grad_accum",
     "model_config",
-    "describe_model",
 ]

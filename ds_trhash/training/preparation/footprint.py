@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.training.config import KernelsSection, ParallelSection, TrainConfig
 
 GIB = 1024**3
 FP32 = 4
@@ -114,9 +115,9 @@ def meta_model(cfg: TrainConfig, model_cfg: TRHashConfig) -> TRHashForCausalLM:
     return model
 
 
-def count_parameters(cfg: TrainConfig, model: TRHashForCausalLM) -> ParamCount:
-    """Exact parameter counts of ``meta_model(cfg, ...)``."""
-    ep = cfg.parallel.ep_size
+def count_parameters(parallel: ParallelSection, model: TRHashForCausalLM) -> ParamCount:
+    """Exact parameter counts of ``meta_model(cfg, ...)``; per rank with ``parallel.ep_size``."""
+    ep = parallel.ep_size
     total = trainable = per_rank = trainable_per_rank = expert_trainable = routed = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -133,10 +134,10 @@ def count_parameters(cfg: TrainConfig, model: TRHashForCausalLM) -> ParamCount:
     return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers, expert_trainable, routed)
 
 
-def fused_kernels(cfg: TrainConfig, device_type: str) -> bool:
+def fused_kernels(kernels: KernelsSection, device_type: str) -> bool:
     """Whether the launch runs the fused kernels (Triton experts, Liger norm/RoPE/loss): on CUDA
     under kernels.policy auto or triton (Liger assumed importable there), never on CPU."""
-    return device_type == "cuda" and cfg.kernels.policy in ("auto", "triton")
+    return device_type == "cuda" and kernels.policy in ("auto", "triton")
 
 
 def _norm_bytes(width: int, act: int, fused: bool) -> int:
@@ -170,7 +171,7 @@ def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool) -> int
     return norms + 2 * h * act + attention + 4 * s * act + routed
 
 
-def loss_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool) -> int:
+def loss_bytes(kernels: KernelsSection, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool) -> int:
     """The head: the final norm, what the loss keeps until backward and its largest temporary.
     Liger's fused linear CE computes the gradients in forward and keeps grad_input [N, H] and an
     fp32 grad_weight [V, H]; its logits come in chunks of about N / ceil(V / H) rows. The chunked
@@ -181,7 +182,7 @@ def loss_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, tokens: int, act: int,
     if fused:
         chunk = min(tokens, 1 << max(0, math.ceil(math.log2(tokens / math.ceil(v / h)))))
         return final_norm + tokens * h * act + v * h * FP32 + chunk * v * FP32
-    chunk = min(cfg.kernels.loss_chunk_tokens, tokens)
+    chunk = min(kernels.loss_chunk_tokens, tokens)
     return final_norm + tokens * (h * act + FP32) + _LOGIT_COPIES * chunk * v * FP32
 
 
@@ -191,14 +192,14 @@ def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: in
     time, in backward."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
-    fused = fused_kernels(cfg, device_type)
+    fused = fused_kernels(cfg.kernels, device_type)
     per_layer = layer_bytes_per_token(model_cfg, act, fused)
     kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size * act
     layers = tokens * (kept + (per_layer if checkpointed else 0))
-    return layers + loss_bytes(cfg, model_cfg, tokens, act, fused)
+    return layers + loss_bytes(cfg.kernels, model_cfg, tokens, act, fused)
 
 
-def gradient_buffers(cfg: TrainConfig, params: "ParamCount") -> int:
+def gradient_buffers(cfg: TrainConfig, params: ParamCount) -> int:
     """DeepSpeed's ZeRO 1/2 optimizer copies gradients into a contiguous bucket of
     ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward;
     unless the config sets it, the engine sizes it to the trainable parameters when they are fewer
@@ -226,7 +227,7 @@ def checkpoint_bytes(cfg: TrainConfig, params: ParamCount, world: int) -> int:
 def estimate(cfg: TrainConfig, model_cfg: TRHashConfig, world: int, device_type: str) -> Footprint:
     """The footprint of one rank of ``world`` for ``cfg`` on a ``device_type`` ("cuda" or "cpu")."""
     model = meta_model(cfg, model_cfg)
-    params = count_parameters(cfg, model)
+    params = count_parameters(cfg.parallel, model)
     checkpointed = sum(1 for layer in model.layers if layer.checkpointed)
     p = PRECISION_BYTES[cfg.precision]
     zero = cfg.zero.stage

@@ -59,7 +59,7 @@ def _misbehave(reader, how, release, which):
 
 
 class _Batches:
-    """What the stop agreement asks of the stage's batches (``training.data_loader.PretrainLoader``: readiness, agreed);
+    """What the stop agreement asks of the stage's batches (``data.stage.PretrainLoader``: readiness, agreed);
     ``waiting()`` is called when the agreement asks again for one step: some rank still reads."""
 
     def __init__(self, exchange, waiting=lambda: None):

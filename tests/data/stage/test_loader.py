@@ -23,9 +23,9 @@ from ds_trhash.data.stream.corpus import open_corpus
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.training import loop, trainer
 from ds_trhash.training.callbacks.base import Callback
-from ds_trhash.training.data_loader import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
+from ds_trhash.data.stage import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
 from ds_trhash.training.display import byte_size, data_wait_line
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.data.stage import StageData
 from tests.training.test_loop import FakeEngine, TokenModel
 from tests.data.hub_corpus import REPO, hub_corpus, plan_for, write_corpus  # noqa: F401  (the fixture)
 
