@@ -26,6 +26,7 @@ from .checks import check_device, check_paths, require_source_stage
 from .layout import (
     batch_layout,
     for_world,
+    grad_accum,
     model_config,
     to_deepspeed_dict,
     tokens_per_step,
@@ -90,5 +91,6 @@ __all__ = [
     "tokens_per_step",
     "batch_layout",
     "for_world",
+    "grad_accum",
     "model_config",
 ]

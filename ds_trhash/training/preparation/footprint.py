@@ -13,6 +13,8 @@ master weights and Adam moments), within a few per cent.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,9 @@ class ParamCount:
     expert_trainable_per_rank: int = 0
     routed_total: int = 0  # every routed expert's parameters, all ranks (for the active count)
 
+if TYPE_CHECKING:  # the config's type name only
+    from ds_trhash.training.config import TrainConfig
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -83,16 +88,17 @@ def _is_routed_expert(name: str, ndim: int) -> bool:
     return ndim == 3 and ".expert_" in name
 
 
-def _shapes_only():
+def _shapes_only() -> TorchFunctionMode:
     """A torch function mode that skips random initialisation: on the meta device there are no
     values to draw, and PyTorch's meta versions of the init ops would import the compiler stack
     (seconds) for nothing."""
     class SkipInit(TorchFunctionMode):
         SKIP = frozenset({"normal_", "uniform_", "trunc_normal_"})
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
+                               kwargs: dict | None = None) -> object:
             if getattr(func, "__name__", None) in self.SKIP:
-                return args[0] if args else kwargs["tensor"]
+                return args[0] if args else (kwargs or {})["tensor"]
             return func(*args, **(kwargs or {}))
 
     return SkipInit()
