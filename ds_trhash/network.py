@@ -81,7 +81,7 @@ def resolve_master(master: str) -> list[str]:
         raise NetworkError(
             f"MASTER_ADDR={master} does not resolve on this host ({exc}); pass the master node's IP address "
             f"(deepspeed --master_addr) or a name every node resolves") from None
-    return list(dict.fromkeys(_bare(info[4][0]) for info in infos))
+    return list(dict.fromkeys(_bare(str(info[4][0])) for info in infos))
 
 
 def route_source(address: str) -> str:
