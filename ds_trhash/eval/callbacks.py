@@ -18,7 +18,7 @@ from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
+from ds_trhash.training.callbacks.base import EVAL, Builder, Callback, RunContext
 
 PIQA_RESULTS = "piqa.jsonl"
 
@@ -26,6 +26,8 @@ PIQA_RESULTS = "piqa.jsonl"
 class HeldoutCallback(Callback):
     """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
     on every rank (each scores its share; the loss is reduced over ranks)."""
+
+    phase = EVAL
 
     def __init__(self, model, eval_batches, device, writer, progress, results: dict[int, dict] | None = None):
         self.model, self.eval_batches, self.device = model, eval_batches, device
@@ -62,6 +64,8 @@ class PiqaCallback(Callback):
     """Zero-shot PIQA (docs/contracts.md, "Evaluation") on rank 0: the SFT source at step 0 and
     every epoch end, or the end of a pretraining/refinement stage. Rows go to ``piqa.jsonl``
     beside metrics.csv; the other ranks wait at a barrier."""
+
+    phase = EVAL
 
     run_files = (PIQA_RESULTS,)
 

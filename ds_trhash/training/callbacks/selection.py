@@ -6,11 +6,14 @@ import json
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
 from ds_trhash.checkpoints.selection import Candidate, publish
+from ds_trhash.training.liveness.phases import CHECKPOINT
 
 
 class SelectionCallback(Callback):
     """Reads the epoch's evaluation results and checkpoint from the run (so it comes after the
     evaluation and checkpointing callbacks); rank 0 writes."""
+
+    phase = CHECKPOINT
 
     run_files = ("best", "selection.json")
 

@@ -11,7 +11,7 @@ from ds_trhash.training.loop import TrainState
 
 @pytest.mark.parametrize("spec", ["kill_after_step", "kill_after_step:x", "explode:3"])
 def test_bad_specs_are_refused(spec):
-    with pytest.raises(ValueError, match="expected kill_after_step:N or kill_during_save:N"):
+    with pytest.raises(ValueError, match="expected kill_after_step:N, kill_during_save:N or hang_after_step:N:RANK"):
         faults.FaultInjection(spec)
 
 
