@@ -7,8 +7,8 @@ driven by the clock its caller passes in, so the rules are tested without waitin
   machine hung). That gap is not the peers' silence: a gap shorter than ``silent_s`` is forgiven
   (their last-heard times move forward by it); a longer one means the others have given up on
   this rank, which then names itself (it was frozen or cut off) and must not go on alone.
-- **stuck**: the rank with the lowest position ``(step, mark)`` (``phases``), while some rank is
-  ahead of it, has held that position longer than the limit of its phase.
+- **stuck**: the rank with the lowest position ``(step, mark)`` (``phases``) has held that
+  position, with some rank ahead of it all along, longer than the limit of its phase.
 - **aborted**: a peer broadcast an abort (``Liveness.abort``), with its reason and exit code.
 
 A peer that said goodbye (its launch ended, with its own message) is never judged again, and
@@ -68,6 +68,9 @@ class Watch:
     last_tick: float = field(init=False)
     since: float = field(init=False)  # when this rank's own position last changed
     verdict: Verdict | None = None
+    # the laggard (rank, position) some rank is ahead of, and since when this rank has seen that
+    lagging: tuple[int, tuple[int, int]] | None = None
+    lagging_since: float = 0.0
 
     def __post_init__(self) -> None:
         self.seen = {p.rank: Seen(p, self.now) for p in [self.me, *self.peers]}
@@ -143,8 +146,13 @@ class Watch:
 
         laggard = min(ranks, key=lambda p: (position(p), p.info.rank))
         if not any(position(p) > position(laggard) for p in ranks):
+            self.lagging = None
             return None
-        age = laggard.age + (now - laggard.heard_at)
+        if self.lagging != (laggard.info.rank, position(laggard)):  # a new laggard (or a stale heartbeat's)
+            self.lagging, self.lagging_since = (laggard.info.rank, position(laggard)), now
+        # at its position this long, and others ahead of it that long: a rank that waited long in
+        # step with the others and is overtaken first (a heartbeat late) is not stuck
+        age = min(laggard.age + (now - laggard.heard_at), now - self.lagging_since)
         limit = self.limits.of(laggard.phase)
         if age <= limit:
             return None
