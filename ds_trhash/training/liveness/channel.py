@@ -18,6 +18,7 @@ import os
 import secrets
 import select
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -93,11 +94,16 @@ class Channel:
                 pass
 
     def receive(self, timeout: float) -> list[dict[str, Any]]:
-        """The messages of this launch that arrive within ``timeout`` s (at least one wait), or
-        are already queued; anything else (another launch, garbage) is dropped."""
+        """The messages of this launch that arrive within ``timeout`` s (all of it: the caller's
+        interval), or are already queued; anything else (another launch, garbage) is dropped."""
         out: list[dict[str, Any]] = []
-        wait = max(0.0, timeout)
-        while select.select([self.sock], [], [], wait)[0]:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            wait = max(0.0, deadline - time.monotonic())
+            if not select.select([self.sock], [], [], wait)[0]:
+                if wait <= 0.0 or time.monotonic() >= deadline:
+                    return out
+                continue
             try:
                 data = self.sock.recv(MAX_DATAGRAM)
             except OSError:  # an ICMP error reported on this socket: nothing to read
@@ -105,8 +111,6 @@ class Channel:
             message = _decode(data)
             if message is not None and message.get("t") == self.token:
                 out.append(message)
-            wait = 0.0
-        return out
 
     def close(self) -> None:
         self.sock.close()

@@ -31,8 +31,9 @@ def endpoints(n: int, clock: Clock, limits: Limits = LIMITS, nodes: list[int] | 
     return lives, acted
 
 
-def beat_all(lives: list[Liveness], skip: tuple[int, ...] = (), wait: float = 0.05) -> None:
-    """One interval of every rank not in ``skip`` (each sends, then each takes in what arrived)."""
+def beat_all(lives: list[Liveness], skip: tuple[int, ...] = (), wait: float = 0.0) -> None:
+    """One interval of every rank not in ``skip`` (each sends, then each takes in what arrived: on
+    loopback a datagram is queued at the receiver before ``sendto`` returns)."""
     for i, live in enumerate(lives):
         if i not in skip and live.verdict is None:
             live.beat(wait=0.0)
