@@ -18,6 +18,7 @@ import os
 import secrets
 import select
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -93,12 +94,13 @@ class Channel:
             except OSError:  # ENETUNREACH, EHOSTUNREACH, ECONNREFUSED from an earlier ICMP: silence
                 pass
 
-    def receive(self, timeout: float) -> list[dict[str, Any]]:
+    def receive(self, timeout: float, until: threading.Event | None = None) -> list[dict[str, Any]]:
         """The messages of this launch that arrive within ``timeout`` s (all of it: the caller's
-        interval), or are already queued; anything else (another launch, garbage) is dropped."""
+        interval, unless ``until`` is set meanwhile and a datagram wakes it: ``wake``), or are
+        already queued; anything else (another launch, garbage) is dropped."""
         out: list[dict[str, Any]] = []
         deadline = time.monotonic() + max(0.0, timeout)
-        while True:
+        while until is None or not until.is_set():
             wait = max(0.0, deadline - time.monotonic())
             if not select.select([self.sock], [], [], wait)[0]:
                 if wait <= 0.0 or time.monotonic() >= deadline:
@@ -111,6 +113,14 @@ class Channel:
             message = _decode(data)
             if message is not None and message.get("t") == self.token:
                 out.append(message)
+        return out
+
+    def wake(self) -> None:
+        """An empty datagram to this socket: a ``receive`` waiting on it looks at ``until`` again."""
+        try:
+            self.sock.sendto(b"", (self.address, self.port))
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()

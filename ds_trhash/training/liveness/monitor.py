@@ -66,6 +66,7 @@ class Liveness:
         that its silence is never taken for a loss); nothing is sent after a verdict."""
         self._closed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
+            self.channel.wake()
             self._thread.join(2 * self.limits.interval_s + 1.0)
         if self.verdict is None:
             for _ in range(NOTICE_REPEATS):
@@ -82,7 +83,7 @@ class Liveness:
         with self._lock:
             age = self.watch.own(self.clock(), step, mark, phase)
         self.channel.send({"k": "hb", "r": self.me.rank, "s": step, "m": mark, "p": phase, "a": round(age, 3)})
-        for message in self.channel.receive(self.limits.interval_s if wait is None else wait):
+        for message in self.channel.receive(self.limits.interval_s if wait is None else wait, until=self._closed):
             self._take(message)
         with self._lock:
             verdict = self.watch.tick(self.clock())
