@@ -40,7 +40,9 @@ def pair(interval: float) -> tuple[Liveness, Liveness]:
     a, b = Channel("127.0.0.1", "bench"), Channel("127.0.0.1", "bench")
     pa, pb = PeerInfo(0, 0, "a", "127.0.0.1", a.port), PeerInfo(1, 1, "b", "127.0.0.1", b.port)
     refuse = lambda verdict: (_ for _ in ()).throw(AssertionError(f"a verdict in the benchmark: {verdict}"))  # noqa: E731
-    return Liveness(a, pa, [pb], limits, act=refuse), Liveness(b, pb, [pa], limits, act=refuse)
+    live, peer = Liveness(a, pa, [pb], limits, act=refuse), Liveness(b, pb, [pa], limits, act=refuse)
+    peer.beacon = live.beacon  # the peer trains in step (the stuck rule sees it at the same place)
+    return live, peer
 
 
 def mark_places(beacon: Beacon, step: int) -> None:

@@ -53,6 +53,8 @@ class Liveness:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> "Liveness":
+        with self._lock:
+            self.watch.restart(self.clock())
         self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
         self._thread.start()
         return self

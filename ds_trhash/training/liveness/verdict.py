@@ -74,7 +74,13 @@ class Watch:
 
     def __post_init__(self) -> None:
         self.seen = {p.rank: Seen(p, self.now) for p in [self.me, *self.peers]}
-        self.last_tick = self.since = self.now
+        self.restart(self.now)
+
+    def restart(self, now: float) -> None:
+        """The watch begins now (its thread starts): the time before is nobody's silence."""
+        self.last_tick = self.since = now
+        for peer in self.seen.values():
+            peer.heard_at = max(peer.heard_at, now)
 
     # ----------------------------------------------------------------- what comes in
 

@@ -80,3 +80,16 @@ def test_liveness_is_off_for_one_rank_and_abort_still_ends_with_its_code(monkeyp
     monkeypatch.setattr(liveness, "end_process", ended.append)
     liveness.abort("cannot read shard x", 2)
     assert ended == [2] and "aborting: cannot read shard x; exiting 2" in capfd.readouterr().err
+
+
+def test_the_time_before_the_thread_starts_is_nobodys_silence():
+    clock = Clock()
+    lives, acted = endpoints(2, clock)
+    try:
+        clock.advance(45.0)  # made, then the launch took 45 s before the thread started
+        for live in lives:
+            live.watch.restart(clock())  # what start() does, without the thread
+        run_for(lives, clock, 3)
+        assert acted == [[], []]
+    finally:
+        close_all(lives)
