@@ -68,9 +68,11 @@ def current() -> Liveness | NoLiveness:
 def limits_of(cfg: TrainConfig) -> Limits:
     """The limits of a launch, in seconds, from its ``liveness:`` section (and the data's Hub budget)."""
     live = cfg.liveness
-    minutes = {STARTUP: live.startup_minutes, FIRST_STEP: live.first_step_minutes, PROBE: live.probe_minutes,
+    data_wait = cfg.data.hub_wait_minutes + DATA_MARGIN_MINUTES
+    # start-up may wait out a Hub outage too (the corpus's opening, the first shards): never less than the data's wait
+    minutes = {STARTUP: max(live.startup_minutes, data_wait), FIRST_STEP: live.first_step_minutes, PROBE: live.probe_minutes,
                CHECKPOINT: live.checkpoint_minutes, END: live.checkpoint_minutes, EVAL: live.eval_minutes,
-               DATA_WAIT: cfg.data.hub_wait_minutes + DATA_MARGIN_MINUTES}
+               DATA_WAIT: data_wait}
     return Limits(interval_s=live.interval_s, silent_s=live.silent_s, stuck_s=60.0 * live.stuck_minutes,
                   by_phase={phase: 60.0 * m for phase, m in minutes.items()})
 

@@ -93,3 +93,12 @@ def test_the_time_before_the_thread_starts_is_nobodys_silence():
         assert acted == [[], []]
     finally:
         close_all(lives)
+
+
+def test_the_limits_come_from_the_config_and_the_data_wait_from_the_hub_budget():
+    limits = liveness.limits_of(load_config("ds_configs/tiny/pretrain.yaml", [
+        "data.hub_wait_minutes=60", "liveness.stuck_minutes=2", "liveness.eval_minutes=45"]))
+    assert (limits.interval_s, limits.silent_s, limits.stuck_s) == (1.0, 30.0, 120.0)
+    assert limits.of("forward_backward") == limits.of("step_end") == 120.0
+    assert limits.of("eval") == 2700.0 and limits.of("checkpoint") == limits.of("end") == 1800.0
+    assert limits.of("data_wait") == limits.of("startup") == 4200.0  # the Hub's 60 minutes and 10 more
