@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable, TypeVar
+
+T = TypeVar("T", int, float)
 
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
 
 
-def _number(text: str, kind: type, what: str):
+def _number(text: str, kind: Callable[[str], T], what: str) -> T:
     try:
         return kind(text)
     except (TypeError, ValueError):
@@ -26,6 +29,14 @@ def positive_int(text: str) -> int:
     value = _number(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (limits where 0 means "never")."""
+    value = _number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 

@@ -1,6 +1,6 @@
 """LoRA adapters for SFT LoRA mode (docs/contracts.md §6).
 
-`apply_lora(model, lora_cfg)` wraps the chosen projections in place and freezes everything
+`apply_lora(model, lora)` wraps the chosen projections in place and freezes everything
 else. The state dict of a wrapped model keeps every base name unchanged
 (`layers.0.self_attn.q_proj.weight` stays that key) and adds only adapter tensors:
 
@@ -13,18 +13,22 @@ else. The state dict of a wrapped model keeps every base name unchanged
 B starts at zero, so a freshly wrapped model computes exactly what the base model does.
 `merge_lora` folds the adapters back into a plain state dict with the keys of an unwrapped
 `TRHashForCausalLM`. Full-parameter and LoRA runs never resume from each other; the resume
-checks use `has_lora_state` / `check_state_mode`.
+checks use `has_lora_state` / `check_state_mode`. The config's `lora:` section (`LoraSection`)
+is declared here, beside the targets it may name.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_trhash.config_fields import half_open_unit, positive, setting
 from ds_trhash.errors import UserError
 
 from .decoder import TRHashMoEEngine
@@ -38,6 +42,7 @@ __all__ = [
     "LoRAMoEEngine",
     "LINEAR_TARGETS",
     "EXPERT_WEIGHTS",
+    "LoraSection",
     "apply_lora",
     "is_lora_key",
     "has_lora_state",
@@ -66,6 +71,29 @@ DEFAULT_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up"
 # Stacked routed-expert weights adapted when `experts` is on; adapter module = name + "_lora".
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def _lora_targets(v: tuple[str, ...]) -> str | None:
+    if not v:
+        return f"must name at least one layer; allowed: {', '.join(LORA_TARGETS)}"
+    unknown = [t for t in v if t not in LORA_TARGETS]
+    if unknown:
+        return f"unknown target(s) {unknown}; allowed: {', '.join(LORA_TARGETS)}"
+    if len(set(v)) != len(v):
+        return f"duplicate targets in {list(v)}"
+    return None
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """The config's ``lora:`` section (SFT LoRA mode; the YAML keys are these field names)."""
+
+    enabled: bool = False
+    rank: int = setting(16, check=positive)
+    alpha: float = setting(16.0, check=positive)
+    dropout: float = setting(0.05, check=half_open_unit)
+    targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, check=_lora_targets)
+    experts: bool = False  # the stacked routed-expert weights too
 _EXPERT_ADAPTER_SUFFIX = "_lora"
 
 
@@ -103,9 +131,9 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        like = {"device": self.weight.device, "dtype": self.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, **like))
+        device, dtype = self.weight.device, self.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, self.in_features)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
@@ -138,9 +166,9 @@ class ExpertAdapter(nn.Module):
         self.rank = int(rank)
         self.alpha = float(alpha)
         self.scaling = self.alpha / self.rank
-        like = {"device": weight.device, "dtype": weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, **like))
-        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, **like))
+        device, dtype = weight.device, weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, fan_in)
 
     def delta(self) -> torch.Tensor:
@@ -165,8 +193,9 @@ class LoRAMoEEngine(TRHashMoEEngine):
 
     def effective_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) with W + (alpha/r) · A·B folded in, differentiable w.r.t. A and B."""
-        return tuple(getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
-                     for name in EXPERT_WEIGHTS)  # type: ignore[return-value]
+        gate, up, down = (getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
+                          for name in EXPERT_WEIGHTS)
+        return gate, up, down
 
     def merged_expert_weights(self) -> dict[str, torch.Tensor]:
         """Detached W + delta per stacked weight, summed in fp32, in the weight's dtype."""
@@ -181,7 +210,7 @@ class LoRAMoEEngine(TRHashMoEEngine):
 # ----------------------------------------------------------------------------- set-up
 
 
-def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
+def _check_hyper(rank: object, alpha: float, dropout: float) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise LoRAError(f"LoRA mode needs a positive rank; pass --lora-rank N or use --full-parameter "
                         f"(got rank {rank!r})")
@@ -191,28 +220,20 @@ def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
         raise LoRAError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
 
 
-def _cfg(lora_cfg: Any, name: str) -> Any:
-    try:
-        return getattr(lora_cfg, name)
-    except AttributeError:
-        raise LoRAError(f"LoRA settings lack {name!r}; expected a LoraSection") from None
-
-
-def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
-    """Wrap `lora_cfg.targets` in every layer (and the routed experts when `lora_cfg.experts`),
+def apply_lora(model: TRHashForCausalLM, lora: LoraSection) -> list[str]:
+    """Wrap `lora.targets` in every layer (and the routed experts when `lora.experts`),
     freeze every other parameter, and return the adapted names in model order: linear modules
     (`layers.0.self_attn.q_proj`) and, with experts, stacked weights (`layers.0.mlp.engine.expert_gate`).
 
-    `lora_cfg` is a LoraSection (enabled, rank, alpha, dropout, targets, experts). Load the
-    source checkpoint before calling this: the base keys are unchanged afterwards, but a
+    Load the source checkpoint before calling this: the base keys are unchanged afterwards, but a
     strict load then also expects the adapter keys.
     """
-    if not _cfg(lora_cfg, "enabled"):
+    if not lora.enabled:
         raise LoRAError("apply_lora called with lora.enabled false; a full-parameter run has no adapters")
-    rank, alpha, dropout = _cfg(lora_cfg, "rank"), _cfg(lora_cfg, "alpha"), _cfg(lora_cfg, "dropout")
-    _check_hyper(rank, alpha, dropout)
-    targets = tuple(_cfg(lora_cfg, "targets"))
-    experts = bool(_cfg(lora_cfg, "experts"))
+    rank, alpha, dropout = lora.rank, lora.alpha, lora.dropout
+    _check_hyper(rank, alpha, dropout)  # a section built in code skips the reader's checks
+    targets = tuple(lora.targets)
+    experts = bool(lora.experts)
     if not targets and not experts:
         raise LoRAError(f"LoRA needs at least one target; allowed: {', '.join(LINEAR_TARGETS)}")
     unknown = [t for t in targets if t not in LINEAR_TARGETS]
@@ -229,7 +250,7 @@ def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
 
     wanted = {LINEAR_TARGETS[t] for t in targets}
     adapted = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         for path in LINEAR_TARGETS.values():  # fixed order, whatever the order of `targets`
             if path not in wanted:
                 continue
@@ -260,12 +281,12 @@ def is_lora_key(key: str) -> bool:
     return key.endswith(("lora_A", "lora_B"))
 
 
-def has_lora_state(state_dict: Mapping[str, Any]) -> bool:
+def has_lora_state(state_dict: Mapping[str, object]) -> bool:
     """Whether a state dict (or any mapping/iterable of keys) holds LoRA adapter tensors."""
     return any(is_lora_key(k) for k in state_dict)
 
 
-def check_state_mode(state_dict: Mapping[str, Any], lora_enabled: bool, where: str = "checkpoint") -> None:
+def check_state_mode(state_dict: Mapping[str, object], lora_enabled: bool, where: str = "checkpoint") -> None:
     """Resume rule (docs/contracts.md §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
     found = has_lora_state(state_dict)
     if found and not lora_enabled:

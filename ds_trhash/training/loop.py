@@ -1,6 +1,6 @@
 """The model-agnostic training loop.
 
-It knows only an engine (forward / backward / step), a data loader (``training.data_loader``:
+It knows only an engine (forward / backward / step), a data loader (``data.stage.DataLoader``:
 micro-batches per optimizer step), and callbacks. Evaluation, checkpointing, progress and
 metrics plug in as callbacks, so the same loop serves pretraining, refinement and SFT.
 
@@ -16,17 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Callback, TrainState  # the loop's names too
-from ds_trhash.training.data_loader import DataLoader
+from ds_trhash.training.callbacks.base import Callback, Metrics, TrainState  # the loop's names too
+from ds_trhash.data.stage import DataLoader
 from ds_trhash.training.liveness.phases import (
     DATA_WAIT, END, FIRST_STEP, FORWARD_BACKWARD, HOOKS, MARK_DATA, MARK_END, MARK_FORWARD, MARK_OPTIMIZER,
     OPTIMIZER, Beacon)
@@ -35,10 +36,10 @@ from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 log = logging.getLogger("ds_trhash.loop")
 
 
-_HOST_GROUP = None
+_HOST_GROUP: dist.ProcessGroup | None = None
 
 
-def _host_group():
+def _host_group() -> dist.ProcessGroup | None:
     """A gloo group for the integer counts, which come from host-side batches: reducing them on
     the CPU keeps the accelerator stream free of host synchronisation (NCCL would need a device
     tensor and a copy back). On a gloo default group (CPU runs) it is that group."""
@@ -50,7 +51,7 @@ def _host_group():
     return _HOST_GROUP
 
 
-def _all_reduce_counts(values: list[int], op=dist.ReduceOp.SUM) -> list[int]:
+def _all_reduce_counts(values: list[int], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[int]:
     """Sum (or ``op``) host integers over ranks (gloo, CPU tensors): no device involved."""
     if not is_multi_rank():
         return list(values)
@@ -80,7 +81,7 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
     return valid, ignored, bad
 
 
-def _reduced_grad_norm(engine) -> torch.Tensor | None:
+def _reduced_grad_norm(engine: DeepSpeedEngine) -> torch.Tensor | None:
     """The global gradient norm before clipping, where DeepSpeed does not keep one.
 
     ZeRO 1/2 and the bf16/fp16 optimizers record it (``get_global_grad_norm``); plain ZeRO 0
@@ -94,8 +95,9 @@ def _reduced_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
-def train_step(engine, micro_batches: list[dict], device: torch.device, world_size: int,
-               vocab_size: int | None = None, skip_nonfinite: bool = False, beacon: Beacon | None = None) -> dict:
+def train_step(engine: DeepSpeedEngine, micro_batches: list[dict], device: torch.device, world_size: int,
+               vocab_size: int | None = None, skip_nonfinite: bool = False,
+               beacon: Beacon | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
 
     No host synchronisation: label counts are host integers (summed over ranks on the CPU), the
@@ -147,7 +149,7 @@ def train_step(engine, micro_batches: list[dict], device: torch.device, world_si
             "skipped": skip_nonfinite and skipped}
 
 
-class StepMetrics(Mapping):
+class StepMetrics(Mapping[str, Any]):
     """One step's metrics for the callbacks; ``loss``, ``ppl`` and ``grad_norm`` come from device
     tensors and are copied to the host on first access only (the metrics, progress and monitor
     callbacks read them at logging steps), so steps that log nothing never wait for the device."""
@@ -178,14 +180,14 @@ class StepMetrics(Mapping):
             self._values["loss"] = loss
             self._values["ppl"] = math.exp(min(loss, 50.0))
             self._values["grad_norm"] = None if g is None else float(g)
-            self._loss = self._grad_norm = self._first_nonfinite = None
+            self._loss, self._grad_norm, self._first_nonfinite = 0.0, None, None  # the device tensors let go
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> Any:  # Any: the metric's number (or None: not measured)
         if key in self._LAZY:
             self._resolve()
         return self._values[key]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter((*self._values.keys(), *(k for k in self._LAZY if k not in self._values)))
 
     def __len__(self) -> int:
@@ -193,7 +195,7 @@ class StepMetrics(Mapping):
 
 
 def run(
-    engine,
+    engine: DeepSpeedEngine,
     loader: DataLoader,
     state: TrainState,
     callbacks: list[Callback],
@@ -240,20 +242,24 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
         raise errors[0]
 
 
-def _hooks(callbacks: list[Callback], hook: str, state: TrainState, beacon: Beacon, first_mark: int, *args,
-           phase: str | None = None) -> None:
+def _hooks(callbacks: list[Callback], hook: str, state: TrainState, beacon: Beacon, first_mark: int,
+           *args: Metrics, phase: str | None = None) -> None:
     """Call ``hook`` on every callback, the beacon at each one's place (its ``phase``, or ``phase``)."""
     for i, cb in enumerate(callbacks):
         beacon.at(state.step, first_mark + i, phase or cb.phase)
         getattr(cb, hook)(state, *args)
 
 
-def _train(engine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
+def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
            world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
            guard: NonFiniteGuard | None, beacon: Beacon) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = loader.epoch_of(state.step)
-    _hooks(callbacks, "on_start", state, beacon, HOOKS)
+    for i, cb in enumerate(callbacks):
+        if state.stop_requested:  # agreed before the first step (the stop callback comes first): no
+            break  # evaluation of the starting point, no profiler; every on_end still runs
+        beacon.at(state.step, HOOKS + i, cb.phase)
+        cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:
         epoch = loader.epoch_of(state.step)

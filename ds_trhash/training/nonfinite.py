@@ -24,7 +24,9 @@ from collections.abc import Callable
 import torch
 
 from ds_trhash.errors import UserError
-from ds_trhash.training.callbacks.base import Callback
+from ds_trhash.engine_api import DeepSpeedEngine
+from ds_trhash.training.callbacks.base import Callback, TrainState
+from ds_trhash.training.config import TrainConfig
 
 NONE = -1  # no non-finite step seen (on the device)
 UNSEEN = 2**62  # the same, as agreed over the ranks (the smallest bad step wins)
@@ -37,7 +39,7 @@ class NonFiniteError(UserError, RuntimeError):
     exit_code = 1
 
 
-def is_finite(loss: torch.Tensor, grad_norm) -> bool:
+def is_finite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> bool:
     """A host decision (reads the device): both values finite."""
     ok = bool(torch.isfinite(loss).all())
     if isinstance(grad_norm, torch.Tensor):
@@ -65,7 +67,7 @@ class NonFiniteGuard(Callback):
         self.agree: Callable[[int], int] = lambda value: value
 
     @classmethod
-    def from_config(cls, cfg, log: Callable[[str], None]) -> "NonFiniteGuard":
+    def from_config(cls, cfg: TrainConfig, log: Callable[[str], None]) -> "NonFiniteGuard":
         """The guard of a launch: ``training.nonfinite*``, checked at every ``training.log_every``."""
         return cls(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
                    log=log, check_grad_norm=cfg.precision != "fp16")
@@ -78,7 +80,7 @@ class NonFiniteGuard(Callback):
     def skips(self) -> bool:
         return self.mode == "skip_step"
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm) -> None:
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> None:
         """Device ops only: remember ``step`` if it is the first non-finite one."""
         bad = ~torch.isfinite(loss.detach()).all()
         if not self.check_grad_norm:
@@ -94,7 +96,7 @@ class NonFiniteGuard(Callback):
     def due(self, step: int, total_steps: int) -> bool:
         return self.check_every is not None and (step % self.check_every == 0 or step == total_steps)
 
-    def before_save(self, state=None) -> None:
+    def before_save(self, state: TrainState | None = None) -> None:
         """The hook every checkpoint save runs first (all ranks): never save diverged weights."""
         self.check()
 
@@ -127,7 +129,7 @@ class NonFiniteGuard(Callback):
                 "skipped in all. Lower optimizer.lr or check the data of those steps")
 
 
-def skip_update(engine) -> None:
+def skip_update(engine: DeepSpeedEngine) -> None:
     """Make the coming optimizer update a no-op: zero gradients and learning rate 0 for it (the
     scheduler sets the next step's rate as usual)."""
     for p in engine.module.parameters():

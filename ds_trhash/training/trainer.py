@@ -7,6 +7,7 @@ before the model is allocated, so a wrong launch costs seconds and writes nothin
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import time
@@ -15,7 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import apply_lora
@@ -31,11 +34,12 @@ from ds_trhash.training.callbacks import (
     make_callbacks,
 )
 from ds_trhash.training.display import Progress, data_wait_line
-from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
+from ds_trhash.training.engine import Engine, build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.output import OutputSide
 from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.files import CONFIG_FILE
@@ -94,12 +98,12 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
     plan.data.loader.open(int(plan.output.saved["step"]) if plan.output.saved is not None else 0)
 
 
-def restore(plan: LaunchPlan, engine, rank: int) -> loop.TrainState:
+def restore(plan: LaunchPlan, engine: DeepSpeedEngine, rank: int) -> loop.TrainState:
     """The state the loop starts from: step 0, or the saved run's engine, counters and RNG exactly
     (re-seeded when it reshards onto another world size)."""
     state = loop.TrainState(step=0, total_steps=plan.data.total_steps)
     saved, resume_dir = plan.output.saved, plan.output.resume_dir
-    if saved is None:
+    if saved is None or resume_dir is None:
         return state
     ckpt.load_engine_state(engine, resume_dir, reshard=plan.resharding, output_dir=plan.output_dir,
                            rank=rank, barrier=barrier, log=log.info)
@@ -115,13 +119,14 @@ def restore(plan: LaunchPlan, engine, rank: int) -> loop.TrainState:
     return state
 
 
-def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dict, state: loop.TrainState) -> None:
+def announce(plan: LaunchPlan, progress: Progress, model: TRHashForCausalLM, engine: Engine, ds_config: dict,
+             state: loop.TrainState) -> None:
     """Rank 0: config.json as loaded, what this launch trains and the start-up summary."""
     cfg, data, world = plan.cfg, plan.data, plan.world
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / CONFIG_FILE).write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
-        f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
+        f"{cfg.stage}: {cfg.model.describe()} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.resuming and state.step == state.total_steps:
@@ -131,12 +136,12 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     progress.message(startup_summary(
         cfg, plan.layout, model=model, total_steps=data.total_steps, start_step=state.step,
         ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
-        kernels=plan.kernels.to_dict(), hardware=ckpt.describe_hardware(),
+        kernels=plan.kernels.to_dict(), hardware=describe_hardware(),
         checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed],
         device_type=plan.device.type))
 
 
-def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, dict], dict]:
+def state_recorder(plan: LaunchPlan, model: TRHashForCausalLM) -> Callable[[loop.TrainState, str, dict], dict]:
     """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
     record, data = plan.record(), plan.data
 
@@ -150,7 +155,7 @@ def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, d
     return trainer_state
 
 
-def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, state: loop.TrainState,
+def run_context(plan: LaunchPlan, rank: int, engine: DeepSpeedEngine, model: TRHashForCausalLM, progress: Progress, state: loop.TrainState,
                 requests: StopRequests | None = None) -> RunContext:
     """What the callbacks are built from: the engine and model, the record writers (opened here,
     closed by the metrics callback), the stop agreement, the trainer-state builder."""
@@ -176,16 +181,17 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
 # ----------------------------------------------------------------------------- the stage
 
 
-def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
+def run_stage(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world: int,
               parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None,
               on_first_write: Callable[[], None] | None = None,
               requests: StopRequests | None = None) -> loop.TrainState:
-    """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
+    """Train one stage. ``request``: the command line and environment, resolved by the entry
+    point (``entrypoint.launch_request``). ``parts``: the callback classes of this launch in call order (the entry
     point composes them, evaluation included); default ``training_parts()``, without evaluation.
     ``checked``: what ``check_output_side`` decided under the run lock. ``on_first_write``: called
     once every check passed, right before the launch's first write (the run lock is kept then).
     ``requests``: the process's stop-signal recorder (``launch/train.py``); None records nothing."""
-    plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
+    plan = plan_launch(cfg, request, rank, world, parts, checked)  # every refusal; writes nothing
     if on_first_write is not None:
         on_first_write()
     try:
@@ -201,8 +207,8 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     model = build_model(plan, rank)
     ds_config = tcfg.to_deepspeed_dict(cfg, world)
     engine = build_engine(model, cfg, ds_config, data.total_steps,
-                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir,
-                                                                                 cfg.parallel.ep_size))
+                          load_universal=plan.resharding and plan.output.resume_dir is not None
+                          and ckpt.needs_universal(plan.output.resume_dir, cfg.parallel.ep_size))
     state = restore(plan, engine.engine, rank)
 
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)

@@ -14,34 +14,91 @@ A callback is made in two steps, both from the config:
 
 The step state the hooks are given (``TrainState``) lives here, with the hooks, and the loop
 imports it: a callback module never imports the loop (nor the loop a callback), so the interface
-sits below both. The data both read is a ``training.data_loader.DataLoader``.
+sits below both. The data both read is a ``data.stage.DataLoader``.
+
+Callbacks never read each other's state: what one produces reaches the others as a typed hook
+argument, sent to every callback of the launch through ``RunContext`` (``evaluated`` with a
+``HeldoutResult`` or ``PiqaResult``, ``checkpoint_saved`` with the checkpoint's step and path,
+``before_save``, ``flush``).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from ds_trhash.engine_api import DeepSpeedEngine
 # the phases a callback's hooks may declare (re-exported: evaluation imports nothing of training but this module)
 from ds_trhash.training.liveness.phases import CHECKPOINT, EVAL, STEP_END  # noqa: F401
 from ds_trhash.training.throughput import SteadyRate
 
 if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
     import torch
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from ds_trhash.data.sft.dataset import SFTBatches
+    from ds_trhash.data.stage import DataLoader, SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.config import TrainConfig
-    from ds_trhash.training.data_loader import DataLoader
     from ds_trhash.training.display import Progress
     from ds_trhash.training.records.expert_load import ExpertLoadWriter
     from ds_trhash.training.records.metrics_csv import MetricsWriter
     from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
+
+# one step's metrics as the loop hands them to the callbacks (loss, lr, tokens, ...: numbers, mostly)
+Metrics = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class HeldoutResult:
+    """The held-out loss of the model at ``step`` (``eval/callbacks.py``); ``record()`` is what an
+    epoch checkpoint's ``trainer_state.json`` holds under ``eval``."""
+
+    step: int
+    epoch: int
+    eval_loss: float
+    eval_ppl: float
+    eval_tokens: int
+
+    def record(self) -> dict:
+        return {"eval_loss": self.eval_loss, "eval_ppl": self.eval_ppl, "eval_tokens": self.eval_tokens,
+                "step": self.step, "epoch": self.epoch}
+
+
+@dataclass(frozen=True)
+class PiqaResult:
+    """Zero-shot PIQA at ``step``; ``record()`` is its ``piqa.jsonl`` row and what an epoch
+    checkpoint holds under ``piqa``."""
+
+    step: int
+    epoch: int
+    acc: float
+    acc_norm: float
+    n: int
+    warning: str | None = None
+
+    def record(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "acc": self.acc, "acc_norm": self.acc_norm, "n": self.n,
+                "warning": self.warning}
+
+
+EvalResult = HeldoutResult | PiqaResult
+
+
+@dataclass
+class StepEvaluation:
+    """What the evaluation callbacks measured at one step (either may be missing: off, or not its rank)."""
+
+    heldout: HeldoutResult | None = None
+    piqa: PiqaResult | None = None
+
+    def add(self, result: EvalResult) -> None:
+        if isinstance(result, HeldoutResult):
+            self.heldout = result
+        else:
+            self.piqa = result
 
 
 @dataclass
@@ -57,7 +114,7 @@ class TrainState:
     stop_requested: bool = False
     stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     stop_requeue: bool = False  # stopped on the scheduler's time-limit warning: exit EXIT_REQUEUE
-    last: dict = field(default_factory=dict)  # metrics of the last step
+    last: Metrics = field(default_factory=dict)  # metrics of the last step
     step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
     steps_timed: int = 0
     # the launch's steady tokens/s (not saved); ``pauses``: why this step's callbacks paused
@@ -75,9 +132,12 @@ class StopQuestion(Protocol):
     """What the stop callback asks once per step (``callbacks.stop.StopAgreement``; named by
     its shape so that this module does not import the callbacks that import it)."""
 
+    @property
+    def requeue(self) -> bool: ...
+
     def __call__(self, next_step: int | None = None) -> bool: ...
 
-    def wait_for_data(self, step: int) -> None: ...
+    def wait_for_data(self, step: int) -> bool: ...
 
     def describe(self) -> str: ...
 
@@ -85,7 +145,11 @@ class StopQuestion(Protocol):
 class FaultPoints(Protocol):
     """Where a deliberate crash may happen (``callbacks.faults.FaultInjection``, by its shape)."""
 
+    def due(self, kind: str, step: int) -> bool: ...
+
     def maybe_kill(self, kind: str, step: int) -> None: ...
+
+    def maybe_hang(self, step: int, rank: int) -> None: ...
 
 
 class Callback:
@@ -96,7 +160,12 @@ class Callback:
     and ``close()`` on every callback in any case, last. A callback that owns a resource (an open
     file, a display, a worker thread) releases it in ``close``, so an exception never leaves one
     behind. ``before_save`` is called on every rank right before each checkpoint is written
-    (collectives allowed), so that what a checkpoint's step covers is on disk with it.
+    (collectives allowed), so that what a checkpoint's step covers is on disk with it;
+    ``on_checkpoint_saved(step, path)`` once a checkpoint is complete (every file written and
+    hashed, published under its final name), on every rank, possibly during a later step.
+    ``on_evaluated(state, result)`` gets each evaluation result (held-out loss, PIQA) on the
+    ranks that have it, right after it was measured. ``flush()`` finishes what a callback has in
+    flight (a checkpoint written in the background) without ending it.
 
     ``run_files`` names what the part writes at the top of the output directory: a fresh start
     over a damaged run (``--allow-fresh-over-damaged``) sets every earlier one aside first, so
@@ -120,11 +189,17 @@ class Callback:
 
     def on_start(self, state: TrainState) -> None: ...
 
-    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None: ...
 
     def on_epoch_end(self, state: TrainState) -> None: ...
 
     def before_save(self, state: TrainState) -> None: ...
+
+    def on_checkpoint_saved(self, step: int, path: Path) -> None: ...
+
+    def on_evaluated(self, state: TrainState, result: EvalResult) -> None: ...
+
+    def flush(self) -> None: ...
 
     def on_end(self, state: TrainState) -> None: ...
 
@@ -139,10 +214,8 @@ class Callback:
 class RunContext:
     """What one launch hands its callbacks once the engine exists.
 
-    ``results`` is where evaluation callbacks leave their numbers, by kind and step
-    (``results["eval"][step]``, ``results["piqa"][step]``), for the checkpoint record and the
-    selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote;
-    ``callbacks`` the launch's callbacks in call order (``make_callbacks`` fills it in).
+    ``callbacks`` is the launch's callbacks in call order (``make_callbacks`` fills it in); the
+    methods below send one callback's news to all of them, as typed hook arguments.
     """
 
     cfg: TrainConfig
@@ -165,11 +238,23 @@ class RunContext:
     barrier: Callable[[], Any] = lambda: None
     monitor: MonitorSink | None = None  # DeepSpeed's monitors (TensorBoard, CSV, W&B)
     expert_load: ExpertLoadWriter | None = None  # expert_load.csv
-    results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
-    last_checkpoint: Path | None = None
     callbacks: list[Callback] = field(default_factory=list)
-    # finishes the checkpoint being written in the background (set by the checkpointing callback)
-    wait_for_checkpoint: Callable[[], Any] = lambda: None
+
+    def before_save(self, state: TrainState) -> None:
+        for cb in self.callbacks:
+            cb.before_save(state)
+
+    def checkpoint_saved(self, step: int, path: Path) -> None:
+        for cb in self.callbacks:
+            cb.on_checkpoint_saved(step, path)
+
+    def evaluated(self, state: TrainState, result: EvalResult) -> None:
+        for cb in self.callbacks:
+            cb.on_evaluated(state, result)
+
+    def flush(self) -> None:
+        for cb in self.callbacks:
+            cb.flush()
 
 
 def is_epoch_end(loader: DataLoader, step: int) -> bool:

@@ -5,7 +5,7 @@ import os
 import signal
 import threading
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, FaultPoints, Metrics, RunContext, TrainState
 
 FAULT_ENV = "DS_TRHASH_FAULT"
 KINDS = ("kill_after_step", "kill_during_save", "hang_after_step")
@@ -51,16 +51,16 @@ class FaultCallback(Callback):
     """``kill_after_step``: the kill right after the step, before any other callback saves it;
     ``hang_after_step``: the hang, at the same place."""
 
-    def __init__(self, faults: FaultInjection, run: RunContext | None = None):
+    def __init__(self, faults: FaultPoints, run: RunContext | None = None) -> None:
         self.faults, self.run = faults, run
 
     @classmethod
     def from_run(cls, run: RunContext) -> "FaultCallback":
         return cls(run.faults if run.faults is not None else FaultInjection(None), run)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.faults.due("kill_after_step", state.step) and self.run is not None:
-            self.run.wait_for_checkpoint()  # earlier steps' checkpoints complete: the crash comes after them
+            self.run.flush()  # earlier steps' checkpoints complete: the crash comes after them
         self.faults.maybe_kill("kill_after_step", state.step)
         if self.run is not None:
             self.faults.maybe_hang(state.step, self.run.rank)

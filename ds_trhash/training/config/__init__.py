@@ -25,8 +25,8 @@ from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .checks import check_device, check_paths, require_source_stage
 from .layout import (
     batch_layout,
-    describe_model,
     for_world,
+    grad_accum,
     model_config,
     to_deepspeed_dict,
     tokens_per_step,
@@ -91,6 +91,6 @@ __all__ = [
     "tokens_per_step",
     "batch_layout",
     "for_world",
+    "grad_accum",
     "model_config",
-    "describe_model",
 ]

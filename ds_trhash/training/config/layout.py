@@ -7,10 +7,10 @@ A loaded config is world-size free (``batch.grad_accum`` may still be derived fr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from ds_trhash.batch_layout import step_rows
-from ds_trhash.model.config import SHAPE_FIELDS, TRHashConfig, resolve_shape
+from ds_trhash.model.config import SHAPE_FIELDS, ModelSection, TRHashConfig, resolve_shape
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
@@ -23,22 +23,12 @@ def model_config(cfg: TrainConfig) -> TRHashConfig:
     return dataclasses.replace(shape, loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
 
 
-def describe_model(cfg: TrainConfig) -> str:
-    """The model for messages: "preset tiny", "preset tiny with hidden_size=96", or "a custom
-    shape (vocab_size=..., ...)"."""
-    given = cfg.model.shape_overrides()
-    fields = ", ".join(f"{k}={v}" for k, v in given.items())
-    if cfg.model.preset is None:
-        return f"a custom shape ({fields})"
-    return f"preset {cfg.model.preset}" + (f" with {fields}" if fields else "")
-
-
-def shape_critical(cfg: TrainConfig) -> dict[str, Any]:
+def shape_critical(model: ModelSection) -> dict[str, Any]:
     """The architecture fields that differ from the preset (all of them without one), as
     ``model.<field>`` keys: a checkpoint of a preset recorded before shapes were configurable
     has none, and still resumes under the same preset."""
-    shape = resolve_shape(cfg.model.preset, cfg.model.shape_overrides())
-    base = None if cfg.model.preset is None else resolve_shape(cfg.model.preset, {})
+    shape = resolve_shape(model.preset, model.shape_overrides())
+    base = None if model.preset is None else resolve_shape(model.preset, {})
     return {f"model.{name}": getattr(shape, name) for name in SHAPE_FIELDS
             if base is None or getattr(shape, name) != getattr(base, name)}
 
@@ -51,6 +41,13 @@ def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.GlobalBatch:
     if isinstance(got, tuple):
         raise ConfigError(cfg.origin, *got)
     return got
+
+
+def grad_accum(cfg: TrainConfig) -> int:
+    """``batch.grad_accum`` of a config resolved for its world size (``for_world``)."""
+    if cfg.batch.grad_accum is None:
+        raise ValueError("batch.grad_accum is derived for the world size first (for_world)")
+    return cfg.batch.grad_accum
 
 
 def for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -83,7 +80,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """
     cfg = for_world(cfg, world_size)
     generated = _generated_deepspeed(cfg)
-    generated["train_batch_size"] = step_rows(cfg.batch.micro_batch, cfg.batch.grad_accum, world_size)
+    generated["train_batch_size"] = step_rows(cfg.batch.micro_batch, grad_accum(cfg), world_size)
     section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
     return dsc.merge(generated, section)
 
@@ -91,7 +88,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
 def _generated_deepspeed(cfg: TrainConfig) -> dict:
     """Our part of the DeepSpeed config (grad_accum resolved), for one rank: train_batch_size
     still lacks the world-size factor."""
-    mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum
+    mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum or 1  # for one rank: derived for the world later
     fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
     if cfg.precision == "fp16":
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
@@ -136,7 +133,7 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
         "source_stage": cfg.source_stage,
         "model.preset": cfg.model.preset,
         "model.family": cfg.model.family,
-        **shape_critical(cfg),
+        **shape_critical(cfg.model),
         "seed": cfg.seed,
         "data.kind": d.kind,
         "data.plan": d.plan,
@@ -176,6 +173,6 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
     if s.kind == "wsd":
         crit["schedule.stable_fraction"] = s.stable_fraction
     if cfg.lora.enabled:
-        crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
+        crit.update({f"lora.{k}": v for k, v in cast(dict, _plain(cfg.lora)).items() if k != "enabled"})
     crit.update(dsc.critical_items(cfg.deepspeed))
     return crit

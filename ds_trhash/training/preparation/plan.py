@@ -13,6 +13,7 @@ the model and the engine from the plan; ``ds-trhash preflight`` makes the same c
 """
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,11 @@ from typing import Any
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.checkpoints.weights import read_source_metadata
+from ds_trhash.data.stage import StageData, StageRequest, open_stage_data
 from ds_trhash.model import backend, expert_probe, selfcheck
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import config as tcfg
@@ -34,7 +39,7 @@ from ds_trhash.training.global_batch import GlobalBatch
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.init_weights import InitWeights, read_init_weights
 from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
-from ds_trhash.training.preparation.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.preparation.stage_guard import guard_stage
 from ds_trhash.training.records.files import TRAINER_FILES
 
@@ -73,7 +78,8 @@ class LaunchPlan:
 
     @property
     def start_step(self) -> int:
-        return int(self.output.saved["step"]) if self.resuming else 0
+        saved = self.output.saved
+        return int(saved["step"]) if saved is not None else 0  # saved: resuming
 
     @property
     def init_weights(self) -> str | None:
@@ -92,7 +98,7 @@ class LaunchPlan:
             model_config=self.model_config.to_dict(), tokenizer_dir=data.tokenizer_dir,
             tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
             sft_manifest_sha256=data.sft_manifest_sha256,
-            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
+            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {describe_hardware()}",
             pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()),
             data_source=data.data_source, planned_steps=data.planned_steps)
 
@@ -134,43 +140,54 @@ def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageDa
             log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
 
 
+def data_request(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageRequest:
+    """What the data package needs of this launch to open its stage's data: the ``data:``
+    section and this rank's cut of the step (grad_accum derived for this world size)."""
+    step = tcfg.batch_layout(cfg, world)
+    return StageRequest(
+        data=cfg.data, stage=cfg.stage, origin=str(cfg.origin), output_dir=cfg.output_dir, seed=cfg.seed,
+        layout=BatchLayout(step.micro_batch, step.grad_accum, rank=rank, world_size=world),
+        vocab_size=tcfg.model_config(cfg).vocab_size, model=cfg.model.describe(), preset=cfg.model.preset,
+        max_steps=cfg.training.max_steps, epochs=cfg.training.epochs, heldout=cfg.eval.heldout)
+
+
 def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     """Whose corpus record this launch reads again: its own checkpoint's on a resume; on a fresh
     refinement, the pretraining checkpoint's (refinement never resolves the branch again)."""
     if output.saved is not None:
         return {"saved_source": output.saved.get("data_source"), "read_by": "this run"}
     if cfg.stage == "refinement" and output.init_dir:
-        return {"saved_source": ckpt.read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
+        return {"saved_source": read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
     return {}
 
 
-def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
-                checked: OutputSide | None = None) -> LaunchPlan:
-    """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
+def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world: int,
+                parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> LaunchPlan:
+    """Every check of the launch, before the model exists; raises the first refusal. ``request``:
+    the command line and environment, resolved by the entry point. ``parts``:
     the callback classes of the launch (default ``training_parts()``); ``checked``: what
     ``check_output_side`` decided before the process group existed."""
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
     loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     model_cfg = tcfg.model_config(cfg)
-    output = checked if checked is not None else check_output_side(cfg, args, rank)
+    output = checked if checked is not None else check_output_side(cfg, request, rank)
     # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
-    data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world, **held_to(cfg, output)))
+    data = open_stage_data(data_request(cfg, rank, world), **held_to(cfg, output), target_tokens=request.target_tokens)
     for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
         if rank == 0:
             log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
-    capped = ckpt.capped_by(ckpt.read_source_metadata(output.init_dir)) if output.init_dir else None
+    capped = ckpt.capped_by(read_source_metadata(output.init_dir)) if output.init_dir else None
     if capped and rank == 0:  # e.g. refinement from a pretraining cut short: legal, but it should be said
         log.warning("--init-checkpoint %s comes from a stage %s", output.init_dir, capped)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     classes = list(parts) if parts is not None else training_parts()
     builders = build_callbacks(classes, cfg)
     resharding = False
-    if output.saved is not None:
-        resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
+    if output.saved is not None and output.resume_dir is not None:  # a saved state comes from its checkpoint
+        resharding = check_resume(cfg, request, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts
     initial = read_init_weights(output.init_dir, model_cfg) if output.saved is None and output.init_dir else None

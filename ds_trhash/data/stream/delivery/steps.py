@@ -3,28 +3,39 @@
 ``RankStream`` cuts each step's micro-batches from the plan's reader (``reader``), one step or two
 ahead of the step being trained, on a background thread (``assembly``), in pinned host memory
 when the launch trains on CUDA. On several nodes reading the Hub it takes them instead from the
-row exchange (``exchange``): each node reads the shards it owns, for every node. It owns what
+row exchange (``exchange``): each node reads the shards it owns, for every node. Either way it
+answers the stop agreement before each step (``readiness``, ``agreed``, ``wait_read``): whether
+this rank still reads the step, whether its read failed, and, once every rank answered, another
+rank's failure, which it raises at that step as every other rank does. It owns what
 the reading holds: ``close`` (or leaving its ``with`` block) stops the thread, closes the node
 cache and releases every shard, and the launch calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
 (``DataFigures``): counters only, no file walked, cheap enough to ask at every step.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.distributed as dist
 
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.delivery.assembly import Ahead
 from ds_trhash.data.stream.deadline import read_deadline
-from ds_trhash.data.stream.delivery.exchange import CHUNK_ROWS, Readiness, RowExchange
+from ds_trhash.data.stream.delivery.exchange import OK, CHUNK_ROWS, Readiness, RowExchange, rank_read_error, status_of
 from ds_trhash.data.stream.delivery.reader import DEFAULT_PREFETCH_S, ReplayReader
+from ds_trhash.errors import UserError
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
 DEFAULT_AHEAD = 2
+
+if TYPE_CHECKING:  # type names only: the corpus room opens the cache a stream reads through
+    from ds_trhash.data.plans.plan import PlanLike
+    from ds_trhash.data.stream.corpus import Corpus
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,7 @@ class NodeShare:
     the global rows of one exchange, and one read's budget (``data.hub_wait_minutes``)."""
     node: int
     nodes: int
-    group: object = None
+    group: Optional[dist.ProcessGroup] = None
     chunk_rows: int = CHUNK_ROWS
     budget_s: Optional[float] = None
 
@@ -88,6 +99,7 @@ class RankStream:
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
+        self._peer_failed: dict[int, tuple[int, int]] = {}  # step: (rank, status) of another rank's failed read
         self._assembly_s = self._shard_s = self._sync_wait_s = 0.0
         self._steps = 0
         self.closed = False
@@ -123,7 +135,9 @@ class RankStream:
         """This rank's micro-batches of optimizer step ``step``, in micro-step order."""
         if self.closed:
             raise RuntimeError("batches asked of a closed RankStream")
-        if self._ahead is not None:
+        if isinstance(self._ahead, Ahead):
+            batches = self._ahead_batches(step)
+        elif self._ahead is not None:
             batches = self._ahead.get(step)
         else:
             started = time.perf_counter()
@@ -132,15 +146,53 @@ class RankStream:
         self._steps += 1
         return batches
 
-    def readiness(self, step: int) -> Readiness:
-        """Before ``step``, for the stop agreement: whether this rank still reads its part of an
-        exchange, or sent a failure (``RowExchange.readiness``); nothing to wait for otherwise."""
-        return self._ahead.readiness(step) if isinstance(self._ahead, RowExchange) else (0, 0, 0)
+    def _ahead_batches(self, step: int) -> list[Batch]:
+        """The step the background assembly made; at a step where another rank's read failed
+        (the agreement said so: ``agreed``), an error naming that rank, as every rank raises one
+        there; this rank's own failed read, marked as its own to print (``UserError.per_rank``)."""
+        ahead = self._ahead
+        if not isinstance(ahead, Ahead):  # called for the background assembly only
+            raise RuntimeError("no background assembly to take a step from")
+        failed = self._peer_failed.pop(step, None)
+        _, error = ahead.pending(step)
+        if failed is not None and error is None:
+            raise rank_read_error(failed[0], failed[1], step)
+        try:
+            return ahead.get(step)
+        except UserError as e:
+            e.per_rank = self.layout.world_size > 1  # one line from each rank that met it (its peers name it)
+            raise
 
-    def agreed(self, step: int, status: int, node: int) -> None:
-        """What the agreement found before ``step`` (``RowExchange.agreed``)."""
+    def readiness(self, step: int) -> Readiness:
+        """Before ``step``, for the stop agreement: (1 while this rank still reads its part of the
+        step, the status of a failed read, then its node + 1 (an exchange: ``RowExchange.readiness``)
+        or its rank + 1 (each rank reads its own rows in the background)). Nothing to wait for
+        when the step is read on the training thread."""
         if isinstance(self._ahead, RowExchange):
-            self._ahead.agreed(step, status, node)
+            return self._ahead.readiness(step)
+        if isinstance(self._ahead, Ahead):
+            pending, error = self._ahead.pending(step)
+            if pending:
+                return 1, OK, 0
+            if error is not None:
+                return 0, status_of(error), self.layout.rank + 1
+        return 0, OK, 0
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for this rank's read of ``step`` (the agreement asks
+        again then): returns as soon as the background assembly finished it."""
+        if isinstance(self._ahead, Ahead):
+            self._ahead.wait(step, timeout)
+        else:
+            time.sleep(timeout)
+
+    def agreed(self, step: int, status: int, who: int) -> None:
+        """What the agreement found before ``step``: a failed read of node ``who`` - 1 (an
+        exchange: ``RowExchange.agreed``) or of rank ``who`` - 1, raised at ``step``."""
+        if isinstance(self._ahead, RowExchange):
+            self._ahead.agreed(step, status, who)
+        elif status != OK and who > 0:
+            self._peer_failed[step] = (who - 1, status)
 
     def figures(self) -> DataFigures:
         with self._lock:
@@ -148,15 +200,15 @@ class RankStream:
         if isinstance(self._ahead, RowExchange):
             assembly, shard = self._ahead.assembly_s, self.reader.shard_wait_s
         waited = self._ahead.wait_s if self._ahead is not None else self._sync_wait_s
-        common = dict(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
-                      queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
+        figures = DataFigures(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
+                              queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
         cache = self.reader.cache
         if cache is None:
-            return DataFigures(**common)
+            return figures
         c = cache.counters()
-        return DataFigures(**common, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
-                           evictions=c["evictions"], downloaded_bytes=int(c["downloaded_bytes"]),
-                           cache_bytes=c["bytes"], cache_files=c["files"], max_bytes=c["max_bytes"])
+        return dataclasses.replace(figures, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
+                                   evictions=c["evictions"], downloaded_bytes=int(c["downloaded_bytes"]),
+                                   cache_bytes=c["bytes"], cache_files=c["files"], max_bytes=c["max_bytes"])
 
     def close(self) -> None:
         """Stop the background thread, close the cache (its prefetcher joined, a wait for room cut
@@ -182,7 +234,7 @@ class RankStream:
         self.close()
 
 
-def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
+def open_stream(corpus: Corpus, plan: PlanLike, seed: int, layout: BatchLayout, cache_dir: os.PathLike | str, max_bytes: int, ranks_on_node: int,
                 ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
                 prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None,
                 share: Optional[NodeShare] = None, budget_s: Optional[float] = None) -> RankStream:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,13 @@ class DataLoader(abc.ABC):
 
     def readiness(self, step: int) -> Readiness:
         """Before ``step``, for the stop agreement: (this rank still reads its part, the status of a
-        failed read, its node + 1). Ready by default."""
+        failed read, who failed + 1: its node in a row exchange, else its rank). Ready by default."""
         return (0, 0, 0)
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for this rank's read of ``step``, which ``readiness``
+        said is still running (the agreement asks again after); by default, the whole time."""
+        time.sleep(timeout)
 
     def agreed(self, step: int, status: int, node: int) -> None:
         """What the stop agreement found before ``step``; nothing to do by default."""
@@ -88,14 +94,14 @@ class StreamRecipe:
     pin_memory: bool = False  # batches assembled in pinned memory (CUDA)
 
 
-def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
+def node_share(rank: int, world: int, per_node: int, wait_s: float | None, chunk_rows: int) -> NodeShare:
     """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
     every node's exchange group (the ranks with one local index), in the same order, as
     ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
     steps after the others'). A member's exchange waits, in the background, for a node whose read
     waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
-    budget and ten minutes more."""
-    timeout = datetime.timedelta(seconds=wait_s + 600)
+    budget and ten minutes more (without a budget: the default group timeout)."""
+    timeout = datetime.timedelta(seconds=wait_s + 600) if wait_s is not None else None
     groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
     return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows, budget_s=wait_s)
@@ -161,6 +167,9 @@ class PretrainLoader(DataLoader):
     def readiness(self, step: int) -> Readiness:
         """Before ``step``: whether this rank's data is still being read (the stop agreement asks)."""
         return self._reading().readiness(step)
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        self._reading().wait_read(step, timeout)
 
     def agreed(self, step: int, status: int, node: int) -> None:
         self._reading().agreed(step, status, node)
