@@ -26,8 +26,11 @@ from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Callback, TrainState  # the loop's names too
+from ds_trhash.training.callbacks.base import Callback, Metrics, TrainState  # the loop's names too
 from ds_trhash.data.stage import DataLoader
+from ds_trhash.training.liveness.phases import (
+    DATA_WAIT, END, FIRST_STEP, FORWARD_BACKWARD, HOOKS, MARK_DATA, MARK_END, MARK_FORWARD, MARK_OPTIMIZER,
+    OPTIMIZER, Beacon)
 from ds_trhash.training.nonfinite import NonFiniteGuard, is_finite, skip_update
 
 log = logging.getLogger("ds_trhash.loop")
@@ -93,7 +96,8 @@ def _reduced_grad_norm(engine: DeepSpeedEngine) -> torch.Tensor | None:
 
 
 def train_step(engine: DeepSpeedEngine, micro_batches: list[dict], device: torch.device, world_size: int,
-               vocab_size: int | None = None, skip_nonfinite: bool = False) -> dict:
+               vocab_size: int | None = None, skip_nonfinite: bool = False,
+               beacon: Beacon | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
 
     No host synchronisation: label counts are host integers (summed over ranks on the CPU), the
@@ -101,7 +105,8 @@ def train_step(engine: DeepSpeedEngine, micro_batches: list[dict], device: torch
     0-dim device tensor that reaches the host only when someone reads it (``float(...)``),
     which the loop leaves to the callbacks that log it. ``skip_nonfinite`` (training.nonfinite
     skip_step) reads the step's loss and gradient norm before the optimizer applies them, and a
-    non-finite step becomes a no-op update (``"skipped"`` True).
+    non-finite step becomes a no-op update (``"skipped"`` True). ``beacon``: where the liveness
+    heartbeat reads this rank's place (the optimizer's part is marked; a first step keeps its phase).
     """
     valid, ignored, bad = label_counts(micro_batches, vocab_size)
     t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
@@ -123,6 +128,9 @@ def train_step(engine: DeepSpeedEngine, micro_batches: list[dict], device: torch
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
         loss_sum_local += loss_sum.detach().double()
         if i == len(micro_batches) - 1:
+            if beacon is not None:
+                beacon.mark = MARK_OPTIMIZER
+                beacon.phase = beacon.phase if beacon.phase == FIRST_STEP else OPTIMIZER
             own_norm = _reduced_grad_norm(engine)
             if skip_nonfinite:  # decided before the update, alike on every rank (global values)
                 if is_multi_rank():
@@ -196,6 +204,7 @@ def run(
     lr_of: Callable[[], float],
     vocab_size: int | None = None,
     nonfinite: NonFiniteGuard | None = None,
+    beacon: Beacon | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested).
 
@@ -204,12 +213,14 @@ def run(
     meanwhile is logged and does not hide it. After a stage that ended, the first failed
     ``close`` is raised once every other callback is closed. ``nonfinite``: the divergence guard
     (training/nonfinite.py), checked at its check steps with the loss read and before each save
-    (the trainer hooks it there)."""
+    (the trainer hooks it there). ``beacon``: this rank's liveness beacon (training/liveness/), set
+    at each place of a step (attribute writes only)."""
     failed = False
     if nonfinite is not None:
         nonfinite.agree = _min_over_ranks
     try:
-        return _train(engine, loader, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite)
+        return _train(engine, loader, state, callbacks, device, world_size, lr_of, vocab_size, nonfinite,
+                      beacon or Beacon())
     except BaseException as exc:
         failed = True
         for cb in callbacks:
@@ -231,22 +242,34 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
         raise errors[0]
 
 
+def _hooks(callbacks: list[Callback], hook: str, state: TrainState, beacon: Beacon, first_mark: int,
+           *args: Metrics, phase: str | None = None) -> None:
+    """Call ``hook`` on every callback, the beacon at each one's place (its ``phase``, or ``phase``)."""
+    for i, cb in enumerate(callbacks):
+        beacon.at(state.step, first_mark + i, phase or cb.phase)
+        getattr(cb, hook)(state, *args)
+
+
 def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
            world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
-           guard: NonFiniteGuard | None = None) -> TrainState:
+           guard: NonFiniteGuard | None, beacon: Beacon) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = loader.epoch_of(state.step)
-    for cb in callbacks:
+    for i, cb in enumerate(callbacks):
         if state.stop_requested:  # agreed before the first step (the stop callback comes first): no
             break  # evaluation of the starting point, no profiler; every on_end still runs
+        beacon.at(state.step, HOOKS + i, cb.phase)
         cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:
         epoch = loader.epoch_of(state.step)
         t0 = time.perf_counter()
         lr = lr_of()
-        stats = train_step(engine, loader.micro_batches(state.step), device, world_size, vocab_size,
-                           skip_nonfinite=guard is not None and guard.skips)
+        beacon.at(state.step + 1, MARK_DATA, DATA_WAIT)
+        batches = loader.micro_batches(state.step)
+        beacon.at(state.step + 1, MARK_FORWARD, FIRST_STEP if state.steps_timed == 0 else FORWARD_BACKWARD)
+        stats = train_step(engine, batches, device, world_size, vocab_size,
+                           skip_nonfinite=guard is not None and guard.skips, beacon=beacon)
         dt = time.perf_counter() - t0
         state.step += 1
         state.step_seconds += dt
@@ -275,15 +298,12 @@ def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callb
             metrics["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
             guard.check(metrics.first_nonfinite)  # before any callback could save this step
         state.last = metrics
-        for cb in callbacks:
-            cb.on_step_end(state, metrics)
+        _hooks(callbacks, "on_step_end", state, beacon, HOOKS, metrics)
         if next_epoch != epoch:
             state.epoch = epoch
-            for cb in callbacks:
-                cb.on_epoch_end(state)
+            _hooks(callbacks, "on_epoch_end", state, beacon, HOOKS + len(callbacks))
             state.epoch = next_epoch
         state.throughput.note(state.step, stats["tokens"], state.pauses)  # the step and its callbacks
         state.pauses.clear()
-    for cb in callbacks:
-        cb.on_end(state)
+    _hooks(callbacks, "on_end", state, beacon, MARK_END, phase=END)
     return state

@@ -25,7 +25,7 @@ from ds_trhash.model.lora import apply_lora
 from ds_trhash.network import describe_network
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import loop
+from ds_trhash.training import liveness, loop
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
@@ -221,7 +221,8 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     guard = NonFiniteGuard.from_config(cfg, log=progress.message)
     run.callbacks.insert(0, guard)  # its before_save runs first at every save: no checkpoint of diverged weights
     state = loop.run(engine.engine, data.loader, state, callbacks, plan.device, world, nonfinite=guard,
-                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
+                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size,
+                     beacon=liveness.current().beacon)
     if rank == 0:
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
         wait = data_wait_line(data.loader.figures(), state.step_seconds, state.steps_timed)
