@@ -29,6 +29,9 @@ FIRST = (
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_hub_outage_launch.py",  # ~210 s (416 s measured beside five other sessions): outages,
     # a failed read on one node, Ctrl-C before the first step and mid-run while downloads stall on two nodes
+    "tests/training/test_real_network_faults.py",  # ~250 s: on hosts of their own, a cable cut and each node killed,
+    # side by side, every survivor gone with exit 76; the three resumed side by side
+    "tests/training/test_real_network.py",  # ~150 s: two hosts (network namespaces) train; a master no host reaches
     "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
     "tests/training/test_stop_signals.py",  # ~130 s: 4 signalled 2-process launches
     "tests/training/test_multinode.py",  # ~130 s: two launchers through a 45 s Hub outage, a resume on one

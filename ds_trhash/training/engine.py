@@ -18,6 +18,8 @@ import torch
 
 from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.errors import UserError
+from ds_trhash.network import use_gloo_interface
+from ds_trhash.ranks import ranks_on_node
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.schedule import build_scheduler
 
@@ -147,7 +149,9 @@ DEFAULT_GROUP_MINUTES = 30.0  # the default group's timeout unless a launch need
 
 def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); the default
-    group's collectives fail after ``timeout_minutes`` (``entrypoint.group_timeout_minutes``)."""
+    group's collectives fail after ``timeout_minutes`` (``entrypoint.group_timeout_minutes``).
+    Before it, gloo's interface toward the master is chosen (``ds_trhash.network``; refused when
+    none reaches it), for every gloo group of the launch."""
     import deepspeed
 
     os.environ.setdefault("RANK", "0")
@@ -155,6 +159,8 @@ def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[in
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    world = int(os.environ["WORLD_SIZE"])
+    use_gloo_interface(os.environ, several_nodes=ranks_on_node(world) < world)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with without_shared_memory_op():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -19,6 +19,7 @@ from ds_trhash.checkpoints import run_lock
 from ds_trhash.data.config import DataSection
 from ds_trhash.data.stage import StoreUnavailable
 from ds_trhash.errors import UserError
+from ds_trhash.network import describe_network
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import liveness
@@ -217,9 +218,11 @@ def group_timeout_minutes(data: DataSection) -> float:
 
 def start_process_group(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
     """``init_distributed``; a master port another process holds (two launches on one host with
-    the same ``--master_port``) is refused with the port and how to choose another."""
+    the same ``--master_port``) is refused with the port and how to choose another. The first rank
+    of every node but the master's says which interface gloo uses there (rank 0's summary says
+    the master node's)."""
     try:
-        return init_distributed(timeout_minutes)
+        rank, world = init_distributed(timeout_minutes)
     except dist.DistNetworkError:
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "")
         if port.isdigit() and port_in_use(addr, int(port)):
@@ -228,6 +231,9 @@ def start_process_group(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple
                 f"free one with `deepspeed --master_port PORT ...` (torchrun: --master-port), "
                 f"or stop the process that holds it") from None
         raise
+    if rank != 0 and os.environ.get("LOCAL_RANK") == "0":
+        rank_line(f"rank {rank}: {describe_network(torch.cuda.is_available())}")
+    return rank, world
 
 
 def launch_rank_and_world() -> tuple[int, int]:

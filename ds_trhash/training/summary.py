@@ -35,7 +35,8 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 def startup_summary(cfg: TrainConfig, layout: GlobalBatch, *, model: TRHashForCausalLM, total_steps: int, start_step: int, ds_config: Mapping[str, Any],
                     optimizer: str, kernels: Mapping[str, Any] | None, hardware: str,
-                    checkpointed_layers: list[int], device_type: str = "cpu") -> str:
+                    checkpointed_layers: list[int], device_type: str = "cpu", network: str = "") -> str:
+    """The summary block; ``network``: the interface ranks talk over (``ds_trhash.network.describe_network``)."""
     total, trainable = parameter_counts(model)
     lora = (f", LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}"
             + (" + experts" if cfg.lora.experts else "")) if cfg.lora.enabled else ""
@@ -58,4 +59,6 @@ def startup_summary(cfg: TrainConfig, layout: GlobalBatch, *, model: TRHashForCa
         f"activation checkpointing  {ac}",
         f"deepspeed  {', '.join(features) if features else 'no optional features (deepspeed: section empty)'}",
     ]
+    if network:
+        lines.append(f"network    {network}")
     return "startup summary\n" + "\n".join(f"  {line}" for line in lines)

@@ -22,6 +22,7 @@ from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.network import describe_network
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training import liveness, loop
@@ -138,7 +139,7 @@ def announce(plan: LaunchPlan, progress: Progress, model: TRHashForCausalLM, eng
         ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
         kernels=plan.kernels.to_dict(), hardware=describe_hardware(),
         checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed],
-        device_type=plan.device.type))
+        device_type=plan.device.type, network=describe_network(plan.device.type == "cuda")))
 
 
 def state_recorder(plan: LaunchPlan, model: TRHashForCausalLM) -> Callable[[loop.TrainState, str, dict], dict]:

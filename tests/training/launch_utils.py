@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -275,3 +276,60 @@ def one_stop(said: str, output_dir: Path) -> int:
     ok, reason = verify(found[step].path, deep=True)
     assert ok, reason
     return step
+
+
+class WatchedLaunch:
+    """A launch of one launcher per node, started and not waited for: each launcher's output read
+    as it comes (its pipe never fills, however long a fault keeps it running) and the time it
+    ended, so that a test times what happens after ``fault_at``. ``port``: the master port, whose
+    shared-memory segments ``cleanup`` removes."""
+
+    def __init__(self, procs: list[subprocess.Popen], out: Path, port: int | None = None):
+        self.procs, self.out, self.port = procs, out, port
+        self.said: dict[int, str] = {}
+        self.ended: dict[int, float] = {}
+        self.fault_at: float | None = None
+        self.readers = [threading.Thread(target=self._read, args=(n,), daemon=True) for n in range(len(procs))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, node: int) -> None:
+        out, err = self.procs[node].communicate()
+        self.said[node] = out + err
+        self.ended[node] = time.monotonic()
+
+    def steps(self) -> int:
+        return len(metrics(self.out)) if (self.out / "metrics.csv").exists() else 0
+
+    def wait(self, nodes=(0, 1), timeout: float = 240.0) -> None:
+        for node in nodes:
+            self.readers[node].join(timeout)
+            assert not self.readers[node].is_alive(), f"node {node} still runs {timeout:.0f} s on"
+
+    def gone_after(self, node: int) -> float:
+        return self.ended[node] - self.fault_at
+
+    def cleanup(self) -> None:
+        """Whatever is left of every launcher killed and reaped."""
+        for proc in self.procs:
+            if proc.poll() is None or group_processes(proc.pid):
+                kill_group(proc)
+        for seg in shm_segments(self.port) if self.port is not None else ():
+            seg.unlink(missing_ok=True)
+
+
+def fault_when_ready(launches: dict, faults: dict, at_step: int, deadline_s: float = 400.0) -> None:
+    """Each launch's fault (``faults[name](launch)``), once that ``WatchedLaunch`` has logged
+    ``at_step`` steps; the faults of launches running side by side land as each gets there."""
+    pending = dict(faults)
+    deadline = time.monotonic() + deadline_s
+    while pending:
+        for name, fault in list(pending.items()):
+            launch = launches[name]
+            assert not launch.ended, f"{name}: a node ended before its fault:\n" + "\n".join(launch.said.values())[-4000:]
+            if launch.steps() >= at_step:
+                fault(launch)
+                launch.fault_at = time.monotonic()
+                del pending[name]
+        assert time.monotonic() < deadline, f"never reached step {at_step}: {sorted(pending)}"
+        time.sleep(0.05)

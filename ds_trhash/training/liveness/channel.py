@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from ds_trhash.network import GLOO_VARIABLE, gloo_interface_in_use, resolve_master, route_source
 from ds_trhash.ranks import ranks_on_node
 
 STORE_PREFIX = "ds_trhash/liveness/"
@@ -58,12 +59,13 @@ def node_index(rank: int, world: int, env: Mapping[str, str] | None = None) -> i
 
 
 def local_address(master: str) -> str:
-    """The local address of the route to ``master``: the interface the other nodes reach this one
-    through (a UDP ``connect`` sends nothing; it only picks the route)."""
-    family, _, _, _, target = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(target)
-        return probe.getsockname()[0]
+    """The address the other nodes reach this one at: that of the interface the launch chose for
+    gloo (``ds_trhash.network``; it is right where the route's is not, e.g. on a master node whose
+    own name is its loopback), else the local address of the route to ``master``."""
+    chosen = gloo_interface_in_use()
+    if chosen is not None and chosen.address and os.environ.get(GLOO_VARIABLE) == chosen.name:
+        return chosen.address
+    return route_source(resolve_master(master)[0])
 
 
 class Store(Protocol):

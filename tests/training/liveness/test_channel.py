@@ -5,6 +5,7 @@ import threading
 
 from torch.distributed import TCPStore
 
+from ds_trhash import network
 from ds_trhash.deepspeed_command import free_port
 from ds_trhash.training.liveness.channel import Channel, PeerInfo, exchange, host_name, local_address, node_index
 
@@ -47,3 +48,13 @@ def test_only_datagrams_of_this_launch_are_taken():
     finally:
         for c in (ours, other, receiver):
             c.close()
+
+
+def test_the_local_address_is_the_one_gloo_was_given(monkeypatch):
+    """Where the launch chose gloo's interface, heartbeats listen on its address, not the route's
+    (a master node whose own name is its loopback: the route's would be 127.0.0.1)."""
+    monkeypatch.setattr(network, "_in_use", network.GlooInterface("eth9", "198.18.200.1", "the default route's"))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    assert local_address("127.0.0.1") == "198.18.200.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # set since by someone else: the route's, as before
+    assert local_address("127.0.0.1") == "127.0.0.1"

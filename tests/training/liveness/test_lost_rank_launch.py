@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -41,28 +40,15 @@ def _args(out: Path, *extra: str) -> list[str]:
     return L.reference_run(out, micro=4, extra=extra)
 
 
-class Launch:
-    """One two-node launch, its output read as it comes (pipes never fill), each launcher's exit time."""
+class Launch(L.WatchedLaunch):
+    """One two-node launch on loopback (``L.start_two_nodes``, each node in a session of its own), watched."""
 
     def __init__(self, root: Path, name: str, *extra: str, **env: str):
         self.dir = root / name
         self.dir.mkdir()
-        self.out = self.dir / "out"
-        self.procs, self.port = L.start_two_nodes(_args(self.out, *extra), self.dir, new_sessions=True, **env)
-        self.said: dict[int, str] = {}
-        self.ended: dict[int, float] = {}
-        self.readers = [threading.Thread(target=self._read, args=(n,), daemon=True) for n in (0, 1)]
-        for reader in self.readers:
-            reader.start()
-        self.fault_at: float | None = None
-
-    def _read(self, node: int) -> None:
-        out, err = self.procs[node].communicate()
-        self.said[node] = out + err
-        self.ended[node] = time.monotonic()
-
-    def steps(self) -> int:
-        return len(L.metrics(self.out)) if (self.out / "metrics.csv").exists() else 0
+        out = self.dir / "out"
+        procs, port = L.start_two_nodes(_args(out, *extra), self.dir, new_sessions=True, **env)
+        super().__init__(procs, out, port)
 
     def rank_process(self, node: int) -> psutil.Process:
         """The training process under node ``node``'s launch.py."""
@@ -70,37 +56,6 @@ class Launch:
             if "--local_rank=0" in child.cmdline():
                 return child
         raise AssertionError(f"no rank under node {node}'s launcher")
-
-    def wait(self, nodes=(0, 1), timeout: float = 240.0) -> None:
-        for node in nodes:
-            self.readers[node].join(timeout)
-            assert not self.readers[node].is_alive(), f"node {node} still runs {timeout:.0f} s on"
-
-    def gone_after(self, node: int) -> float:
-        return self.ended[node] - self.fault_at
-
-    def cleanup(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None or L.group_processes(proc.pid):
-                L.kill_group(proc)
-        for seg in L.shm_segments(self.port):
-            seg.unlink(missing_ok=True)
-
-
-def _fault_when_ready(launches: dict[str, Launch], faults: dict, deadline_s: float = 400.0) -> None:
-    """Each launch's fault, once it has logged ``AT_STEP`` steps (or, for the hang, the fault's step)."""
-    pending = dict(faults)
-    deadline = time.monotonic() + deadline_s
-    while pending:
-        for name, fault in list(pending.items()):
-            launch = launches[name]
-            assert not launch.ended, f"{name}: a node ended before its fault:\n" + "\n".join(launch.said.values())[-4000:]
-            if launch.steps() >= AT_STEP:
-                fault(launch)
-                launch.fault_at = time.monotonic()
-                del pending[name]
-        assert time.monotonic() < deadline, f"never reached step {AT_STEP}: {sorted(pending)}"
-        time.sleep(0.05)
 
 
 def _kill_node(node: int):
@@ -125,8 +80,8 @@ def faults(tmp_path_factory, shared_launches):
                        DS_TRHASH_FAULT=f"hang_after_step:{AT_STEP}:1"),
     }
     try:
-        _fault_when_ready(launches, {"kill-node1": _kill_node(1), "kill-node0": _kill_node(0), "freeze": _freeze,
-                                     "hang": lambda launch: None})  # the hang is the run's own, after step 5
+        L.fault_when_ready(launches, {"kill-node1": _kill_node(1), "kill-node0": _kill_node(0), "freeze": _freeze,
+                                      "hang": lambda launch: None}, AT_STEP)  # the hang is the run's own, after step 5
         for name, node in (("kill-node1", 0), ("kill-node0", 1), ("freeze", 0)):
             launches[name].wait((node,))
         launches["hang"].wait()
