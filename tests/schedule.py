@@ -24,8 +24,8 @@ SHARED = {
 # the long launch files with one or two tests would otherwise come last
 FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
-    "tests/training/liveness/test_lost_rank_launch.py",  # 160-310 s alone: 4 faulted two-node launches side by side
-    # (two 30 s silences, a freeze, a hang), then 2 resumes
+    "tests/training/liveness/test_lost_rank_launch.py",  # ~120 s alone: a frozen and a stuck two-node launch
+    # side by side (a 30 s silence, a 15 s stuck limit), then both resumed side by side
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_hub_outage_launch.py",  # ~210 s (416 s measured beside five other sessions): outages,
     # a failed read on one node, Ctrl-C before the first step and mid-run while downloads stall on two nodes
