@@ -62,11 +62,38 @@ class TrainState:
     # training (a checkpoint, an evaluation), which keeps its interval out of that rate
     throughput: SteadyRate = field(default_factory=SteadyRate)
     pauses: list[str] = field(default_factory=list)
+    # the micro-batch in force, when smaller than the data's cut (an out-of-memory step lowered it:
+    # training/memory/); None: the cut's. Saved in every checkpoint record; the data cut stays the plan's.
+    micro_batch: int | None = None
+    update_skipped: bool = False  # the ranks agreed to skip this step's update (training.nonfinite: skip_step)
 
     def pause(self, reason: str) -> None:
         """A callback paused training in this step (e.g. "checkpoint"): the step's interval is
         left out of the steady tokens/s and counted under ``reason``."""
         self.pauses.append(reason)
+
+
+# What the callbacks decide together before a step's update, in order of precedence (the
+# largest vote of any callback on any rank wins): go on, skip the update (the non-finite guard's
+# skip_step), or abandon the step and train it again at a smaller micro-batch (out of memory).
+GO_ON, SKIP_UPDATE, RETRY = 0, 1, 2
+
+
+@dataclass
+class UpdateCheck:
+    """What one rank knows of a step after its backwards and before its update (``before_update``).
+
+    ``loss`` is this rank's summed loss of the step on the device (reading it is a host read: only
+    a callback that must decide from it does); ``grad_norm()`` this rank's own gradient norm where
+    the optimizer keeps none (ZeRO 0 fp32), before any reduction; ``out_of_memory`` the error of a
+    micro-batch that ran out of device memory on this rank (the loop then votes RETRY itself)."""
+
+    step: int  # the optimizer step being trained, 1-based (state.step once it is done)
+    loss: torch.Tensor
+    grad_norm: Callable[[], Any]
+    out_of_memory: BaseException | None = None
+    micro_batch: int = 0  # the micro-batch this attempt ran at
+    rows: int = 0  # this rank's rows in the step
 
 
 class StopQuestion(Protocol):
@@ -84,6 +111,8 @@ class FaultPoints(Protocol):
     """Where a deliberate crash may happen (``callbacks.faults.FaultInjection``, by its shape)."""
 
     def maybe_kill(self, kind: str, step: int) -> None: ...
+
+    def out_of_memory_due(self, step: int, micro_step: int) -> bool: ...
 
 
 class Callback:
@@ -121,6 +150,17 @@ class Callback:
 
     def before_save(self, state: TrainState) -> None: ...
 
+    def before_update(self, state: TrainState, check: UpdateCheck) -> int:
+        """Every rank, once per step after its backwards and before the update (before the
+        boundary's gradient reduction where the ranks can retry in place): this callback's vote,
+        ``GO_ON``, ``SKIP_UPDATE`` or ``RETRY``. The loop takes the largest over callbacks and ranks
+        in one host all-reduce; no collective here."""
+        return GO_ON
+
+    def on_retry(self, state: TrainState, check: UpdateCheck, micro_batch: int) -> None:
+        """Every rank agreed to abandon the step (nothing applied) and train it again at
+        ``micro_batch`` (``state.micro_batch``); ``check`` is the failed attempt."""
+
     def on_end(self, state: TrainState) -> None: ...
 
     def on_error(self, exc: BaseException) -> None:
@@ -138,6 +178,8 @@ class RunContext:
     (``results["eval"][step]``, ``results["piqa"][step]``), for the checkpoint record and the
     selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote;
     ``callbacks`` the launch's callbacks in call order (``make_callbacks`` fills it in).
+    ``micro_batch``: the micro-batch in force at the start (smaller than the data's cut after an
+    out-of-memory step of an earlier launch; training/memory/), None for the cut's.
     """
 
     cfg: TrainConfig
@@ -165,6 +207,7 @@ class RunContext:
     callbacks: list[Callback] = field(default_factory=list)
     # finishes the checkpoint being written in the background (set by the checkpointing callback)
     wait_for_checkpoint: Callable[[], Any] = lambda: None
+    micro_batch: int | None = None
 
 
 def is_epoch_end(loader: DataLoader, step: int) -> bool:

@@ -14,15 +14,23 @@ class FaultInjection:
     (before its checkpoint, once the checkpoints of earlier steps are complete, so a test knows
     which one a resume picks), and ``kill_during_save:N`` SIGKILLs them inside the background
     write of step N's checkpoint, after the rank's files are on disk and before the checkpoint
-    is complete."""
+    is complete. ``oom_at_step:N:R[:M]``: rank R raises ``torch.OutOfMemoryError`` once, inside the
+    backward of its micro-batch M (default 0, the first) of optimizer step N."""
 
-    def __init__(self, spec: str | None):
+    def __init__(self, spec: str | None, rank: int | None = None):
         self.kind, self.step = None, -1
-        if spec:
-            kind, _, step = spec.partition(":")
-            if kind not in ("kill_after_step", "kill_during_save") or not step.isdigit():
-                raise ValueError(f"DS_TRHASH_FAULT={spec!r}: expected kill_after_step:N or kill_during_save:N")
-            self.kind, self.step = kind, int(step)
+        self.oom_at: tuple[int, int, int] | None = None  # (step, rank, micro-step); one of each kind, comma-separated
+        for part in (spec.split(",") if spec else []):
+            kind, _, rest = part.partition(":")
+            numbers = rest.split(":")
+            if kind == "oom_at_step" and 2 <= len(numbers) <= 3 and all(n.isdigit() for n in numbers):
+                self.oom_at = (int(numbers[0]), int(numbers[1]), int(numbers[2]) if len(numbers) == 3 else 0)
+            elif kind in ("kill_after_step", "kill_during_save") and rest.isdigit():
+                self.kind, self.step = kind, int(rest)
+            else:
+                raise ValueError(f"DS_TRHASH_FAULT={spec!r}: expected kill_after_step:N, kill_during_save:N or "
+                                 "oom_at_step:N:R[:M] (a kill and an oom_at_step may be given together, comma-separated)")
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
 
     @classmethod
     def from_env(cls) -> "FaultInjection":
@@ -30,6 +38,13 @@ class FaultInjection:
 
     def due(self, kind: str, step: int) -> bool:
         return self.kind == kind and self.step == step
+
+    def out_of_memory_due(self, step: int, micro_step: int) -> bool:
+        """oom_at_step: true once, on its rank, at its step and micro-step."""
+        if self.oom_at != (step, self.rank, micro_step):
+            return False
+        self.oom_at = None  # once
+        return True
 
     def maybe_kill(self, kind: str, step: int) -> None:
         if self.due(kind, step):
