@@ -41,6 +41,7 @@ from ds_trhash.training.memory.step import (
     OutOfMemoryExit,
     abandon_step,
     deferred_boundary,
+    match_engine,
     raise_out_of_memory,
     reduce_at_boundary,
     retries_in_place,
@@ -109,6 +110,7 @@ def train_step(engine, micro_batches: MicroBatches, device: torch.device, world_
     scale = world_size / max(n_step, 1)
     # float64, as the host sum of float(loss) per micro-batch was: metrics.csv values unchanged
     loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)
+    match_engine(engine, len(micro_batches), int(micro_batches[0]["input_ids"].shape[0]))
     in_place, micro_steps = retries_in_place(engine), getattr(engine, "micro_steps", 0)
     with deferred_boundary(engine, in_place):
         failed = _backwards(engine, micro_batches, device, scale, loss_sum_local, in_place, inject_oom)

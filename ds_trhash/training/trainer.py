@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
@@ -135,9 +136,11 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
         f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
+    if plan.auto is not None:
+        progress.message(plan.auto.describe())
     if state.micro_batch is not None:
         progress.message(f"micro-batch {state.micro_batch} in force (grad_accum "
-                         f"{plan.cfg.batch.micro_batch * plan.cfg.batch.grad_accum // state.micro_batch}, the same "
+                         f"{step_rows(plan.cfg.batch.micro_batch, plan.cfg.batch.grad_accum, 1) // state.micro_batch}, the same "
                          f"global batch): an out-of-memory step lowered it from {plan.cfg.batch.micro_batch} "
                          f"({read_record(plan.output_dir)['events'][-1]['how']}, see micro_batch.json)")
     if plan.resuming and state.step == state.total_steps:

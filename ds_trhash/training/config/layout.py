@@ -47,10 +47,22 @@ def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.GlobalBatch:
     """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""
     _check_world(cfg, world_size)
     bt = cfg.batch
-    got = global_batch.resolve(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens, world_size)
+    # auto (not chosen yet): the finest layout, micro-batch 1, says whether this world splits the batch at all
+    got = global_batch.resolve(cfg.data.seq_len, as_number(bt.micro_batch), bt.grad_accum, bt.global_tokens, world_size)
     if isinstance(got, tuple):
         raise ConfigError(cfg.origin, *got)
     return got
+
+
+def as_number(micro_batch: int | str) -> int:
+    """A micro-batch for a layout check: ``auto`` before it is chosen counts as 1 (every size it
+    may choose divides the rows that size 1 splits)."""
+    return 1 if micro_batch == "auto" else micro_batch
+
+
+def with_micro_batch(cfg: TrainConfig, micro_batch: int) -> TrainConfig:
+    """``cfg`` at ``micro_batch`` (auto chosen), grad_accum left to the layout."""
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch=micro_batch))
 
 
 def for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:

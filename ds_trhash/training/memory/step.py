@@ -75,6 +75,17 @@ def why_not_in_place(engine) -> str:
     return "the gradient reduction lies inside the backward"
 
 
+def match_engine(engine, micro_steps: int, micro_batch: int) -> None:
+    """DeepSpeed's own idea of the step follows the micro-batch in force: ``micro_steps``
+    micro-batches of ``micro_batch`` rows, the same global batch (its accumulation boundary, the
+    samples it counts). Nothing to do while they agree (and for an engine that has none)."""
+    if not hasattr(engine, "set_train_batch_size") or engine.gradient_accumulation_steps() == micro_steps:
+        return
+    global_rows = engine.train_batch_size()
+    engine.set_train_micro_batch_size(micro_batch)
+    engine.set_train_batch_size(global_rows)
+
+
 @contextlib.contextmanager
 def deferred_boundary(engine, defer: bool) -> Iterator[None]:
     """Every backward inside runs as a non-boundary one (no reduction); on the way out the engine
