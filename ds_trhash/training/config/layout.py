@@ -111,7 +111,7 @@ def _generated_deepspeed(cfg: TrainConfig) -> dict:
     if cfg.precision == "bf16":
         # bf16 has no loss scale to adjust: DeepSpeed's overflow check only tests every gradient
         # tensor for inf/NaN (one check per tensor, a host read) to skip such a step silently.
-        # The project's non-finite guard (training/nonfinite.py) stops the run or skips the step
+        # The project's non-finite guard (training/callbacks/nonfinite.py) stops the run or skips the step
         # from the loss and the global gradient norm instead; finite steps are unchanged.
         bf16["check_grad_overflow"] = False
     return {
