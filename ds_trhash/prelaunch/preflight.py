@@ -29,6 +29,7 @@ from ds_trhash.errors import EXIT_USER_ERROR, UserError
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import check_runnable
+from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources as res
 from ds_trhash.training.preparation.footprint import estimate
@@ -147,8 +148,13 @@ def run_preflight(args: argparse.Namespace) -> int:
     def config():
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
-        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, {tcfg.describe_model(cfg)}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
-                      f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
+        laid, how = cfg, ""
+        if cfg.batch.micro_batch == "auto":  # without a device: the estimate against batch.auto_budget_gb
+            choice = auto_micro_batch.choose(cfg, tcfg.model_config(cfg), world, torch.device("cpu"), 0)
+            laid, how = tcfg.with_micro_batch(cfg, choice.micro_batch), (
+                f"; batch.micro_batch auto: {choice.micro_batch} by the estimate (a launch on CUDA probes the device)")
+        return tcfg.for_world(laid, world), (f"{cfg.origin}: {cfg.stage}, {tcfg.describe_model(cfg)}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
+                      f"{tcfg.tokens_per_step(laid, world):,} tokens per optimizer step on {world} process(es){how}")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
     report.run("paths", lambda: (tcfg.check_paths(cfg), "every path the config names exists and is of its kind"))
