@@ -9,6 +9,12 @@ micro-batch on every rank divided by the number of supervised tokens in the whol
 mean of per-micro-batch means). Each micro-batch's summed loss is therefore scaled by
 ``world_size / n_step`` before backward: DeepSpeed averages gradients over data-parallel ranks,
 which removes the ``world_size`` again.
+
+One decision point per step, after the backwards and before the update (``decide_together``):
+every callback's ``before_update`` vote (the non-finite guard's skip_step; a rank's
+out-of-memory error votes to retry), the largest over the ranks in one small host all-reduce
+(gloo, CPU integers: no device synchronisation). A retried step is trained again on the same rows
+at a smaller micro-batch (``agreed_step``; training/memory/).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The loop abandons a step that ran out of memory on any rank and trains it again at the next
 smaller micro-batch (``loop.agreed_step``); this callback says so (one line, rank 0), records
 the change durably in ``micro_batch.json`` (``memory.record``) so that the next launch of the
-run keeps it, and keeps the step's expert-load counts as they were before the abandoned attempt.
+run keeps it, writes it to the DeepSpeed monitors (``Train/micro_batch``, ``Train/grad_accum``), and keeps the step's expert-load counts as they were before the abandoned attempt.
 Where the ranks could not retry in place (``OutOfMemoryExit``), the rank that failed records the
 change before every rank stops (exit 77).
 """
@@ -52,6 +52,8 @@ class MicroBatchCallback(Callback):
                                              old=check.micro_batch, new=micro_batch, grad_accum=grad_accum,
                                              how="in place"))
             self.run.progress.message(line)
+        if self.run.monitor is not None:  # TensorBoard / W&B / CSV monitors, when configured (rank 0 writes)
+            self.run.monitor.write(check.step, {"Train/micro_batch": micro_batch, "Train/grad_accum": grad_accum})
 
     def on_error(self, exc: BaseException) -> None:
         """The rank that ran out of memory where no retry in place is possible: its record, first."""
