@@ -148,11 +148,9 @@ def run_preflight(args: argparse.Namespace) -> int:
     def config():
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
-        laid, how = cfg, ""
-        if cfg.batch.micro_batch == "auto":  # without a device: the estimate against batch.auto_budget_gb
-            choice = auto_micro_batch.choose(cfg, tcfg.model_config(cfg), world, torch.device("cpu"), 0)
-            laid, how = tcfg.with_micro_batch(cfg, choice.micro_batch), (
-                f"; batch.micro_batch auto: {choice.micro_batch} by the estimate (a launch on CUDA probes the device)")
+        laid, choice = auto_micro_batch.by_estimate(cfg, world)
+        how = "" if choice is None else (f"; batch.micro_batch auto: {choice.micro_batch} by the estimate (a launch "
+                                         "on CUDA probes the device)")
         return tcfg.for_world(laid, world), (f"{cfg.origin}: {cfg.stage}, {tcfg.describe_model(cfg)}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
                       f"{tcfg.tokens_per_step(laid, world):,} tokens per optimizer step on {world} process(es){how}")
 

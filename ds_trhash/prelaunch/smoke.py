@@ -50,6 +50,7 @@ from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.display import format_duration
 from ds_trhash.deepspeed_command import deepspeed_command
+from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation.footprint import estimate, gib
 from ds_trhash.training.preparation.resources import default_nproc, probe_devices
 from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
@@ -268,7 +269,8 @@ def run_smoke(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise SmokeArgumentError(f"--steps must be at least 2 (save, then resume from the middle), got {args.steps}")
     world = args.nproc or default_nproc(probe_devices())
-    cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
+    # batch.grad_accum derived for this world size (micro_batch auto as a CPU launch chooses it)
+    cfg = tcfg.for_world(auto_micro_batch.by_estimate(config_from_args(args), world)[0], world)
     if args.workdir:
         workdir = Path(args.workdir).resolve()
         outputs.refuse_unless_ours("--workdir", workdir, False, "ds-trhash smoke")  # new or empty only

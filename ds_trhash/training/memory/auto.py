@@ -134,6 +134,15 @@ def choose(cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device, r
     return AutoChoice(agreed, rank_rows // agreed, reasons)
 
 
+def by_estimate(cfg: tcfg.TrainConfig, world: int) -> tuple[tcfg.TrainConfig, AutoChoice | None]:
+    """``cfg`` laid out where no device is probed (preflight, smoke): auto by the estimate against
+    ``batch.auto_budget_gb``, as a CPU launch chooses; a number unchanged."""
+    if cfg.batch.micro_batch != "auto":
+        return cfg, None
+    choice = choose(cfg, tcfg.model_config(cfg), world, torch.device("cpu"), 0)
+    return tcfg.with_micro_batch(cfg, choice.micro_batch), choice
+
+
 def resolve(cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device, rank: int,
             saved: dict | None) -> tuple[tcfg.TrainConfig, AutoChoice | None]:
     """``cfg`` with ``batch.micro_batch`` a number: unchanged when it is one; on a resume the size

@@ -60,3 +60,12 @@ def test_a_resume_takes_the_recorded_size_and_a_number_is_left_alone():
     assert resolved.batch.micro_batch == 8 and "the size the run recorded" in choice.describe()
     fixed = _cfg("batch.micro_batch=4")
     assert auto.resolve(fixed, tcfg.model_config(fixed), 1, CPU, 0, None) == (fixed, None)
+
+
+def test_without_a_device_to_probe_preflight_and_smoke_lay_auto_out_by_the_estimate():
+    cfg = _cfg(f"batch.auto_budget_gb={(_estimate(_cfg(), 4) + 1024) / GIB}")
+    laid, choice = auto.by_estimate(cfg, 1)
+    assert laid.batch.micro_batch == choice.micro_batch == 4
+    assert tcfg.for_world(laid, 1).batch.grad_accum == 4
+    fixed = _cfg("batch.micro_batch=2")
+    assert auto.by_estimate(fixed, 1) == (fixed, None)
