@@ -157,7 +157,8 @@ def _backwards(engine, micro_batches: MicroBatches, device: torch.device, scale:
         except torch.OutOfMemoryError as exc:  # by its type: the allocator's own error
             if not in_place:
                 raise
-            return exc
+            # without its traceback: its frames would keep this micro-batch's activations alive
+            return exc.with_traceback(None)
         loss_sum_local += loss_sum.detach().double()
         if i < len(micro_batches) - 1:
             engine.step()  # a micro-step: DeepSpeed applies nothing before the boundary

@@ -15,6 +15,7 @@ whose peaks are the estimate's.
 """
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,11 +175,12 @@ class DeviceProbe:
     def peak(self, micro_batch: int) -> int | None:
         with torch.random.fork_rng(devices=[self.device]):
             try:
-                return self._measure(micro_batch)
+                peak = self._measure(micro_batch)
             except torch.OutOfMemoryError:
-                return None
-            finally:
-                torch.cuda.empty_cache()
+                peak = None  # the error, its frames and their tensors are gone once this block ends
+        gc.collect()
+        torch.cuda.empty_cache()
+        return peak
 
     def _measure(self, micro_batch: int) -> int:
         cfg = tcfg.for_world(tcfg.with_micro_batch(self.cfg, micro_batch), self.world)
