@@ -178,8 +178,6 @@ class RunContext:
     (``results["eval"][step]``, ``results["piqa"][step]``), for the checkpoint record and the
     selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote;
     ``callbacks`` the launch's callbacks in call order (``make_callbacks`` fills it in).
-    ``micro_batch``: the micro-batch in force at the start (smaller than the data's cut after an
-    out-of-memory step of an earlier launch; training/memory/), None for the cut's.
     """
 
     cfg: TrainConfig
@@ -207,7 +205,6 @@ class RunContext:
     callbacks: list[Callback] = field(default_factory=list)
     # finishes the checkpoint being written in the background (set by the checkpointing callback)
     wait_for_checkpoint: Callable[[], Any] = lambda: None
-    micro_batch: int | None = None
 
 
 def is_epoch_end(loader: DataLoader, step: int) -> bool:
