@@ -34,6 +34,7 @@ from ds_trhash.training.callbacks import (
 from ds_trhash.training.display import Progress, data_wait_line
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.memory.record import read_record
+from ds_trhash.training.memory.sizes import fitting_sizes
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.output import OutputSide
@@ -124,7 +125,9 @@ def micro_batch_in_force(plan: LaunchPlan) -> int | None:
     record = read_record(plan.output_dir)
     if record is None or record["micro_batch"] >= plan.cfg.batch.micro_batch:
         return None
-    return record["micro_batch"]
+    # the largest size up to the recorded one that divides a rank's rows (another world size after --reshard)
+    rank_rows = step_rows(plan.cfg.batch.micro_batch, plan.cfg.batch.grad_accum, 1)
+    return next(d for d in fitting_sizes(rank_rows) if d <= record["micro_batch"])
 
 
 def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dict, state: loop.TrainState) -> None:
