@@ -23,7 +23,6 @@ class MicroBatchCallback(Callback):
 
     def __init__(self, run: RunContext):
         self.run = run
-        self.events: list[dict] = []  # this launch's changes, for the checkpoint records
         self._mark = None
 
     @classmethod
@@ -48,9 +47,8 @@ class MicroBatchCallback(Callback):
                 f"abandoned the step and trains it again on the same rows at micro-batch {micro_batch}, "
                 f"grad_accum {grad_accum} (the global batch unchanged); this size holds from now on")
         if self.run.rank == 0:
-            self.events.append(record_change(self.run.output_dir, step=check.step, rank=self.run.rank,
-                                             old=check.micro_batch, new=micro_batch, grad_accum=grad_accum,
-                                             how="in place"))
+            record_change(self.run.output_dir, step=check.step, rank=self.run.rank, old=check.micro_batch,
+                          new=micro_batch, grad_accum=grad_accum, how="in place")
             self.run.progress.message(line)
         if self.run.monitor is not None:  # TensorBoard / W&B / CSV monitors, when configured (rank 0 writes)
             self.run.monitor.write(check.step, {"Train/micro_batch": micro_batch, "Train/grad_accum": grad_accum})
