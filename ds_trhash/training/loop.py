@@ -266,9 +266,12 @@ def decide_together(callbacks: list[Callback], state: TrainState, check: UpdateC
     """The step's one decision point: every callback's vote (an out-of-memory error is a RETRY of
     its own), the largest over the ranks in one host all-reduce."""
     vote = max([GO_ON, *(cb.before_update(state, check) for cb in callbacks)])
+    failed = 0
     if check.out_of_memory is not None:
-        vote = RETRY
-    return host_all_reduce([vote], "max")[0]
+        vote, failed = RETRY, (dist.get_rank() if is_multi_rank() else 0) + 1
+    vote, failed = host_all_reduce([vote, failed], "max")
+    check.failed_rank = failed - 1 if failed else None
+    return vote
 
 
 def agreed_step(engine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,

@@ -94,6 +94,7 @@ class UpdateCheck:
     out_of_memory: BaseException | None = None
     micro_batch: int = 0  # the micro-batch this attempt ran at
     rows: int = 0  # this rank's rows in the step
+    failed_rank: int | None = None  # after the agreement: a rank that ran out of memory (the highest)
 
 
 class StopQuestion(Protocol):

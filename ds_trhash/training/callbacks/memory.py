@@ -43,11 +43,12 @@ class MicroBatchCallback(Callback):
         if hasattr(self.run.model, "restore_expert_load"):
             self.run.model.restore_expert_load(self._mark)
         grad_accum = check.rows // micro_batch
-        line = (f"step {check.step}: out of device memory at micro-batch {check.micro_batch} on a rank; every rank "
+        line = (f"step {check.step}: out of device memory at micro-batch {check.micro_batch} on rank "
+                f"{check.failed_rank}; every rank "
                 f"abandoned the step and trains it again on the same rows at micro-batch {micro_batch}, "
                 f"grad_accum {grad_accum} (the global batch unchanged); this size holds from now on")
         if self.run.rank == 0:
-            record_change(self.run.output_dir, step=check.step, rank=self.run.rank, old=check.micro_batch,
+            record_change(self.run.output_dir, step=check.step, rank=check.failed_rank, old=check.micro_batch,
                           new=micro_batch, grad_accum=grad_accum, how="in place")
             self.run.progress.message(line)
         if self.run.monitor is not None:  # TensorBoard / W&B / CSV monitors, when configured (rank 0 writes)

@@ -39,11 +39,11 @@ def test_both_ranks_retry_the_step_in_place_at_the_smaller_micro_batch(retried, 
     ref = shared_launches.get(2, lambda o: L.reference_run(o, micro=4))
     _assert_same_run(out, ref)
     said = proc.stdout + proc.stderr
-    assert said.count("step 3: out of device memory at micro-batch 4 on a rank; every rank abandoned the step and "
+    assert said.count("step 3: out of device memory at micro-batch 4 on rank 1; every rank abandoned the step and "
                       "trains it again on the same rows at micro-batch 2, grad_accum 2") == 1, L.explain(proc)
     record = json.loads((out / "micro_batch.json").read_text())
-    assert record["micro_batch"] == 2 and [(e["step"], e["from"], e["to"], e["how"]) for e in record["events"]] == [
-        (3, 4, 2, "in place")]
+    assert record["micro_batch"] == 2 and [(e["step"], e["rank"], e["from"], e["to"], e["how"])
+                                           for e in record["events"]] == [(3, 1, 4, 2, "in place")]
     states = {s: json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
               for s in (3, 6)}
     assert states[3]["micro_batch_in_force"] == states[6]["micro_batch_in_force"] == 2

@@ -100,7 +100,7 @@ class Retries(loop.Callback):
         self.seen = []
 
     def on_retry(self, state, check, micro_batch):
-        self.seen.append((check.step, check.micro_batch, micro_batch, state.micro_batch))
+        self.seen.append((check.step, check.failed_rank, check.micro_batch, micro_batch, state.micro_batch))
 
 
 def _run(faults, rows=4, cut=2, steps=4, model=None):
@@ -121,7 +121,7 @@ def test_an_out_of_memory_micro_batch_is_retried_on_the_same_rows_at_the_next_sm
     assert retries_in_place(AccumulatingEngine(TokenModel(), 2))
     state, engine, data, retries, weights = _run(OutOfMemoryAt(2, 1))
     _, _, plain_data, _, plain = _run(None)
-    assert retries.seen == [(2, 2, 1, 1)] and state.micro_batch == 1
+    assert retries.seen == [(2, 0, 2, 1, 1)] and state.micro_batch == 1
     assert engine.updates == 4 and engine.ga == 4  # one update per step; the accumulation follows
     assert data.reads == plain_data.reads == [0, 1, 2, 3]  # each step's rows read once
     for got, want in zip(weights, plain):
