@@ -24,8 +24,9 @@ SHARED = {
 # the long launch files with one or two tests would otherwise come last
 FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
-    # ~300 s (550 s measured at a load average of 14): five 12-step 2-process launches, an
-    # out-of-memory retry, a kill and its resume, a ZeRO-2 exit 77 and its resume
+    # ~390 s at a load average of 8 (with the ZeRO-1 and ZeRO-2 reference launches it shares):
+    # 12-step 2-process launches, an out-of-memory retry, a kill and its resume, a ZeRO-2 exit 77
+    # and its resume
     "tests/training/memory/test_out_of_memory_launch.py",
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
@@ -41,9 +42,10 @@ FIRST = (
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one
     "tests/test_readme.py",  # ~35 s: the README's command blocks through bash, as written
-    # micro_batch auto on two ranks with different memory caps, its resume and a refused one
+    # ~80 s: micro_batch auto on two ranks with different memory caps, its resume and a refused one
     "tests/training/memory/test_auto_launch.py",
-    # the saved-tensor check of the activation term: Triton and Liger in the interpreter
+    # ~50 s at a load average of 12 (19 s of CPU): the saved-tensor check of the activation term,
+    # Triton and Liger in the interpreter
     "tests/training/preparation/test_activation_term.py",
 )
 
