@@ -29,6 +29,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (limits where 0 means "never")."""
+    value = _number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def seed(text: str) -> int:
     """A random seed torch accepts: an integer in [0, 2**64 - 1]."""
     value = _number(text, int, "an integer")

@@ -9,10 +9,11 @@ import sys
 
 # First of all, before torch and DeepSpeed are imported (seconds): from here on SIGTERM/SIGINT
 # only record a stop request, so a rank that another rank's early exit gets terminated by
-# launch.py still prints its own message (ds_trhash/training/signals.py).
+# launch.py still prints its own message (ds_trhash/training/signals.py). A signal the SLURM job
+# passed on before then is in the file it names (DS_TRHASH_PENDING_SIGNALS), adopted once installed.
 from ds_trhash.training.signals import StopRequests
 
-REQUESTS = StopRequests().install()  # the launch's one recorder, handed to the entry point
+REQUESTS = StopRequests().install().adopt_pending()  # the launch's one recorder, handed to the entry point
 
 from ds_trhash.run import main  # noqa: E402
 

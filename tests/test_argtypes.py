@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from ds_trhash.argtypes import finite_float, nonnegative_float, positive_int, seed
+from ds_trhash.argtypes import finite_float, nonnegative_float, nonnegative_int, positive_int, seed
 from ds_trhash.cli import main
 
 
@@ -14,6 +14,7 @@ from ds_trhash.cli import main
     (positive_int, "two", "'two' is not an integer"), (seed, str(10**30), "must be an integer from 0 to 2**64 - 1"),
     (seed, "-1", "from 0 to"), (finite_float, "nan", "must be a finite number"),
     (finite_float, "inf", "must be a finite number"), (nonnegative_float, "-5", "must be >= 0, got -5"),
+    (nonnegative_int, "-1", "must be at least 0, got -1"), (nonnegative_int, "1.5", "'1.5' is not an integer"),
 ])
 def test_each_type_refuses_with_the_reason(fn, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message.replace("*", r"\*")):
@@ -22,6 +23,7 @@ def test_each_type_refuses_with_the_reason(fn, text, message):
 
 def test_accepted_values_come_back_typed():
     assert positive_int("3") == 3 and seed(str(2**64 - 1)) == 2**64 - 1 and nonnegative_float("0") == 0.0
+    assert nonnegative_int("0") == 0
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -52,6 +52,10 @@ FORBIDDEN = {
     "deepspeed_command.py": ("ds_trhash.",),
     "outputs.py": ("ds_trhash.training", "ds_trhash.data", "ds_trhash.model", "ds_trhash.checkpoints",
                    "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.ops", "ds_trhash.io"),
+    # what every component's config section is made of: below every package, beside errors.py
+    "config_fields.py": ("ds_trhash.training", "ds_trhash.data", "ds_trhash.model", "ds_trhash.checkpoints",
+                         "ds_trhash.eval", "ds_trhash.release", "ds_trhash.report", "ds_trhash.ops", "ds_trhash.io",
+                         "ds_trhash.prelaunch", "ds_trhash.run", "ds_trhash.cli", "ds_trhash.kernels"),
     "prelaunch": ("ds_trhash.cli", "ds_trhash.run", "ds_trhash.ops", "ds_trhash.report", "ds_trhash.training.trainer"),
     # the launch plan and the run's records sit below the trainer: both it and preflight import them
     "training/preparation": ("ds_trhash.training.trainer", "ds_trhash.training.entrypoint",
@@ -242,3 +246,19 @@ def test_the_cycle_check_sees_function_level_and_relative_imports():
     assert any({"ds_trhash.training.callbacks", "ds_trhash.training.checkpoint_plan"} <= c
                for c in _cycles(_import_graph(via_package)))
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+
+
+def test_training_reaches_the_data_through_its_public_names():
+    """The training -> data seam is one room's public face: ``ds_trhash.data.stage`` (its
+    ``__all__``: open a stage's data, read it) and the config's ``data:`` section
+    (``ds_trhash.data.config``); never a module of another room."""
+    import ds_trhash.data.stage as stage
+
+    public = {f"ds_trhash.data.stage.{name}" for name in stage.__all__} | {"ds_trhash.data.stage"}
+    allowed = ("ds_trhash.data.config",)
+    stray = [f"{path.relative_to(REPO)} imports {name}" for path in _files("training") for name in _imports(path)
+             if name.startswith("ds_trhash.data") and name not in public and not name.startswith(allowed)]
+    assert not stray, "\n".join(stray)
+    # the checker itself: a room's module is caught
+    assert [n for n in _imports(PKG / "training" / "loop.py", "from ds_trhash.data.stream.store import X\n")
+            if n.startswith("ds_trhash.data") and n not in public]

@@ -1,14 +1,15 @@
 """Evaluation during training, as training callbacks: held-out loss and zero-shot PIQA.
 
 The training package defines the callback interface and never imports this module; the entry
-point that composes a launch (``ds_trhash.run``) puts these callbacks into its list. Both leave
-their numbers in ``run.results`` (by step) for the epoch checkpoint's record and the selection
-of ``best/``.
+point that composes a launch (``ds_trhash.run``) puts these callbacks into its list. Both send
+each result, typed (``HeldoutResult``, ``PiqaResult``), to every callback of the launch
+(``RunContext.evaluated``): the epoch checkpoint records it and the selection of ``best/`` reads it.
 """
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,36 +19,48 @@ from ds_trhash.eval.heldout import heldout_loss
 from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
-from ds_trhash.training.callbacks.base import Builder, Callback, RunContext
+from ds_trhash.training.callbacks.base import (
+    Builder,
+    Callback,
+    EvalResult,
+    HeldoutResult,
+    PiqaResult,
+    RunContext,
+    TrainState,
+)
 
 PIQA_RESULTS = "piqa.jsonl"
+Announce = Callable[[TrainState, EvalResult], None]  # RunContext.evaluated: to every callback
+
+
+def _nobody(state: TrainState, result: EvalResult) -> None:
+    """A callback built alone (tests) tells no one."""
 
 
 class HeldoutCallback(Callback):
     """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
     on every rank (each scores its share; the loss is reduced over ranks)."""
 
-    def __init__(self, model, eval_batches, device, writer, progress, results: dict[int, dict] | None = None):
+    def __init__(self, model, eval_batches, device, writer, progress, announce: Announce = _nobody):
         self.model, self.eval_batches, self.device = model, eval_batches, device
-        self.writer, self.progress = writer, progress
-        self.results: dict[int, dict] = results if results is not None else {}
+        self.writer, self.progress, self.announce = writer, progress, announce
 
     @classmethod
     def from_run(cls, run: RunContext) -> "HeldoutCallback | None":
         if run.eval_batches is None:  # eval.heldout off, or a stage without a held-out partition
             return None
-        return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.results["eval"])
+        return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.evaluated)
 
-    def evaluate(self, state) -> dict:
+    def evaluate(self, state) -> HeldoutResult:
         state.pause("eval")  # out of the steady tokens/s
-        result = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
-        result.update(step=state.step, epoch=state.epochs_done)
-        self.results[state.step] = result
-        self.writer.write(step=state.step, epoch=state.epochs_done, eval_loss=result["eval_loss"],
-                          eval_tokens=result["eval_tokens"])
+        measured = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
+        result = HeldoutResult(step=state.step, epoch=state.epochs_done, **measured)
+        self.writer.write(step=state.step, epoch=state.epochs_done, eval_loss=result.eval_loss,
+                          eval_tokens=result.eval_tokens)
         self.progress.message(
-            f"held-out at step {state.step} (epoch {state.epochs_done}): loss {result['eval_loss']:.4f} "
-            f"ppl {result['eval_ppl']:.2f} over {result['eval_tokens']:,} supervised tokens")
+            f"held-out at step {state.step} (epoch {state.epochs_done}): loss {result.eval_loss:.4f} "
+            f"ppl {result.eval_ppl:.2f} over {result.eval_tokens:,} supervised tokens")
+        self.announce(state, result)
         return result
 
     def on_start(self, state):
@@ -66,11 +79,11 @@ class PiqaCallback(Callback):
     run_files = (PIQA_RESULTS,)
 
     def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
-                 sft: bool, results: dict[int, dict] | None = None, barrier=lambda: None):
+                 sft: bool, announce: Announce = _nobody, barrier=lambda: None):
         self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
         self.output_dir, self.rank, self.progress, self.sft = Path(output_dir), rank, progress, sft
-        self.results: dict[int, dict] = results if results is not None else {}
-        self.barrier = barrier
+        self.results: dict[int, dict] = {}  # the rows of piqa.jsonl by step (rank 0)
+        self.announce, self.barrier = announce, barrier
 
     @classmethod
     def prepare(cls, cfg) -> Builder | None:
@@ -82,7 +95,7 @@ class PiqaCallback(Callback):
         def build(run: RunContext) -> "PiqaCallback":
             return cls(run.model, examples, load_tokenizer(run.tokenizer_dir), run.model_config.max_seq_len,
                        run.output_dir, run.rank, run.progress, sft=run.cfg.data.kind == "sft",
-                       results=run.results["piqa"], barrier=run.barrier)
+                       announce=run.evaluated, barrier=run.barrier)
 
         return build
 
@@ -92,19 +105,20 @@ class PiqaCallback(Callback):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", PiqaCountWarning)  # reported in the result's "warning"
                 result = evaluate_piqa(self.model, self.tokenizer, self.examples, max_len=self.max_len)
-            row = {"step": state.step, "epoch": state.epochs_done, **{k: result[k] for k in ("acc", "acc_norm", "n")},
-                   "warning": result.get("warning")}
-            self.results[state.step] = row
+            measured = PiqaResult(step=state.step, epoch=state.epochs_done, acc=result["acc"],
+                                  acc_norm=result["acc_norm"], n=result["n"], warning=result.get("warning"))
+            row = self.results[state.step] = measured.record()
             with open(self.output_dir / PIQA_RESULTS, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
             self.progress.message(f"PIQA at step {state.step} (epoch {state.epochs_done}): acc {result['acc']:.4f} "
                                   f"acc_norm {result['acc_norm']:.4f} over {result['n']} examples")
+            self.announce(state, measured)
         self.barrier()
 
     def _keep_rows_up_to(self, step: int) -> None:
         """A resume at ``step`` (-1: a fresh start): rows of later steps (evaluated before a crash,
         after the checkpoint) are dropped, as metrics.csv drops its rows, so each step is evaluated and
-        recorded once; the kept ones are this run's results again (selection, records)."""
+        recorded once; the kept ones are known again (``_recorded``)."""
         path = self.output_dir / PIQA_RESULTS
         if not path.is_file():
             return

@@ -36,10 +36,11 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
+from ds_trhash.config_fields import positive, setting
 from ds_trhash.errors import UserError
 
 from .attention import ROPE_BACKENDS
@@ -51,6 +52,22 @@ from .norms import NORM_BACKENDS
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "triton", "pytorch")
+
+
+@dataclass(frozen=True)
+class KernelsSection:
+    """The config's ``kernels:`` section (the YAML keys are these field names); ``policy`` is one
+    of ``POLICIES``."""
+
+    policy: Literal["auto", "triton", "pytorch"] = "auto"
+    require_liger: bool = False
+    loss_chunk_tokens: int = setting(1024, check=positive)
+    # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
+    compile: Literal["none", "layers", "model"] = "none"
+    # routed experts: auto (the policy's choice; on CUDA the Triton kernel and the dense masked path
+    # timed at the launch's shape, the faster runs: model/expert_probe.py) or one of them fixed
+    experts: Literal["auto", "triton", "masked", "pytorch"] = "auto"
+
 
 #: Widest routed expert the Triton kernel is selected for (a block holds the full width).
 MAX_TRITON_EXPERT_WIDTH = 256

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from ds_trhash.config_fields import non_negative, optional, positive, setting
 from ds_trhash.errors import UserError
 
 ROUTE_METHODS = ("token_id_multi_hash",)
@@ -190,6 +191,53 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_
 #: What a shape without a preset must state; head_dim follows from hidden_size / num_heads, and the
 #: hash channels and route seed default to the released ones.
 REQUIRED_WITHOUT_PRESET = tuple(f for f in SHAPE_FIELDS if f not in ("head_dim", "hash_channels", "route_seed"))
+
+
+# ----------------------------------------------------------------------------- the config's model: section
+
+_SHAPE = optional(positive)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The config's ``model:`` section (the YAML keys are these field names)."""
+
+    # A named size, or null with the architecture below given field by field; a preset plus some
+    # of those fields is the preset with them replaced (ds_trhash.model.config.resolve_shape).
+    preset: Literal["200m", "tiny"] | None = None
+    # "vision" integrates refinement in its own recipe, so the stage guard lets it go
+    # pretraining -> SFT directly.
+    family: Literal["language", "vision"] = "language"
+    # Recompute decoder layers in backward instead of keeping their activations: none, every
+    # layer (full) or every activation_checkpointing_every-th layer (every_n). Same gradients.
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    activation_checkpointing_every: int = setting(2, check=positive)
+    # The architecture, under the model's own field names (model.config.SHAPE_FIELDS); null: the
+    # preset's value. Combinations are checked at load (checks.py).
+    vocab_size: int | None = setting(None, check=_SHAPE)
+    hidden_size: int | None = setting(None, check=_SHAPE)
+    num_layers: int | None = setting(None, check=_SHAPE)
+    num_heads: int | None = setting(None, check=_SHAPE)
+    num_kv_heads: int | None = setting(None, check=_SHAPE)
+    head_dim: int | None = setting(None, check=_SHAPE)
+    shared_width: int | None = setting(None, check=_SHAPE)
+    num_experts: int | None = setting(None, check=_SHAPE)
+    expert_width: int | None = setting(None, check=_SHAPE)
+    max_seq_len: int | None = setting(None, check=_SHAPE)
+    hash_channels: int | None = setting(None, check=_SHAPE)
+    route_seed: int | None = setting(None, check=optional(non_negative))
+
+    def shape_overrides(self) -> dict[str, int]:
+        """The architecture fields this section sets (the rest come from the preset)."""
+        return {name: getattr(self, name) for name in SHAPE_FIELDS if getattr(self, name) is not None}
+
+    def describe(self) -> str:
+        """The model for messages: "preset tiny", "preset tiny with hidden_size=96", or "a custom
+        shape (vocab_size=..., ...)"."""
+        fields = ", ".join(f"{k}={v}" for k, v in self.shape_overrides().items())
+        if self.preset is None:
+            return f"a custom shape ({fields})"
+        return f"preset {self.preset}" + (f" with {fields}" if fields else "")
 
 
 class ShapeError(UserError, ValueError):

@@ -1,6 +1,6 @@
 """LoRA adapters for SFT LoRA mode (docs/contracts.md §6).
 
-`apply_lora(model, lora_cfg)` wraps the chosen projections in place and freezes everything
+`apply_lora(model, lora)` wraps the chosen projections in place and freezes everything
 else. The state dict of a wrapped model keeps every base name unchanged
 (`layers.0.self_attn.q_proj.weight` stays that key) and adds only adapter tensors:
 
@@ -13,18 +13,21 @@ else. The state dict of a wrapped model keeps every base name unchanged
 B starts at zero, so a freshly wrapped model computes exactly what the base model does.
 `merge_lora` folds the adapters back into a plain state dict with the keys of an unwrapped
 `TRHashForCausalLM`. Full-parameter and LoRA runs never resume from each other; the resume
-checks use `has_lora_state` / `check_state_mode`.
+checks use `has_lora_state` / `check_state_mode`. The config's `lora:` section (`LoraSection`)
+is declared here, beside the targets it may name.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_trhash.config_fields import half_open_unit, positive, setting
 from ds_trhash.errors import UserError
 
 from .decoder import TRHashMoEEngine
@@ -38,6 +41,7 @@ __all__ = [
     "LoRAMoEEngine",
     "LINEAR_TARGETS",
     "EXPERT_WEIGHTS",
+    "LoraSection",
     "apply_lora",
     "is_lora_key",
     "has_lora_state",
@@ -66,6 +70,29 @@ DEFAULT_LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "shared_gate", "shared_up"
 # Stacked routed-expert weights adapted when `experts` is on; adapter module = name + "_lora".
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def _lora_targets(v: tuple[str, ...]) -> str | None:
+    if not v:
+        return f"must name at least one layer; allowed: {', '.join(LORA_TARGETS)}"
+    unknown = [t for t in v if t not in LORA_TARGETS]
+    if unknown:
+        return f"unknown target(s) {unknown}; allowed: {', '.join(LORA_TARGETS)}"
+    if len(set(v)) != len(v):
+        return f"duplicate targets in {list(v)}"
+    return None
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """The config's ``lora:`` section (SFT LoRA mode; the YAML keys are these field names)."""
+
+    enabled: bool = False
+    rank: int = setting(16, check=positive)
+    alpha: float = setting(16.0, check=positive)
+    dropout: float = setting(0.05, check=half_open_unit)
+    targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, check=_lora_targets)
+    experts: bool = False  # the stacked routed-expert weights too
 _EXPERT_ADAPTER_SUFFIX = "_lora"
 
 
@@ -191,28 +218,20 @@ def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
         raise LoRAError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
 
 
-def _cfg(lora_cfg: Any, name: str) -> Any:
-    try:
-        return getattr(lora_cfg, name)
-    except AttributeError:
-        raise LoRAError(f"LoRA settings lack {name!r}; expected a LoraSection") from None
-
-
-def apply_lora(model: TRHashForCausalLM, lora_cfg: Any) -> list[str]:
-    """Wrap `lora_cfg.targets` in every layer (and the routed experts when `lora_cfg.experts`),
+def apply_lora(model: TRHashForCausalLM, lora: LoraSection) -> list[str]:
+    """Wrap `lora.targets` in every layer (and the routed experts when `lora.experts`),
     freeze every other parameter, and return the adapted names in model order: linear modules
     (`layers.0.self_attn.q_proj`) and, with experts, stacked weights (`layers.0.mlp.engine.expert_gate`).
 
-    `lora_cfg` is a LoraSection (enabled, rank, alpha, dropout, targets, experts). Load the
-    source checkpoint before calling this: the base keys are unchanged afterwards, but a
+    Load the source checkpoint before calling this: the base keys are unchanged afterwards, but a
     strict load then also expects the adapter keys.
     """
-    if not _cfg(lora_cfg, "enabled"):
+    if not lora.enabled:
         raise LoRAError("apply_lora called with lora.enabled false; a full-parameter run has no adapters")
-    rank, alpha, dropout = _cfg(lora_cfg, "rank"), _cfg(lora_cfg, "alpha"), _cfg(lora_cfg, "dropout")
-    _check_hyper(rank, alpha, dropout)
-    targets = tuple(_cfg(lora_cfg, "targets"))
-    experts = bool(_cfg(lora_cfg, "experts"))
+    rank, alpha, dropout = lora.rank, lora.alpha, lora.dropout
+    _check_hyper(rank, alpha, dropout)  # a section built in code skips the reader's checks
+    targets = tuple(lora.targets)
+    experts = bool(lora.experts)
     if not targets and not experts:
         raise LoRAError(f"LoRA needs at least one target; allowed: {', '.join(LINEAR_TARGETS)}")
     unknown = [t for t in targets if t not in LINEAR_TARGETS]

@@ -1,8 +1,8 @@
 """The data a launch of a config will read, checked the trainer's way and read-only.
 
 Shared by ``preflight`` (which prints the verdict) and ``smoke`` (which needs the full run's
-step count and, for pretraining, the plan rows after the ones it trained). It calls the
-trainer's own ``prepare_pretrain_data`` / ``prepare_sft_data``, which write nothing; the embedded
+step count and, for pretraining, the plan rows after the ones it trained). It makes the
+trainer's own call (``open_stage_data`` of ``plan.data_request``), which writes nothing; the embedded
 demo corpus (data paths null) is built in a scratch directory exactly as a launch builds it
 beside its output directory (a complete one there is reused, never rewritten).
 """
@@ -11,25 +11,29 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ds_trhash.training.preparation.stage_data import StageData, embedded_root, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.data.stage import StageData, embedded_root, open_stage_data
+from ds_trhash.training.preparation.plan import data_request
 
 # A check run before GPUs are rented answers within seconds: it waits out a Hub outage only this
 # long (a training launch waits data.hub_wait_minutes).
 PREFLIGHT_HUB_WAIT_S = 8.0
 
 
-def resolve_stage_data(cfg, model_cfg, world: int, deep: bool, scratch: Path) -> tuple[StageData, str]:
+def resolve_stage_data(cfg, world: int, deep: bool, scratch: Path,
+                       target_tokens: str | None = None) -> tuple[StageData, str]:
     """(the launch's StageData, what was checked); raises the trainer's user errors when the data
-    would refuse the launch. ``deep``: hash every planned shard (else sizes only)."""
+    would refuse the launch. ``deep``: hash every planned shard (else sizes only);
+    ``target_tokens``: the launch request's ``TARGET_TOKENS``."""
     embedded = (cfg.data.plan if cfg.data.kind == "pretrain" else cfg.data.sft_dir) is None
-    where = f"embedded demo corpus (the launch builds it under {embedded_root(cfg)}); " if embedded else ""
+    where = f"embedded demo corpus (the launch builds it under {embedded_root(cfg.output_dir)}); " if embedded else ""
     data_cfg = dataclasses.replace(cfg, output_dir=str(Path(scratch) / "run")) if embedded else cfg
     if cfg.data.kind == "sft":
-        data = prepare_sft_data(data_cfg, model_cfg, 0, world)
+        data = open_stage_data(data_request(data_cfg, 0, world))
         name = "SFT set" if embedded else f"SFT set {data.sft_dir}"
         return data, (f"{where}{name}: manifest hashes, vocabulary, labels and tokenizer check out; "
                       f"{data.loader.steps_per_epoch} steps per epoch, {data.total_steps} steps")
-    data = prepare_pretrain_data(data_cfg, 0, world, shard_hashes="all" if deep else "none", hub_wait_s=PREFLIGHT_HUB_WAIT_S)
+    data = open_stage_data(data_request(data_cfg, 0, world), shard_hashes="all" if deep else "none",
+                           hub_wait_s=PREFLIGHT_HUB_WAIT_S, target_tokens=target_tokens)
     hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
     name = "plan" if embedded else f"plan {data.plan.path}"
     source = data.data_source or {}

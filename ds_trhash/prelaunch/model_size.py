@@ -100,7 +100,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
         dense = params.trainable_per_rank - params.expert_trainable_per_rank
         ds_states = deepspeed_zero2_states(dense, params.expert_trainable_per_rank, world, cfg.parallel.ep_size)
     return SizeEstimate(
-        model=tcfg.describe_model(cfg), shape={k: v for k, v in asdict(mc).items()
+        model=cfg.model.describe(), shape={k: v for k, v in asdict(mc).items()
                                                 if k not in ("loss_chunk_tokens", "route_weights")},
         gpus=gpus, nodes=nodes, zero_stage=cfg.zero.stage, ep_size=cfg.parallel.ep_size, precision=cfg.precision,
         micro_batch=cfg.batch.micro_batch, seq_len=cfg.data.seq_len, total_params=params.total,
@@ -109,7 +109,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
         params_per_gpu=params.per_rank, train_flops_per_token=train_flops_per_token(mc, cfg.data.seq_len),
         weights=foot.weights, gradients=foot.gradients, optimizer=foot.optimizer, activations=foot.activations,
         activations_none=act["none"], activations_full=act["full"], runtime=foot.runtime,
-        deepspeed_model_states=ds_states, buffers=foot.buffers, fused_kernels=fp.fused_kernels(cfg, "cuda"))
+        deepspeed_model_states=ds_states, buffers=foot.buffers, fused_kernels=fp.fused_kernels(cfg.kernels, "cuda"))
 
 
 def _gib(n: float) -> str:

@@ -38,7 +38,8 @@ from ds_trhash.training.preparation.output import check_output_side, check_resum
 from ds_trhash.training.preparation.plan import kernel_choice
 from ds_trhash.training.preparation.resources import FAIL, PASS, WARN, Check
 from ds_trhash.training.preparation.stage_guard import guard_stage
-from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
+from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
+from ds_trhash.training.preparation.request import LaunchRequest
 
 T = TypeVar("T")
 _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
@@ -85,12 +86,12 @@ class Report:
 # ----------------------------------------------------------------------------- launch state
 
 
-def _output(report: Report, cfg, args, world: int, data):
+def _output(report: Report, cfg, request: LaunchRequest, world: int, data):
     """The trainer's output-side checks and, when resuming, its resume checks."""
     output_dir = Path(cfg.output_dir)
 
     def output():
-        pre = check_output_side(cfg, args, 0)
+        pre = check_output_side(cfg, request, 0)
         # what the launch would set aside, each with why (damaged, or records that disagree)
         set_aside = (f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside ("
                      + "; ".join(f"{name} is {why}" for name, why in pre.damaged) + ")") if pre.damaged else ""
@@ -101,7 +102,7 @@ def _output(report: Report, cfg, args, world: int, data):
             return pre, f"{output_dir} {state}: a fresh start{set_aside}"
         if data is None:
             return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
-        check_resume(cfg, args, world, data, pre.saved, pre.resume_dir)
+        check_resume(cfg, request, world, data, pre.saved, pre.resume_dir)
         if int(pre.saved["step"]) == data.total_steps:
             return pre, (f"{output_dir} holds this stage finished ({Path(pre.resume_dir).name} is its last step): "
                          "--resume auto trains nothing, completes any end-of-stage record an interrupted end "
@@ -112,10 +113,10 @@ def _output(report: Report, cfg, args, world: int, data):
     return report.run("output", output)
 
 
-def _source(report: Report, cfg, args, pre, data, model_cfg) -> None:
+def _source(report: Report, cfg, request: LaunchRequest, pre, data, model_cfg) -> None:
     def stage():
         init_dir = pre.init_dir if pre is not None else launch_checks.resolve_init_checkpoint(
-            args.init_checkpoint, log=lambda *_: None)
+            request.init_checkpoint, log=lambda *_: None)
         resuming = pre is not None and pre.saved is not None
         if init_dir is not None and (Path(init_dir) / ckpt.TRAINER_STATE).is_file():
             ok, reason = ckpt.verify(init_dir, deep=False)
@@ -138,7 +139,8 @@ def _source(report: Report, cfg, args, pre, data, model_cfg) -> None:
 def run_preflight(args: argparse.Namespace) -> int:
     report = Report()
     try:
-        cfg = config_from_args(args)
+        request = launch_request(args)  # the command line and RESUME, TARGET_TOKENS: read once, here
+        cfg = launch_config(request)
     except tcfg.ConfigError as exc:
         report.add(Check("config", FAIL, str(exc)))
         return report.finish()
@@ -151,7 +153,7 @@ def run_preflight(args: argparse.Namespace) -> int:
         laid, choice = auto_micro_batch.by_estimate(cfg, world)
         how = "" if choice is None else (f"; batch.micro_batch auto: {choice.micro_batch} by the estimate (a launch "
                                          "on CUDA probes the device)")
-        return tcfg.for_world(laid, world), (f"{cfg.origin}: {cfg.stage}, {tcfg.describe_model(cfg)}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
+        return tcfg.for_world(laid, world), (f"{cfg.origin}: {cfg.stage}, {cfg.model.describe()}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
                       f"{tcfg.tokens_per_step(laid, world):,} tokens per optimizer step on {world} process(es){how}")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
@@ -173,13 +175,14 @@ def run_preflight(args: argparse.Namespace) -> int:
     if not deepspeed.failed:
         report.add(res.check_comm_op(devices))
     with tempfile.TemporaryDirectory(prefix="ds-trhash-preflight-") as scratch:
-        data = report.run("data", lambda: resolve_stage_data(cfg, model_cfg, world, args.deep, Path(scratch)))
-    pre = _output(report, cfg, args, world, data)
+        data = report.run("data", lambda: resolve_stage_data(cfg, world, args.deep, Path(scratch),
+                                                                request.target_tokens))
+    pre = _output(report, cfg, request, world, data)
     saved = pre.saved if pre is not None else None
     if data is None:
         report.skip("stage", "the data check failed")
     else:
-        _source(report, cfg, args, pre, data, model_cfg)
+        _source(report, cfg, request, pre, data, model_cfg)
     footprint = estimate(cfg, model_cfg, world, devices.kind)
     report.add(res.check_memory(footprint, devices, world))
     if data is None:

@@ -19,9 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ds_trhash.argtypes import positive_int
+from ds_trhash.argtypes import nonnegative_int, positive_int
 from ds_trhash.errors import UserError
-from ds_trhash.prelaunch.slurm_script import SlurmJob, render
+from ds_trhash.prelaunch.slurm_script import MAX_LOST_NODE_REQUEUES, SlurmJob, render
 
 WARNING_SECONDS = 300  # default: one step, one checkpoint and a margin, before the limit
 SIGNAL_TIME_MAX = 65535  # the largest warning time SLURM's --signal takes
@@ -160,7 +160,8 @@ def check_job(args: argparse.Namespace) -> SlurmJob:
                     gpus_per_node=args.gpus_per_node, launch_args=_launch_args(args, output_dir),
                     job_name=args.job_name or f"trhash-{run_dir.name}", warning_seconds=args.warning_seconds,
                     time=args.time, partition=args.partition, account=args.account, cpus_per_node=args.cpus_per_node,
-                    sbatch_options=list(args.sbatch_option), summary=summary)
+                    sbatch_options=list(args.sbatch_option), summary=summary,
+                    max_lost_node_requeues=args.max_lost_node_requeues)
 
 
 def write_script(job: SlurmJob) -> None:
@@ -213,6 +214,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--warning-seconds", type=positive_int, default=WARNING_SECONDS,
                    help=f"SIGUSR1 this long before the time limit: stop after a checkpoint and requeue "
                         f"(default {WARNING_SECONDS}; more than a step plus a checkpoint write)")
+    s.add_argument("--max-lost-node-requeues", type=nonnegative_int, default=MAX_LOST_NODE_REQUEUES, metavar="N",
+                   help=f"after a lost rank (exit 76) requeue the job without the blamed host, at most N times "
+                        f"over its attempts; 0: never (default {MAX_LOST_NODE_REQUEUES})")
     s.add_argument("--job-name", help="job name (default trhash-<output dir name>)")
     s.add_argument("--sbatch-option", action="append", default=[], metavar="--OPTION=VALUE",
                    help="another #SBATCH line, e.g. --sbatch-option=--qos=high (repeatable)")

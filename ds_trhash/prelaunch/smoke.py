@@ -152,7 +152,7 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
 
 def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
-    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
     layout = BatchLayout(cfg.batch.micro_batch, grad_accum=1, rank=0, world_size=1)
     per_step = layout.global_batch  # the reader's steps here: one process, one micro-batch each
@@ -226,7 +226,7 @@ def _step_export(final: Path, workdir: Path) -> dict:
 
 def _step_project(cfg, world: int, workdir: Path, step_s: float, save: dict) -> dict:
     size, save_s = save["checkpoint_bytes"], save["save_seconds"]
-    data, _ = resolve_stage_data(cfg, tcfg.model_config(cfg), world, deep=False, scratch=workdir)
+    data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
     plan = CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch)
     projection = fig.Projection(data.total_steps, step_s, len(plan.save_steps()), save_s,
                                 plan.peak_kept(), size)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ds_trhash.checkpoints import rotation_survivors
-from ds_trhash.data.plans.budget import pack_boundaries
+from ds_trhash.data.stage import pack_boundaries
 
 
 def cadence_reason(step: int, every_steps: int | None, protect: Collection[int]) -> str | None:

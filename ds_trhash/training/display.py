@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TextIO
 
 if TYPE_CHECKING:  # a type name only
-    from ds_trhash.data.stream.delivery import DataFigures
+    from ds_trhash.data.stage import DataFigures
 
 __all__ = ["Progress", "byte_size", "data_wait_line", "downloaded", "eta_seconds", "format_duration"]
 

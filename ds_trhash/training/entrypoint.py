@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,7 +17,8 @@ import torch.serialization
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints import run_lock
-from ds_trhash.data.stream.store import StoreUnavailable
+from ds_trhash.data.config import DataSection
+from ds_trhash.data.stage import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
@@ -28,6 +29,7 @@ from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
 from ds_trhash.training.memory.record import exit_event
 from ds_trhash.training.preparation.checks import LaunchCheckError
 from ds_trhash.training.preparation.output import OutputSide, check_output_paths, check_output_side
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.signals import EXIT_OUT_OF_MEMORY, StopRequests
 from ds_trhash.training.trainer import run_stage
 
@@ -66,10 +68,26 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
-    cfg = tcfg.load_config(args.config, launch_overrides(args))
+def launch_request(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> LaunchRequest:
+    """The parsed command line and the variables a launch honours (``RESUME``, ``TARGET_TOKENS``),
+    read here once: nothing below the entry point sees ``args`` or reads them from the environment.
+    Refuses flags that contradict each other (``launch_overrides``)."""
+    return LaunchRequest(
+        config=args.config, overrides=tuple(launch_overrides(args)), resume_flag=args.resume or None,
+        resume_env=environ.get("RESUME") or None, init_checkpoint=args.init_checkpoint,
+        allow_fresh_over_damaged=args.allow_fresh_over_damaged, fork=args.fork, reshard=args.reshard,
+        target_tokens=environ.get("TARGET_TOKENS") or None)
+
+
+def launch_config(request: LaunchRequest) -> tcfg.TrainConfig:
+    """The stage config the request names, with its overrides, checked against this machine."""
+    cfg = tcfg.load_config(request.config, list(request.overrides))
     tcfg.check_device(cfg, torch.cuda.is_available())
     return cfg
+
+
+def config_from_args(args: argparse.Namespace) -> tcfg.TrainConfig:
+    return launch_config(launch_request(args))
 
 
 def launch_overrides(args: argparse.Namespace) -> list[str]:
@@ -201,12 +219,12 @@ def port_in_use(addr: str, port: int) -> bool:
 GROUP_MARGIN_MINUTES = 10.0
 
 
-def group_timeout_minutes(cfg: tcfg.TrainConfig) -> float:
+def group_timeout_minutes(data: DataSection) -> float:
     """The default group's timeout: 30 minutes, or one read's budget (``data.hub_wait_minutes``)
     and ten minutes more when that is longer. No rank waits in it for a read (the stop agreement
     polls instead), but a rank that stops on its read's failure ends its budget no later than
     that; the margin keeps its peers' collectives from timing out first."""
-    return max(DEFAULT_GROUP_MINUTES, cfg.data.hub_wait_minutes + GROUP_MARGIN_MINUTES)
+    return max(DEFAULT_GROUP_MINUTES, data.hub_wait_minutes + GROUP_MARGIN_MINUTES)
 
 
 def start_process_group(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[int, int]:
@@ -265,15 +283,18 @@ def rank_line(text: str) -> None:
 
 
 def _stopped(state, rank: int, world: int) -> int:
-    """One line per rank, so the operator (and the tests) see every rank stop at the same step; the
-    exit status: EXIT_REQUEUE after the scheduler's time-limit warning, else 0."""
+    """One line per rank, so the operator (and the tests) see every rank stop at the same step (or
+    before this launch's first, when nothing was trained); the exit status: EXIT_REQUEUE after the
+    scheduler's time-limit warning, else 0."""
     code = EXIT_REQUEUE if state.stop_requeue else 0
-    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} after a complete "
-              f"checkpoint ({state.stop_reason}); exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
+    done = ("before its first step: nothing was trained and no checkpoint was written" if state.steps_timed == 0
+            else "after a complete checkpoint")
+    rank_line(f"rank {rank}/{world}: stopped at step {state.step} of {state.total_steps} {done} ({state.stop_reason}); "
+              f"exiting {code}" + (" (requeue me: --resume auto continues)" if code else ""))
     return code
 
 
-def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
+def lock_and_decide(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int,
                     world: int) -> tuple[run_lock.RunLock | None, OutputSide | None]:
     """One launch per output directory (checkpoints/run_lock.py): rank 0 takes the lock before
     anything is decided about the directory: (rank 0's lock, the decision). Alone, it decides
@@ -282,7 +303,7 @@ def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
     which waits for rank 0, so under its lock too, and all refuse at once: a rank left waiting in
     the rendezvous for a rank 0 that refused alone would hang until the launcher killed it. A wrong
     --output-dir path is refused before the lock creates the directory."""
-    check_output_paths(cfg, args)
+    check_output_paths(cfg, request)
     if rank != 0:
         run_lock.check_peer(cfg.output_dir)
         return None, None
@@ -290,7 +311,7 @@ def lock_and_decide(cfg: tcfg.TrainConfig, args: argparse.Namespace, rank: int,
     if world > 1:
         return lock, None
     try:
-        return lock, check_output_side(cfg, args, rank)
+        return lock, check_output_side(cfg, request, rank)
     except BaseException:
         lock.release()  # refused (or failed) before writing: the directory as it was found
         raise
@@ -324,19 +345,20 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     output_dir = lock = None
     started = False  # whether this launch made the process group (only then does it tear it down)
     try:
-        cfg = config_from_args(args)
+        request = launch_request(args)
+        cfg = launch_config(request)
         tcfg.check_paths(cfg)  # every path the config names, before anything starts (preflight: its paths line)
         output_dir = cfg.output_dir
         tcfg.batch_layout(cfg, world)  # a global batch this world cannot split: refused now
-        lock, checked = lock_and_decide(cfg, args, rank, world)
+        lock, checked = lock_and_decide(cfg, request, rank, world)
         use_deterministic_kernels(cfg.training.deterministic)  # before CUDA's first matmul (the self-check)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
-        rank, world = start_process_group(group_timeout_minutes(cfg))
+        rank, world = start_process_group(group_timeout_minutes(cfg.data))
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         if checked is None:
-            checked = check_output_side(cfg, args, rank)
-        state = run_stage(cfg, args, rank, world, parts, checked, on_first_write=lock.keep if lock else None,
+            checked = check_output_side(cfg, request, rank)
+        state = run_stage(cfg, request, rank, world, parts, checked, on_first_write=lock.keep if lock else None,
                           requests=requests)
         barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:

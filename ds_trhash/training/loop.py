@@ -1,6 +1,6 @@
 """The model-agnostic training loop.
 
-It knows only an engine (forward / backward / step), a data loader (``training.data_loader``:
+It knows only an engine (forward / backward / step), a data loader (``data.stage.DataLoader``:
 micro-batches per optimizer step), and callbacks. Evaluation, checkpointing, progress and
 metrics plug in as callbacks, so the same loop serves pretraining, refinement and SFT.
 
@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ds_trhash.data.stage import DataLoader
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import host_all_reduce, is_multi_rank
@@ -40,7 +41,6 @@ from ds_trhash.training.callbacks.base import (  # the loop's names too
     TrainState,
     UpdateCheck,
 )
-from ds_trhash.training.data_loader import DataLoader
 from ds_trhash.training.memory.sizes import MicroBatches, recut, rows_of, smaller_micro_batch
 from ds_trhash.training.memory.step import (
     MicroBatchFloor,
@@ -325,6 +325,8 @@ def _train(engine, loader: DataLoader, state: TrainState, callbacks: list[Callba
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = loader.epoch_of(state.step)
     for cb in callbacks:
+        if state.stop_requested:  # agreed before the first step (the stop callback starts first): no
+            break  # evaluation of the starting point, no profiler; every on_end still runs
         cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:

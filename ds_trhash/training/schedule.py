@@ -9,14 +9,45 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-__all__ = ["KINDS", "warmup_steps_for", "warmup_steps_from_tokens", "schedule_warmup_steps", "lr_factor",
-           "describe_schedule", "build_scheduler"]
+from ds_trhash.config_fields import closed_unit, half_open_unit, non_negative, optional, positive, setting
+
+__all__ = ["DEFAULT_WARMUP_FRACTION", "KINDS", "ScheduleSection", "warmup_steps_for", "warmup_steps_from_tokens",
+           "schedule_warmup_steps", "lr_factor", "describe_schedule", "build_scheduler"]
 
 KINDS = ("cosine", "wsd")
+# docs/contracts.md §6: W = int(0.03 * H) unless a config says otherwise.
+DEFAULT_WARMUP_FRACTION = 0.03
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """The config's ``schedule:`` section (the YAML keys are these field names)."""
+
+    # cosine: warmup then one cosine to the floor; wsd: warmup, a stable peak, then a cosine over the
+    # last (1 - stable_fraction) of the post-warmup steps (lr_factor below).
+    kind: Literal["cosine", "wsd"] = "cosine"
+    # W = int(fraction * H); null means DEFAULT_WARMUP_FRACTION unless warmup_tokens is set.
+    warmup_fraction: float | None = setting(None, check=optional(half_open_unit))
+    # The warmup in tokens instead: W = ceil(warmup_tokens / tokens per step). Exclusive with
+    # warmup_fraction (checks.py), so a dumped config (both keys written) loads back.
+    warmup_tokens: int | None = setting(None, check=optional(positive))
+    # LR factor the warmup line starts from (0: the first step is at peak / W).
+    warmup_start_factor: float = setting(0.0, check=half_open_unit)
+    stable_fraction: float = setting(0.8, check=half_open_unit)
+    min_warmup_steps: int = setting(1, check=non_negative)
+    floor: float = setting(0.1, check=closed_unit)
+
+    @property
+    def fraction(self) -> float | None:
+        """The warmup fraction in force: None when the warmup is given in tokens."""
+        if self.warmup_tokens is not None:
+            return None
+        return DEFAULT_WARMUP_FRACTION if self.warmup_fraction is None else self.warmup_fraction
 
 
 def warmup_steps_for(total_steps: int, fraction: float = 0.03, minimum: int = 1) -> int:
@@ -47,14 +78,14 @@ def warmup_steps_from_tokens(total_steps: int, warmup_tokens: int, tokens_per_st
     return min(total_steps, max(minimum, -(-warmup_tokens // tokens_per_step)))
 
 
-def schedule_warmup_steps(schedule_cfg: Any, total_steps: int, tokens_per_step: int | None) -> int:
+def schedule_warmup_steps(schedule: ScheduleSection, total_steps: int, tokens_per_step: int | None) -> int:
     """W of a ``schedule`` config section: from ``warmup_tokens`` when set, else its warmup fraction."""
-    tokens = schedule_cfg.warmup_tokens
+    tokens = schedule.warmup_tokens
     if tokens is None:
-        return warmup_steps_for(total_steps, schedule_cfg.fraction, schedule_cfg.min_warmup_steps)
+        return warmup_steps_for(total_steps, schedule.fraction, schedule.min_warmup_steps)
     if tokens_per_step is None:
         raise ValueError("schedule.warmup_tokens needs the tokens per optimizer step to size the warmup")
-    return warmup_steps_from_tokens(total_steps, tokens, tokens_per_step, schedule_cfg.min_warmup_steps)
+    return warmup_steps_from_tokens(total_steps, tokens, tokens_per_step, schedule.min_warmup_steps)
 
 
 def _cosine(progress: float, floor: float) -> float:
@@ -99,34 +130,34 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, floor: float = 0.1
     return _cosine((after - stable) / (remaining - stable), floor)
 
 
-def describe_schedule(schedule_cfg: Any, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
+def describe_schedule(schedule: ScheduleSection, total_steps: int, tokens_per_step: int, peak_lr: float) -> str:
     """One line for the startup summary: the phases in steps, so a log shows the recipe it ran."""
-    warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
-    sized = (f"{schedule_cfg.warmup_tokens:,} tokens" if schedule_cfg.warmup_tokens is not None
-             else f"{schedule_cfg.fraction:g} of the run")
-    start = schedule_cfg.warmup_start_factor
-    text = f"{schedule_cfg.kind}: warmup {warmup:,} steps ({sized}){f' from {start:g} x peak' if start else ''}, peak {peak_lr:g}"
+    warmup = schedule_warmup_steps(schedule, total_steps, tokens_per_step)
+    sized = (f"{schedule.warmup_tokens:,} tokens" if schedule.warmup_tokens is not None
+             else f"{schedule.fraction:g} of the run")
+    start = schedule.warmup_start_factor
+    text = f"{schedule.kind}: warmup {warmup:,} steps ({sized}){f' from {start:g} x peak' if start else ''}, peak {peak_lr:g}"
     remaining = total_steps - warmup
-    floor = f"{schedule_cfg.floor:g} x peak at step {total_steps:,}"
-    if schedule_cfg.kind == "wsd":
-        stable = int(schedule_cfg.stable_fraction * remaining)
+    floor = f"{schedule.floor:g} x peak at step {total_steps:,}"
+    if schedule.kind == "wsd":
+        stable = int(schedule.stable_fraction * remaining)
         return f"{text} for {stable:,} more steps, then a cosine over {remaining - stable:,} steps to {floor}"
     return f"{text}, then a cosine over {remaining:,} steps to {floor}"
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule_cfg: Any,
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, schedule: ScheduleSection,
                     tokens_per_step: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over ``total_steps`` optimizer steps; DeepSpeed calls ``.step()`` after each.
 
-    ``schedule_cfg`` is the ``schedule`` section of the training config; ``tokens_per_step``
+    ``schedule`` is the ``schedule`` section of the training config; ``tokens_per_step``
     (token positions of one optimizer step over all ranks) sizes a warmup given in tokens. The
     lambda is a ``functools.partial`` of a module-level function, so the scheduler's state dict
     holds no closure and ``load_state_dict`` restores the step exactly.
     """
-    if schedule_cfg.kind not in KINDS:
-        raise ValueError(f"schedule.kind {schedule_cfg.kind!r} is not supported; allowed: {', '.join(KINDS)}")
-    warmup = schedule_warmup_steps(schedule_cfg, total_steps, tokens_per_step)
-    fn = functools.partial(lr_factor, total_steps=total_steps, warmup_steps=warmup, floor=schedule_cfg.floor,
-                           kind=schedule_cfg.kind, warmup_start=schedule_cfg.warmup_start_factor,
-                           stable_fraction=schedule_cfg.stable_fraction)
+    if schedule.kind not in KINDS:
+        raise ValueError(f"schedule.kind {schedule.kind!r} is not supported; allowed: {', '.join(KINDS)}")
+    warmup = schedule_warmup_steps(schedule, total_steps, tokens_per_step)
+    fn = functools.partial(lr_factor, total_steps=total_steps, warmup_steps=warmup, floor=schedule.floor,
+                           kind=schedule.kind, warmup_start=schedule.warmup_start_factor,
+                           stable_fraction=schedule.stable_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=fn)

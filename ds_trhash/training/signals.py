@@ -19,6 +19,7 @@ which every rank exits ``EXIT_REQUEUE`` instead of 0, so the job script knows to
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ EXIT_PEER_LOST = 76
 # between the failure and their agreement): every rank ended; --resume auto continues from the
 # last complete checkpoint at the smaller micro-batch the run recorded.
 EXIT_OUT_OF_MEMORY = 77
+# A file of signal names (one a line) that reached the job before this process could record them: a
+# SLURM job written by `ds-trhash ops slurm` writes there every warning or stop it passes on, so a
+# rank that was still starting (its SIGUSR1 ignored, inherited from the launcher) takes it when it
+# installs its recorder (``StopRequests.adopt_pending``).
+PENDING_SIGNALS_ENV = "DS_TRHASH_PENDING_SIGNALS"
 # Deliveries of the same signal closer together than this are one request (launcher + terminal).
 DUPLICATE_WINDOW_S = 2.0
 
@@ -96,6 +102,25 @@ class StopRequests:
     def install(self) -> "StopRequests":
         for sig in self.signals:
             self._previous.setdefault(sig, signal.signal(sig, self.handle))
+        return self
+
+    def adopt_pending(self, environ: dict[str, str] | None = None) -> "StopRequests":
+        """Record the signals ``$DS_TRHASH_PENDING_SIGNALS`` names, as if delivered now.
+
+        Called right after ``install``: a signal sent before then was either ignored or is in the
+        file, and one sent after reaches the handler; each is then one request (a signal both
+        adopted here and delivered falls in the duplicate window). Names outside ``signals`` and
+        an unreadable file are passed over: the file is the job script's, not the user's.
+        """
+        path = (os.environ if environ is None else environ).get(PENDING_SIGNALS_ENV)
+        try:
+            lines = open(path).read().split() if path else []
+        except OSError:
+            lines = []
+        known = {signal.Signals(sig).name.removeprefix("SIG"): sig for sig in self.signals}
+        for name in dict.fromkeys(lines):
+            if name in known:
+                self.handle(known[name])
         return self
 
     def uninstall(self) -> None:

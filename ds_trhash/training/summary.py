@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import determinism
-from ds_trhash.training.config import describe_model
 from ds_trhash.training.schedule import describe_schedule
 
 __all__ = ["parameter_counts", "startup_summary"]
@@ -42,7 +41,7 @@ def startup_summary(cfg, layout, *, model, total_steps: int, start_step: int, ds
     kern = ", ".join(f"{k} {v}" for k, v in (kernels or {}).items())
     lines = [
         f"{cfg.stage} on {layout.world_size} process(es): {hardware}",
-        f"model      {describe_model(cfg)}: {total:,} parameters, {trainable:,} trainable{lora}{ep}",
+        f"model      {cfg.model.describe()}: {total:,} parameters, {trainable:,} trainable{lora}{ep}",
         f"batch      {layout.describe()}",
         f"steps      {total_steps:,}" + (f", resuming after step {start_step:,}" if start_step else ""),
         f"precision  {cfg.precision}, ZeRO stage {cfg.zero.stage}, optimizer {optimizer}",

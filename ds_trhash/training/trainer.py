@@ -31,6 +31,7 @@ from ds_trhash.training.callbacks import (
     StopAgreement,
     make_callbacks,
 )
+from ds_trhash.training.callbacks.nonfinite import NonFiniteGuard
 from ds_trhash.training.display import Progress, data_wait_line
 from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.memory.record import read_record
@@ -39,7 +40,7 @@ from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.output import OutputSide
 from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
-from ds_trhash.training.callbacks.nonfinite import NonFiniteGuard
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.files import CONFIG_FILE
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
@@ -136,7 +137,7 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     (plan.output_dir / CONFIG_FILE).write_text(json.dumps(tcfg.dump_config(plan.loaded), indent=2))
     progress.message(
-        f"{cfg.stage}: {tcfg.describe_model(cfg)} on {world} process(es), {data.describe}, "
+        f"{cfg.stage}: {cfg.model.describe()} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.auto is not None:
@@ -199,16 +200,17 @@ def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, 
 # ----------------------------------------------------------------------------- the stage
 
 
-def run_stage(cfg: tcfg.TrainConfig, args, rank: int, world: int,
+def run_stage(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world: int,
               parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None,
               on_first_write: Callable[[], None] | None = None,
               requests: StopRequests | None = None) -> loop.TrainState:
-    """Train one stage. ``parts``: the callback classes of this launch in call order (the entry
+    """Train one stage. ``request``: the command line and environment, resolved by the entry
+    point (``entrypoint.launch_request``). ``parts``: the callback classes of this launch in call order (the entry
     point composes them, evaluation included); default ``training_parts()``, without evaluation.
     ``checked``: what ``check_output_side`` decided under the run lock. ``on_first_write``: called
     once every check passed, right before the launch's first write (the run lock is kept then).
     ``requests``: the process's stop-signal recorder (``launch/train.py``); None records nothing."""
-    plan = plan_launch(cfg, args, rank, world, parts, checked)  # every refusal; writes nothing
+    plan = plan_launch(cfg, request, rank, world, parts, checked)  # every refusal; writes nothing
     if on_first_write is not None:
         on_first_write()
     try:

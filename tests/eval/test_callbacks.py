@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ds_trhash.eval import callbacks as evcb
 from ds_trhash.eval.piqa import PiqaDataError
 from ds_trhash.model.loss import IGNORE_INDEX
+from ds_trhash.training.callbacks.base import HeldoutResult, PiqaResult
 from ds_trhash.training.loop import TrainState
 from ds_trhash.training.records.metrics_csv import MetricsWriter
 from tests.training.callbacks import fakes
@@ -35,13 +36,14 @@ def test_heldout_at_step_0_and_every_epoch_end_into_results_and_metrics(tmp_path
     writer = MetricsWriter(tmp_path / "metrics.csv", rank=0)
     run = fakes.run(tmp_path, engine=Bigram(), eval_batches=EvalSet(), writer=writer)
     cb = evcb.HeldoutCallback.from_run(run)
+    told = fakes.told(run)
     cb.on_start(TrainState(step=0, total_steps=4))
     cb.on_start(TrainState(step=2, total_steps=4))  # a resume: the source was evaluated by the first launch
-    cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0))
-    assert sorted(run.results["eval"]) == [0, 2]
+    cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0, epochs_done=1))
+    assert [(r.step, r.epoch) for r in told.evaluated] == [(0, 0), (2, 1)]
     # uniform logits over 4 tokens: ln 4 per supervised token, 2 supervised tokens
-    assert run.results["eval"][0]["eval_loss"] == pytest.approx(torch.log(torch.tensor(4.0)).item())
-    assert run.results["eval"][0]["eval_tokens"] == 2
+    assert told.evaluated[0] == HeldoutResult(step=0, epoch=0, eval_loss=pytest.approx(torch.log(torch.tensor(4.0)).item()),
+                                              eval_ppl=pytest.approx(4.0), eval_tokens=2)
     with open(tmp_path / "metrics.csv", newline="") as fh:
         assert [r["step"] for r in csv.DictReader(fh)] == ["0", "2"]
     assert "held-out at step 0" in run.progress.messages[0]
@@ -63,9 +65,9 @@ def test_piqa_prepare_refuses_a_malformed_file_before_any_model(tmp_path):
 def test_piqa_schedule_rows_and_barrier(tmp_path, monkeypatch, sft):
     monkeypatch.setattr(evcb, "evaluate_piqa", lambda model, tok, examples, max_len: {
         "acc": 0.5, "acc_norm": 0.75, "n": len(examples), "warning": None})
-    barriers = []
+    barriers, told = [], fakes.Told()
     cb = evcb.PiqaCallback(fakes.Model(), ["e1", "e2"], None, 64, tmp_path, 0, fakes.Progress(), sft=sft,
-                           barrier=lambda: barriers.append(1))
+                           announce=told.on_evaluated, barrier=lambda: barriers.append(1))
     cb.on_start(TrainState(step=0, total_steps=4))
     cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0))
     cb.on_end(TrainState(step=4, total_steps=4, epoch=1))
@@ -73,6 +75,7 @@ def test_piqa_schedule_rows_and_barrier(tmp_path, monkeypatch, sft):
     assert [r["step"] for r in rows] == ([0, 2] if sft else [4])
     assert rows[0]["acc_norm"] == 0.75 and rows[0]["n"] == 2 and len(barriers) == len(rows)
     assert sorted(cb.results) == [r["step"] for r in rows]
+    assert told.evaluated == [PiqaResult(step=r["step"], epoch=r["epoch"], acc=0.5, acc_norm=0.75, n=2) for r in rows]
 
 
 def test_piqa_on_other_ranks_only_waits(tmp_path):

@@ -1,12 +1,11 @@
 """Activation checkpointing recomputes decoder layers in backward and changes no gradient."""
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ds_trhash.model import TRHashConfig, TRHashForCausalLM
-from ds_trhash.model.lora import apply_lora
+from ds_trhash.model.lora import LoraSection, apply_lora
 
 CFG = TRHashConfig.from_preset("tiny")  # 4 decoder layers
 
@@ -23,8 +22,8 @@ def test_gradients_equal_those_without_checkpointing(lora):
     torch.manual_seed(0)
     base = TRHashForCausalLM(CFG)
     if lora:  # dropout > 0 in train mode: the recomputed forward must see the same masks
-        apply_lora(base, SimpleNamespace(enabled=True, rank=4, alpha=8.0, dropout=0.3,
-                                         targets=("q_proj", "v_proj", "shared_up"), experts=False))
+        apply_lora(base, LoraSection(enabled=True, rank=4, alpha=8.0, dropout=0.3,
+                                     targets=("q_proj", "v_proj", "shared_up"), experts=False))
         for n, p in base.named_parameters():  # non-zero B so the adapters shape the gradient
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)

@@ -22,7 +22,7 @@ from ds_trhash.model.lora import (
     trainable_parameter_count,
 )
 from ds_trhash.model.lora import DEFAULT_LORA_TARGETS
-from ds_trhash.training.config import LoraSection
+from ds_trhash.model.lora import LoraSection
 
 CFG = TRHashConfig.from_preset("tiny", num_layers=2, vocab_size=512)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")

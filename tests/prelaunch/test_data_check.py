@@ -41,7 +41,7 @@ def release(tmp_path):
 def test_preflight_data_check_passes_on_the_release_layout_and_says_the_tokenizer_is_assumed(release, tmp_path):
     corpus, plan, tok = release
     cfg, model_cfg = _config(tmp_path, plan, corpus, tok)
-    data, said = resolve_stage_data(cfg, model_cfg, 1, deep=True, scratch=tmp_path / "scratch")
+    data, said = resolve_stage_data(cfg, 1, deep=True, scratch=tmp_path / "scratch")
     assert "every shard it reads matches its manifest's sizes and SHA-256" in said
     assert f"record no tokenizer identity; assuming data.tokenizer {tok}" in said
     assert data.tokenizer_assumed and data.tokenizer_sha256 == tokenizer_sha256(tok)
@@ -57,7 +57,7 @@ def test_a_changed_shard_of_the_release_layout_is_named_and_nothing_is_written(r
     cfg, model_cfg = _config(tmp_path, plan, corpus, tok)
     before = tree_digest(tmp_path)
     with pytest.raises(CorpusError, match="corpora/beta/tokens-00001.bin has sha256 [0-9a-f]{64}, its manifest"):
-        resolve_stage_data(cfg, model_cfg, 1, deep=True, scratch=tmp_path / "scratch")
+        resolve_stage_data(cfg, 1, deep=True, scratch=tmp_path / "scratch")
     assert tree_digest(tmp_path) == before
 
 
@@ -66,6 +66,6 @@ def test_without_data_tokenizer_the_run_records_none_and_says_so(release, tmp_pa
     overrides = [f"data.plan={plan}", f"data.shards_dir={corpus}", f"output_dir={tmp_path / 'run'}",
                  "training.max_steps=2"]
     cfg = tcfg.load_config(REPO / "ds_configs/tiny/pretrain.yaml", overrides)
-    data, said = resolve_stage_data(cfg, tcfg.model_config(cfg), 1, deep=False, scratch=tmp_path / "scratch")
+    data, said = resolve_stage_data(cfg, 1, deep=False, scratch=tmp_path / "scratch")
     assert data.tokenizer_sha256 is None and not data.tokenizer_assumed
     assert "data.tokenizer is not set: this run records no tokenizer" in said

@@ -68,6 +68,9 @@ def test_a_bad_config_through_the_real_command_changes_nothing(tmp_path):
     proc = ds_trhash(*_job(tmp_path / "run"), "--nodes", "0")
     assert_clean_refusal(proc, "argument --nodes: must be at least 1, got 0")
     assert tree_digest(tmp_path) == before
+    proc = ds_trhash(*_job(tmp_path / "run"), "--max-lost-node-requeues", "-1")
+    assert_clean_refusal(proc, "argument --max-lost-node-requeues: must be at least 0, got -1")
+    assert tree_digest(tmp_path) == before
 
 
 def test_submit_runs_sbatch_on_the_written_script_and_refuses_without_one(tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ def written(tmp_path_factory):
     proc = ds_trhash("ops", "slurm", "--config", TINY, "--output-dir", str(out), "--nodes", "2", "--gpus-per-node", "1",
                      "--cpus-per-node", "16", "--partition", "gpu", "--account", "proj-42", "--time", "1-02:00:00",
                      "--warning-seconds", "600", "--sbatch-option=--qos=high", "--max-steps", "12",
-                     "--set", "training.log_every=1")
+                     "--set", "training.log_every=1", "--max-lost-node-requeues", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, (out / "slurm" / "job.sbatch").read_text(), out
 
@@ -54,6 +54,7 @@ def test_one_deepspeed_launcher_per_node_with_its_rank_the_hostfile_and_resume_a
                           "--max-steps", "12", "--resume", "auto"]
     assert "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))" in text and master_port(123456) == 15000 + 3456
     assert f"EXIT_REQUEUE={EXIT_REQUEUE}" in text and "scontrol requeue \"$SLURM_JOB_ID\"" in text
+    assert "EXIT_PEER_LOST=76" in text and "MAX_LOST_NODE_REQUEUES=5" in text  # --max-lost-node-requeues 5
 
 
 def test_bash_parses_the_script_and_its_node_part(written):
@@ -89,6 +90,7 @@ def test_the_builder_asks_for_whole_nodes_and_leaves_out_what_was_not_given(tmp_
     assert text.splitlines()[:4] == ["#!/bin/bash", f"# Written by `ds-trhash ops slurm`; submit it with: sbatch "
                                      f"{tmp_path}/job.sbatch", "# 3 node(s) x 4", "# plan: tiny"]
     assert "@@" not in text  # every placeholder filled
+    assert "MAX_LOST_NODE_REQUEUES=3" in text  # the default limit of requeues after a lost rank
     assert f"[ \"$status\" -eq {EXIT_REQUEUE} ]" in text  # the node part marks a requeue by the ranks' status
 
 

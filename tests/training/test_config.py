@@ -313,3 +313,25 @@ def test_selection_by_heldout_loss_needs_heldout_evaluation():
         load_config("ds_configs/tiny/sft.yaml", ["eval.heldout=false"])
     cfg = load_config("ds_configs/tiny/sft.yaml", ["eval.heldout=false", "eval.select=last"])
     assert cfg.eval.select == "last"
+
+
+def test_each_component_declares_its_own_section():
+    """TrainConfig composes the sections its components declare beside their code (the data's in
+    data/config.py, LoRA's beside its targets, the schedule's beside its formula, the model's and
+    the kernels' in model/); the YAML keys stay the field names, and a loaded config dumps back."""
+    import typing
+
+    from ds_trhash.data.config import DataSection
+    from ds_trhash.model.backend import POLICIES, KernelsSection
+    from ds_trhash.model.config import ModelSection
+    from ds_trhash.model.lora import LoraSection
+    from ds_trhash.training.config import TrainConfig, config_from_dict, dump_config, load_config
+    from ds_trhash.training.schedule import ScheduleSection
+
+    hints = typing.get_type_hints(TrainConfig)
+    assert (hints["data"], hints["lora"], hints["schedule"], hints["model"], hints["kernels"]) == (
+        DataSection, LoraSection, ScheduleSection, ModelSection, KernelsSection)
+    assert typing.get_args(typing.get_type_hints(KernelsSection)["policy"]) == POLICIES
+    cfg = load_config("ds_configs/tiny/sft.yaml", ["lora.rank=4", "schedule.kind=wsd"])
+    assert cfg.lora.rank == 4 and cfg.schedule.kind == "wsd" and cfg.model.describe() == "preset tiny"
+    assert config_from_dict(dump_config(cfg)) == cfg

@@ -128,6 +128,6 @@ def test_errors_of_one_rank_mid_run_are_one_line_per_rank_and_others_rank_0s(cap
 def test_the_default_groups_timeout_outlasts_one_reads_budget():
     """30 minutes at least, and the Hub wait of one read plus ten minutes: the defaults' 30
     minutes of Hub wait make it 40 (a fixed 30 was no longer than the wait it had to outlast)."""
-    assert entrypoint.group_timeout_minutes(_cfg()) == 40.0
-    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=0.05")) == 30.0
-    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=120")) == 130.0
+    assert entrypoint.group_timeout_minutes(_cfg().data) == 40.0
+    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=0.05").data) == 30.0
+    assert entrypoint.group_timeout_minutes(_cfg("--set", "data.hub_wait_minutes=120").data) == 130.0

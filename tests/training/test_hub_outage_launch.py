@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.embedded import build_embedded
 from ds_trhash.data.formats.shards import load_manifests, write_shards
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256
@@ -81,6 +82,54 @@ def test_an_outage_beyond_the_budget_stops_cleanly_and_resume_auto_finishes(tmp_
     assert resumed.returncode == 0, L.explain(resumed)
     assert f"resuming at step {kept[-1]}" in resumed.stdout + resumed.stderr
     assert L.checkpoint_steps(out)[-1] == L.REFERENCE_STEPS
+
+
+def _read_by_rank_1_alone(plan, after_step: int) -> tuple[str, int]:
+    """A shard that rank 1 of two (micro-batch 4) reads first at a step from ``after_step`` on,
+    and rank 0 not before two steps later (its background reads never reach it): (path, step)."""
+    seed = yaml.safe_load((L.REPO / "ds_configs" / "tiny" / "pretrain.yaml").read_text())["seed"]
+    reader = ReplayReader(load_plan(plan), Path("."), seed)  # the run's order only: no shard is opened
+    first: dict[tuple[str, str], dict[int, int]] = {}
+    for step in range(L.REFERENCE_STEPS):
+        for rank in (0, 1):
+            layout = BatchLayout(micro_batch=4, grad_accum=1, rank=rank, world_size=2)
+            for source, file, _ in reader.global_rows(layout.first_row(step, 0), 4):
+                first.setdefault((source, file), {}).setdefault(rank, step)
+    found = sorted((steps[1], key) for key, steps in first.items()
+                   if steps.get(1, -1) >= after_step and steps.get(0, L.REFERENCE_STEPS) > steps[1] + 2)
+    assert found, "no shard is read by rank 1 alone after the first checkpoint"
+    return "/".join(found[0][1]), found[0][0]
+
+
+def test_on_one_node_a_ranks_failed_read_stops_every_rank_at_its_step_naming_that_rank(tmp_path):
+    """Two ranks on one node, each reading its own rows in the background: a shard only rank 1
+    reads stays unavailable (503) past data.hub_wait_minutes after the first checkpoint. Both
+    ranks stop at the step that needed it, without a traceback and without losing contact with
+    each other: rank 1 says what it could not fetch, rank 0 that rank 1 could not read its rows,
+    each with what to run next."""
+    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+    broken, step = _read_by_rank_1_alone(plan, after_step=4)
+    out = tmp_path / "run"
+    args = L.reference_run(out, micro=4, extra=[
+        "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+        "--set", f"data.tokenizer={tokenizer_dir}", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+        "--set", "data.hub_wait_minutes=0.05", "--set", "data.prefetch_minutes=0"])
+    with HubServer(TOKEN, deadline_s=600) as hub:
+        seed_dataset(hub, REPO, corpus_files(corpus))
+        hub.file_faults[broken] = ["503"] * 1000
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1")
+        proc = L.deepspeed(2, args, **env)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said and "lost contact" not in said, L.explain(proc)
+    kept = L.checkpoint_steps(out)
+    advice = (f"training stopped; the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with "
+              "--resume auto continues from it once the Hub answers")
+    lines = {int(m[1]): m[2] for m in re.finditer(r"error: rank (\d): (.*)", said)}
+    assert sorted(lines) == [0, 1] and all(line.endswith(advice) for line in lines.values()), L.explain(proc)
+    assert lines[0] == f"rank 1 could not read its rows for step {step} (its own error is in its log); {advice}"
+    assert re.match(rf"cannot get {broken} ", lines[1]), L.explain(proc)  # the Hub's words or the lock's
+    assert len(L.metrics(out)) == step and kept[-1] == 3  # every step before it trained, none after
 
 
 def _owned_and_read_late(plan, node: int, after_row: int) -> str:
@@ -161,3 +210,40 @@ def test_ctrl_c_on_two_nodes_while_every_download_stalls_stops_at_once_with_its_
             out, LAUNCHER_GRACE_S, **env)
     step = L.one_stop(said, out)
     assert at <= step < 12 and seconds < LAUNCHER_GRACE_S - 10, (at, step, seconds)
+
+
+def test_ctrl_c_on_two_nodes_while_the_first_shards_stall_stops_at_once_having_trained_nothing(tmp_path):
+    """Every shard download goes silent from the start of a two-node run, so no rank has the rows
+    of its first step, and Ctrl-C reaches both nodes while they wait for them: every rank prints
+    that it stopped before its first step, nothing trained and no checkpoint written, exits 0 as
+    for any agreed stop, and both nodes are gone well inside the launcher's grace period."""
+    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+    out = tmp_path / "run"
+    args = ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "12",
+            "--set", "batch.micro_batch=4", "--set", "training.log_every=1", "--set", "checkpoint.packs=null",
+            "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
+            "--set", f"data.tokenizer={tokenizer_dir}", "--set", "data.exchange_rows=16"]
+    with HubServer(TOKEN, deadline_s=900) as hub:
+        seed_dataset(hub, REPO, corpus_files(corpus))
+        hub.stall_s = 600.0
+        shards = [path for path in corpus_files(corpus) if path.endswith(".bin")]
+        hub.file_faults.update({path: ["stall"] * 100 for path in shards})
+        since = []
+
+        def stalled() -> bool:  # two shard downloads hang (each node's first, or a prefetch), 3 s on
+            if not since and sum(100 - len(hub.file_faults[path]) for path in shards) >= 2:
+                since.append(time.monotonic())
+            return bool(since) and time.monotonic() > since[0] + 3
+
+        env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1",
+                   HF_HUB_DOWNLOAD_TIMEOUT="600")
+        said, at, seconds = L.ctrl_c_two_nodes(
+            args, tmp_path, lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"], stalled,
+            out, LAUNCHER_GRACE_S, **env)
+    lines = re.findall(r"rank (\d)/2: stopped at step 0 of 12 before its first step: nothing was trained and no "
+                       r"checkpoint was written \((.*?)\); exiting 0\n", said)
+    assert sorted(rank for rank, _ in lines) == ["0", "1"], said[-5000:]
+    assert all(reason.startswith("stop requested here: SIGINT") for _, reason in lines), lines
+    assert at == 0 and not L.checkpoint_steps(out) and not L.foreign_tracebacks(said), said[-5000:]
+    assert seconds < 25, seconds  # the launcher would have killed them at 30 s

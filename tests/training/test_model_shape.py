@@ -42,7 +42,7 @@ def test_a_shape_given_field_by_field_builds_that_model(tmp_path):
     per_layer = (h * 96 + 2 * h * 32 + 96 * h) + 2 * 32 + 3 * h * 192 + 3 * 4 * h * 24 + 2 * h
     assert sum(p.numel() for p in model.parameters()) == v * h + 3 * per_layer + h
     # the meta count (no storage) is the real one
-    assert count_parameters(cfg, meta_model(cfg, mc)).total == sum(p.numel() for p in model.parameters())
+    assert count_parameters(cfg.parallel, meta_model(cfg, mc)).total == sum(p.numel() for p in model.parameters())
     # routes by the one rule, for this vocabulary, expert count, seed and channel count
     for layer, block in enumerate(model.layers):
         assert torch.equal(block.mlp.engine.route_table, build_route_table(v, 4, layer, mc.route_seed, 2))
@@ -67,7 +67,7 @@ def test_a_preset_with_overrides_is_the_preset_with_them_replaced(tmp_path):
 def test_the_200m_preset_is_the_released_model(tmp_path):
     cfg = load_config("ds_configs/200m/pretrain.yaml")
     assert model_config(cfg) == TRHashConfig(loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
-    assert count_parameters(cfg, meta_model(cfg, model_config(cfg))).total == 201_194_368
+    assert count_parameters(cfg.parallel, meta_model(cfg, model_config(cfg))).total == 201_194_368
     # a preset alone records no shape key, so its checkpoints resume as before
     assert not [k for k in training_critical(cfg) if k.startswith("model.") and k not in ("model.preset", "model.family")]
     # restating a preset value changes nothing

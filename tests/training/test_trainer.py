@@ -9,8 +9,8 @@ import pytest
 
 from ds_trhash.training import loop
 from ds_trhash.training.preparation.plan import plan_launch
-from ds_trhash.training.preparation.stage_data import StageData
-from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
+from ds_trhash.data.stage import StageData
+from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
 from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 from tests.training.callbacks import fakes
 
@@ -20,7 +20,7 @@ def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     args = build_arg_parser().parse_args(
         ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(root / "run"), "--max-steps", "4"])
-    plan = plan_launch(config_from_args(args), args, rank=0, world=1)
+    plan = plan_launch(launch_config(request := launch_request(args)), request, rank=0, world=1)
     start_writing(plan, rank=0)  # the shard cache and the plan's reader, reading step 0 from now on
     try:
         yield plan, build_model(plan, rank=0)

@@ -14,7 +14,12 @@ A callback is made in two steps, both from the config:
 
 The step state the hooks are given (``TrainState``) lives here, with the hooks, and the loop
 imports it: a callback module never imports the loop (nor the loop a callback), so the interface
-sits below both. The data both read is a ``training.data_loader.DataLoader``.
+sits below both. The data both read is a ``data.stage.DataLoader``.
+
+Callbacks never read each other's state: what one produces reaches the others as a typed hook
+argument, sent to every callback of the launch through ``RunContext`` (``evaluated`` with a
+``HeldoutResult`` or ``PiqaResult``, ``checkpoint_saved`` with the checkpoint's step and path,
+``before_save``, ``flush``).
 """
 from __future__ import annotations
 
@@ -29,17 +34,66 @@ if TYPE_CHECKING:  # type names only: these import much more (and none of them i
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from ds_trhash.data.sft.dataset import SFTBatches
+    from ds_trhash.data.stage import DataLoader, SFTBatches
     from ds_trhash.model.config import TRHashConfig
     from ds_trhash.model.transformer import TRHashForCausalLM
     from ds_trhash.training.config import TrainConfig
-    from ds_trhash.training.data_loader import DataLoader
     from ds_trhash.training.display import Progress
     from ds_trhash.training.records.expert_load import ExpertLoadWriter
     from ds_trhash.training.records.metrics_csv import MetricsWriter
     from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
+
+
+@dataclass(frozen=True)
+class HeldoutResult:
+    """The held-out loss of the model at ``step`` (``eval/callbacks.py``); ``record()`` is what an
+    epoch checkpoint's ``trainer_state.json`` holds under ``eval``."""
+
+    step: int
+    epoch: int
+    eval_loss: float
+    eval_ppl: float
+    eval_tokens: int
+
+    def record(self) -> dict:
+        return {"eval_loss": self.eval_loss, "eval_ppl": self.eval_ppl, "eval_tokens": self.eval_tokens,
+                "step": self.step, "epoch": self.epoch}
+
+
+@dataclass(frozen=True)
+class PiqaResult:
+    """Zero-shot PIQA at ``step``; ``record()`` is its ``piqa.jsonl`` row and what an epoch
+    checkpoint holds under ``piqa``."""
+
+    step: int
+    epoch: int
+    acc: float
+    acc_norm: float
+    n: int
+    warning: str | None = None
+
+    def record(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "acc": self.acc, "acc_norm": self.acc_norm, "n": self.n,
+                "warning": self.warning}
+
+
+EvalResult = HeldoutResult | PiqaResult
+
+
+@dataclass
+class StepEvaluation:
+    """What the evaluation callbacks measured at one step (either may be missing: off, or not its rank)."""
+
+    heldout: HeldoutResult | None = None
+    piqa: PiqaResult | None = None
+
+    def add(self, result: EvalResult) -> None:
+        if isinstance(result, HeldoutResult):
+            self.heldout = result
+        else:
+            self.piqa = result
 
 
 @dataclass
@@ -124,7 +178,12 @@ class Callback:
     and ``close()`` on every callback in any case, last. A callback that owns a resource (an open
     file, a display, a worker thread) releases it in ``close``, so an exception never leaves one
     behind. ``before_save`` is called on every rank right before each checkpoint is written
-    (collectives allowed), so that what a checkpoint's step covers is on disk with it.
+    (collectives allowed), so that what a checkpoint's step covers is on disk with it;
+    ``on_checkpoint_saved(step, path)`` once a checkpoint is complete (every file written and
+    hashed, published under its final name), on every rank, possibly during a later step.
+    ``on_evaluated(state, result)`` gets each evaluation result (held-out loss, PIQA) on the
+    ranks that have it, right after it was measured. ``flush()`` finishes what a callback has in
+    flight (a checkpoint written in the background) without ending it.
 
     ``run_files`` names what the part writes at the top of the output directory: a fresh start
     over a damaged run (``--allow-fresh-over-damaged``) sets every earlier one aside first, so
@@ -162,6 +221,12 @@ class Callback:
         """Every rank agreed to abandon the step (nothing applied) and train it again at
         ``micro_batch`` (``state.micro_batch``); ``check`` is the failed attempt."""
 
+    def on_checkpoint_saved(self, step: int, path: Path) -> None: ...
+
+    def on_evaluated(self, state: TrainState, result: EvalResult) -> None: ...
+
+    def flush(self) -> None: ...
+
     def on_end(self, state: TrainState) -> None: ...
 
     def on_error(self, exc: BaseException) -> None:
@@ -175,10 +240,8 @@ class Callback:
 class RunContext:
     """What one launch hands its callbacks once the engine exists.
 
-    ``results`` is where evaluation callbacks leave their numbers, by kind and step
-    (``results["eval"][step]``, ``results["piqa"][step]``), for the checkpoint record and the
-    selection of ``best/``; ``last_checkpoint`` is the newest checkpoint this launch wrote;
-    ``callbacks`` the launch's callbacks in call order (``make_callbacks`` fills it in).
+    ``callbacks`` is the launch's callbacks in call order (``make_callbacks`` fills it in); the
+    methods below send one callback's news to all of them, as typed hook arguments.
     """
 
     cfg: TrainConfig
@@ -201,11 +264,23 @@ class RunContext:
     barrier: Callable[[], Any] = lambda: None
     monitor: MonitorSink | None = None  # DeepSpeed's monitors (TensorBoard, CSV, W&B)
     expert_load: ExpertLoadWriter | None = None  # expert_load.csv
-    results: dict[str, dict[int, dict]] = field(default_factory=lambda: {"eval": {}, "piqa": {}})
-    last_checkpoint: Path | None = None
     callbacks: list[Callback] = field(default_factory=list)
-    # finishes the checkpoint being written in the background (set by the checkpointing callback)
-    wait_for_checkpoint: Callable[[], Any] = lambda: None
+
+    def before_save(self, state: TrainState) -> None:
+        for cb in self.callbacks:
+            cb.before_save(state)
+
+    def checkpoint_saved(self, step: int, path: Path) -> None:
+        for cb in self.callbacks:
+            cb.on_checkpoint_saved(step, path)
+
+    def evaluated(self, state: TrainState, result: EvalResult) -> None:
+        for cb in self.callbacks:
+            cb.on_evaluated(state, result)
+
+    def flush(self) -> None:
+        for cb in self.callbacks:
+            cb.flush()
 
 
 def is_epoch_end(loader: DataLoader, step: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.background import BackgroundSaver, Finished
-from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
+from ds_trhash.training.callbacks.base import Callback, EvalResult, RunContext, StepEvaluation, TrainState, is_epoch_end
 from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
 
@@ -17,8 +17,10 @@ class CheckpointCallback(Callback):
     one in flight. A finished save is noticed at the next step (its failure raised there), then
     rotated and reported. An epoch-end step is saved by ``on_epoch_end`` (after the evaluation
     callbacks ran, so its record holds their results), never twice, and waited for, since
-    selection links ``best/`` to it; the end of the stage, a stop and ``close`` wait for the
-    save in flight too. The newest completed path is left in ``run.last_checkpoint``.
+    selection links ``best/`` to it; the end of the stage, a stop, ``flush`` and ``close`` wait
+    for the save in flight too. Each completed checkpoint is told to every callback
+    (``on_checkpoint_saved(step, path)``); the evaluation results an epoch checkpoint records
+    come from ``on_evaluated``.
     The kernel path a checkpoint records is the one of the last training step (taken in
     ``on_step_end``, before any evaluation forward of that step's epoch end can overwrite it).
     Rotation takes the output directory's sync lock and, while a Hub sync holds it, waits for
@@ -35,7 +37,7 @@ class CheckpointCallback(Callback):
         self.capture = capturing(run.engine)
         self.saver = BackgroundSaver(run.rank, run.world, after_write=self._fault_point)
         self.reasons: dict[int, str] = {}
-        run.wait_for_checkpoint = self.wait
+        self.evaluations: dict[int, StepEvaluation] = {}  # by step, for the epoch checkpoint's record
 
     @classmethod
     def from_run(cls, run: RunContext) -> "CheckpointCallback":
@@ -51,8 +53,7 @@ class CheckpointCallback(Callback):
         state.pause("checkpoint")  # this step's interval stays out of the steady tokens/s
         run = self.run
         self.wait()  # one save at a time; the finished one is rotated before the next starts
-        for cb in run.callbacks:  # e.g. the expert load counted so far goes to its file first
-            cb.before_save(state)
+        run.before_save(state)  # e.g. the expert load counted so far goes to its file first
 
         def capture(tmp):
             run.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
@@ -72,16 +73,19 @@ class CheckpointCallback(Callback):
         """Finish the save in flight (raising its failure), then rotate and report it."""
         self._finished(self.saver.wait())
 
+    def flush(self) -> None:
+        self.wait()
+
     def _finished(self, done: Finished | None) -> None:
         if done is None:
             return
         run = self.run
-        run.last_checkpoint = done.path
         if run.rank == 0 and self.keep_last:
             ckpt.rotate_unless_syncing(run.output_dir, self.keep_last, protect=self.protect, log=run.progress.message,
                                        keep_unsynced=run.cfg.checkpoint.keep_unsynced)
         run.progress.message(f"checkpoint {done.path.name} ({self.reasons.pop(done.step, 'saved')}, "
                              f"{done.on_step_s:.1f}s on the step, {done.background_s:.1f}s written in the background)")
+        run.checkpoint_saved(done.step, done.path)
 
     def _trained_with(self) -> dict:
         return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
@@ -99,11 +103,15 @@ class CheckpointCallback(Callback):
         if reason:
             self.save(state, reason)
 
+    def on_evaluated(self, state: TrainState, result: EvalResult) -> None:
+        self.evaluations.setdefault(result.step, StepEvaluation()).add(result)
+
     def on_epoch_end(self, state):
         self.protect.add(state.step)
-        results = self.run.results
+        measured = self.evaluations.pop(state.step, StepEvaluation())
         self.save(state, f"end of epoch {state.epochs_done}",
-                  {"eval": results["eval"].get(state.step), "piqa": results["piqa"].get(state.step),
+                  {"eval": measured.heldout.record() if measured.heldout else None,
+                   "piqa": measured.piqa.record() if measured.piqa else None,
                    "train_loss": state.last.get("loss") if state.last else None}, wait=True)
 
     def on_end(self, state):

@@ -63,5 +63,5 @@ class FaultCallback(Callback):
 
     def on_step_end(self, state, metrics):
         if self.faults.due("kill_after_step", state.step) and self.run is not None:
-            self.run.wait_for_checkpoint()  # earlier steps' checkpoints complete: the crash comes after them
+            self.run.flush()  # earlier steps' checkpoints complete: the crash comes after them
         self.faults.maybe_kill("kill_after_step", state.step)

@@ -2,15 +2,34 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.training.callbacks.base import Callback, RunContext, is_epoch_end
 from ds_trhash.checkpoints.selection import Candidate, publish
+from ds_trhash.training.callbacks.base import (
+    Callback,
+    EvalResult,
+    RunContext,
+    StepEvaluation,
+    TrainState,
+    is_epoch_end,
+)
+
+
+def candidate(epoch: int, step: int, checkpoint: Path, heldout: dict | None, piqa: dict | None,
+              train_loss: float | None) -> Candidate:
+    """One epoch's candidate from its checkpoint and the records of its evaluations (``record()``
+    of the results, or what ``trainer_state.json`` kept of them)."""
+    ev, pq = heldout or {}, piqa or {}
+    return Candidate(epoch=epoch, step=step, checkpoint=str(checkpoint), eval_loss=ev.get("eval_loss"),
+                     eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"), train_loss=train_loss,
+                     piqa_acc=pq.get("acc"), piqa_acc_norm=pq.get("acc_norm"))
 
 
 class SelectionCallback(Callback):
-    """Reads the epoch's evaluation results and checkpoint from the run (so it comes after the
-    evaluation and checkpointing callbacks); rank 0 writes."""
+    """Takes the epoch's evaluation results (``on_evaluated``) and its checkpoint
+    (``on_checkpoint_saved``, sent before ``on_epoch_end`` reaches this callback, which comes after
+    the checkpointing one); rank 0 writes."""
 
     run_files = ("best", "selection.json")
 
@@ -18,6 +37,8 @@ class SelectionCallback(Callback):
         self.run = run
         self.rule = run.cfg.eval.select
         self.candidates: list[Candidate] = []
+        self.evaluations: dict[int, StepEvaluation] = {}
+        self.checkpoints: dict[int, Path] = {}
 
     @classmethod
     def from_run(cls, run: RunContext) -> "SelectionCallback | None":
@@ -37,24 +58,26 @@ class SelectionCallback(Callback):
             return
         checkpoint = ckpt.checkpoints_root(run.output_dir) / ckpt.step_dir_name(state.step)
         saved = ckpt.read_trainer_state(checkpoint)
-        ev, piqa = saved.get("eval") or {}, saved.get("piqa") or {}
-        self.candidates.append(Candidate(
-            epoch=int(saved["epoch"]), step=state.step, checkpoint=str(checkpoint), eval_loss=ev.get("eval_loss"),
-            eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"), train_loss=saved.get("train_loss"),
-            piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
+        self.candidates.append(candidate(int(saved["epoch"]), state.step, checkpoint, saved.get("eval"),
+                                         saved.get("piqa"), saved.get("train_loss")))
         winner = publish(run.output_dir, self.candidates, self.rule)
         run.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule} "
                              f"(epoch {saved['epoch']}'s candidate added from {checkpoint.name} on resume)")
 
+    def on_evaluated(self, state: TrainState, result: EvalResult) -> None:
+        self.evaluations.setdefault(result.step, StepEvaluation()).add(result)
+
+    def on_checkpoint_saved(self, step: int, path: Path) -> None:
+        self.checkpoints[step] = path
+
     def on_epoch_end(self, state):
         run = self.run
-        if run.rank != 0 or run.last_checkpoint is None:
+        checkpoint = self.checkpoints.get(state.step)
+        measured = self.evaluations.pop(state.step, StepEvaluation())
+        if run.rank != 0 or checkpoint is None:
             return
-        ev = run.results["eval"].get(state.step) or {}
-        piqa = run.results["piqa"].get(state.step) or {}
-        self.candidates.append(Candidate(
-            epoch=state.epochs_done, step=state.step, checkpoint=str(run.last_checkpoint),
-            eval_loss=ev.get("eval_loss"), eval_ppl=ev.get("eval_ppl"), eval_tokens=ev.get("eval_tokens"),
-            train_loss=state.last.get("loss"), piqa_acc=piqa.get("acc"), piqa_acc_norm=piqa.get("acc_norm")))
+        self.candidates.append(candidate(
+            state.epochs_done, state.step, checkpoint, measured.heldout.record() if measured.heldout else None,
+            measured.piqa.record() if measured.piqa else None, state.last.get("loss")))
         winner = publish(run.output_dir, self.candidates, self.rule)
         run.progress.message(f"best/ = epoch {winner.epoch} (step {winner.step}) under rule {self.rule}")

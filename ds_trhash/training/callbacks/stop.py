@@ -29,7 +29,6 @@ well inside the launcher's 30 s grace period for any step that takes seconds.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,7 @@ from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers im
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
 
 if TYPE_CHECKING:  # a type name only
-    from ds_trhash.training.data_loader import DataLoader
+    from ds_trhash.data.stage import DataLoader
 
 # launch.py waits this long for each rank's process tree before it SIGKILLs it.
 LAUNCHER_GRACE_S = 30.0
@@ -115,10 +114,13 @@ class StopAgreement:
     a gloo group made once here: every rank constructs this object at the same point): a stop
     request (2: and a requeue), whether the rank still reads its part of the next step's row exchange, the status
     of a failed read and its node (``data``: the stage's loader, ``readiness`` / ``agreed``; one
-    with nothing read in the background is always ready). While a rank still reads, every rank asks again every
-    ``POLL_S``: no rank waits for a read inside a collective (whose timeout would end the run
-    instead of the read's own budget), a stop requested meanwhile is agreed as at any step, and
-    a failed read is known to every rank before the step, which each then raises."""
+    with nothing read on the training thread is always ready). While a rank still reads, it
+    waits for its read at most ``POLL_S`` (``wait_read``: less when the read ends sooner), then
+    every rank asks again; the others wait in the all-reduce meanwhile. So no rank waits for a
+    read inside a collective for longer than that (whose timeout would end the run instead of the
+    read's own budget), a data-bound step starts as soon as the last rank's read is done, a stop
+    requested meanwhile is agreed as at any step, and a failed read is known to every rank
+    before the step, which each then raises."""
 
     def __init__(self, requests: StopRequests, watch: LauncherWatch | None = None, world_size: int = 1, *,
                  data: DataLoader) -> None:
@@ -152,11 +154,16 @@ class StopAgreement:
         self.agreed = self._agree(next_step, stop=True)
         return self.agreed
 
-    def wait_for_data(self, step: int) -> None:
+    def wait_for_data(self, step: int) -> bool:
         """Before the stage's first step: every rank's data for it read (or a failure known to
-        all). A stop requested meanwhile is agreed after that step, as any other."""
-        if self.world_size > 1:
-            self._agree(step, stop=False)
+        all), or a stop agreed (True): one requested before the first step (while the model was
+        built, while its first shards download or stall) is obeyed before it, nothing trained."""
+        if self.world_size == 1:
+            while not self._local() and self.data.readiness(step)[0]:
+                self.data.wait_read(step, POLL_S)
+            return self(step)
+        self.agreed = self._agree(step, stop=True)
+        return self.agreed
 
     def _agree(self, step: int | None, stop: bool) -> bool:
         while True:
@@ -172,7 +179,9 @@ class StopAgreement:
                 if step is not None:
                     self.data.agreed(step, found[2], found[3])
                 return False
-            time.sleep(POLL_S)
+            if ready[0]:  # this rank reads: until its read is done, at most POLL_S, then ask again
+                self.data.wait_read(step, POLL_S)
+            # a rank whose data is read asks again at once: the all-reduce waits for the others
 
     def describe(self) -> str:
         if self.local_reason is not None:
@@ -194,10 +203,14 @@ class StopCallback(Callback):
         return cls(run.stop) if run.stop is not None else None
 
     def on_start(self, state):
-        self.stop.wait_for_data(state.step)
+        if self.stop.wait_for_data(state.step):  # before the first step: the loop trains none
+            self._stop(state)
 
     def on_step_end(self, state, metrics):
         if self.stop(state.step):
-            state.stop_requested = True
-            state.stop_requeue = self.stop.requeue
-            state.stop_reason = self.stop.describe()
+            self._stop(state)
+
+    def _stop(self, state) -> None:
+        state.stop_requested = True
+        state.stop_requeue = self.stop.requeue
+        state.stop_reason = self.stop.describe()

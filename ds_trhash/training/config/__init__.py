@@ -26,7 +26,6 @@ from .checks import check_device, check_paths, require_source_stage
 from .layout import (
     as_number,
     batch_layout,
-    describe_model,
     for_world,
     model_config,
     to_deepspeed_dict,
@@ -96,5 +95,4 @@ __all__ = [
     "as_number",
     "with_micro_batch",
     "model_config",
-    "describe_model",
 ]

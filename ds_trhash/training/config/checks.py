@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from ds_trhash.model.config import ShapeError, TRHashConfig, resolve_shape
+from ds_trhash.model.config import ModelSection, ShapeError, TRHashConfig, resolve_shape
 from ds_trhash.outputs import OutputPathError, check_dir_target
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
-from .layout import _generated_deepspeed, as_number, describe_model
+from .layout import _generated_deepspeed, as_number
 from .schema import SFT, BatchSection, ConfigError, TrainConfig
 
 
@@ -30,9 +30,8 @@ class _Builder(Protocol):
 UINT16_TOKEN_IDS = 2**16
 
 
-def _model_shape(cfg: TrainConfig, b: _Builder) -> TRHashConfig:
+def _model_shape(m: ModelSection, b: _Builder) -> TRHashConfig:
     """The model the config describes, or the refusal naming the model key at fault."""
-    m = cfg.model
     try:
         shape = resolve_shape(m.preset, m.shape_overrides())
     except ShapeError as exc:
@@ -43,15 +42,15 @@ def _model_shape(cfg: TrainConfig, b: _Builder) -> TRHashConfig:
     return shape
 
 
-def _shape_key(cfg: TrainConfig, name: str) -> str:
+def _shape_key(m: ModelSection, name: str) -> str:
     """The key that decided a shape field: the field itself when the config sets it, else the preset."""
-    return f"model.{name}" if getattr(cfg.model, name) is not None else "model.preset"
+    return f"model.{name}" if getattr(m, name) is not None else "model.preset"
 
 
 def _check_combinations(cfg: TrainConfig, b: _Builder) -> None:
     """Settings that are each valid alone but cannot run together, refused at load time with the
     keys involved; the first problem found is the one raised, so the order of the checks holds."""
-    shape = _model_shape(cfg, b)
+    shape = _model_shape(cfg.model, b)
     _check_engine_settings(cfg, b)
     _check_stage_data(cfg, b)
     _check_feature_pairs(cfg, b)
@@ -128,21 +127,21 @@ def _check_model_fit(cfg: TrainConfig, shape: TRHashConfig, b: _Builder) -> None
     ep_size that splits its experts evenly, a sequence that fits its context."""
     if cfg.model.preset != "tiny":
         # null paths mean "the embedded demo corpus", which is sized for the tiny preset only
-        # (a null data.shards_dir beside a plan means the plan's own dataset, stage_data.py).
+        # (a null data.shards_dir beside a plan means the plan's own dataset, data/stage/opening.py).
         need = ("data.plan", cfg.data.plan) if cfg.data.kind == "pretrain" else ("data.sft_dir", cfg.data.sft_dir)
         if need[1] is None:
-            raise b.fail(need[0], f"required for {describe_model(cfg)}; null (the embedded demo corpus) "
+            raise b.fail(need[0], f"required for {cfg.model.describe()}; null (the embedded demo corpus) "
                                   "is allowed only with preset tiny", "model.preset")
         # data.shards_dir null: the plan's own dataset (an hf://datasets/... repository) is read.
     num_experts = shape.num_experts
     if num_experts % cfg.parallel.ep_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise b.fail("parallel.ep_size", f"must divide the {num_experts} routed experts of {describe_model(cfg)}; "
-                                         f"allowed: {', '.join(map(str, divisors))}", _shape_key(cfg, "num_experts"))
+        raise b.fail("parallel.ep_size", f"must divide the {num_experts} routed experts of {cfg.model.describe()}; "
+                                         f"allowed: {', '.join(map(str, divisors))}", _shape_key(cfg.model, "num_experts"))
     if cfg.data.seq_len > shape.max_seq_len:
         raise b.fail("data.seq_len", f"{cfg.data.seq_len} exceeds the {shape.max_seq_len}-token context "
-                                     f"(positions) of {describe_model(cfg)}; allowed: 1..{shape.max_seq_len}",
-                     _shape_key(cfg, "max_seq_len"))
+                                     f"(positions) of {cfg.model.describe()}; allowed: 1..{shape.max_seq_len}",
+                     _shape_key(cfg.model, "max_seq_len"))
 
 
 def _check_schedule_and_batch(cfg: TrainConfig, b: _Builder) -> None:
@@ -163,7 +162,7 @@ def _check_schedule_and_batch(cfg: TrainConfig, b: _Builder) -> None:
             raise b.fail("batch.micro_batch", f"auto derives batch.grad_accum from the size it chooses; drop "
                                               f"batch.grad_accum ({bt.grad_accum}) or give batch.micro_batch a "
                                               "number", "batch.grad_accum")
-    problem = global_batch.check_static(cfg.data.seq_len, 1 if bt.micro_batch == "auto" else bt.micro_batch,
+    problem = global_batch.check_static(cfg.data.seq_len, as_number(bt.micro_batch),
                                         bt.grad_accum, bt.global_tokens)
     if problem:
         raise b.fail(problem[0], problem[1], "batch.global_tokens", "data.seq_len")

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from ds_trhash.batch_layout import step_rows
-from ds_trhash.model.config import SHAPE_FIELDS, TRHashConfig, resolve_shape
+from ds_trhash.model.config import SHAPE_FIELDS, ModelSection, TRHashConfig, resolve_shape
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
@@ -23,22 +23,12 @@ def model_config(cfg: TrainConfig) -> TRHashConfig:
     return dataclasses.replace(shape, loss_chunk_tokens=cfg.kernels.loss_chunk_tokens)
 
 
-def describe_model(cfg: TrainConfig) -> str:
-    """The model for messages: "preset tiny", "preset tiny with hidden_size=96", or "a custom
-    shape (vocab_size=..., ...)"."""
-    given = cfg.model.shape_overrides()
-    fields = ", ".join(f"{k}={v}" for k, v in given.items())
-    if cfg.model.preset is None:
-        return f"a custom shape ({fields})"
-    return f"preset {cfg.model.preset}" + (f" with {fields}" if fields else "")
-
-
-def shape_critical(cfg: TrainConfig) -> dict[str, Any]:
+def shape_critical(model: ModelSection) -> dict[str, Any]:
     """The architecture fields that differ from the preset (all of them without one), as
     ``model.<field>`` keys: a checkpoint of a preset recorded before shapes were configurable
     has none, and still resumes under the same preset."""
-    shape = resolve_shape(cfg.model.preset, cfg.model.shape_overrides())
-    base = None if cfg.model.preset is None else resolve_shape(cfg.model.preset, {})
+    shape = resolve_shape(model.preset, model.shape_overrides())
+    base = None if model.preset is None else resolve_shape(model.preset, {})
     return {f"model.{name}": getattr(shape, name) for name in SHAPE_FIELDS
             if base is None or getattr(shape, name) != getattr(base, name)}
 
@@ -148,7 +138,7 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
         "source_stage": cfg.source_stage,
         "model.preset": cfg.model.preset,
         "model.family": cfg.model.family,
-        **shape_critical(cfg),
+        **shape_critical(cfg.model),
         "seed": cfg.seed,
         "data.kind": d.kind,
         "data.plan": d.plan,

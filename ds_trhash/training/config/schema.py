@@ -7,53 +7,23 @@ Key reference: ``docs/configs.md``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import MISSING, dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from ds_trhash.errors import UserError
-from ds_trhash.model.backend import POLICIES as KERNEL_POLICIES
-from ds_trhash.model.config import SHAPE_FIELDS
-from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from ds_trhash.config_fields import ConfigError
+from ds_trhash.config_fields import half_open_unit as _half_open_unit
+from ds_trhash.config_fields import non_negative as _non_negative
+from ds_trhash.config_fields import optional as _optional
+from ds_trhash.config_fields import positive as _positive
+from ds_trhash.config_fields import setting as _f
+from ds_trhash.data.config import DataSection, PackingSection  # the data's own section
+from ds_trhash.model.backend import KernelsSection  # the kernels' own section, beside the policies
+from ds_trhash.model.config import ModelSection  # the model's own section, beside its shapes
+from ds_trhash.model.lora import LoraSection  # LoRA's own section, beside its targets
+from ds_trhash.training.schedule import ScheduleSection  # the schedule's own section
 
 STAGES = ("pretraining", "refinement", "supervised-finetuning")
 SFT = "supervised-finetuning"
-# docs/contracts.md §6: W = int(0.03 * H) unless a config says otherwise.
-DEFAULT_WARMUP_FRACTION = 0.03
-# LoRA targets (LORA_TARGETS, DEFAULT_LORA_TARGETS) come from ds_trhash.model.lora; stacked expert
-# weights are switched by `lora.experts`.
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration that must not be launched; the message is meant for the user as is."""
-
-    def __init__(self, source: str, key: str, problem: str):
-        self.source = source
-        self.key = key
-        self.problem = problem
-        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
-
-
-# --- field checks -------------------------------------------------------------------------
-# Each returns a problem string, or None when the value is acceptable.
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v!r}"
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else f"must be >= 0, got {v!r}"
-
-
-def _half_open_unit(v: float) -> str | None:
-    return None if 0 <= v < 1 else f"must be in [0, 1), got {v!r}"
-
-
-def _closed_unit(v: float) -> str | None:
-    return None if 0 <= v <= 1 else f"must be in [0, 1], got {v!r}"
-
-
-def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    return lambda v: None if v is None else check(v)
 
 
 def _betas(v: tuple[float, float]) -> str | None:
@@ -61,97 +31,12 @@ def _betas(v: tuple[float, float]) -> str | None:
     return f"each beta must be in [0, 1), got {list(v)}" if bad else None
 
 
-def _lora_targets(v: tuple[str, ...]) -> str | None:
-    if not v:
-        return f"must name at least one layer; allowed: {', '.join(LORA_TARGETS)}"
-    unknown = [t for t in v if t not in LORA_TARGETS]
-    if unknown:
-        return f"unknown target(s) {unknown}; allowed: {', '.join(LORA_TARGETS)}"
-    if len(set(v)) != len(v):
-        return f"duplicate targets in {list(v)}"
-    return None
-
-
 def _seed(v: int) -> str | None:
     # Every RNG seeded from it (torch, numpy PCG64, DeepSpeed) takes an unsigned 64-bit value.
     return None if 0 <= v < 2**64 else f"must fit an unsigned 64-bit integer (0 <= seed < 2**64), got {v}"
 
 
-def _f(default: Any = MISSING, *, check: Callable[[Any], str | None] | None = None,
-       factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"check": check} if check else {}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 # --- schema ----------------------------------------------------------------------------------
-
-_SHAPE = _optional(_positive)
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    # A named size, or null with the architecture below given field by field; a preset plus some
-    # of those fields is the preset with them replaced (ds_trhash.model.config.resolve_shape).
-    preset: Literal["200m", "tiny"] | None = None
-    # "vision" integrates refinement in its own recipe, so the stage guard lets it go
-    # pretraining -> SFT directly.
-    family: Literal["language", "vision"] = "language"
-    # Recompute decoder layers in backward instead of keeping their activations: none, every
-    # layer (full) or every activation_checkpointing_every-th layer (every_n). Same gradients.
-    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
-    activation_checkpointing_every: int = _f(2, check=_positive)
-    # The architecture, under the model's own field names (model.config.SHAPE_FIELDS); null: the
-    # preset's value. Combinations are checked at load (checks.py).
-    vocab_size: int | None = _f(None, check=_SHAPE)
-    hidden_size: int | None = _f(None, check=_SHAPE)
-    num_layers: int | None = _f(None, check=_SHAPE)
-    num_heads: int | None = _f(None, check=_SHAPE)
-    num_kv_heads: int | None = _f(None, check=_SHAPE)
-    head_dim: int | None = _f(None, check=_SHAPE)
-    shared_width: int | None = _f(None, check=_SHAPE)
-    num_experts: int | None = _f(None, check=_SHAPE)
-    expert_width: int | None = _f(None, check=_SHAPE)
-    max_seq_len: int | None = _f(None, check=_SHAPE)
-    hash_channels: int | None = _f(None, check=_SHAPE)
-    route_seed: int | None = _f(None, check=_optional(_non_negative))
-
-    def shape_overrides(self) -> dict[str, int]:
-        """The architecture fields this section sets (the rest come from the preset)."""
-        return {name: getattr(self, name) for name in SHAPE_FIELDS if getattr(self, name) is not None}
-
-
-@dataclass(frozen=True)
-class PackingSection:
-    policy: Literal["cross_document", "per_document"] = "cross_document"
-
-
-@dataclass(frozen=True)
-class DataSection:
-    kind: Literal["pretrain", "sft"] = "pretrain"
-    plan: str | None = None
-    shards_dir: str | None = None
-    cache_dir: str | None = None
-    cache_gb: float = _f(1.0, check=_positive)
-    # How long a Hub store waits out an outage (503s, 429s, no connection) before the run stops with
-    # a checkpoint: each wait is one line, Retry-After and rate limits are honoured.
-    hub_wait_minutes: float = _f(30.0, check=_positive)
-    # How far ahead, in time at the measured pace, the cache fetches the shards the plan reads next
-    # (two at a time per rank, held until read); 0 looks only at the next shuffle window.
-    prefetch_minutes: float = _f(10.0, check=_non_negative)
-    # On several nodes reading the Hub: the global rows whose exchange between the nodes is one
-    # collective (rounded down to whole steps, at least one step).
-    exchange_rows: int = _f(4096, check=_positive)
-    # A cache folder on a network filesystem (nfs, lustre, gpfs, cifs, fuse) is refused unless this
-    # says its locks work and only one node uses it.
-    cache_on_network_fs: bool = False
-    sft_dir: str | None = None
-    tokenizer: str | None = None
-    seq_len: int = _f(2048, check=_positive)
-    packing: PackingSection = _f(factory=PackingSection)
-    target_tokens: int | None = _f(None, check=_optional(_positive))
-
 
 @dataclass(frozen=True)
 class OptimizerSection:
@@ -163,30 +48,6 @@ class OptimizerSection:
     # True: torch.optim.AdamW (fused kernel on CUDA). False: DeepSpeed's FusedAdam on CUDA; on CPU,
     # where FusedAdam does not exist, torch AdamW again (the startup summary says which ran).
     torch_adam: bool = True
-
-
-@dataclass(frozen=True)
-class ScheduleSection:
-    # cosine: warmup then one cosine to the floor; wsd: warmup, a stable peak, then a cosine over the
-    # last (1 - stable_fraction) of the post-warmup steps (ds_trhash.training.schedule).
-    kind: Literal["cosine", "wsd"] = "cosine"
-    # W = int(fraction * H); null means DEFAULT_WARMUP_FRACTION unless warmup_tokens is set.
-    warmup_fraction: float | None = _f(None, check=_optional(_half_open_unit))
-    # The warmup in tokens instead: W = ceil(warmup_tokens / tokens per step). Exclusive with
-    # warmup_fraction (checks.py), so a dumped config (both keys written) loads back.
-    warmup_tokens: int | None = _f(None, check=_optional(_positive))
-    # LR factor the warmup line starts from (0: the first step is at peak / W).
-    warmup_start_factor: float = _f(0.0, check=_half_open_unit)
-    stable_fraction: float = _f(0.8, check=_half_open_unit)
-    min_warmup_steps: int = _f(1, check=_non_negative)
-    floor: float = _f(0.1, check=_closed_unit)
-
-    @property
-    def fraction(self) -> float | None:
-        """The warmup fraction in force: None when the warmup is given in tokens."""
-        if self.warmup_tokens is not None:
-            return None
-        return DEFAULT_WARMUP_FRACTION if self.warmup_fraction is None else self.warmup_fraction
 
 
 def _positive_or_auto(v: int | str) -> str | None:
@@ -235,30 +96,8 @@ class ZeroSection:
 
 
 @dataclass(frozen=True)
-class KernelsSection:
-    policy: Literal[KERNEL_POLICIES] = "auto"
-    require_liger: bool = False
-    loss_chunk_tokens: int = _f(1024, check=_positive)
-    # inductor on the engine path: none, each decoder layer, or the whole model (model/compile.py)
-    compile: Literal["none", "layers", "model"] = "none"
-    # routed experts: auto (the policy's choice; on CUDA the Triton kernel and the dense masked path
-    # timed at the launch's shape, the faster runs: model/expert_probe.py) or one of them fixed
-    experts: Literal["auto", "triton", "masked", "pytorch"] = "auto"
-
-
-@dataclass(frozen=True)
 class ParallelSection:
     ep_size: int = _f(1, check=_positive)
-
-
-@dataclass(frozen=True)
-class LoraSection:
-    enabled: bool = False
-    rank: int = _f(16, check=_positive)
-    alpha: float = _f(16.0, check=_positive)
-    dropout: float = _f(0.05, check=_half_open_unit)
-    targets: tuple[str, ...] = _f(DEFAULT_LORA_TARGETS, check=_lora_targets)
-    experts: bool = False
 
 
 @dataclass(frozen=True)

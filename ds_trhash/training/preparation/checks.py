@@ -17,6 +17,7 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
 from ds_trhash.errors import UserError
+from ds_trhash.training.preparation.request import LaunchRequest
 
 Log = Callable[[str], None]
 # Next to a run's files, the names a damaged run is set aside under (never deleted).
@@ -144,12 +145,13 @@ def check_resume_source(resume_dir: Path, output_dir: Path, fork: bool, written_
             f"resume it in its own run (--output-dir {written_in}), or pass --fork to continue it as a new run here")
 
 
-def check_flags(args, resume_choice: str | None) -> None:
+def check_flags(request: LaunchRequest) -> None:
     """Modifiers without the option they modify would be silently ignored: refuse them."""
-    if getattr(args, "fork", False) and (resume_choice is None or resume_choice == "auto"):
+    resume_choice = request.resume
+    if request.fork and (resume_choice is None or resume_choice == "auto"):
         raise LaunchCheckError("--fork modifies --resume DIR (continue another run's checkpoint as a new run "
                                "here); pass --resume DIR with it, or drop --fork")
-    if getattr(args, "allow_fresh_over_damaged", False) and resume_choice != "auto":
+    if request.allow_fresh_over_damaged and resume_choice != "auto":
         raise LaunchCheckError("--allow-fresh-over-damaged modifies --resume auto (set damaged checkpoints aside "
                                "and start fresh); pass --resume auto with it, or drop it")
 

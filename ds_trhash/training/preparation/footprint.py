@@ -19,7 +19,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ds_trhash.model import TRHashForCausalLM
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.training.config import KernelsSection, ParallelSection, TrainConfig
 
 GIB = 1024**3
 FP32 = 4
@@ -96,7 +98,7 @@ def _shapes_only():
     return SkipInit()
 
 
-def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
+def meta_model(cfg: TrainConfig, model_cfg: TRHashConfig) -> TRHashForCausalLM:
     """The model this config trains, on the meta device: LoRA adapters and activation
     checkpointing as the launch sets them, no storage."""
     with torch.device("meta"), _shapes_only():
@@ -107,9 +109,9 @@ def meta_model(cfg, model_cfg) -> TRHashForCausalLM:
     return model
 
 
-def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
-    """Exact parameter counts of ``meta_model(cfg, ...)``."""
-    ep = cfg.parallel.ep_size
+def count_parameters(parallel: ParallelSection, model: TRHashForCausalLM) -> ParamCount:
+    """Exact parameter counts of ``meta_model(cfg, ...)``; per rank with ``parallel.ep_size``."""
+    ep = parallel.ep_size
     total = trainable = per_rank = trainable_per_rank = expert_trainable = routed = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -126,10 +128,10 @@ def count_parameters(cfg, model: TRHashForCausalLM) -> ParamCount:
     return ParamCount(total, trainable, per_rank, trainable_per_rank, buffers, expert_trainable, routed)
 
 
-def fused_kernels(cfg, device_type: str) -> bool:
+def fused_kernels(kernels: KernelsSection, device_type: str) -> bool:
     """Whether the launch runs the fused kernels (Triton experts, Liger norm/RoPE/loss): on CUDA
     under kernels.policy auto or triton (Liger assumed importable there), never on CPU."""
-    return device_type == "cuda" and cfg.kernels.policy in ("auto", "triton")
+    return device_type == "cuda" and kernels.policy in ("auto", "triton")
 
 
 def _norm_bytes(width: int, act: int, fused: bool) -> int:
@@ -158,7 +160,7 @@ class FusedParts:
         return cls(backends.get("experts") == "triton", backends.get("norm") == "liger", backends.get("loss") == "liger")
 
 
-def layer_bytes_per_token(model_cfg, act: int, fused: bool | FusedParts) -> int:
+def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool | FusedParts) -> int:
     """Bytes autograd keeps per token for one decoder layer (checked against saved-tensor counts
     in tests/prelaunch/test_model_size.py):
 
@@ -180,7 +182,8 @@ def layer_bytes_per_token(model_cfg, act: int, fused: bool | FusedParts) -> int:
     return norms + 2 * h * act + attention + 4 * s * act + routed
 
 
-def loss_bytes(cfg, model_cfg, tokens: int, act: int, fused: bool | FusedParts, transient: bool = True) -> int:
+def loss_bytes(kernels: KernelsSection, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool | FusedParts,
+               transient: bool = True) -> int:
     """The head: the final norm, what the loss keeps until backward and its largest temporary.
     Liger's fused linear CE computes the gradients in forward and keeps grad_input [N, H] and an
     fp32 grad_weight [V, H]; its logits come in chunks of about N / ceil(V / H) rows. The chunked
@@ -194,26 +197,26 @@ def loss_bytes(cfg, model_cfg, tokens: int, act: int, fused: bool | FusedParts, 
     if parts.loss:
         chunk = min(tokens, 1 << max(0, math.ceil(math.log2(tokens / math.ceil(v / h)))))
         return final_norm + tokens * h * act + v * h * FP32 + (chunk * v * FP32 if transient else 0)
-    chunk = min(cfg.kernels.loss_chunk_tokens, tokens)
+    chunk = min(kernels.loss_chunk_tokens, tokens)
     return final_norm + tokens * (h * act + FP32) + (_LOGIT_COPIES * chunk * v * FP32 if transient else 0)
 
 
-def activation_bytes(cfg, model_cfg, checkpointed: int = 0, device_type: str = "cuda", transient: bool = True,
-                     fused: FusedParts | None = None) -> int:
+def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: int = 0, device_type: str = "cuda",
+                     transient: bool = True, fused: FusedParts | None = None) -> int:
     """One micro-batch [micro_batch, seq_len] through every layer and the loss, for the kernels
     ``device_type`` runs (or the ``fused`` parts given). A ``checkpointed`` layer keeps only its
     input and is recomputed, one at a time, in backward (``transient``: that recompute and the
     loss's largest temporary, the peak; without: what autograd keeps at the end of the forward)."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
-    parts = fused if fused is not None else FusedParts.all(fused_kernels(cfg, device_type))
+    parts = fused if fused is not None else FusedParts.all(fused_kernels(cfg.kernels, device_type))
     per_layer = layer_bytes_per_token(model_cfg, act, parts)
     kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size * act
     layers = tokens * (kept + (per_layer if checkpointed and transient else 0))
-    return layers + loss_bytes(cfg, model_cfg, tokens, act, parts, transient)
+    return layers + loss_bytes(cfg.kernels, model_cfg, tokens, act, parts, transient)
 
 
-def gradient_buffers(cfg, params: "ParamCount") -> int:
+def gradient_buffers(cfg: TrainConfig, params: ParamCount) -> int:
     """DeepSpeed's ZeRO 1/2 optimizer copies gradients into a contiguous bucket of
     ``reduce_bucket_size`` elements (two with overlap_comm), allocated whole at the first backward;
     unless the config sets it, the engine sizes it to the trainable parameters when they are fewer
@@ -228,7 +231,7 @@ def gradient_buffers(cfg, params: "ParamCount") -> int:
     return copies * bucket * PRECISION_BYTES[cfg.precision]
 
 
-def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
+def checkpoint_bytes(cfg: TrainConfig, params: ParamCount, world: int) -> int:
     """One checkpoint as DeepSpeed writes it: the module in the training precision (rank 0, all
     experts), fp32 Adam moments for every trainable parameter, and fp32 master weights wherever
     they exist apart from the module (bf16/fp16, or ZeRO partitions)."""
@@ -238,10 +241,10 @@ def checkpoint_bytes(cfg, params: ParamCount, world: int) -> int:
     return params.total * p + params.buffer_bytes + params.trainable * (ADAM_MOMENTS + master) + small
 
 
-def estimate(cfg, model_cfg, world: int, device_type: str) -> Footprint:
+def estimate(cfg: TrainConfig, model_cfg: TRHashConfig, world: int, device_type: str) -> Footprint:
     """The footprint of one rank of ``world`` for ``cfg`` on a ``device_type`` ("cuda" or "cpu")."""
     model = meta_model(cfg, model_cfg)
-    params = count_parameters(cfg, model)
+    params = count_parameters(cfg.parallel, model)
     checkpointed = sum(1 for layer in model.layers if layer.checkpointed)
     p = PRECISION_BYTES[cfg.precision]
     zero = cfg.zero.stage

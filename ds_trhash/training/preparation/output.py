@@ -7,7 +7,6 @@ The launcher runs :func:`check_output_paths` before it takes the run lock and
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.preparation import checks as launch_checks
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.training.preparation.request import LaunchRequest
+from ds_trhash.data.stage import StageData
 
 log = logging.getLogger("ds_trhash.trainer")
 
@@ -31,44 +31,40 @@ class OutputSide:
     damaged: list  # (name, why) of checkpoints to set aside: all (--allow-fresh-over-damaged) or those newer than resume_dir
 
 
-def requested_resume(args) -> str | None:
-    """``--resume`` or else ``RESUME`` ("auto", a checkpoint directory), None for neither."""
-    return args.resume or os.environ.get("RESUME") or None
-
-
-def check_output_paths(cfg: tcfg.TrainConfig, args) -> None:
+def check_output_paths(cfg: tcfg.TrainConfig, request: LaunchRequest) -> None:
     """The refusals that need only the command line and the output path, not what the output
     directory holds: the launcher makes them before it takes the run lock (which creates the
     directory), so a wrong path is refused without touching anything."""
     output_dir = Path(cfg.output_dir)
     launch_checks.check_output_location(output_dir)
-    if args.resume and os.environ.get("RESUME") and args.resume != os.environ.get("RESUME"):
-        ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir)  # refuses the disagreement
-    launch_checks.check_flags(args, requested_resume(args))
+    flag, env = request.resume_flag, request.resume_env
+    if flag and env and flag != env:
+        ckpt.resolve_resume(flag, env, output_dir)  # refuses the disagreement
+    launch_checks.check_flags(request)
     outputs.check_dir_target("--output-dir", output_dir)
 
 
-def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
+def check_output_side(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int) -> OutputSide:
     """Fresh start, resume (from which checkpoint) or refusal: what the command line and the
     output directory decide. The launcher runs this while rank 0 holds the output directory's
     run lock (the other ranks after the process group started, which waits for rank 0), so no
     other launch changes the directory between this decision and the run's first write; nothing
     is written until all of these and the data checks pass."""
     output_dir = Path(cfg.output_dir)
-    check_output_paths(cfg, args)
+    check_output_paths(cfg, request)
     say = log.info if rank == 0 else (lambda *_: None)
-    resume_choice = requested_resume(args)
+    resume_choice = request.resume
     damaged: list = []
     if resume_choice == "auto":
-        resume_dir, damaged = launch_checks.resume_auto(output_dir, args.allow_fresh_over_damaged, log=say)
+        resume_dir, damaged = launch_checks.resume_auto(output_dir, request.allow_fresh_over_damaged, log=say)
     else:
-        resume_dir = ckpt.resolve_resume(args.resume, os.environ.get("RESUME"), output_dir, log=say)
+        resume_dir = ckpt.resolve_resume(request.resume_flag, request.resume_env, output_dir, log=say)
     saved = ckpt.read_trainer_state(resume_dir) if resume_dir else None
     explicit = resume_dir.path if resume_dir is not None and resume_choice != "auto" else None
-    init_dir = launch_checks.resolve_init_checkpoint(args.init_checkpoint, log=say)
+    init_dir = launch_checks.resolve_init_checkpoint(request.init_checkpoint, log=say)
     launch_checks.check_not_own_source(output_dir, init_dir, explicit)
     if explicit is not None:
-        launch_checks.check_resume_source(explicit, output_dir, args.fork, saved.get("output_dir"))
+        launch_checks.check_resume_source(explicit, output_dir, request.fork, saved.get("output_dir"))
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
     if not damaged or resume_dir is not None:
@@ -79,14 +75,15 @@ def check_output_side(cfg: tcfg.TrainConfig, args, rank: int) -> OutputSide:
     return OutputSide(resume_dir, saved, init_dir, damaged)
 
 
-def check_resume(cfg: tcfg.TrainConfig, args, world: int, data: StageData, saved: dict, resume_dir) -> bool:
+def check_resume(cfg: tcfg.TrainConfig, request: LaunchRequest, world: int, data: StageData, saved: dict,
+                 resume_dir) -> bool:
     """An exact resume continues the saved run: every training-critical setting, the world size
     (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
     ckpt.check_resume_compatible(
         saved, tcfg.training_critical(cfg, world), world_size=world, lora_enabled=cfg.lora.enabled,
-        total_steps=data.total_steps, stage=cfg.stage, reshard=args.reshard,
+        total_steps=data.total_steps, stage=cfg.stage, reshard=request.reshard,
         plan_sha256=data.plan.sha256 if data.plan is not None else None,
-        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=requested_resume(args) == "auto",
+        found=ckpt.inspect_saved_parts(resume_dir), finished_ok=request.resumes_auto,
     )
     launch_checks.check_sft_manifest_unchanged(saved.get("sft_manifest_sha256"), data.sft_manifest_sha256, data.sft_dir)
-    return ckpt.is_reshard(saved, world, args.reshard, cfg.parallel.ep_size)
+    return ckpt.is_reshard(saved, world, request.reshard, cfg.parallel.ep_size)

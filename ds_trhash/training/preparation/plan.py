@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.data.stage import StageData, StageRequest, open_stage_data
 from ds_trhash.model import backend, expert_probe, selfcheck
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.training import config as tcfg
@@ -35,7 +37,7 @@ from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.init_weights import InitWeights, read_init_weights
 from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
-from ds_trhash.training.preparation.stage_data import StageData, prepare_pretrain_data, prepare_sft_data
+from ds_trhash.training.preparation.request import LaunchRequest
 from ds_trhash.training.preparation.stage_guard import guard_stage
 from ds_trhash.training.records.files import TRAINER_FILES
 
@@ -136,6 +138,17 @@ def warn_resources(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, data: StageDa
             log.warning("%s: %s; %s", warning.name, warning.detail, warning.fix)
 
 
+def data_request(cfg: tcfg.TrainConfig, rank: int, world: int) -> StageRequest:
+    """What the data package needs of this launch to open its stage's data: the ``data:``
+    section and this rank's cut of the step (grad_accum derived for this world size)."""
+    step = tcfg.batch_layout(cfg, world)
+    return StageRequest(
+        data=cfg.data, stage=cfg.stage, origin=str(cfg.origin), output_dir=cfg.output_dir, seed=cfg.seed,
+        layout=BatchLayout(step.micro_batch, step.grad_accum, rank=rank, world_size=world),
+        vocab_size=tcfg.model_config(cfg).vocab_size, model=cfg.model.describe(), preset=cfg.model.preset,
+        max_steps=cfg.training.max_steps, epochs=cfg.training.epochs, heldout=cfg.eval.heldout)
+
+
 def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     """Whose corpus record this launch reads again: its own checkpoint's on a resume; on a fresh
     refinement, the pretraining checkpoint's (refinement never resolves the branch again)."""
@@ -146,23 +159,23 @@ def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     return {}
 
 
-def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Sequence[type[Callback]] | None = None,
-                checked: OutputSide | None = None) -> LaunchPlan:
-    """Every check of the launch, before the model exists; raises the first refusal. ``parts``:
+def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world: int,
+                parts: Sequence[type[Callback]] | None = None, checked: OutputSide | None = None) -> LaunchPlan:
+    """Every check of the launch, before the model exists; raises the first refusal. ``request``:
+    the command line and environment, resolved by the entry point. ``parts``:
     the callback classes of the launch (default ``training_parts()``); ``checked``: what
     ``check_output_side`` decided before the process group existed."""
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
     loaded, model_cfg = cfg, tcfg.model_config(cfg)
-    output = checked if checked is not None else check_output_side(cfg, args, rank)
+    output = checked if checked is not None else check_output_side(cfg, request, rank)
     device = launch_device()
     # batch.micro_batch auto: chosen (or taken from the run's record) before the data cuts its rows
     cfg, auto = auto_micro_batch.resolve(cfg, model_cfg, world, device, rank, output.saved)
     cfg = tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
-    data = (prepare_sft_data(cfg, model_cfg, rank, world) if cfg.data.kind == "sft"
-            else prepare_pretrain_data(cfg, rank, world, **held_to(cfg, output)))
+    data = open_stage_data(data_request(cfg, rank, world), **held_to(cfg, output), target_tokens=request.target_tokens)
     for note in data.notes:  # e.g. that the corpus records no tokenizer and data.tokenizer is assumed
         if rank == 0:
             log.info(note)
@@ -175,7 +188,7 @@ def plan_launch(cfg: tcfg.TrainConfig, args, rank: int, world: int, parts: Seque
     builders = build_callbacks(classes, cfg)
     resharding = False
     if output.saved is not None:
-        resharding = check_resume(cfg, args, world, data, output.saved, output.resume_dir)
+        resharding = check_resume(cfg, request, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts
     initial = read_init_weights(output.init_dir, model_cfg) if output.saved is None and output.init_dir else None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_trhash.data.stream.cache import cache_bytes_from, cache_dir_of
+from ds_trhash.data.stage import cache_bytes_from, cache_dir_of
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import is_multi_rank, ranks_on_node
 from ds_trhash.model import backend

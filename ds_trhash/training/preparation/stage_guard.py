@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
-from ds_trhash.data.plans.plan import unique_core_fingerprint, validate_refinement
+from ds_trhash.data.stage import StageData, unique_core_fingerprint, validate_refinement
 from ds_trhash.training import config as tcfg
-from ds_trhash.training.preparation.stage_data import StageData
 
 
 def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) -> None:

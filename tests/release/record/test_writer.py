@@ -182,7 +182,7 @@ def test_the_record_carries_a_custom_models_shape(tmp_path):
     from ds_trhash.training import config as tcfg
     from ds_trhash.training.callbacks.base import TrainState
     from ds_trhash.training.preparation.plan import plan_launch
-    from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
+    from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
     from ds_trhash.training.trainer import build_model, start_writing, state_recorder
 
     shape = {"hidden_size": 96, "num_layers": 3, "num_heads": 3, "num_kv_heads": 1, "shared_width": 192,
@@ -191,7 +191,7 @@ def test_the_record_carries_a_custom_models_shape(tmp_path):
     sets = [part for key, value in shape.items() for part in ("--set", f"model.{key}={value}")]
     args = build_arg_parser().parse_args(
         ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(out), "--max-steps", "2", *sets])
-    plan = plan_launch(config_from_args(args), args, rank=0, world=1)
+    plan = plan_launch(launch_config(request := launch_request(args)), request, rank=0, world=1)
     model = build_model(plan, rank=0)
 
     def engine(tmp):

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from ds_trhash.training.callbacks import RunContext
-from ds_trhash.training.data_loader import DataLoader
+from ds_trhash.training.callbacks import Callback, RunContext
+from ds_trhash.data.stage import DataLoader
 from ds_trhash.training.loop import TrainState
 
 
@@ -97,3 +97,23 @@ def run(tmp_path, cfg=None, **over) -> RunContext:
                   trainer_state=trainer_state)
     fields.update(over)
     return RunContext(**fields)
+
+
+class Told(Callback):
+    """Records what the other callbacks of a run tell every callback: checkpoints saved, results."""
+
+    def __init__(self):
+        self.saved, self.evaluated = [], []
+
+    def on_checkpoint_saved(self, step, path):
+        self.saved.append((step, path))
+
+    def on_evaluated(self, state, result):
+        self.evaluated.append(result)
+
+
+def told(run: RunContext) -> Told:
+    """A ``Told`` among ``run``'s callbacks."""
+    listener = Told()
+    run.callbacks.append(listener)
+    return listener

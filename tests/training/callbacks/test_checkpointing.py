@@ -8,6 +8,7 @@ from ds_trhash import checkpoints as ckpt
 from ds_trhash.checkpoints.sync_guard import output_lock, update_verified
 from ds_trhash.io import sha256_file
 from ds_trhash.training.callbacks import Callback, CheckpointCallback, make_callbacks
+from ds_trhash.training.callbacks.base import HeldoutResult
 from ds_trhash.training.loop import TrainState
 from tests.training.callbacks import fakes
 
@@ -19,6 +20,7 @@ def _steps(tmp_path):
 def test_cadence_pack_boundary_stop_and_final(tmp_path):
     run = fakes.run(tmp_path, cfg=fakes.config(every_steps=3), protect_steps={5})
     cb = CheckpointCallback.from_run(run)
+    told = fakes.told(run)
     state = TrainState(step=0, total_steps=8)
     for step in range(1, 8):
         state.step = step
@@ -28,7 +30,8 @@ def test_cadence_pack_boundary_stop_and_final(tmp_path):
     assert _steps(tmp_path) == [3, 5, 6, 7]
     reasons = [ckpt.read_trainer_state(c)["reason"] for c in ckpt.list_checkpoints(tmp_path)]
     assert reasons == ["every_steps", "token pack boundary", "every_steps", "stop signal"]
-    assert run.last_checkpoint.name == "step_00000007" and all(ckpt.verify(c)[0] for c in ckpt.list_checkpoints(tmp_path))
+    assert [(step, path.name) for step, path in told.saved] == [(s, f"step_{s:08d}") for s in (3, 5, 6, 7)]
+    assert all(ckpt.verify(c)[0] for c in ckpt.list_checkpoints(tmp_path))
     cb.on_end(state)  # stopped before the end: no "final" checkpoint
     assert _steps(tmp_path) == [3, 5, 6, 7]
     state.step = 8
@@ -38,9 +41,10 @@ def test_cadence_pack_boundary_stop_and_final(tmp_path):
 
 def test_epoch_end_is_saved_once_with_the_evaluation_results(tmp_path):
     run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1), loader=fakes.Loader(per_epoch=2))
-    run.results["eval"][2] = {"eval_loss": 1.25}
     cb = CheckpointCallback.from_run(run)
     state = TrainState(step=2, total_steps=4, epoch=0, epochs_done=1)
+    run.callbacks.append(cb)
+    run.evaluated(state, HeldoutResult(step=2, epoch=1, eval_loss=1.25, eval_ppl=3.5, eval_tokens=8))
     run.model.forward("train")
     cb.on_step_end(state, fakes.metrics(2))  # the epoch boundary: left to on_epoch_end
     assert _steps(tmp_path) == []
@@ -48,7 +52,8 @@ def test_epoch_end_is_saved_once_with_the_evaluation_results(tmp_path):
     cb.on_epoch_end(state)
     cb.on_end(TrainState(step=2, total_steps=2))  # same step again: not written twice
     saved = ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_00000002")
-    assert saved["reason"] == "end of epoch 1" and saved["eval"] == {"eval_loss": 1.25} and saved["piqa"] is None
+    assert saved["reason"] == "end of epoch 1" and saved["piqa"] is None
+    assert saved["eval"] == {"eval_loss": 1.25, "eval_ppl": 3.5, "eval_tokens": 8, "step": 2, "epoch": 1}
     # the kernel path recorded is the training step's, not the evaluation forward's
     assert saved["backends_used"] == {"experts": "pytorch", "loss": "chunked", "norm": "train"}
     assert 2 in cb.protect and len(run.engine.saves) == 1
@@ -120,6 +125,7 @@ def test_a_resume_at_the_last_step_saves_nothing_and_hooks_run_before_each_save(
 def test_a_background_failure_surfaces_at_the_next_step_and_close_finishes_the_save_in_flight(tmp_path):
     run = fakes.run(tmp_path, cfg=fakes.config(every_steps=1))
     cb = CheckpointCallback.from_run(run)
+    told = fakes.told(run)
     state = TrainState(step=1, total_steps=10)
 
     def broken(step):
@@ -142,5 +148,5 @@ def test_a_background_failure_surfaces_at_the_next_step_and_close_finishes_the_s
     assert closing.is_alive() and _steps(tmp_path) == []  # close waits for the write in flight
     held.set()
     closing.join(30)
-    assert _steps(tmp_path) == [3] and run.last_checkpoint.name == "step_00000003"
+    assert _steps(tmp_path) == [3] and [(step, path.name) for step, path in told.saved] == [(3, "step_00000003")]
     assert "on the step" in run.progress.messages[-1] and "written in the background" in run.progress.messages[-1]

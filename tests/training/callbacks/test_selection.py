@@ -2,23 +2,27 @@
 import json
 
 from ds_trhash.training.callbacks import SelectionCallback
+from ds_trhash.training.callbacks.base import HeldoutResult
 from ds_trhash.training.loop import TrainState
 from tests.training.callbacks import fakes
 
 
-def _epoch_checkpoint(run, tmp_path, step, eval_loss):
+def _epoch_checkpoint(cb, tmp_path, step, eval_loss):
+    """What the evaluation and checkpointing callbacks tell the others at an epoch end: the
+    held-out result, then the complete checkpoint."""
     path = tmp_path / "checkpoints" / f"step_{step:08d}"
     path.mkdir(parents=True)
     (path / "weights").write_text(f"step {step}")
-    run.last_checkpoint = path
-    run.results["eval"][step] = {"eval_loss": eval_loss, "eval_ppl": 1.0, "eval_tokens": 10}
+    state = TrainState(step=step, total_steps=step)
+    cb.on_evaluated(state, HeldoutResult(step=step, epoch=0, eval_loss=eval_loss, eval_ppl=1.0, eval_tokens=10))
+    cb.on_checkpoint_saved(step, path)
 
 
 def test_best_follows_the_rule_and_survives_a_resume(tmp_path):
     run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"))
     cb = SelectionCallback.from_run(run)
     for epoch, (step, loss) in enumerate([(2, 3.0), (4, 2.0), (6, 2.5)]):
-        _epoch_checkpoint(run, tmp_path, step, loss)
+        _epoch_checkpoint(cb, tmp_path, step, loss)
         cb.on_epoch_end(TrainState(step=step, total_steps=6, epoch=epoch, epochs_done=epoch + 1, last={"loss": 1.0}))
     doc = json.loads((tmp_path / "selection.json").read_text())
     assert doc["rule"] == "min_eval_loss" and doc["selected"]["step"] == 4
@@ -32,9 +36,9 @@ def test_best_follows_the_rule_and_survives_a_resume(tmp_path):
 
 def test_only_sft_and_only_rank_0(tmp_path):
     assert SelectionCallback.from_run(fakes.run(tmp_path, cfg=fakes.config(kind="pretrain"))) is None
-    run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), rank=1)
-    _epoch_checkpoint(run, tmp_path, 2, 1.0)
-    SelectionCallback.from_run(run).on_epoch_end(TrainState(step=2, total_steps=4))
+    cb = SelectionCallback.from_run(fakes.run(tmp_path, cfg=fakes.config(kind="sft"), rank=1))
+    _epoch_checkpoint(cb, tmp_path, 2, 1.0)
+    cb.on_epoch_end(TrainState(step=2, total_steps=4))
     assert not (tmp_path / "selection.json").exists() and not (tmp_path / "best").exists()
 
 
@@ -43,7 +47,7 @@ def test_a_resume_at_an_epoch_end_adds_the_candidate_the_stopped_run_did_not_pub
     (RESUME=auto of the finished stage) takes that epoch's results from the checkpoint's record."""
     run = fakes.run(tmp_path, cfg=fakes.config(kind="sft"), loader=fakes.Loader(per_epoch=2))
     cb = SelectionCallback.from_run(run)
-    _epoch_checkpoint(run, tmp_path, 2, 3.0)
+    _epoch_checkpoint(cb, tmp_path, 2, 3.0)
     cb.on_epoch_end(TrainState(step=2, total_steps=4, epoch=0, epochs_done=1, last={"loss": 1.5}))
     last = tmp_path / "checkpoints" / "step_00000004"
     last.mkdir(parents=True)

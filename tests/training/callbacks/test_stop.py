@@ -36,6 +36,17 @@ def test_a_repeat_after_the_window_is_a_new_request():
     assert requests.requests == 2
 
 
+def test_signals_the_job_passed_on_before_the_handlers_are_adopted_once_each(tmp_path):
+    """What a SLURM job wrote to $DS_TRHASH_PENDING_SIGNALS (a warning, forwarded by the batch shell
+    and by the node's task) counts as delivered; names that are no stop signal are passed over."""
+    pending = tmp_path / "signals"
+    pending.write_text("USR1\nUSR1\nKILL\n$(reboot)\n")
+    requests = StopRequests().adopt_pending({"DS_TRHASH_PENDING_SIGNALS": str(pending)})
+    assert requests.requeue and requests.requests == 1 and requests.describe() == "SIGUSR1"
+    for environ in ({}, {"DS_TRHASH_PENDING_SIGNALS": str(tmp_path / "none")}, {"DS_TRHASH_PENDING_SIGNALS": ""}):
+        assert not StopRequests().adopt_pending(environ).requested
+
+
 def test_single_process_agreement_follows_the_local_request():
     requests = StopRequests()
     stop = StopAgreement(requests, LauncherWatch.for_this_process(), world_size=1, data=fakes.Loader())

@@ -25,13 +25,13 @@ def _real(cfg):
 
 def test_meta_counts_equal_the_real_model():
     for cfg in (_cfg(), _cfg(path=LORA)):
-        counted = count_parameters(cfg, meta_model(cfg, tcfg.model_config(cfg)))
+        counted = count_parameters(cfg.parallel, meta_model(cfg, tcfg.model_config(cfg)))
         real = _real(cfg)
         assert counted.total == sum(p.numel() for p in real.parameters())
         assert counted.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad)
         assert counted.buffer_bytes == sum(b.numel() * b.element_size() for b in real.buffers())
     lora_cfg = _cfg(path=LORA)
-    lora = count_parameters(lora_cfg, meta_model(lora_cfg, tcfg.model_config(lora_cfg)))
+    lora = count_parameters(lora_cfg.parallel, meta_model(lora_cfg, tcfg.model_config(lora_cfg)))
     assert 0 < lora.trainable < lora.total / 5  # adapters only
 
 

@@ -8,14 +8,14 @@ from ds_trhash.data.plans.budget import BudgetError
 from ds_trhash.training.callbacks import training_parts
 from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
 from ds_trhash.training.preparation.resources import ResourceError
-from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
+from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
 from tests.fail_closed import tree_digest
 
 
 def _plan(tmp_path, *extra: str) -> LaunchPlan:
     args = build_arg_parser().parse_args(
         ["--config", "ds_configs/tiny/pretrain.yaml", "--output-dir", str(tmp_path / "run"), *extra])
-    return plan_launch(config_from_args(args), args, rank=0, world=1)
+    return plan_launch(launch_config(request := launch_request(args)), request, rank=0, world=1)
 
 
 @pytest.fixture(scope="module")

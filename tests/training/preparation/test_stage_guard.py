@@ -2,7 +2,7 @@
 import pytest
 
 from ds_trhash.checkpoints.stages import StageError
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.data.stage import StageData
 from ds_trhash.training.preparation.stage_guard import check_tokenizer_identity
 from tests.training.callbacks import fakes
 

@@ -8,6 +8,11 @@ resume, a test), it drops what it assembled and starts again there. An error rai
 assembling a step is raised by ``get`` of that very step, as a read on the training thread would
 have raised it, and the thread stops there. ``close`` stops the thread and waits for it, whatever
 it was doing: waiting for room in the queue, or in the middle of a step (it finishes that one).
+
+``pending(step)`` says, without waiting, whether the next step is still being assembled and what
+assembling it raised; ``wait(step, timeout)`` waits for it at most that long (the stop agreement of
+a launch asks both, so that no rank waits for a read inside a collective and every rank knows of
+another's failed read before the step).
 """
 from __future__ import annotations
 
@@ -57,6 +62,27 @@ class Ahead(Generic[T]):
         if error is not None:
             raise error
         return item
+
+    def _ahead_of(self, step: int) -> bool:
+        """Whether ``get(step)`` would take what the thread assembles (else it assembles itself)."""
+        return self._thread is not None and step == self._next and (self.end is None or step < self.end)
+
+    def pending(self, step: int) -> tuple[bool, Optional[BaseException]]:
+        """Before ``get(step)``, without waiting: (the thread still assembles it, the error assembling
+        it raised). Nothing pending for a step ``get`` would assemble itself."""
+        with self._cond:
+            if self.closed or self._stop or not self._ahead_of(step):
+                return False, None
+            if not self._ready:
+                return True, None
+            got, _, error = self._ready[0]
+            return False, error if got == step else None
+
+    def wait(self, step: int, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for ``step`` to be assembled (or to have failed)."""
+        with self._cond:
+            if self._ahead_of(step):
+                self._cond.wait_for(lambda: bool(self._ready) or self._stop, timeout)
 
     def start(self, step: int) -> None:
         """Assemble from ``step`` on now, before it is asked for (a stage's first step, while the

@@ -3,7 +3,10 @@
 ``RankStream`` cuts each step's micro-batches from the plan's reader (``reader``), one step or two
 ahead of the step being trained, on a background thread (``assembly``), in pinned host memory
 when the launch trains on CUDA. On several nodes reading the Hub it takes them instead from the
-row exchange (``exchange``): each node reads the shards it owns, for every node. It owns what
+row exchange (``exchange``): each node reads the shards it owns, for every node. Either way it
+answers the stop agreement before each step (``readiness``, ``agreed``, ``wait_read``): whether
+this rank still reads the step, whether its read failed, and, once every rank answered, another
+rank's failure, which it raises at that step as every other rank does. It owns what
 the reading holds: ``close`` (or leaving its ``with`` block) stops the thread, closes the node
 cache and releases every shard, and the launch calls it in a ``finally``. ``figures()`` is the one read-only view of what the reading cost
 (``DataFigures``): counters only, no file walked, cheap enough to ask at every step.
@@ -20,8 +23,9 @@ import torch
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.delivery.assembly import Ahead
 from ds_trhash.data.stream.deadline import read_deadline
-from ds_trhash.data.stream.delivery.exchange import CHUNK_ROWS, Readiness, RowExchange
+from ds_trhash.data.stream.delivery.exchange import OK, CHUNK_ROWS, Readiness, RowExchange, rank_read_error, status_of
 from ds_trhash.data.stream.delivery.reader import DEFAULT_PREFETCH_S, ReplayReader
+from ds_trhash.errors import UserError
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
 DEFAULT_AHEAD = 2
@@ -88,6 +92,7 @@ class RankStream:
         elif ahead > 0:
             self._ahead = Ahead(self._assemble, ahead, end)
         self._lock = threading.Lock()
+        self._peer_failed: dict[int, tuple[int, int]] = {}  # step: (rank, status) of another rank's failed read
         self._assembly_s = self._shard_s = self._sync_wait_s = 0.0
         self._steps = 0
         self.closed = False
@@ -123,7 +128,9 @@ class RankStream:
         """This rank's micro-batches of optimizer step ``step``, in micro-step order."""
         if self.closed:
             raise RuntimeError("batches asked of a closed RankStream")
-        if self._ahead is not None:
+        if isinstance(self._ahead, Ahead):
+            batches = self._ahead_batches(step)
+        elif self._ahead is not None:
             batches = self._ahead.get(step)
         else:
             started = time.perf_counter()
@@ -132,15 +139,50 @@ class RankStream:
         self._steps += 1
         return batches
 
-    def readiness(self, step: int) -> Readiness:
-        """Before ``step``, for the stop agreement: whether this rank still reads its part of an
-        exchange, or sent a failure (``RowExchange.readiness``); nothing to wait for otherwise."""
-        return self._ahead.readiness(step) if isinstance(self._ahead, RowExchange) else (0, 0, 0)
+    def _ahead_batches(self, step: int) -> list[Batch]:
+        """The step the background assembly made; at a step where another rank's read failed
+        (the agreement said so: ``agreed``), an error naming that rank, as every rank raises one
+        there; this rank's own failed read, marked as its own to print (``UserError.per_rank``)."""
+        failed = self._peer_failed.pop(step, None)
+        _, error = self._ahead.pending(step)
+        if failed is not None and error is None:
+            raise rank_read_error(failed[0], failed[1], step)
+        try:
+            return self._ahead.get(step)
+        except UserError as e:
+            e.per_rank = self.layout.world_size > 1  # one line from each rank that met it (its peers name it)
+            raise
 
-    def agreed(self, step: int, status: int, node: int) -> None:
-        """What the agreement found before ``step`` (``RowExchange.agreed``)."""
+    def readiness(self, step: int) -> Readiness:
+        """Before ``step``, for the stop agreement: (1 while this rank still reads its part of the
+        step, the status of a failed read, then its node + 1 (an exchange: ``RowExchange.readiness``)
+        or its rank + 1 (each rank reads its own rows in the background)). Nothing to wait for
+        when the step is read on the training thread."""
         if isinstance(self._ahead, RowExchange):
-            self._ahead.agreed(step, status, node)
+            return self._ahead.readiness(step)
+        if isinstance(self._ahead, Ahead):
+            pending, error = self._ahead.pending(step)
+            if pending:
+                return 1, OK, 0
+            if error is not None:
+                return 0, status_of(error), self.layout.rank + 1
+        return 0, OK, 0
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for this rank's read of ``step`` (the agreement asks
+        again then): returns as soon as the background assembly finished it."""
+        if isinstance(self._ahead, Ahead):
+            self._ahead.wait(step, timeout)
+        else:
+            time.sleep(timeout)
+
+    def agreed(self, step: int, status: int, who: int) -> None:
+        """What the agreement found before ``step``: a failed read of node ``who`` - 1 (an
+        exchange: ``RowExchange.agreed``) or of rank ``who`` - 1, raised at ``step``."""
+        if isinstance(self._ahead, RowExchange):
+            self._ahead.agreed(step, status, who)
+        elif status != OK and who > 0:
+            self._peer_failed[step] = (who - 1, status)
 
     def figures(self) -> DataFigures:
         with self._lock:

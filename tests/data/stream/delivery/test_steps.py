@@ -283,3 +283,66 @@ def test_a_steps_read_waits_for_a_shard_no_longer_than_its_budget(store, tmp_pat
             with pytest.raises(ReadTimedOut, match=f"cannot get {source}/{file} within data.hub_wait_minutes .* was still downloading it"):
                 stream.micro_batches(0)
             assert 0.4 < time.monotonic() - started < 5
+
+
+def _failing_at(stream: RankStream, step: int, error: BaseException, release: threading.Event | None = None):
+    """The stream's reader raises ``error`` for ``step`` (after ``release``, when given)."""
+    real = stream.reader.batch
+
+    def batch(s, micro, layout):
+        if s == step:
+            if release is not None:
+                release.wait(30)
+            raise error
+        return real(s, micro, layout)
+    stream.reader.batch = batch
+
+
+def test_one_ranks_failed_read_is_reported_to_the_agreement_and_raised_at_its_step_by_every_rank(store, tmp_path):
+    """Two ranks of one node, each assembling its own rows in the background: rank 1's read of
+    step 3 fails. Before step 3 each answers the stop agreement's questions (still reading?
+    failed? who?) without waiting; a wait for the read ends as soon as it ended, not at the
+    timeout; once the agreement (here the MAX of the answers) named rank 1, rank 1 raises its own
+    error at step 3 and rank 0 one naming rank 1, each marked to be printed by its rank."""
+    from ds_trhash.data.stream.delivery import PeerReadError, PeerStoreUnavailable
+    from ds_trhash.data.stream.delivery.exchange.chunk import FAILED, STORE_GONE
+
+    streams = []
+    for layout in LAYOUTS:
+        cache = open_corpus(plan_for(store), str(store)).open_cache(tmp_path / f"cache-{layout.rank}", 100 * SHARD_BYTES)
+        streams.append(RankStream(ReplayReader(plan_for(store), None, SEED, cache=cache), layout, end=STEPS))
+    release = threading.Event()
+    _failing_at(streams[1], 3, CacheError("shard a/shard-00001.bin: two downloads hashed x and y"), release)
+    try:
+        for stream in streams:
+            stream.begin(0)
+        for step in range(3):
+            for stream in streams:
+                stream.wait_read(step, 30)
+                assert stream.readiness(step) == (0, 0, 0)
+                stream.micro_batches(step)
+        streams[0].wait_read(3, 30)
+        assert streams[1].readiness(3) == (1, 0, 0)  # still reading (held until released)
+        threading.Timer(0.3, release.set).start()
+        started = time.monotonic()
+        streams[1].wait_read(3, 20)
+        assert time.monotonic() - started < 5  # woken when the read ended, not at the timeout
+        answers = [stream.readiness(3) for stream in streams]
+        assert answers == [(0, 0, 0), (0, FAILED, 2)]
+        agreed = [max(column) for column in zip(*answers)]
+        for stream in streams:
+            stream.agreed(3, agreed[1], agreed[2])
+        with pytest.raises(PeerReadError, match=r"^rank 1 could not read its rows for step 3 \(its own error is in "
+                                                r"its log\)$") as peer:
+            streams[0].micro_batches(3)
+        with pytest.raises(CacheError, match="two downloads hashed") as own:
+            streams[1].micro_batches(3)
+        assert peer.value.per_rank and own.value.per_rank and not isinstance(peer.value, PeerStoreUnavailable)
+        streams[0].agreed(4, STORE_GONE, 2)  # the store stayed away: the others' error says so too
+        with pytest.raises(PeerStoreUnavailable, match="rank 1 could not read its rows for step 4"):
+            streams[0].micro_batches(4)
+    finally:
+        release.set()
+        for stream in streams:
+            stream.close()
+    assert not assembly_threads()

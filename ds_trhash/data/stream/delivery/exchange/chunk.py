@@ -18,7 +18,8 @@ OK, STORE_GONE, FAILED, STOPPED = 0, 1, 2, 3  # STOPPED: sent by a rank that clo
 
 
 class PeerReadError(UserError, RuntimeError):
-    """Another node could not read the rows it owns for this rank (its own error is in its log)."""
+    """Another node could not read the rows it owns for this rank, or, on one node, another rank
+    could not read its own rows of the step (its own error is in its log)."""
 
     per_rank = True
 
@@ -38,6 +39,13 @@ def peer_error(node: int, status: int, steps: range) -> PeerReadError:
     kind = PeerStoreUnavailable if status == STORE_GONE else PeerReadError
     return kind(f"node {node} could not read the rows it owns for steps {steps.start}-{steps.stop - 1} "
                 "(its own error is in its log)")
+
+
+def rank_read_error(rank: int, status: int, step: int) -> PeerReadError:
+    """What a rank raises for rank ``rank``'s failed read of its own rows of ``step`` (ranks that
+    exchange no rows: each reads its own), a ``StoreUnavailable`` when the store was the cause."""
+    kind = PeerStoreUnavailable if status == STORE_GONE else PeerReadError
+    return kind(f"rank {rank} could not read its rows for step {step} (its own error is in its log)")
 
 
 @dataclass

@@ -59,7 +59,7 @@ def _misbehave(reader, how, release, which):
 
 
 class _Batches:
-    """What the stop agreement asks of the stage's batches (``training.data_loader.PretrainLoader``: readiness, agreed);
+    """What the stop agreement asks of the stage's batches (``data.stage.PretrainLoader``: readiness, agreed);
     ``waiting()`` is called when the agreement asks again for one step: some rank still reads."""
 
     def __init__(self, exchange, waiting=lambda: None):
@@ -71,10 +71,14 @@ class _Batches:
         self._asked.append(step)
         return self._exchange.readiness(step)
 
+    def wait_read(self, step, timeout):  # as RankStream.wait_read over an exchange
+        time.sleep(timeout)
+
 
 def _train(rank, exchange, stop, first, steps):
     """Training's order of collectives: (the step it stopped before, the error and its step)."""
-    stop.wait_for_data(first)
+    if stop.wait_for_data(first):  # a stop before the first step: none trained
+        return first, None
     for step in range(first, steps):
         try:
             exchange.get(step)

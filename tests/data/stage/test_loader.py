@@ -23,9 +23,9 @@ from ds_trhash.data.stream.corpus import open_corpus
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.training import loop, trainer
 from ds_trhash.training.callbacks.base import Callback
-from ds_trhash.training.data_loader import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
+from ds_trhash.data.stage import DataLoader, PretrainLoader, SFTLoader, StreamRecipe
 from ds_trhash.training.display import byte_size, data_wait_line
-from ds_trhash.training.preparation.stage_data import StageData
+from ds_trhash.data.stage import StageData
 from tests.training.test_loop import FakeEngine, TokenModel
 from tests.data.hub_corpus import REPO, hub_corpus, plan_for, write_corpus  # noqa: F401  (the fixture)
 
@@ -216,7 +216,9 @@ def test_a_pretraining_loader_reads_only_between_open_and_close(tmp_path):
             loader.open(2)
         step = loader.micro_batches(2)
         assert [sorted(mb) for mb in step] == [["input_ids", "labels"]] * 2
-        assert step[0]["input_ids"].shape == (2, 8) and loader.readiness(3) == (0, 0, 0)
+        assert step[0]["input_ids"].shape == (2, 8)
+        loader.wait_read(3, 30)  # the next step, read in the background: ready once read
+        assert loader.readiness(3) == (0, 0, 0)
         figures = loader.figures()
         assert isinstance(figures, DataFigures) and figures.cached and figures.steps == 1
         assert (tmp_path / "cache").is_dir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,13 @@ class DataLoader(abc.ABC):
 
     def readiness(self, step: int) -> Readiness:
         """Before ``step``, for the stop agreement: (this rank still reads its part, the status of a
-        failed read, its node + 1). Ready by default."""
+        failed read, who failed + 1: its node in a row exchange, else its rank). Ready by default."""
         return (0, 0, 0)
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for this rank's read of ``step``, which ``readiness``
+        said is still running (the agreement asks again after); by default, the whole time."""
+        time.sleep(timeout)
 
     def agreed(self, step: int, status: int, node: int) -> None:
         """What the stop agreement found before ``step``; nothing to do by default."""
@@ -161,6 +167,9 @@ class PretrainLoader(DataLoader):
     def readiness(self, step: int) -> Readiness:
         """Before ``step``: whether this rank's data is still being read (the stop agreement asks)."""
         return self._reading().readiness(step)
+
+    def wait_read(self, step: int, timeout: float) -> None:
+        self._reading().wait_read(step, timeout)
 
     def agreed(self, step: int, status: int, node: int) -> None:
         self._reading().agreed(step, status, node)
