@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast typecheck clean
 
 # Bytecode. Where PYTHONDONTWRITEBYTECODE is set (it is on the machines this project is built on),
 # every process of a demo or of the suite (hundreds of them) would compile each module it imports
@@ -54,8 +54,19 @@ demo: $(STAMP)
 # with two workers). The work units (files, or files sharing a launching session fixture):
 # tests/schedule.py.
 DIST := -n 3 --dist loadfile
+# The type checker (mypy.ini) runs beside the suite, its report printed after it: one process on
+# the two cores the workers keep busy costs less wall time than running it first (measured in
+# docs/operations.md, "Installing"). Either failing fails `make test`.
+TYPECHECK_LOG := $(VENV)/typecheck.log
 test: $(STAMP)
-	$(PY) -m pytest -q $(DIST) tests
+	$(MAKE) -s typecheck > $(TYPECHECK_LOG) 2>&1 & typecheck=$$!; \
+	$(PY) -m pytest -q $(DIST) tests; tests=$$?; \
+	wait $$typecheck; typed=$$?; cat $(TYPECHECK_LOG); test $$tests -eq 0 && test $$typed -eq 0
+
+# mypy over ds_trhash/ and kernels/ (as ds_trhash.kernels: linked under build/typecheck/, mypy.ini)
+typecheck: $(STAMP)
+	mkdir -p build/typecheck/ds_trhash && ln -sfn ../../../kernels build/typecheck/ds_trhash/kernels
+	$(PY) -m mypy
 
 # The inner loop: every in-process test, no training launch (those carry the `e2e` marker,
 # pytest.ini); the same workers. `make test` is still what CI runs.

@@ -63,12 +63,13 @@ def _size(path: Path) -> int:
 def measure(engine, out: Path, repeats: int) -> dict:
     from ds_trhash import checkpoints as ckpt
     from ds_trhash.checkpoints.background import BackgroundSaver
+    from ds_trhash.checkpoints.save import save_checkpoint
     from ds_trhash.training.checkpoint_capture import capturing
 
     sync_on_step, bg_on_step, bg_complete, size = [], [], [], 0
     for i in range(repeats):
         t0 = time.perf_counter()
-        path = ckpt.save_checkpoint(out, 2 * i + 1, write_engine_state=lambda tmp: engine.save_checkpoint(
+        path = save_checkpoint(out, 2 * i + 1, write_engine_state=lambda tmp: engine.save_checkpoint(
             str(tmp), tag=ckpt.ENGINE_TAG), trainer_state=_state(2 * i + 1), rank=0, world_size=1)
         sync_on_step.append(time.perf_counter() - t0)
         size = _size(path)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable, TypeVar
+
+T = TypeVar("T", int, float)
 
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a 64-bit seed
 
 
-def _number(text: str, kind: type, what: str):
+def _number(text: str, kind: Callable[[str], T], what: str) -> T:
     try:
         return kind(text)
     except (TypeError, ValueError):

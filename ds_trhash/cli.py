@@ -36,7 +36,7 @@ COMMANDS = {
 }
 
 
-def _register(sub, argv: list[str] | None) -> None:
+def _register(sub: argparse._SubParsersAction, argv: list[str] | None) -> None:
     """Register the module of the command ``argv`` names, or every module when it names none (the
     top level has no option but --help, so a command is always the first argument)."""
     command = argv[0] if argv else None

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import MISSING, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from ds_trhash.errors import UserError
 
 Check = Callable[[Any], "str | None"]
+T = TypeVar("T")
 
 
 class ConfigError(UserError, ValueError):
@@ -49,7 +50,12 @@ def optional(check: Check) -> Check:
     return lambda v: None if v is None else check(v)
 
 
-def setting(default: Any = MISSING, *, check: Check | None = None, factory: Callable[[], Any] | None = None) -> Any:
+@overload
+def setting(default: T, *, check: Callable[[T], str | None] | None = None) -> T: ...
+@overload
+def setting(*, factory: Callable[[], T], check: Callable[[T], str | None] | None = None) -> T: ...
+def setting(default: object = MISSING, *, check: Check | None = None,
+            factory: Callable[[], object] | None = None) -> object:
     """A section's field: its default (or ``factory``) and the ``check`` its value must pass."""
     meta = {"check": check} if check else {}
     if factory is not None:

@@ -8,6 +8,7 @@ optimizer) → SFT (--source-stage refinement).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import shutil
@@ -105,7 +106,7 @@ def run_demo(root: Path, nproc: int, configs: Path) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the tiny three-stage pipeline on CPU through the deepspeed launcher")
     p.add_argument("--root", default="runs/demo", help="where the stages write (default runs/demo)")
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per stage (default 1)")

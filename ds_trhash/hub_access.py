@@ -28,9 +28,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ds_trhash.errors import UserError
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 TOKEN_ENV = "HF_TOKEN"
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
@@ -42,6 +45,7 @@ TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSPORT = frozenset({"TransportError"})
 _NOT_TRANSIENT = frozenset({"UnsupportedProtocol", "LocalProtocolError"})
 T = TypeVar("T")
+E = TypeVar("E", bound=UserError)
 Say = Callable[[str], None]
 
 
@@ -74,7 +78,7 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
 
 
-def make_api(error: type[UserError], *, require_token: bool = False, what: str = "this command") -> Any:
+def make_api(error: type[UserError], *, require_token: bool = False, what: str = "this command") -> HfApi:
     """An ``HfApi`` on ``endpoint()`` authenticated by ``HF_TOKEN`` only; without the variable an
     ``error`` when a token is required, else an anonymous client."""
     from huggingface_hub import HfApi
@@ -166,7 +170,7 @@ def reason(exc: BaseException) -> str:
     return f"HTTP {status}" if status else type(exc).__name__
 
 
-def refusal(exc: BaseException, what: str, error: type[UserError], repo: str = "") -> UserError:
+def refusal(exc: BaseException, what: str, error: type[E], repo: str = "") -> E:
     """A final Hub answer as the caller's ``error``, naming what to fix (the token never in it)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 

@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 PathLike = str | os.PathLike
 HASH_CHUNK = 1 << 22  # 4 MiB: large enough to stream at disk speed, small enough to never matter
@@ -40,7 +41,8 @@ class os_errors_as(contextlib.ContextDecorator):
     def __enter__(self) -> "os_errors_as":
         return self
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         if isinstance(exc, OSError) and exc.filename is not None:
             raise self.error(str(exc)) from exc
         return False
@@ -60,7 +62,7 @@ def _not_utf8(path: PathLike, line_no: int, line: bytes, exc: UnicodeDecodeError
                  "re-encode the file as UTF-8")
 
 
-def utf8_lines(path: PathLike, error: type[Exception] = ValueError) -> Iterator[str]:
+def utf8_lines(path: PathLike, error: type[Exception] = ValueError) -> Generator[str, None, None]:
     """The lines of a UTF-8 text file, newlines kept, read one at a time (a file of any size); a
     line that is not UTF-8 raises ``error`` naming the file, the line and the byte."""
     with open(path, "rb") as fh:
@@ -99,7 +101,7 @@ def fsync_tree(root: PathLike) -> None:
         fsync_path(sub)
 
 
-def json_text(doc: Any, *, indent: int | None = 2, sort_keys: bool = False) -> str:
+def json_text(doc: object, *, indent: int | None = 2, sort_keys: bool = False) -> str:
     """The project's JSON file layout: indented, one trailing newline."""
     return json.dumps(doc, indent=indent, sort_keys=sort_keys) + "\n"
 

@@ -12,6 +12,7 @@ imports only the standard library and the error base, so any package can use it.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -79,13 +80,13 @@ def check_dir_target(flag: str, path: PathLike) -> None:
 DIR_OPTIONS = "dir_options"
 
 
-def writes_dirs(parser, *flags: str) -> None:
+def writes_dirs(parser: argparse.ArgumentParser, *flags: str) -> None:
     """Declare that ``parser``'s command writes a folder at each option in ``flags`` ("--out"):
     ``ds-trhash`` checks every declared one (``check_declared``) before the command runs."""
     parser.set_defaults(**{DIR_OPTIONS: tuple(flags)})
 
 
-def check_declared(args) -> None:
+def check_declared(args: argparse.Namespace) -> None:
     """The one check of every folder a ``ds-trhash`` command writes: an option declared with
     ``writes_dirs`` that names a regular file (or a path below one) is refused naming the option,
     before the command reads or writes anything."""

@@ -42,10 +42,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-_HOST_GROUP = None
+_HOST_GROUP: dist.ProcessGroup | None = None
 
 
-def _host_group():
+def _host_group() -> dist.ProcessGroup | None:
     """A gloo group for host integers: reducing them on the CPU keeps the accelerator stream free
     of host synchronisation (NCCL would need a device tensor and a copy back). On a gloo default
     group (CPU runs) it is that group."""

@@ -12,6 +12,7 @@ from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR
 from ds_trhash.release.lifecycle.finish import finish_stage
 from ds_trhash.training import entrypoint
 from ds_trhash.training.callbacks import Callback, RunContext, training_parts
+from ds_trhash.training.callbacks.base import TrainState
 from ds_trhash.training.signals import StopRequests
 
 
@@ -30,7 +31,7 @@ class StageEndCallback(Callback):
     def from_run(cls, run: RunContext) -> "StageEndCallback":
         return cls(run)
 
-    def on_end(self, state) -> None:
+    def on_end(self, state: TrainState) -> None:
         if state.step != state.total_steps or state.stop_requested:
             return
         run, failure = self.run, None

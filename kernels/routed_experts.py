@@ -39,10 +39,13 @@ are pruned for every dtype (``_prune``), so tuning compiles few variants.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 __all__ = ["routed_experts_triton", "reset_autotuning", "TOP_K", "MAX_EXPERT_WIDTH", "SUPPORTED_DTYPES"]
 
@@ -73,18 +76,18 @@ DW_OPTIONS = [
 _SUM_BLOCK = 1024
 
 
-def _configs(gpu_options, interpret_option):
+def _configs(gpu_options: list[tuple[dict[str, int], int, int]], interpret_option: dict[str, int]) -> list[triton.Config]:
     """One config under the interpreter (every config would be run there), a few on GPU."""
     if _INTERPRET:
         return [triton.Config(interpret_option, num_warps=4, num_stages=1)]
     return [triton.Config(meta, num_warps=warps, num_stages=stages) for meta, warps, stages in gpu_options]
 
 
-def _arg(named: dict, kwargs: dict, name: str):
+def _arg(named: dict[str, object], kwargs: dict[str, object], name: str) -> object:
     return kwargs[name] if name in kwargs else named.get(name)
 
 
-def _pruner(cols: str, inner: str, col_block: str, inner_block: str):
+def _pruner(cols: str, inner: str, col_block: str, inner_block: str) -> Callable[..., list[triton.Config]]:
     """``early_config_prune`` for a kernel whose output columns are ``cols`` wide in
     ``col_block`` blocks and whose reduction runs over ``inner`` in ``inner_block`` steps.
 
@@ -92,14 +95,14 @@ def _pruner(cols: str, inner: str, col_block: str, inner_block: str):
     config is a compile, and the tests' fp32 cases spent a minute tuning. Other dtypes drop the
     configs whose column or reduction block is wider than the problem needs (a W = 64 expert
     never needs BLOCK_N 128); at least one config always stays."""
-    def prune(configs, named_args, **kwargs):
+    def prune(configs: list[triton.Config], named_args: dict[str, object], **kwargs: object) -> list[triton.Config]:
         if _arg(named_args, kwargs, "DOT_PRECISION") == "ieee" or len(configs) == 1:
             return configs[:1]
         candidates = configs[1:]  # the first config is fp32's
         n_cols, n_inner = _arg(named_args, kwargs, cols), _arg(named_args, kwargs, inner)
         fits = [c for c in candidates
-                if (n_cols is None or c.kwargs[col_block] <= max(16, triton.next_power_of_2(int(n_cols))))
-                and (n_inner is None or c.kwargs[inner_block] <= max(16, triton.next_power_of_2(int(n_inner))))]
+                if (n_cols is None or c.kwargs[col_block] <= max(16, triton.next_power_of_2(int(cast(int, n_cols)))))
+                and (n_inner is None or c.kwargs[inner_block] <= max(16, triton.next_power_of_2(int(cast(int, n_inner)))))]
         return fits or candidates[:1]
     return prune
 
@@ -111,10 +114,13 @@ _DW_CONFIGS = _configs(DW_OPTIONS, {"BLOCK_P": 16, "BLOCK_Q": 16, "BLOCK_R": 16}
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
+# TRITON_PARAMETERS: Triton reads a kernel's parameter annotations as kernel types (``tl.constexpr``
+# makes a compile-time constant), so the tensor pointers and scalars stay unannotated, for Triton to
+# specialise on, and the type checker is told to let these defs be (each with a ``type: ignore`` for no-untyped-def).
 
 
 @triton.jit
-def _tile_of(pid, offsets_ptr, E, BLOCK_M: tl.constexpr):
+def _tile_of(pid, offsets_ptr, E, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     """Map a program id of the tile space to (expert, first sorted row, segment end).
 
     Experts own consecutive runs of cdiv(count_e, BLOCK_M) tiles. A program past the last
@@ -138,7 +144,7 @@ def _tile_of(pid, offsets_ptr, E, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _k_loop(acc, a_rows_ptr, stride_ak, b_cols_ptr, stride_bk, K, row_ok, col_ok,
+def _k_loop(acc, a_rows_ptr, stride_ak, b_cols_ptr, stride_bk, K, row_ok, col_ok,  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += A[:, :K] @ B[:K, :] in BLOCK_K steps (A rows and B columns already offset)."""
     ks = tl.arange(0, BLOCK_K)
@@ -152,7 +158,7 @@ def _k_loop(acc, a_rows_ptr, stride_ak, b_cols_ptr, stride_bk, K, row_ok, col_ok
 
 
 @triton.jit
-def _swiglu_bwd_store(dh, g_ptr, stride_gu, out_ptr, N, ok):
+def _swiglu_bwd_store(dh, g_ptr, stride_gu, out_ptr, N, ok):  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     """SwiGLU backward of dh with the saved g (at g_ptr) and u (g_ptr + stride_gu): dg to
     out[:, :N], du to out[:, N:2N]."""
     g = tl.load(g_ptr, mask=ok, other=0.0).to(tl.float32)
@@ -165,7 +171,7 @@ def _swiglu_bwd_store(dh, g_ptr, stride_gu, out_ptr, N, ok):
 
 
 @triton.jit
-def _split_store(acc, out_ptr, out2_ptr, q, ok, HALF, TWO_OUT: tl.constexpr):
+def _split_store(acc, out_ptr, out2_ptr, q, ok, HALF, TWO_OUT: tl.constexpr):  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     """acc at columns q: TWO_OUT, those below HALF to out, the rest to out2 (column q - HALF);
     else all to out."""
     if TWO_OUT:
@@ -178,7 +184,7 @@ def _split_store(acc, out_ptr, out2_ptr, q, ok, HALF, TWO_OUT: tl.constexpr):
 @triton.autotune(configs=_ROW_TILE_CONFIGS, key=["H", "W", "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": _pruner("W", "H", "BLOCK_N", "BLOCK_K")})
 @triton.jit
-def _gate_up_kernel(
+def _gate_up_kernel(  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     x_ptr, order_ptr, offsets_ptr, gate_ptr, up_ptr, act_ptr,
     E, H, W,
     stride_xm, stride_xh,
@@ -227,7 +233,7 @@ def _gate_up_kernel(
                  key=["K", "N", "A_INDIRECT", "SWIGLU_BWD", "TWO_B", "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": _pruner("N", "K", "BLOCK_N", "BLOCK_K")})
 @triton.jit
-def _grouped_mm_kernel(
+def _grouped_mm_kernel(  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     a_ptr, order_ptr, offsets_ptr, b_ptr, b2_ptr, out_ptr, act_ptr, E, K, N, w0, w1,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_om, stride_at, stride_actm,
     TOPK: tl.constexpr, A_INDIRECT: tl.constexpr, SCALE_SLOT: tl.constexpr, OUT_ASSIGN: tl.constexpr,
@@ -284,7 +290,7 @@ def _grouped_mm_kernel(
 @triton.autotune(configs=_DW_CONFIGS, key=["P", "Q", "A_INDIRECT", "B_INDIRECT", "SPLITS", "DOT_PRECISION"],
                  prune_configs_by={"early_config_prune": _pruner("Q", "P", "BLOCK_Q", "BLOCK_P")})
 @triton.jit
-def _grouped_dw_kernel(
+def _grouped_dw_kernel(  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
     a_ptr, b_ptr, order_ptr, offsets_ptr, out_ptr, out2_ptr, P, Q, HALF, w0, w1,
     stride_am, stride_ap, stride_bm, stride_bq, stride_os, stride_oe, stride_op,
     TOPK: tl.constexpr, A_INDIRECT: tl.constexpr, B_INDIRECT: tl.constexpr,
@@ -345,7 +351,7 @@ def _grouped_dw_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, out2_ptr, SPLITS, TOTAL, Q, HALF,
+def _sum_splits_kernel(part_ptr, out_ptr, out2_ptr, SPLITS, TOTAL, Q, HALF,  # type: ignore[no-untyped-def]  # TRITON_PARAMETERS
                        TWO_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """out = sum over s of part[s] (fp32, s in order), part [SPLITS, E, P, Q] contiguous, stored
     in out's dtype; TWO_OUT: columns below HALF to out, the rest to out2 (each [E, P, HALF])."""
@@ -372,14 +378,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _tile_grid(M: int, E: int, n_cols: int):
+def _tile_grid(M: int, E: int, n_cols: int) -> Callable[[dict[str, int]], tuple[int, int]]:
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) + E, triton.cdiv(n_cols, meta["BLOCK_N"]))
 
 
-_BOUNDS: dict[tuple, torch.Tensor] = {}
+_BOUNDS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _sort_assignments(routes: torch.Tensor, E: int):
+def _sort_assignments(routes: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable sort of the flattened (token, slot) assignments by expert.
 
     Returns (order int64 [M]: assignment id at sorted row, offsets int32 [E+1]: segment bounds).
@@ -393,7 +399,7 @@ def _sort_assignments(routes: torch.Tensor, E: int):
     return order, torch.searchsorted(sorted_e, bounds, out_int32=True)
 
 
-def _launch_gate_up(x, order, offsets, gate, up):
+def _launch_gate_up(x: Tensor, order: Tensor, offsets: Tensor, gate: Tensor, up: Tensor) -> Tensor:
     """act [3, M, W]: h, g, u of every sorted row."""
     M = order.numel()
     E, H, W = gate.shape
@@ -410,8 +416,10 @@ def _launch_gate_up(x, order, offsets, gate, up):
     return act
 
 
-def _launch_grouped_mm(a, order, offsets, b, b_strides, K, N, *, b2=None, a_indirect=False, weights=None,
-                       out_assign=False, act=None):
+def _launch_grouped_mm(a: Tensor, order: Tensor, offsets: Tensor, b: Tensor, b_strides: tuple[int, ...], K: int,
+                       N: int, *, b2: Tensor | None = None, a_indirect: bool = False,
+                       weights: tuple[float, float] | None = None, out_assign: bool = False,
+                       act: Tensor | None = None) -> Tensor:
     """out[r] = A[row(r)] @ B_e, B_e of shape [K, N] given by ``b_strides`` (expert, k, n); see
     _grouped_mm_kernel for the flags. Returns [M, N] ([M, 2N] with ``act``: the SwiGLU backward)."""
     M = order.numel()
@@ -435,10 +443,11 @@ def _default_splits(M: int, E: int) -> int:
     return max(1, min(16, triton.cdiv(M, E * 1024)))
 
 
-def _launch_grouped_dw(a, b, order, offsets, *, out_dtype, a_indirect, b_indirect, weights=None, half=None,
-                       splits=None):
+def _launch_grouped_dw(a: Tensor, b: Tensor, order: Tensor, offsets: Tensor, *, out_dtype: torch.dtype,
+                       a_indirect: bool, b_indirect: bool, weights: tuple[float, float] | None = None,
+                       half: int | None = None, splits: int | None = None) -> tuple[Tensor, ...]:
     """dW[e] = sum over expert e's rows of A[row]^T @ (w_slot *) B[row]: [E, P, Q] in ``out_dtype``,
-    or with ``half`` (Q = 2 * half) the pair of its column halves, each [E, P, half]."""
+    (one tensor), or with ``half`` (Q = 2 * half) the pair of its column halves, each [E, P, half]."""
     M, E = order.numel(), offsets.numel() - 1
     P, Q = a.shape[1], b.shape[1]
     S = splits if splits is not None else _default_splits(M, E)
@@ -459,7 +468,7 @@ def _launch_grouped_dw(a, b, order, offsets, *, out_dtype, a_indirect, b_indirec
         total = E * P * Q
         _sum_splits_kernel[(triton.cdiv(total, _SUM_BLOCK),)](
             target, outs[0], outs[-1], S, total, Q, cols, TWO_OUT=half is not None, BLOCK=_SUM_BLOCK)
-    return outs[0] if half is None else tuple(outs)
+    return tuple(outs)
 
 
 def _strides_t(w: torch.Tensor) -> tuple[int, int, int]:
@@ -495,7 +504,8 @@ def _forward_op(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: t
 
 
 @_forward_op.register_fake
-def _(x, routes, gate, up, down, w0, w1):
+def _(x: Tensor, routes: Tensor, gate: Tensor, up: Tensor, down: Tensor, w0: float,
+      w1: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     m, w = routes.numel(), gate.shape[2]
     return (torch.empty_like(x), x.new_empty((3, m, w)), routes.new_empty((m,), dtype=torch.int64),
             routes.new_empty((gate.shape[0] + 1,), dtype=torch.int32))
@@ -516,7 +526,7 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torc
     d_x = d_gate = d_up = d_down = None
     if need_weights:
         # d_down[e] = sum_r h[r]^T (w_slot(r) * dy[tok(r)]); h = act[0] (act's first rows)
-        d_down = _launch_grouped_dw(act[0], dy, order, offsets, out_dtype=down.dtype, a_indirect=False,
+        (d_down,) = _launch_grouped_dw(act[0], dy, order, offsets, out_dtype=down.dtype, a_indirect=False,
                                     b_indirect=True, weights=w)
     # dgu[r] = [dg | du] with dh = w_slot * dy[tok] @ down_e^T, SwiGLU backward fused.
     dgu = _launch_grouped_mm(dy, order, offsets, down, _strides_t(down), H, W, a_indirect=True, weights=w,
@@ -528,21 +538,26 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torc
         # out[2n + k] = dg @ gate_e^T + du @ up_e^T of the slot's row; dx[n] = sum over the two slots
         out = _launch_grouped_mm(dgu, order, offsets, gate, _strides_t(gate), W, H, b2=up, out_assign=True)
         d_x = out.view(N, TOP_K, H).sum(dim=1)
-    empty = x.new_empty(0) if None in (d_x, d_gate, d_up, d_down) else None
-    return (d_x if d_x is not None else empty, d_gate if d_gate is not None else empty,
-            d_up if d_up is not None else empty, d_down if d_down is not None else empty)
+    empty = x.new_empty(0)
+
+    def given(grad: torch.Tensor | None) -> torch.Tensor:
+        return grad if grad is not None else empty
+
+    return given(d_x), given(d_gate), given(d_up), given(d_down)
 
 
 @_backward_op.register_fake
-def _(dy, x, gate, up, down, act, order, offsets, w0, w1, need_x, need_weights):
-    def grad_like(t, needed):
+def _(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, act: Tensor, order: Tensor, offsets: Tensor,
+      w0: float, w1: float, need_x: bool, need_weights: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def grad_like(t: Tensor, needed: bool) -> Tensor:
         return torch.empty_like(t) if needed else t.new_empty(0)
 
     return (grad_like(x, need_x), grad_like(gate, need_weights), grad_like(up, need_weights),
             grad_like(down, need_weights))
 
 
-def _setup_context(ctx, inputs, output):
+# the autograd context object torch passes is untyped (the op sets attributes on it): Any
+def _setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:  # Any: autograd ctx
     x, routes, gate, up, down, w0, w1 = inputs
     _, act, order, offsets = output
     ctx.mark_non_differentiable(act, order, offsets)
@@ -551,7 +566,8 @@ def _setup_context(ctx, inputs, output):
     ctx.weights = (w0, w1)
 
 
-def _backward(ctx, dy, _act, _order, _offsets):
+def _backward(ctx: Any, dy: Tensor | None, _act: Tensor | None, _order: Tensor | None,  # Any: autograd ctx
+              _offsets: Tensor | None) -> tuple[Tensor | None, ...]:
     if dy is None:  # y was not used (grads are not materialised): nothing flows back
         return None, None, None, None, None, None, None
     x, gate, up, down, act, order, offsets = ctx.saved_tensors
@@ -576,7 +592,7 @@ def _check_route_values(routes: torch.Tensor, E: int) -> None:
         raise ValueError(f"routed_experts_triton: routes must lie in [0, {E}), got values outside")
 
 
-def _check(x, routes, gate, up, down, weights):
+def _check(x: Tensor, routes: Tensor, gate: Tensor, up: Tensor, down: Tensor, weights: tuple[float, ...]) -> None:
     if x.dim() != 2:
         raise ValueError(f"routed_experts_triton: x must be [N, H], got {tuple(x.shape)}")
     N, H = x.shape
@@ -608,19 +624,19 @@ def _check(x, routes, gate, up, down, weights):
 
 def routed_experts_triton(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
                           up: torch.Tensor, down: torch.Tensor,
-                          weights=(0.5, 0.5)) -> torch.Tensor:
+                          weights: Sequence[float] = (0.5, 0.5)) -> torch.Tensor:
     """Routed top-2 SwiGLU experts with Triton grouped GEMMs; differentiable in x, gate, up, down.
 
     x [N, H]; routes [N, 2] int64 (routes[:, k] = expert of slot k); gate, up [E, H, W];
     down [E, W, H]; weights (w0, w1) are constants (no gradient). Returns [N, H] in x.dtype.
     """
-    weights = tuple(float(w) for w in weights)
-    _check(x, routes, gate, up, down, weights)
+    pair = tuple(float(w) for w in weights)
+    _check(x, routes, gate, up, down, pair)
     N, H = x.shape
     if N == 0:
         # Nothing routed: keep the graph connected so the weights still get (zero) grads.
         return x.new_zeros((0, H)) + 0.0 * (x.sum() + gate.sum() + up.sum() + down.sum())
-    y, _, _, _ = _forward_op(x, routes, gate, up, down, weights[0], weights[1])
+    y, _, _, _ = _forward_op(x, routes, gate, up, down, pair[0], pair[1])
     return y
 
 

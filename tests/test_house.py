@@ -9,6 +9,7 @@ rules, cycles included, are checked in tests/test_run.py; the error base in test
 """
 import ast
 import functools
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,3 +296,14 @@ def test_callers_import_the_stream_rooms_public_names():
                 if parts[:3] == ["ds_trhash", "data", "stream"] and len(parts) > 4 and parts[3] in rooms:
                     inside.append(f"{path.relative_to(REPO)}:{node.lineno} {module}")
     assert not inside, f"import the room's public names instead: {inside}"
+
+
+def test_git_keeps_a_new_file_in_every_source_folder():
+    """A new module in any folder of the package (ds_trhash/data/build/ once matched ``build/``) or
+    of the tests is committed, not silently left out by an unanchored .gitignore pattern."""
+    folders = [folder for root in [*ROOTS.values(), REPO / "tests"] for folder in [root, *root.rglob("*")]
+               if folder.is_dir() and "__pycache__" not in folder.parts]
+    new = "".join(f"{(folder / 'new_module.py').relative_to(REPO)}\n" for folder in folders)
+    done = subprocess.run(["git", "check-ignore", "--stdin"], cwd=REPO, input=new, capture_output=True, text=True)
+    assert done.returncode == 1 and not done.stdout, f"ignored by .gitignore: {done.stdout}{done.stderr}"
+    assert "ds_trhash/data/build/new_module.py" in new

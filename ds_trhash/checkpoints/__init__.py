@@ -19,45 +19,29 @@ Modules, by job:
 * ``stages``  - the stage guard: which checkpoint may start which stage;
 * ``sync_guard`` - the lock rotation and Hub sync share, and the record of what a sync verified.
 
-The names below are the package's public surface; ``from ds_trhash import checkpoints as ckpt``
-then ``ckpt.save_checkpoint(...)``. Each is loaded from its module when first used (PEP 562), so
-a command that only lists, verifies or prunes checkpoints (``state``, ``store``, ``sync_guard``,
-``run_lock``: no torch) starts without importing torch. This package imports ``ds_trhash.io``
-and (lazily, for merging and consolidation) ``ds_trhash.model``; never training, eval or release.
+The names below are the package's public surface, imported from the modules that need no torch
+(``state``, ``store``, ``consistency``, ``resume``, ``reshard``: ``from ds_trhash import checkpoints as
+ckpt`` then ``ckpt.list_checkpoints(...)``), so a command that only lists, verifies or prunes
+checkpoints starts without importing torch. What needs torch is imported from its module by name:
+``from ds_trhash.checkpoints.save import save_checkpoint``, ``...weights import load_merged_weights``,
+``...hardware import describe_hardware``. This package imports ``ds_trhash.io`` and (for merging
+and consolidation) ``ds_trhash.model``; never training, eval or release.
 """
-import importlib
-from typing import Any
+from .consistency import engine_states, inconsistency, trusted
+from .reshard import (RESHARD_DIR, UNIVERSAL_FORMAT, UNIVERSAL_RECORD, convert_to_universal, load_engine_state,
+                      needs_universal, reseed_rng_for_reshard, reshard_report, reshard_rng_seed, universal_dir_for)
+from .resume import (REQUIRED_STATE_PARTS, RESHARD_LAYOUT_KEYS, check_output_dir_stage, check_resume_compatible,
+                     find_resumable, global_batch, inspect_saved_parts, is_reshard, resolve_resume)
+from .state import (CHECKPOINTS, ENGINE_TAG, MANIFEST, MANIFEST_FORMAT, TRAINER_STATE, CheckpointError, LaunchRecord,
+                    ResumeError, TrainerState, capped_by, read_trainer_state)
+from .store import (CheckpointInfo, checkpoints_root, list_checkpoints, rotate, rotate_unless_syncing,
+                    rotation_survivors, step_dir_name, verify)
 
-# public name -> the module of this package that defines it
-_MODULES = {
-    "state": ("CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "TRAINER_STATE", "CheckpointError",
-              "LaunchRecord", "ResumeError", "TrainerState", "capped_by", "read_trainer_state"),
-    "hardware": ("describe_hardware",),
-    "store": ("CheckpointInfo", "checkpoints_root", "list_checkpoints", "rotate", "rotate_unless_syncing",
-              "rotation_survivors", "step_dir_name", "verify"),
-    "consistency": ("engine_states", "inconsistency", "trusted"),
-    "save": ("save_checkpoint",),
-    "resume": ("REQUIRED_STATE_PARTS", "RESHARD_LAYOUT_KEYS", "check_output_dir_stage", "check_resume_compatible",
-               "find_resumable", "global_batch", "inspect_saved_parts", "is_reshard", "resolve_resume"),
-    "reshard": ("RESHARD_DIR", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "convert_to_universal", "load_engine_state",
-                "needs_universal", "reseed_rng_for_reshard", "reshard_report", "reshard_rng_seed",
-                "universal_dir_for"),
-    "weights": ("load_merged_weights", "load_weights_only", "read_source_metadata", "read_source_record"),
-}
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # loaded once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
-
-
-__all__ = sorted(_WHERE)
+__all__ = ["CHECKPOINTS", "ENGINE_TAG", "MANIFEST", "MANIFEST_FORMAT", "REQUIRED_STATE_PARTS", "RESHARD_DIR",
+           "RESHARD_LAYOUT_KEYS", "TRAINER_STATE", "UNIVERSAL_FORMAT", "UNIVERSAL_RECORD", "CheckpointError",
+           "CheckpointInfo", "LaunchRecord", "ResumeError", "TrainerState", "capped_by", "check_output_dir_stage",
+           "check_resume_compatible", "checkpoints_root", "convert_to_universal", "engine_states", "find_resumable",
+           "global_batch", "inconsistency", "inspect_saved_parts", "is_reshard", "list_checkpoints",
+           "load_engine_state", "needs_universal", "read_trainer_state", "reseed_rng_for_reshard", "reshard_report",
+           "reshard_rng_seed", "resolve_resume", "rotate", "rotate_unless_syncing", "rotation_survivors",
+           "step_dir_name", "trusted", "universal_dir_for", "verify"]

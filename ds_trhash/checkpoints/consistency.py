@@ -44,7 +44,7 @@ def _rows_per_step(state: Mapping[str, Any]) -> int | None:
     """Rows one optimizer step reads over all ranks, from the checkpoint's own settings."""
     critical = state.get("training_critical") or {}
     mb, ga, world = _int(critical, "batch.micro_batch"), _int(critical, "batch.grad_accum"), _int(state, "world_size")
-    return step_rows(mb, ga, world) if None not in (mb, ga, world) else None
+    return step_rows(mb, ga, world) if mb is not None and ga is not None and world is not None else None
 
 
 def _state_problems(name_step: int | None, state: Mapping[str, Any]) -> list[str]:
@@ -66,10 +66,10 @@ def _state_problems(name_step: int | None, state: Mapping[str, Any]) -> list[str
         problems.append(f"data_cursor is {cursor}, but {step} steps of {per_step} {'micro-steps' if sft else 'rows'} "
                         f"end at {step * per_step}")
     tokens, seq_len = _int(state, "tokens_seen"), _int(critical, "data.seq_len")
-    if not sft and None not in (tokens, cursor, seq_len) and tokens != cursor * seq_len:
+    if not sft and tokens is not None and cursor is not None and seq_len is not None and tokens != cursor * seq_len:
         problems.append(f"tokens_seen is {tokens}, but {cursor} rows of {seq_len} tokens are {cursor * seq_len}")
     supervised = _int(state, "supervised_seen")
-    if None not in (tokens, supervised) and supervised > tokens:
+    if tokens is not None and supervised is not None and supervised > tokens:
         problems.append(f"supervised_seen {supervised} exceeds tokens_seen {tokens}")
     return problems
 

@@ -29,9 +29,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ds_trhash.checkpoints.state import ENGINE_TAG, CheckpointError, Log, read_trainer_state
+from ds_trhash.engine_api import DeepSpeedEngine
+
+if TYPE_CHECKING:  # this module imports torch and the model where a reshard needs them
+    import torch
+
+    from ds_trhash.model.expert_parallel import HashRoutedExperts
+    from ds_trhash.model.transformer import TRHashForCausalLM
 
 MODULE_FILE = "mp_rank_00_model_states.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -56,12 +63,12 @@ class _Pieces:
     """The fragments of one saved parameter (one expert's, for a routed expert) by partition order."""
 
     shape: tuple[int, ...]
-    parts: dict[str, list[tuple[int, Any]]] = field(default_factory=lambda: {k: [] for k in STATE_KEYS})
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=lambda: {k: [] for k in STATE_KEYS})
 
-    def whole(self, where: str):
+    def whole(self, where: str) -> dict[str, torch.Tensor]:
         import torch
 
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for key, parts in self.parts.items():
             orders = [o for o, _ in parts]
             if len(set(orders)) != len(orders):
@@ -74,7 +81,7 @@ class _Pieces:
         return out
 
 
-def _numel(shape) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= int(d)
@@ -90,7 +97,8 @@ def _optim_file(tag: Path, rank: int) -> Path:
     return found[0]
 
 
-def _collect(tag: Path, world: int, ep: int, experts: int, shapes: dict) -> tuple[dict, Any]:
+def _collect(tag: Path, world: int, ep: int, experts: int,
+             shapes: dict[str, tuple[int, ...]]) -> tuple[dict[tuple[str, int | None], _Pieces], torch.Tensor]:
     """Every rank's fragments: {(name, global expert or None): _Pieces}, and the Adam step."""
     import torch
 
@@ -109,6 +117,7 @@ def _collect(tag: Path, world: int, ep: int, experts: int, shapes: dict) -> tupl
             steps.append(base[g]["step"])
             for name, addr in mapping.items():
                 expert = expert_parameter(name)
+                key: tuple[str, int | None]
                 if expert is None:
                     key, order = (name, None), rank
                 else:
@@ -122,7 +131,7 @@ def _collect(tag: Path, world: int, ep: int, experts: int, shapes: dict) -> tupl
     return pieces, steps[0]
 
 
-def saved_parameter_states(ckpt_dir: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], Any]:
+def saved_parameter_states(ckpt_dir: str | os.PathLike) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
     """Every trainable parameter of a checkpoint whole, under the released names:
     {name: {"fp32", "exp_avg", "exp_avg_sq"}}, routed experts stacked [E, ...] in global order;
     and the Adam step tensor. Reads the files as saved; CheckpointError when one is missing."""
@@ -138,8 +147,9 @@ def saved_parameter_states(ckpt_dir: str | os.PathLike) -> tuple[dict[str, dict[
     main = torch.load(tag / MODULE_FILE, map_location="cpu", mmap=True, weights_only=False)
     shapes = {name: shape for group in main["param_shapes"] for name, shape in group.items()}
     pieces, step = _collect(tag, world, ep, experts or 1, shapes)
-    out: dict[str, dict[str, Any]] = {}
-    stacked: dict[str, dict[int, dict[str, Any]]] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    stacked: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    total = experts or 0  # expert pieces come only from a checkpoint that records num_experts
     for (name, expert), entry in pieces.items():
         whole = entry.whole(f"{ckpt}: {name}" + (f" expert {expert}" if expert is not None else ""))
         if expert is None:
@@ -147,13 +157,14 @@ def saved_parameter_states(ckpt_dir: str | os.PathLike) -> tuple[dict[str, dict[
         else:
             stacked.setdefault(name, {})[expert] = whole
     for name, by_id in stacked.items():
-        if sorted(by_id) != list(range(experts)):
-            raise CheckpointError(f"{ckpt}: {name} has optimizer state for experts {sorted(by_id)}, expected 0..{experts - 1}")
-        out[name] = {k: torch.stack([by_id[e][k] for e in range(experts)]) for k in STATE_KEYS}
+        if sorted(by_id) != list(range(total)):
+            raise CheckpointError(f"{ckpt}: {name} has optimizer state for experts {sorted(by_id)}, expected 0..{total - 1}")
+        out[name] = {k: torch.stack([by_id[e][k] for e in range(total)]) for k in STATE_KEYS}
     return out, step
 
 
-def _whole_value(states: dict, module, name: str) -> dict[str, Any]:
+def _whole_value(states: dict[str, dict[str, torch.Tensor]], module: torch.nn.Module,
+                 name: str) -> dict[str, torch.Tensor]:
     """The saved whole tensors of the engine's parameter ``name`` (this rank's expert of a
     stacked one, for an expert-parallel module)."""
     from ds_trhash.model.expert_parallel import expert_parameter
@@ -167,16 +178,22 @@ def _whole_value(states: dict, module, name: str) -> dict[str, Any]:
     saved = states.get(prefix + stacked)
     if saved is None:
         raise CheckpointError(f"the checkpoint has no optimizer state for {prefix + stacked}")
-    index = module.get_submodule(prefix + "ep").first_expert + local
+    index = cast("HashRoutedExperts", module.get_submodule(prefix + "ep")).first_expert + local
     return {k: v[index] for k, v in saved.items()}
 
 
-def _set_optimizer(engine, states: dict, step) -> None:
+class _ZeroOptimizer(Protocol):
+    """DeepSpeed's ZeRO 1/2 optimizer: the torch optimizer it wraps holds this rank's fp32 partitions."""
+
+    optimizer: torch.optim.Optimizer
+
+
+def _set_optimizer(engine: DeepSpeedEngine, states: dict[str, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
     """Each rank's partition of the fp32 master weights and Adam moments, from the whole tensors."""
     import torch
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    opt = engine.optimizer
+    opt = cast(_ZeroOptimizer, engine.optimizer)
     lp_groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
     if lp_groups is None:
         raise CheckpointError(f"--reshard across expert-parallel layouts needs a ZeRO 1/2 optimizer, the engine has "
@@ -199,7 +216,7 @@ def _set_optimizer(engine, states: dict, step) -> None:
                 safe_set_full_optimizer_state(lp, whole[key].to(hp.device), key)
 
 
-def _set_schedule(engine, main: dict) -> None:
+def _set_schedule(engine: DeepSpeedEngine, main: dict[str, Any]) -> None:
     """The learning-rate schedule and the engine's counters as saved. The saved scheduler knew
     the old layout's parameter groups (one more with expert parallelism); every group follows the
     one lambda, so its position and last rate carry over to any number of groups."""
@@ -220,7 +237,7 @@ def _set_schedule(engine, main: dict) -> None:
     engine.skipped_steps = main.get("skipped_steps", 0)
 
 
-def load_by_parameter(engine, ckpt_dir: str | os.PathLike, log: Log = print) -> None:
+def load_by_parameter(engine: DeepSpeedEngine, ckpt_dir: str | os.PathLike, log: Log = print) -> None:
     """Restore a freshly built engine of any expert-parallel layout from a checkpoint of another:
     weights, fp32 master weights and Adam moments (each expert's with it, by global id), the Adam
     step, the schedule and the step counters. Every rank reads the files itself (memory-mapped)."""
@@ -232,7 +249,7 @@ def load_by_parameter(engine, ckpt_dir: str | os.PathLike, log: Log = print) -> 
     tag = ckpt / ENGINE_TAG
     main = torch.load(tag / MODULE_FILE, map_location="cpu", mmap=True, weights_only=False)
     weights = consolidate_checkpoint(tag) if expert_files(tag) else main["module"]
-    engine.module.load_checkpoint_state(weights, where=str(ckpt))
+    cast("TRHashForCausalLM", engine.module).load_checkpoint_state(weights, where=str(ckpt))
     states, step = saved_parameter_states(ckpt)
     _set_optimizer(engine, states, step)
     # the loss scaler (fp16), overflow flag and clipping as saved, through the optimizer's own reader

@@ -25,6 +25,7 @@ from ds_trhash.checkpoints.expert_reshard import load_by_parameter, moves_expert
 from ds_trhash.checkpoints.resume import REQUIRED_STATE_PARTS, _flatten, global_batch, inspect_saved_parts
 from ds_trhash.checkpoints.state import ENGINE_TAG, MANIFEST, CheckpointError, Log, ResumeError, read_trainer_state
 from ds_trhash.checkpoints.store import _files_under, _synced_entries, step_dir_name, verify
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.io import fsync_tree, publish_dir, remove_dir, sha256_file, write_json
 
 def _partition_files(tag_dir: Path) -> list[Path]:
@@ -159,7 +160,7 @@ def convert_to_universal(
     output_dir: str | os.PathLike,
     *,
     rank: int = 0,
-    barrier: Callable[[], Any] = lambda: None,
+    barrier: Callable[[], object] = lambda: None,
     log: Log = print,
 ) -> Path:
     """Rank 0 converts a verified checkpoint to DeepSpeed's universal format; all ranks return
@@ -229,14 +230,14 @@ def reshard_report(saved_state: Mapping[str, Any], current: Mapping[str, Any], w
     )
 
 
-def _engine_ep_size(engine: Any) -> int:
+def _engine_ep_size(engine: DeepSpeedEngine) -> int:
     """The ep_size of an engine's model (1 without expert parallelism, or without a module)."""
     module = getattr(engine, "module", None)
     modules = module.modules() if module is not None else ()
     return max((int(m.ep_size) for m in modules if getattr(m, "expert_group_name", None)), default=1)
 
 
-def _load_saved_module(engine: Any, ckpt: Path) -> None:
+def _load_saved_module(engine: DeepSpeedEngine, ckpt: Path) -> None:
     """The module state as saved, strictly, before a universal load.
 
     DeepSpeed's universal load restores only the parameters its optimizer holds (from
@@ -261,13 +262,13 @@ def _load_saved_module(engine: Any, ckpt: Path) -> None:
 
 
 def load_engine_state(
-    engine: Any,
+    engine: DeepSpeedEngine,
     ckpt_dir: str | os.PathLike,
     *,
     reshard: bool = False,
     output_dir: str | os.PathLike | None = None,
     rank: int = 0,
-    barrier: Callable[[], Any] = lambda: None,
+    barrier: Callable[[], object] = lambda: None,
     log: Log = print,
 ) -> None:
     """Restore a DeepSpeed engine: weights, optimizer and scheduler, or an error.

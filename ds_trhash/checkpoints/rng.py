@@ -49,7 +49,7 @@ def capture_rng_state() -> dict[str, Any]:
     }
 
 
-def _validate(state: Any) -> None:
+def _validate(state: object) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise RNGStateError(f"not an RNG state of format {FORMAT!r} (found {found!r}); the checkpoint is "

@@ -19,7 +19,7 @@ RULES = ("min_eval_loss", "last")
 
 @dataclass(frozen=True)
 class Candidate:
-    epoch: int
+    epoch: int | None  # None: a run record's checkpoint entry that names no epoch
     step: int
     checkpoint: str
     eval_loss: float | None

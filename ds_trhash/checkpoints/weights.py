@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -25,16 +26,16 @@ from ds_trhash.model.lora import has_lora_state, merge_lora_state_dict
 
 
 @contextlib.contextmanager
-def _quiet(module) -> Iterator[None]:
+def _quiet(module: ModuleType) -> Iterator[None]:
     """DeepSpeed's consolidator draws a tqdm bar per ZeRO file it reads: in a launch's console
     (the end-of-stage export, --init-checkpoint) that is a bar per file the user did not ask for.
     Its bars are disabled while it runs (the module's own ``tqdm`` name, put back after)."""
-    loud = module.tqdm
-    module.tqdm = functools.partial(loud, disable=True)
+    loud = getattr(module, "tqdm")  # a module global of DeepSpeed's, not declared to a type checker
+    setattr(module, "tqdm", functools.partial(loud, disable=True))
     try:
         yield
     finally:
-        module.tqdm = loud
+        setattr(module, "tqdm", loud)
 
 
 def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
@@ -54,8 +55,8 @@ def _engine_weights(ckpt_dir: Path) -> dict[str, Any]:
     if expert_files(tag_dir):
         # Expert-parallel: DeepSpeed's consolidator cannot read the per-expert files; stack
         # them back into the released names (the module copies: bf16 in a bf16 run).
-        module = consolidate_checkpoint(tag_dir)
-        return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
+        stacked = consolidate_checkpoint(tag_dir)
+        return {k: (v.float() if v.is_floating_point() else v) for k, v in stacked.items()}
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils import zero_to_fp32
 

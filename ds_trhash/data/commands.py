@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 from ds_trhash import outputs
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
@@ -18,7 +18,7 @@ from ds_trhash.outputs import writes_dirs
 
 from ds_trhash.data.plans.corpus_index import read_corpus_index
 from ds_trhash.data.embedded import build_embedded
-from ds_trhash.data.build.inputs import FORMATS, decode_record, file_inputs, iter_records
+from ds_trhash.data.build.inputs import FORMATS, Skipped, decode_record, file_inputs, iter_records
 from ds_trhash.data.build.tokenize import where
 from ds_trhash.data.build.commands import add_corpus_commands
 from ds_trhash.data.plans.plan import check_refinement, derive_refinement, load_plan, write_plan
@@ -26,12 +26,14 @@ from ds_trhash.data.plans.build import build_plan
 from ds_trhash.data.plans.correct import build_corrective_plan
 from ds_trhash.data.formats.tokenizer import train_tokenizer
 
+T = TypeVar("T")
+
 
 class CommandError(UserError, ValueError):
     """Arguments that argparse alone cannot reject (combinations, key=value pairs)."""
 
 
-def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str], object]) -> Optional[dict]:
+def _pairs(values: Optional[Sequence[str]], option: str, convert: Callable[[str], T]) -> Optional[dict[str, T]]:
     """Parse repeated ``source=value`` options."""
     if not values:
         return None
@@ -55,6 +57,8 @@ def _tokenizer_texts(paths: Sequence[str], fmt: str, text_field: str) -> Iterato
             yield spec.path
             continue
         for record in iter_records([spec], text_field):
+            if isinstance(record, Skipped):  # only a reader told which records are unwanted skips any
+                continue
             text, bad = decode_record(record, text_field)
             if bad is not None:
                 raise CommandError(f"{where(spec.label, record)}: {bad}; fix or drop that record "
@@ -126,7 +130,7 @@ def _write(doc: dict, out: str) -> int:
 @os_errors_as(CommandError)
 def _correct_plan(args: argparse.Namespace) -> int:
     counts = _pairs(args.double_exposed, "--double-exposed", int)
-    doc = build_corrective_plan(load_plan(args.plan), counts, read_corpus_index(args.manifest))
+    doc = build_corrective_plan(load_plan(args.plan), counts or {}, read_corpus_index(args.manifest))
     return _write(doc, args.out)
 
 

@@ -22,10 +22,13 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ds_trhash.errors import UserError
 from ds_trhash.io import publish_dir, sha256_file
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 from ds_trhash.data.plans.plan import derive_refinement, write_plan
 from ds_trhash.data.plans.build import build_plan
@@ -146,13 +149,13 @@ def demo_conversations() -> list[list[dict]]:
     return list(_conversations(_topics()))
 
 
-def _chat_tokens(tokenizer, messages: list[dict]) -> int:
+def _chat_tokens(tokenizer: Tokenizer, messages: list[dict]) -> int:
     """Token count under the complexity-chat-v2 layout (role headers, EOS per assistant turn)."""
     text = "".join(f"{m['role'].capitalize()}:\n{m['content'].strip()}\n\n" for m in messages)
     return len(tokenizer.encode(text).ids) + sum(m["role"] == "assistant" for m in messages)
 
 
-def _chat_sets(topics: dict[str, str], tokenizer, seq_len: int, seed: int) -> tuple[list, list]:
+def _chat_sets(topics: dict[str, str], tokenizer: Tokenizer, seq_len: int, seed: int) -> tuple[list, list]:
     pool, seen = [], set()
     for messages in _conversations(topics):
         identity = json.dumps(messages, sort_keys=True)

@@ -11,12 +11,13 @@ import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ds_trhash.data.formats.tokenizer import load_tokenizer
-from ds_trhash.eval.heldout import heldout_loss
-from ds_trhash.eval.piqa import PiqaCountWarning, evaluate_piqa, read_piqa
+from ds_trhash.eval.heldout import Scored, heldout_loss
+from ds_trhash.eval.piqa import PiqaCountWarning, PiqaExample, TextEncoder, evaluate_piqa, read_piqa
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import (
@@ -28,6 +29,12 @@ from ds_trhash.training.callbacks.base import (
     RunContext,
     TrainState,
 )
+
+if TYPE_CHECKING:  # type names only (of training, what its callback interface names)
+    import torch
+
+    from ds_trhash.data.sft.dataset import SFTBatches
+    from ds_trhash.training.callbacks.base import MetricsWriter, Progress, TrainConfig
 
 PIQA_RESULTS = "piqa.jsonl"
 Announce = Callable[[TrainState, EvalResult], None]  # RunContext.evaluated: to every callback
@@ -41,7 +48,8 @@ class HeldoutCallback(Callback):
     """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
     on every rank (each scores its share; the loss is reduced over ranks)."""
 
-    def __init__(self, model, eval_batches, device, writer, progress, announce: Announce = _nobody):
+    def __init__(self, model: Scored, eval_batches: SFTBatches, device: torch.device, writer: MetricsWriter,
+                 progress: Progress, announce: Announce = _nobody) -> None:
         self.model, self.eval_batches, self.device = model, eval_batches, device
         self.writer, self.progress, self.announce = writer, progress, announce
 
@@ -51,7 +59,7 @@ class HeldoutCallback(Callback):
             return None
         return cls(run.engine, run.eval_batches, run.device, run.writer, run.progress, run.evaluated)
 
-    def evaluate(self, state) -> HeldoutResult:
+    def evaluate(self, state: TrainState) -> HeldoutResult:
         state.pause("eval")  # out of the steady tokens/s
         measured = heldout_loss(self.model, self.eval_batches.epoch(0), self.device)
         result = HeldoutResult(step=state.step, epoch=state.epochs_done, **measured)
@@ -63,11 +71,11 @@ class HeldoutCallback(Callback):
         self.announce(state, result)
         return result
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step == 0:
             self.evaluate(state)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         self.evaluate(state)
 
 
@@ -78,28 +86,31 @@ class PiqaCallback(Callback):
 
     run_files = (PIQA_RESULTS,)
 
-    def __init__(self, model, examples, tokenizer, max_len: int, output_dir: Path, rank: int, progress,
-                 sft: bool, announce: Announce = _nobody, barrier=lambda: None):
+    def __init__(self, model: torch.nn.Module, examples: list[PiqaExample], tokenizer: TextEncoder, max_len: int,
+                 output_dir: Path, rank: int, progress: Progress, sft: bool, announce: Announce = _nobody,
+                 barrier: Callable[[], object] = lambda: None) -> None:
         self.model, self.examples, self.tokenizer, self.max_len = model, examples, tokenizer, max_len
         self.output_dir, self.rank, self.progress, self.sft = Path(output_dir), rank, progress, sft
         self.results: dict[int, dict] = {}  # the rows of piqa.jsonl by step (rank 0)
         self.announce, self.barrier = announce, barrier
 
     @classmethod
-    def prepare(cls, cfg) -> Builder | None:
+    def prepare(cls, cfg: TrainConfig) -> Builder | None:
         """Reads ``eval.piqa`` before the model exists: a malformed file refuses the launch."""
         if not cfg.eval.piqa:
             return None
         examples = read_piqa(cfg.eval.piqa)
 
         def build(run: RunContext) -> "PiqaCallback":
+            if run.tokenizer_dir is None:  # a launch with PIQA names its tokenizer (data.tokenizer)
+                raise RuntimeError("eval.piqa needs data.tokenizer")
             return cls(run.model, examples, load_tokenizer(run.tokenizer_dir), run.model_config.max_seq_len,
                        run.output_dir, run.rank, run.progress, sft=run.cfg.data.kind == "sft",
                        announce=run.evaluated, barrier=run.barrier)
 
         return build
 
-    def evaluate(self, state) -> None:
+    def evaluate(self, state: TrainState) -> None:
         state.pause("piqa")  # out of the steady tokens/s (every rank waits for rank 0's scoring)
         if self.rank == 0:
             with warnings.catch_warnings():
@@ -136,17 +147,17 @@ class PiqaCallback(Callback):
         if text != before:
             write_text_atomic(path, text)
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if self.rank == 0:  # step 0 is a fresh start: rows of an attempt that left no checkpoint go
             self._keep_rows_up_to(state.step if state.step > 0 else -1)
         if self.sft and state.step == 0:
             self.evaluate(state)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         if self.sft:
             self.evaluate(state)
 
-    def on_end(self, state):
+    def on_end(self, state: TrainState) -> None:
         # a finished run resumed (RESUME=auto after the end) evaluates only if the end was cut short
         if not self.sft and state.step == state.total_steps and not self._recorded(state.step):
             self.evaluate(state)

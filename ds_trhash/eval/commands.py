@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ds_trhash.argtypes import positive_int
-from ds_trhash.checkpoints import load_merged_weights
+from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.data.sft.dataset import SFTBatches, open_sft, pack
 from ds_trhash.data.formats.tokenizer import load_tokenizer, tokenizer_sha256
 from ds_trhash.errors import UserError
@@ -69,10 +70,10 @@ def check_is_checkpoint(checkpoint: str | os.PathLike) -> None:
                                "state/ or model.safetensors); pass checkpoints/step_<N> of a run or an export directory")
 
 
-def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
+def resolve_config(checkpoint: str | os.PathLike, preset: str | None) -> tuple[TRHashConfig, str]:
     """TRHashConfig for ``checkpoint``: the recorded one wins; ``--preset`` is the fallback."""
     recorded, source = recorded_model_config(checkpoint)
-    if recorded is not None:
+    if recorded is not None and source is not None:  # found together
         if preset is not None:
             print(f"note: --preset {preset} ignored; the model config recorded in {source} is used", file=sys.stderr)
         return TRHashConfig.from_saved(recorded), source
@@ -82,7 +83,8 @@ def resolve_config(checkpoint: str | os.PathLike, preset: str | None):
     return TRHashConfig.from_preset(preset), f"--preset {preset}"
 
 
-def load_model(checkpoint: str | os.PathLike, preset: str | None = None):
+def load_model(checkpoint: str | os.PathLike,
+               preset: str | None = None) -> tuple[TRHashForCausalLM, TRHashConfig, str, SourceRecord]:
     """(model in eval mode on CPU in fp32, config, config source, weights-only record)."""
     config, source = resolve_config(checkpoint, preset)
     state, record = load_merged_weights(checkpoint)
@@ -153,7 +155,8 @@ def _dtype(name: str, device: torch.device, cuda_default: str) -> str:
     return name
 
 
-def _place(model, args: argparse.Namespace, cuda_default: str):
+def _place(model: TRHashForCausalLM, args: argparse.Namespace,
+           cuda_default: str) -> tuple[TRHashForCausalLM, torch.device, str]:
     device = _device(args.device)
     dtype = _dtype(args.dtype, device, cuda_default)
     return model.to(device=device, dtype=DTYPES[dtype]), device, dtype

@@ -8,7 +8,7 @@ counts are added over ranks, so the result is the exact per-token mean over the 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,20 @@ from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import is_multi_rank
 
 
+class Scored(Protocol):
+    """A model, or the DeepSpeed engine around one: called as the loss, switched to eval and back."""
+
+    training: bool
+
+    def __call__(self, *inputs: object, **kwargs: object) -> torch.Tensor: ...
+
+    def eval(self) -> object: ...
+
+    def train(self, mode: bool = True) -> object: ...
+
+
 @torch.no_grad()
-def heldout_loss(model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> dict:
+def heldout_loss(model: Scored, batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> dict:
     """``model(input_ids, labels=..., reduction="sum", **extra)`` over this rank's batches."""
     was_training = model.training
     model.eval()

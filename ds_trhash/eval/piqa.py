@@ -23,7 +23,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence, cast
 
 import torch
 
@@ -64,7 +64,7 @@ class Request:
 # --------------------------------------------------------------------------- input
 
 
-def _parse_label(value: Any, where: str) -> int:
+def _parse_label(value: object, where: str) -> int:
     if isinstance(value, bool):
         raise PiqaDataError(f"{where}: label must be 0 or 1, got {value!r}")
     if isinstance(value, int) and value in (0, 1):
@@ -128,14 +128,21 @@ def read_piqa(path: str | os.PathLike, labels_path: str | os.PathLike | None = N
 # --------------------------------------------------------------------------- requests
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+class TextEncoder(Protocol):
+    """A tokenizer: ``tokenizers.Tokenizer`` (an ``Encoding`` with ``ids``) or a transformers one
+    (a list of ids)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> object: ...
+
+
+def _encode(tokenizer: TextEncoder, text: str) -> list[int]:
     """Token ids of ``text`` with no special tokens added (no BOS, whatever the tokenizer's
     post-processor says)."""
     encoded = tokenizer.encode(text, add_special_tokens=False)
-    return list(getattr(encoded, "ids", encoded))
+    return [int(i) for i in cast(Iterable[int], getattr(encoded, "ids", encoded))]
 
 
-def build_request(tokenizer, context: str, continuation: str, max_len: int) -> Request:
+def build_request(tokenizer: TextEncoder, context: str, continuation: str, max_len: int) -> Request:
     """Tokenize separately, concatenate, left-truncate to ``max_len`` model inputs."""
     if max_len < 1:
         raise ValueError(f"max_len must be positive, got {max_len}")
@@ -151,7 +158,7 @@ def build_request(tokenizer, context: str, continuation: str, max_len: int) -> R
     return Request(tuple(ctx[len(ctx) - keep_ctx:] + cont), len(cont), len(ctx) - keep_ctx)
 
 
-def piqa_requests(tokenizer, example: PiqaExample, max_len: int) -> tuple[Request, Request]:
+def piqa_requests(tokenizer: TextEncoder, example: PiqaExample, max_len: int) -> tuple[Request, Request]:
     return (build_request(tokenizer, example.goal, " " + example.sol1, max_len),
             build_request(tokenizer, example.goal, " " + example.sol2, max_len))
 
@@ -159,14 +166,14 @@ def piqa_requests(tokenizer, example: PiqaExample, max_len: int) -> tuple[Reques
 # --------------------------------------------------------------------------- scoring
 
 
-def _model_device(model) -> torch.device:
+def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
 
 
 @torch.no_grad()
-def score_requests(model, requests: Sequence[Request], batch_size: int = 16,
+def score_requests(model: torch.nn.Module, requests: Sequence[Request], batch_size: int = 16,
                    device: torch.device | str | None = None) -> list[float]:
     """Summed continuation log-probability of every request, in input order.
 
@@ -223,7 +230,7 @@ def count_warning(n: int) -> str | None:
             "these numbers are not comparable with the published ones")
 
 
-def evaluate_piqa(model, tokenizer, examples: Iterable[PiqaExample], max_len: int = 2048, batch_size: int = 16,
+def evaluate_piqa(model: torch.nn.Module, tokenizer: TextEncoder, examples: Iterable[PiqaExample], max_len: int = 2048, batch_size: int = 16,
                   device: torch.device | str | None = None, per_example: bool = False) -> dict[str, Any]:
     """Zero-shot PIQA: ``{"acc", "acc_norm", "n", "expected_n", "warning", "truncated"[, "per_example"]}``.
 

@@ -6,11 +6,12 @@ q_proj/v_proj as modules); the released fused layout is exposed through fused_qk
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
@@ -86,10 +87,10 @@ def document_block_mask(document_ids: torch.Tensor, block: int = DOC_BLOCK) -> B
     partial = causal & overlap & ~full
     padded = F.pad(docs, (0, pad), value=-1)  # the kernels may index up to the block end
 
-    def same_document_causal(b_idx, h_idx, q_idx, kv_idx):
+    def same_document_causal(b_idx: Tensor, h_idx: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (padded[b_idx, q_idx] == padded[b_idx, kv_idx]) & (q_idx >= kv_idx)
 
-    def ordered(dense):  # [B, nb, nb] bool -> counts [B, 1, nb], indices [B, 1, nb, nb]
+    def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:  # [B, nb, nb] bool -> counts [B, 1, nb], indices [B, 1, nb, nb]
         counts = dense.sum(-1, dtype=torch.int32)
         indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
         return counts[:, None], indices.to(torch.int32)[:, None]
@@ -120,7 +121,8 @@ def build_document_mask(document_ids: torch.Tensor, flex: bool | None = None) ->
     return DocumentMask(document_ids, document_block_mask(document_ids) if flex else None)
 
 
-def _blockwise_document_attention(q, k, v, document_ids, scale, enable_gqa, block=DOC_BLOCK):
+def _blockwise_document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, scale: float | None,
+                                  enable_gqa: bool, block: int = DOC_BLOCK) -> Tensor:
     """Same result as SDPA with document_mask, one query block at a time.
 
     Query block [s, e) sees keys [0, e) (causal prefix) through a [B, 1, e - s, e] mask made
@@ -130,7 +132,7 @@ def _blockwise_document_attention(q, k, v, document_ids, scale, enable_gqa, bloc
     t = q.shape[2]
     positions = torch.arange(t, device=q.device)
 
-    def one_block(qb, kb, vb, docs, start):
+    def one_block(qb: Tensor, kb: Tensor, vb: Tensor, docs: Tensor, start: int) -> Tensor:
         stop = start + qb.shape[2]
         mask = (docs[:, start:stop, None] == docs[:, None, :stop]) \
             & (positions[start:stop, None] >= positions[None, :stop])
@@ -147,10 +149,10 @@ def _blockwise_document_attention(q, k, v, document_ids, scale, enable_gqa, bloc
     return out
 
 
-_compiled_flex = None
+_compiled_flex: Callable[..., Tensor] | None = None
 
 
-def _flex(q, k, v, block_mask, scale, enable_gqa):
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None, enable_gqa: bool) -> Tensor:
     """flex_attention, compiled into a fused kernel on CUDA (eager flex is an unfused reference
     that materialises the scores). Inside an outer torch.compile the plain call is traced and
     fused by that compile, on CPU too; eager CPU runs the unfused reference."""
@@ -204,7 +206,7 @@ class TRHashAttention(nn.Module):
             self.q_proj.weight.copy_(q)
             self.v_proj.weight.copy_(v)
 
-    def _rope(self, q, k, cos, sin):
+    def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         if self.rope_backend == "liger":
             from liger_kernel.transformers.functional import liger_rope
 

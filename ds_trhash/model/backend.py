@@ -35,13 +35,16 @@ import importlib
 import inspect
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Protocol, cast
 
 import torch
 
 from ds_trhash.config_fields import positive, setting
 from ds_trhash.errors import UserError
+
+from .config import TRHashConfig
 
 from .attention import ROPE_BACKENDS
 from .experts import EXPERT_BACKENDS
@@ -86,9 +89,9 @@ class KernelChoice:
     reason: str
     rope: str = "pytorch"  # "liger" | "pytorch"; passed on only if the model accepts it
     # component -> "passed" | "failed, using <fallback>: <why>" (ds_trhash.model.selfcheck)
-    self_check: dict = field(default_factory=dict, compare=False)
+    self_check: dict[str, str] = field(default_factory=dict, compare=False)
     # the per-shape measurement that picked the experts backend (ds_trhash.model.expert_probe)
-    experts_probe: dict = field(default_factory=dict, compare=False)
+    experts_probe: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for field, allowed in (("experts", EXPERT_BACKENDS), ("loss", LOSS_BACKENDS),
@@ -143,7 +146,7 @@ def _liger_available() -> Optional[str]:
 # ------------------------------------------------------------------ shape support
 
 
-def _expert_shape_problem(config: Any, dtype: Optional[torch.dtype]) -> Optional[str]:
+def _expert_shape_problem(config: TRHashConfig | None, dtype: Optional[torch.dtype]) -> Optional[str]:
     """None when the Triton experts kernel supports this model shape and dtype."""
     if dtype is not None and dtype not in TRITON_DTYPES:
         return f"dtype {dtype} is not supported by the Triton experts (supported: {TRITON_DTYPES})"
@@ -189,7 +192,7 @@ def _fused_backends(policy: str, on_cuda: bool, require_liger: bool, notes: list
     return "chunked", "pytorch", "pytorch"
 
 
-def _triton_experts_problem(policy: str, device: torch.device, on_cuda: bool, config: Any,
+def _triton_experts_problem(policy: str, device: torch.device, on_cuda: bool, config: TRHashConfig | None,
                             dtype: Optional[torch.dtype]) -> Optional[str]:
     """Why the Triton routed experts cannot run here, or None when they can."""
     runnable = on_cuda or (device.type == "cpu" and _interpreter_enabled())
@@ -208,7 +211,7 @@ def _triton_experts_problem(policy: str, device: torch.device, on_cuda: bool, co
     return problem
 
 
-def _experts_backend(policy: str, device: torch.device, on_cuda: bool, config: Any,
+def _experts_backend(policy: str, device: torch.device, on_cuda: bool, config: TRHashConfig | None,
                      dtype: Optional[torch.dtype], notes: list[str]) -> str:
     if policy == "pytorch":
         return "pytorch"
@@ -224,7 +227,7 @@ def _experts_backend(policy: str, device: torch.device, on_cuda: bool, config: A
     return "pytorch"
 
 
-def resolve(policy: str, device: torch.device | str, config: Any = None, require_liger: bool = False,
+def resolve(policy: str, device: torch.device | str, config: TRHashConfig | None = None, require_liger: bool = False,
             dtype: Optional[torch.dtype] = None) -> KernelChoice:
     """Pick the implementations for `device`/`config` under `policy` ("auto"|"triton"|"pytorch").
 
@@ -246,17 +249,29 @@ def resolve(policy: str, device: torch.device | str, config: Any = None, require
     return choice
 
 
-def _unwrap(model: Any) -> Any:
+class BackendModel(Protocol):
+    """What a model offers for its kernels to be chosen and reported (TRHashForCausalLM does)."""
+
+    kernel_self_check: dict[str, str]
+
+    def set_backends(self, experts: str | None = None, loss: str | None = None,
+                     norm: str | None = None, rope: str | None = None) -> None: ...
+
+    def backends_used(self) -> dict[str, object]: ...
+
+
+def _unwrap(model: torch.nn.Module) -> BackendModel:
     """The module under a DeepSpeed engine / DDP wrapper (they expose it as `.module`)."""
     while not hasattr(model, "set_backends") and hasattr(model, "module"):
-        model = model.module
-    return model
+        model = cast(torch.nn.Module, model.module)
+    return cast(BackendModel, model)
 
 
-def apply(model: Any, choice: KernelChoice) -> None:
+def apply(model: torch.nn.Module, choice: KernelChoice) -> None:
     """Install `choice` on the model via model.set_backends(experts=, loss=, norm=[, rope=])."""
     target = _unwrap(model)
     kwargs = {"experts": choice.experts, "loss": choice.loss, "norm": choice.norm}
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(target.set_backends).parameters
     except (TypeError, ValueError):
@@ -270,6 +285,6 @@ def apply(model: Any, choice: KernelChoice) -> None:
         target.experts_probe = dict(choice.experts_probe)
 
 
-def recorded_backends(model: Any) -> dict:
+def recorded_backends(model: torch.nn.Module) -> dict[str, object]:
     """What actually executed in the last forward (model.backends_used()), for metrics/records."""
     return dict(_unwrap(model).backends_used())

@@ -20,14 +20,13 @@ graph; Liger's RMSNorm and RoPE, where chosen, are traced as user-defined Triton
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ds_trhash.model.loss import keep_liger_outside_graph
+from ds_trhash.model.transformer import TRHashForCausalLM
 
 COMPILE_MODES = ("none", "layers", "model")
 
 
-def compile_model(model: Any, mode: str) -> Any:
+def compile_model(model: TRHashForCausalLM, mode: str) -> TRHashForCausalLM:
     """Compile `model` (a TRHashForCausalLM, possibly LoRA-adapted) in place; returns it."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode {mode!r}; allowed: {list(COMPILE_MODES)}")

@@ -98,11 +98,11 @@ class TRHashConfig:
             raise ValueError(f"TRHashConfig.{problem[0]} {problem[1]}")
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "TRHashConfig":
+    def from_preset(cls, name: str, **overrides: int | float | str | tuple[float, float]) -> "TRHashConfig":
         """Named sizes; overrides let tests shrink one field without restating the rest."""
         if name not in PRESETS:
             raise ValueError(f"unknown TR-HASH preset {name!r}; allowed: {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return dataclasses.replace(PRESETS[name], **overrides)  # type: ignore[arg-type]  # each field checked in __post_init__
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (tuples become lists) for checkpoints and run records."""

@@ -11,8 +11,10 @@ names mirror the released checkpoint keys (``layers.{i}.mlp.engine.*``).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -22,6 +24,9 @@ from .experts import routed_experts
 from .norms import RMSNorm
 from .routing import RouteTableError, build_route_table, expert_pairs, pair_codes, validate_route_table
 
+if TYPE_CHECKING:  # imports deepspeed.moe; built only by enable_expert_parallel
+    from .expert_parallel import HashRoutedExperts
+
 
 class TRHashMoEEngine(nn.Module):
     """Shared SwiGLU expert plus top-2 routed experts on flattened tokens [N, H].
@@ -29,6 +34,11 @@ class TRHashMoEEngine(nn.Module):
     The route buffers are persistent: once a checkpoint provides them they are the routing,
     whatever the config would build (docs/contracts.md §1.1: routing is data, not code).
     """
+
+    # the registered buffers (nn.Module types an attribute it does not know as tensor or module)
+    route_table: torch.Tensor
+    fused_route_codes: torch.Tensor
+    fused_expert_pairs: torch.Tensor
 
     def __init__(self, config: TRHashConfig, layer: int) -> None:
         super().__init__()
@@ -51,7 +61,7 @@ class TRHashMoEEngine(nn.Module):
         # Expert parallelism (ds_trhash.model.expert_parallel): None = every expert lives here
         # as the stacked expert_{gate,up,down}; else the HashRoutedExperts child `ep` holds this
         # rank's experts and the stacked parameters are gone.
-        self.ep = None
+        self.ep: HashRoutedExperts | None = None
         self.register_load_state_dict_pre_hook(_slice_full_experts_on_load)
         self.reset_parameters()
         self.init_routes()
@@ -98,7 +108,7 @@ class TRHashMoEEngine(nn.Module):
             for p in (self.expert_down, self.shared_down.weight):
                 p.normal_(0.0, residual_std)
 
-    def enable_expert_parallel(self, group, ep_size: int) -> None:
+    def enable_expert_parallel(self, group: dist.ProcessGroup, ep_size: int) -> None:
         """Keep only this rank's experts (EP rank r: experts [r·E/P, (r+1)·E/P)) in a
         DeepSpeed-MoE child `ep` that exchanges tokens in `group`; see expert_parallel.py."""
         from .expert_parallel import ExpertParallelError, HashRoutedExperts  # lazy: imports deepspeed.moe
@@ -146,8 +156,9 @@ class TRHashMoEEngine(nn.Module):
 
 
 
-def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict, prefix, local_metadata, strict,
-                                missing_keys, unexpected_keys, error_msgs) -> None:
+def _slice_full_experts_on_load(module: TRHashMoEEngine, state_dict: dict[str, torch.Tensor], prefix: str,
+                                local_metadata: dict[str, object], strict: bool, missing_keys: list[str],
+                                unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Load-state-dict pre-hook: an expert-parallel engine given the released full stacked
     expert_{gate,up,down} takes its own experts' slices (renamed to its `ep` keys)."""
     if module.ep is None:

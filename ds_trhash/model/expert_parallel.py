@@ -49,7 +49,7 @@ import re
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def deepspeed_expert_group(ep_size: int):
+def deepspeed_expert_group(ep_size: int) -> dist.ProcessGroup:
     """The expert-parallel group DeepSpeed registers for ep_size, created (collectively, on
     every rank) when missing; DeepSpeed's engine then finds and reuses it."""
     name = group_name(ep_size)
@@ -106,7 +106,7 @@ class HashRoutedExperts(MoE):
     with no gate, so the DeepSpeed engine treats it (and its parameters) as expert-parallel."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, num_experts: int,
-                 group, ep_size: int) -> None:
+                 group: dist.ProcessGroup, ep_size: int) -> None:
         nn.Module.__init__(self)  # MoE.__init__ would build a learned TopKGate and its own experts
         group_ranks = dist.get_world_size(group)
         if group_ranks != ep_size:
@@ -130,15 +130,16 @@ class HashRoutedExperts(MoE):
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
             LocalExpert(gate[j], up[j], down[j]) for j in range(local))
         for p in self.deepspeed_moe.parameters():
-            p.allreduce = False  # deepspeed.moe.utils.is_moe_param
-            p.group_name = self.expert_group_name
+            setattr(p, "allreduce", False)  # deepspeed.moe.utils.is_moe_param
+            setattr(p, "group_name", self.expert_group_name)
 
     @property
     def first_expert(self) -> int:
         return self.ep_rank * self.num_local_experts
 
     def experts(self) -> nn.ModuleList:
-        return self.deepspeed_moe.experts.deepspeed_experts
+        holder = cast(nn.Module, self.deepspeed_moe.experts)
+        return cast(nn.ModuleList, holder.deepspeed_experts)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by ``deepspeed.initialize`` on every module that has it: make sure DeepSpeed's
@@ -214,7 +215,30 @@ class HashRoutedExperts(MoE):
 # ----------------------------------------------------------------------------- model level
 
 
-def enable_expert_parallel(model, ep_size: int, group=None):
+class ExpertEngine(Protocol):
+    """What the model-level functions use of a layer's MoE engine (``decoder.TRHashMoEEngine``,
+    which imports this module: named by its surface here)."""
+
+    layer: int
+
+    @property
+    def ep(self) -> HashRoutedExperts | None: ...
+
+    def enable_expert_parallel(self, group: dist.ProcessGroup, ep_size: int) -> None: ...
+
+
+class ExpertModel(Protocol):
+    """What they use of the model (``TRHashForCausalLM``)."""
+
+    def engines(self) -> Sequence[ExpertEngine]: ...
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]: ...
+
+
+M = TypeVar("M", bound=ExpertModel)
+
+
+def enable_expert_parallel(model: M, ep_size: int, group: dist.ProcessGroup | None = None) -> M:
     """Switch every MoE block of a full model to expert parallelism in place: each keeps its
     slice of the (already initialised or loaded) stacked experts. ``group`` defaults to
     DeepSpeed's ep_size group (created when missing). Call on every rank, before
@@ -228,14 +252,15 @@ def enable_expert_parallel(model, ep_size: int, group=None):
     return model
 
 
-def is_expert_parallel(model) -> bool:
+def is_expert_parallel(model: ExpertModel) -> bool:
     return any(engine.ep is not None for engine in model.engines())
 
 
-def _spec_order(ep_state: Mapping[str, torch.Tensor], experts: Mapping[str, Mapping[str, torch.Tensor]]):
+def _spec_order(ep_state: Mapping[str, torch.Tensor],
+                experts: Mapping[str, Mapping[str, torch.Tensor]]) -> OrderedDict[str, torch.Tensor]:
     """EP-mode state dict -> released names, stacked experts placed where the full model has them
     (before the engine's route_table buffer)."""
-    out = OrderedDict()
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, value in ep_state.items():
         if ".ep." + EXPERT_KEY_PREFIX in key:
             continue
@@ -247,7 +272,7 @@ def _spec_order(ep_state: Mapping[str, torch.Tensor], experts: Mapping[str, Mapp
     return out
 
 
-def full_state_dict(model) -> "OrderedDict[str, torch.Tensor]":
+def full_state_dict(model: ExpertModel) -> Mapping[str, torch.Tensor]:
     """The docs/contracts.md §1 state dict of an expert-parallel model (full stacked experts), on every
     rank; collective over each EP group. A model without EP returns its own state dict."""
     state = model.state_dict()
@@ -255,6 +280,8 @@ def full_state_dict(model) -> "OrderedDict[str, torch.Tensor]":
         return state
     experts = {}
     for engine in model.engines():
+        if engine.ep is None:  # every engine is expert-parallel or none is (enable_expert_parallel)
+            continue
         full = engine.ep.gather_full()
         experts[f"layers.{engine.layer}.mlp.engine."] = dict(zip(STACKED_NAMES, full))
     return _spec_order(state, experts)

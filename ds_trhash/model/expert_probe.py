@@ -66,7 +66,7 @@ def time_backend(backend: str, shape: Shape, repeats: int = 5, warmup: int = 2) 
     gen = torch.Generator(device=shape.device).manual_seed(0)
     n, h, w, e = shape.tokens, shape.hidden, shape.width, shape.experts
 
-    def rand(*size):
+    def rand(*size: int) -> torch.Tensor:
         return (0.1 * torch.randn(*size, generator=gen, device=shape.device)).to(shape.dtype)
 
     x, gate, up, down = (t.requires_grad_() for t in (rand(n, h), rand(e, h, w), rand(e, h, w), rand(e, w, h)))

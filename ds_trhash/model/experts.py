@@ -16,7 +16,8 @@ result back to x's dtype (the residual stream keeps its dtype, as under autocast
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from .autocast import autocast_dtype
 EXPERT_BACKENDS = ("pytorch", "triton", "masked")
 
 
-def _groups(routes: torch.Tensor, weights: Sequence[float], num_experts: int, dtype: torch.dtype):
+def _groups(routes: torch.Tensor, weights: Sequence[float], num_experts: int,
+            dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per expert: (token indices, route weights) of the assignments it serves, in token order.
 
     The split sizes are read on the host (one ``tolist`` per call): this is the data-dependent
@@ -58,7 +60,8 @@ def _gathered_forward(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor,
 
 
 @_gathered_forward.register_fake
-def _(x, routes, gate, up, down, weights):
+def _(x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+      weights: list[float]) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -89,17 +92,18 @@ def _gathered_backward(dy: torch.Tensor, x: torch.Tensor, routes: torch.Tensor, 
 
 
 @_gathered_backward.register_fake
-def _(dy, x, routes, gate, up, down, weights):
+def _(dy: torch.Tensor, x: torch.Tensor, routes: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+      down: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(gate), torch.empty_like(up), torch.empty_like(down)
 
 
-def _gathered_setup(ctx, inputs, output):
+def _gathered_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:  # Any: autograd ctx
     x, routes, gate, up, down, weights = inputs
     ctx.save_for_backward(x, routes, gate, up, down)
     ctx.weights = weights
 
 
-def _gathered_grad(ctx, dy):
+def _gathered_grad(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # Any: autograd ctx
     x, routes, gate, up, down = ctx.saved_tensors
     dx, d_gate, d_up, d_down = _gathered_backward(dy, x, routes, gate, up, down, ctx.weights)
     return dx, None, d_gate, d_up, d_down, None
@@ -122,7 +126,8 @@ def routed_experts_masked(x: torch.Tensor, routes: torch.Tensor, gate: torch.Ten
     launches; ``expert_probe`` measures which wins per shape on the GPU. Plain torch ops: autograd
     differentiates it and ``torch.compile`` fuses its elementwise part."""
     experts = torch.arange(gate.shape[0], device=routes.device)
-    coef = sum(float(w) * (routes[:, k, None] == experts) for k, w in enumerate(weights)).to(x.dtype)  # [N, E]
+    hits = sum(float(w) * (routes[:, k, None] == experts) for k, w in enumerate(weights))
+    coef = cast(torch.Tensor, hits).to(x.dtype)  # [N, E]
     g = torch.einsum("nh,ehw->new", x, gate)  # [N, E, W]
     u = torch.einsum("nh,ehw->new", x, up)
     return torch.einsum("new,ewh->nh", F.silu(g) * u * coef[:, :, None], down)

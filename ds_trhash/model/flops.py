@@ -1,6 +1,8 @@
 """Training FLOPs of a TR-HASH model and the nominal peaks of the devices it runs on (for MFU)."""
 from __future__ import annotations
 
+from ds_trhash.model.config import TRHashConfig
+
 __all__ = ["train_flops_per_token", "NOMINAL_BF16_TFLOPS", "nominal_bf16_tflops"]
 
 #: Nominal dense bf16 tensor-core peaks (vendor datasheets), TFLOP/s.
@@ -8,7 +10,7 @@ NOMINAL_BF16_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 SXM": 989.4
                        "A100": 312.0}
 
 
-def train_flops_per_token(cfg, seq_len: int) -> float:
+def train_flops_per_token(cfg: TRHashConfig, seq_len: int) -> float:
     """6 x (matmul parameters a token passes through, tied head included) + causal attention.
 
     Attention: per layer and token, QK^T and AV over on average seq_len / 2 keys cost

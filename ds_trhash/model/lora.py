@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,9 +131,9 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        like = {"device": self.weight.device, "dtype": self.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, **like))
+        device, dtype = self.weight.device, self.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, self.in_features)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
@@ -165,9 +166,9 @@ class ExpertAdapter(nn.Module):
         self.rank = int(rank)
         self.alpha = float(alpha)
         self.scaling = self.alpha / self.rank
-        like = {"device": weight.device, "dtype": weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, **like))
-        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, **like))
+        device, dtype = weight.device, weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(experts, fan_in, self.rank, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(experts, self.rank, fan_out, device=device, dtype=dtype))
         _init_down_projection(self.lora_A, fan_in)
 
     def delta(self) -> torch.Tensor:
@@ -192,8 +193,9 @@ class LoRAMoEEngine(TRHashMoEEngine):
 
     def effective_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) with W + (alpha/r) · A·B folded in, differentiable w.r.t. A and B."""
-        return tuple(getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
-                     for name in EXPERT_WEIGHTS)  # type: ignore[return-value]
+        gate, up, down = (getattr(self, name) + getattr(self, name + _EXPERT_ADAPTER_SUFFIX).delta()
+                          for name in EXPERT_WEIGHTS)
+        return gate, up, down
 
     def merged_expert_weights(self) -> dict[str, torch.Tensor]:
         """Detached W + delta per stacked weight, summed in fp32, in the weight's dtype."""
@@ -208,7 +210,7 @@ class LoRAMoEEngine(TRHashMoEEngine):
 # ----------------------------------------------------------------------------- set-up
 
 
-def _check_hyper(rank: Any, alpha: Any, dropout: Any) -> None:
+def _check_hyper(rank: object, alpha: float, dropout: float) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise LoRAError(f"LoRA mode needs a positive rank; pass --lora-rank N or use --full-parameter "
                         f"(got rank {rank!r})")
@@ -248,7 +250,7 @@ def apply_lora(model: TRHashForCausalLM, lora: LoraSection) -> list[str]:
 
     wanted = {LINEAR_TARGETS[t] for t in targets}
     adapted = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         for path in LINEAR_TARGETS.values():  # fixed order, whatever the order of `targets`
             if path not in wanted:
                 continue
@@ -279,12 +281,12 @@ def is_lora_key(key: str) -> bool:
     return key.endswith(("lora_A", "lora_B"))
 
 
-def has_lora_state(state_dict: Mapping[str, Any]) -> bool:
+def has_lora_state(state_dict: Mapping[str, object]) -> bool:
     """Whether a state dict (or any mapping/iterable of keys) holds LoRA adapter tensors."""
     return any(is_lora_key(k) for k in state_dict)
 
 
-def check_state_mode(state_dict: Mapping[str, Any], lora_enabled: bool, where: str = "checkpoint") -> None:
+def check_state_mode(state_dict: Mapping[str, object], lora_enabled: bool, where: str = "checkpoint") -> None:
     """Resume rule (docs/contracts.md §4, §6): a full-parameter run refuses LoRA state, a LoRA run requires it."""
     found = has_lora_state(state_dict)
     if found and not lora_enabled:

@@ -6,6 +6,9 @@ batch without any valid label gives loss 0 with zero gradients rather than NaN.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +48,8 @@ class _ChunkedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens: int, divisor: torch.Tensor):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # Any: autograd ctx
+                chunk_tokens: int, divisor: torch.Tensor) -> torch.Tensor:
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -62,7 +66,7 @@ class _ChunkedCE(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # Any: autograd ctx
         hidden, weight, labels, lse, divisor = ctx.saved_tensors
         scale = grad_out.float() / divisor
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -131,10 +135,10 @@ def tied_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ba
     raise ValueError(f"unknown loss backend {backend!r}; allowed: {list(LOSS_BACKENDS)}")
 
 
-_liger_outside_graph = None
+_liger_outside_graph: Callable[..., torch.Tensor] | None = None
 
 
-def keep_liger_outside_graph():
+def keep_liger_outside_graph() -> Callable[..., torch.Tensor]:
     """``liger_ce`` behind ``torch.compiler.disable``, made once. ``compile_model`` calls it
     before it compiles, so dynamo meets a ready wrapper rather than its making."""
     global _liger_outside_graph

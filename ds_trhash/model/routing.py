@@ -8,6 +8,7 @@ at construction time and a Python loop would dominate model start-up.
 from __future__ import annotations
 
 from itertools import combinations
+from typing import overload
 
 import numpy as np
 import torch
@@ -25,7 +26,11 @@ class RouteTableError(UserError, ValueError):
     """A route table that must not be used: training on it would silently change the model."""
 
 
-def mix32(v):
+@overload
+def mix32(v: int) -> int: ...
+@overload
+def mix32(v: np.ndarray) -> np.ndarray: ...
+def mix32(v: int | np.ndarray) -> int | np.ndarray:
     """32-bit finaliser hash; accepts a Python int or an integer numpy array.
 
     Works in uint64 and masks after each multiply, so no intermediate can overflow

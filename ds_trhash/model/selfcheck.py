@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from ds_trhash.ranks import is_multi_rank
 
 from .attention import apply_rope, rope_cos_sin
 from .backend import BackendError, KernelChoice
+from .config import TRHashConfig
 from .experts import routed_experts
 from .loss import tied_ce
 from .norms import rms_norm
@@ -53,7 +54,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def _compare(candidate: Callable, reference: Callable, inputs: list[torch.Tensor], tol: float,
              faulty: bool) -> Optional[str]:
     """None when candidate(*inputs) matches reference(*inputs) in value and input gradients."""
-    def run(fn, scale=1.0):
+    def run(fn: Callable[..., torch.Tensor], scale: float = 1.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
         out = fn(*leaves) * scale
         probe = torch.ones_like(out) if out.dim() == 0 else torch.linspace(-1, 1, out.numel(),
@@ -79,17 +80,19 @@ def _compare(candidate: Callable, reference: Callable, inputs: list[torch.Tensor
     return None
 
 
-def _randn(gen: torch.Generator, shape, device, dtype, scale=1.0) -> torch.Tensor:
+def _randn(gen: torch.Generator, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
+           scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
 
-def _check_experts(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+def _check_experts(config: TRHashConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator, tol: float,
+                   faulty: bool) -> Optional[str]:
     h, w, e = config.hidden_size, config.expert_width, config.num_experts
     routes = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(_TOKENS)]).to(device)
     inputs = [_randn(gen, (_TOKENS, h), device, dtype), _randn(gen, (e, h, w), device, dtype, h ** -0.5),
               _randn(gen, (e, h, w), device, dtype, h ** -0.5), _randn(gen, (e, w, h), device, dtype, w ** -0.5)]
 
-    def call(backend):
+    def call(backend: str) -> Callable[..., torch.Tensor]:
         return lambda x, g, u, d: routed_experts(x, routes, g, u, d, config.route_weights, backend=backend)
 
     problem = _compare(call("triton"), call("pytorch"), inputs, tol, faulty)
@@ -107,7 +110,8 @@ def _reset_triton_autotuning() -> None:
     reset_autotuning()
 
 
-def _check_loss(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+def _check_loss(config: TRHashConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator, tol: float,
+                faulty: bool) -> Optional[str]:
     vocab = min(config.vocab_size, 2048)
     labels = torch.randint(0, vocab, (_TOKENS,), generator=gen)
     labels[::7] = -100  # ignored positions take part too
@@ -115,13 +119,14 @@ def _check_loss(config, device, dtype, gen, tol, faulty) -> Optional[str]:
     inputs = [_randn(gen, (_TOKENS, config.hidden_size), device, dtype),
               _randn(gen, (vocab, config.hidden_size), device, dtype, 0.02)]
 
-    def call(backend):
+    def call(backend: str) -> Callable[..., torch.Tensor]:
         return lambda hidden, weight: tied_ce(hidden, weight, labels, backend, reduction="sum")
 
     return _compare(call("liger"), call("chunked"), inputs, tol, faulty)
 
 
-def _check_norm(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+def _check_norm(config: TRHashConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator, tol: float,
+                faulty: bool) -> Optional[str]:
     # lazy: Liger (and triton under it) is optional and only checked when the policy chose it
     from liger_kernel.transformers.functional import liger_rms_norm
 
@@ -132,7 +137,8 @@ def _check_norm(config, device, dtype, gen, tol, faulty) -> Optional[str]:
                     lambda x, w: rms_norm(x, w, eps), inputs, tol, faulty)
 
 
-def _check_rope(config, device, dtype, gen, tol, faulty) -> Optional[str]:
+def _check_rope(config: TRHashConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator, tol: float,
+                faulty: bool) -> Optional[str]:
     # lazy: as in _check_norm
     from liger_kernel.transformers.functional import liger_rope
 
@@ -141,11 +147,11 @@ def _check_rope(config, device, dtype, gen, tol, faulty) -> Optional[str]:
     inputs = [_randn(gen, (1, config.num_heads, t, d), device, dtype),
               _randn(gen, (1, config.num_kv_heads, t, d), device, dtype)]
 
-    def liger(q, k):
+    def liger(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         q, k = liger_rope(q, k, cos, sin)
         return torch.cat((q.flatten(), k.flatten()))
 
-    def reference(q, k):
+    def reference(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return torch.cat((apply_rope(q, cos, sin).flatten(), apply_rope(k, cos, sin).flatten()))
 
     return _compare(liger, reference, inputs, tol, faulty)
@@ -177,7 +183,7 @@ def _failed_anywhere(failed: list[bool], device: torch.device) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def verify(choice: KernelChoice, policy: str, device: torch.device | str, config: Any,
+def verify(choice: KernelChoice, policy: str, device: torch.device | str, config: TRHashConfig,
            dtype: torch.dtype = torch.float32, require_liger: bool = False) -> KernelChoice:
     """Self-check every fused kernel in `choice`; return the choice that may run (see module doc).
 
@@ -214,4 +220,6 @@ def verify(choice: KernelChoice, policy: str, device: torch.device | str, config
     if not results:
         return choice
     reason = choice.reason + "".join(f"; {n}" for n in notes)
-    return dataclasses.replace(choice, reason=reason, self_check=results, **changes)
+    return dataclasses.replace(choice, reason=reason, self_check=results,
+                               experts=changes.get("experts", choice.experts), loss=changes.get("loss", choice.loss),
+                               norm=changes.get("norm", choice.norm), rope=changes.get("rope", choice.rope))

@@ -10,7 +10,7 @@ in ``decoder``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping
+from typing import Mapping, cast
 
 import torch
 import torch.utils.checkpoint
@@ -44,7 +44,7 @@ class TRHashForCausalLM(nn.Module):
         self.loss_backend = "chunked"
         self.last_loss_backend: str | None = None
         self.kernel_self_check: dict[str, str] = {}  # set by backend.apply after a self-check
-        self.experts_probe: dict = {}  # set by backend.apply: the per-shape timing that chose the experts
+        self.experts_probe: dict[str, object] = {}  # set by backend.apply: the per-shape timing that chose the experts
         self.compile_mode = "none"  # set by ds_trhash.model.compile
         # Per-layer routed-token counts [L, E] of training forwards (expert_load.csv, monitors); off by default.
         self.track_expert_load = False
@@ -59,18 +59,22 @@ class TRHashForCausalLM(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, self.config.init_std)
         self.norm.reset_parameters()
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.input_layernorm.reset_parameters()
             layer.post_attention_layernorm.reset_parameters()
             layer.self_attn.reset_parameters()
             layer.mlp.engine.reset_parameters()
+
+    def decoder_layers(self) -> list[TRHashDecoderLayer]:
+        """The layers as what they are (iterating the ModuleList yields plain modules)."""
+        return [cast(TRHashDecoderLayer, layer) for layer in self.layers]
 
     def init_routes(self) -> None:
         for engine in self.engines():
             engine.init_routes()
 
     def engines(self) -> list[TRHashMoEEngine]:
-        return [layer.mlp.engine for layer in self.layers]
+        return [layer.mlp.engine for layer in self.decoder_layers()]
 
     # ----------------------------------------------------------------- activation checkpointing
     def set_activation_checkpointing(self, mode: str, every: int = 2) -> list[int]:
@@ -86,7 +90,7 @@ class TRHashForCausalLM(nn.Module):
             raise ValueError(f"activation checkpointing every_n needs n >= 1, got {every!r}")
         step = {"none": 0, "full": 1, "every_n": every}[mode]
         chosen = [i for i in range(len(self.layers)) if step and i % step == 0]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             layer.checkpointed = i in chosen
         return chosen
 
@@ -134,10 +138,10 @@ class TRHashForCausalLM(nn.Module):
                 if isinstance(module, RMSNorm):
                     module.backend = norm
         if rope is not None:
-            for layer in self.layers:
+            for layer in self.decoder_layers():
                 layer.self_attn.rope_backend = rope
 
-    def backends_used(self) -> dict:
+    def backends_used(self) -> dict[str, object]:
         """What ran in the last forward (None: not exercised, e.g. loss when no labels), plus
         the kernel self-check's findings, the experts' per-shape timing and the compile mode
         when there are any."""
@@ -147,9 +151,9 @@ class TRHashForCausalLM(nn.Module):
             return "+".join(seen) if seen else None
 
         norms = [m.last_backend for m in self.modules() if isinstance(m, RMSNorm)]
-        used = {"experts": merged([e.last_backend for e in self.engines()]),
+        used: dict[str, object] = {"experts": merged([e.last_backend for e in self.engines()]),
                 "loss": self.last_loss_backend, "norm": merged(norms),
-                "rope": merged([layer.self_attn.last_rope_backend for layer in self.layers])}
+                "rope": merged([layer.self_attn.last_rope_backend for layer in self.decoder_layers()])}
         if self.kernel_self_check:  # what the startup self-check found (fallbacks say why)
             used["self_check"] = dict(self.kernel_self_check)
         if self.experts_probe:  # the timings that picked the experts backend at this shape
@@ -201,7 +205,8 @@ class TRHashForCausalLM(nn.Module):
         return loss
 
     # ----------------------------------------------------------------- checkpoints
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> nn.modules.module._IncompatibleKeys:
         """Standard load, minus stale rotary caches, refusing route tables that cannot be used.
 
         Route buffers are taken from the checkpoint as they are, never rebuilt.
@@ -209,7 +214,7 @@ class TRHashForCausalLM(nn.Module):
         filtered = OrderedDict((k, v) for k, v in state_dict.items() if not k.endswith(_DROPPED_KEY_SUFFIX))
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:
-            filtered._metadata = metadata
+            filtered._metadata = metadata  # type: ignore[attr-defined]  # torch's own convention for state dicts
         check_state_dict_routes(filtered, self.config)
         return super().load_state_dict(filtered, strict=strict, assign=assign)
 

@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from supervisor import childutils
+
+if TYPE_CHECKING:  # the listener runs under supervisord: it imports no more than it needs
+    from ds_trhash.ops.jobs import SupervisorServer
 
 
 def parse_order(args: list[str]) -> dict[str, tuple[str, ...]]:
@@ -33,7 +38,8 @@ def never_started(info: dict) -> bool:
     return info["statename"] == "STOPPED" and not info["start"]
 
 
-def start_ready(rpc, order: dict[str, tuple[str, ...]], log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+def start_ready(rpc: SupervisorServer, order: dict[str, tuple[str, ...]],
+                log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[str]:
     """Start every job whose ``after`` jobs have all finished with status 0; return their names."""
     infos = {i["name"]: i for i in rpc.supervisor.getAllProcessInfo()}
     started = []

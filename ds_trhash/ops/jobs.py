@@ -23,6 +23,7 @@ import time
 import xmlrpc.client
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import psutil
 from supervisor.xmlrpc import SupervisorTransport
@@ -51,9 +52,30 @@ def answering(jobs_dir: Path) -> Iterator[None]:
         raise JobsError(f"supervisord on {Path(jobs_dir) / SOCKET_NAME}: {exc}") from exc
 
 
-def rpc(jobs_dir: Path) -> xmlrpc.client.ServerProxy:
+ProcessInfo = dict[str, Any]  # supervisord's getProcessInfo struct: name, statename (str), pid (int), ...
+
+
+class Supervisor(Protocol):
+    """The calls of supervisord's XML-RPC ``supervisor`` namespace this module makes, with the
+    types of their answers (``ServerProxy`` types every answer as any XML-RPC value)."""
+
+    def getState(self) -> dict[str, object]: ...
+    def getPID(self) -> int: ...
+    def getProcessInfo(self, name: str) -> ProcessInfo: ...
+    def getAllProcessInfo(self) -> list[ProcessInfo]: ...
+    def startProcess(self, name: str, wait: bool) -> bool: ...
+    def stopProcessGroup(self, name: str, wait: bool) -> object: ...
+    def stopAllProcesses(self, wait: bool) -> object: ...
+    def shutdown(self) -> bool: ...
+
+
+class SupervisorServer(Protocol):
+    supervisor: Supervisor
+
+
+def rpc(jobs_dir: Path) -> SupervisorServer:
     transport = SupervisorTransport(None, None, f"unix://{Path(jobs_dir) / SOCKET_NAME}")
-    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+    return cast(SupervisorServer, xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport))
 
 
 def is_running(jobs_dir: Path) -> bool:
@@ -102,7 +124,7 @@ def up(manifest: Manifest, environ: Mapping[str, str] | None = None, log: Log = 
     return config
 
 
-def status(manifest: Manifest) -> list[dict]:
+def status(manifest: Manifest) -> list[ProcessInfo]:
     """supervisor's process info for every job of the manifest, in manifest order."""
     with answering(manifest.jobs_dir):
         infos = {i["name"]: i for i in rpc(manifest.jobs_dir).supervisor.getAllProcessInfo()}
@@ -133,7 +155,7 @@ def ranks(pid: int) -> list[psutil.Process]:
     return out
 
 
-def _wait_stopped(server, name: str, timeout: float) -> bool:
+def _wait_stopped(server: SupervisorServer, name: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.supervisor.getProcessInfo(name)["statename"] not in ("RUNNING", "STARTING", "STOPPING"):

@@ -15,11 +15,13 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal, NoReturn, TypeVar, overload
 
 from ds_trhash.errors import UserError
 from ds_trhash.outputs import OutputPathError, check_dir_target
 from ds_trhash.safe_names import UnsafeNameError, bare_name
+
+T = TypeVar("T")
 
 
 MANIFEST_VERSION = 1
@@ -122,20 +124,29 @@ class _Reader:
         if unknown:
             self.fail(unknown[0], f"unknown key; allowed keys: {', '.join(allowed)}")
 
-    def fail(self, key: str, message: str) -> None:
+    def fail(self, key: str, message: str) -> NoReturn:
         raise ManifestError(f"{self.file}: {self.where}key {key!r}: {message}")
 
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
+    @overload
+    def get(self, key: str, kind: type[T], *, required: Literal[True]) -> T: ...
+    @overload
+    def get(self, key: str, kind: type[T], default: T) -> T: ...
+    @overload
+    def get(self, key: str, kind: type[T]) -> T | None: ...
+    def get(self, key: str, kind: type[T], default: T | None = None, required: bool = False) -> T | None:
         if key not in self.table:
             if required:
                 self.fail(key, "is required")
             return default
         value = self.table[key]
         if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-            self.fail(key, f"must be a {names}, got {type(value).__name__}")
+            self.fail(key, f"must be a {kind.__name__}, got {type(value).__name__}")
         return value
 
+    @overload
+    def path(self, key: str, base: Path, default: Path) -> Path: ...
+    @overload
+    def path(self, key: str, base: Path, default: None) -> Path | None: ...
     def path(self, key: str, base: Path, default: Path | None) -> Path | None:
         text = self.get(key, str)
         if text is None:
@@ -207,7 +218,7 @@ def _environment(r: _Reader, kind: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
-def _job(file: Path, index: int, table: Any, here: Path, base_dir: Path) -> Job:
+def _job(file: Path, index: int, table: object, here: Path, base_dir: Path) -> Job:
     """One [[jobs]] table; relative paths are relative to the manifest's folder ``here``."""
     if not isinstance(table, dict):
         raise ManifestError(f"{file}: jobs[{index}] must be a table ([[jobs]]), got {type(table).__name__}")

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from ds_trhash.data.stage import StageData, embedded_root, open_stage_data
+from ds_trhash.training.config import TrainConfig
 from ds_trhash.training.preparation.plan import data_request
 
 # A check run before GPUs are rented answers within seconds: it waits out a Hub outage only this
@@ -19,7 +20,7 @@ from ds_trhash.training.preparation.plan import data_request
 PREFLIGHT_HUB_WAIT_S = 8.0
 
 
-def resolve_stage_data(cfg, world: int, deep: bool, scratch: Path,
+def resolve_stage_data(cfg: TrainConfig, world: int, deep: bool, scratch: Path,
                        target_tokens: str | None = None) -> tuple[StageData, str]:
     """(the launch's StageData, what was checked); raises the trainer's user errors when the data
     would refuse the launch. ``deep``: hash every planned shard (else sizes only);
@@ -35,11 +36,14 @@ def resolve_stage_data(cfg, world: int, deep: bool, scratch: Path,
     data = open_stage_data(data_request(data_cfg, 0, world), shard_hashes="all" if deep else "none",
                            hub_wait_s=PREFLIGHT_HUB_WAIT_S, target_tokens=target_tokens)
     hashed = "sizes and SHA-256" if deep else "sizes, from one listing (hashes: --deep)"
-    name = "plan" if embedded else f"plan {data.plan.path}"
+    plan = data.plan
+    if plan is None:  # prepare_pretrain_data always opens the stage's plan
+        raise RuntimeError("pretraining data came without its plan")
+    name = "plan" if embedded else f"plan {plan.path}"
     source = data.data_source or {}
     commit = "" if source.get("commit") in (None, "local") else f" at commit {source['commit']}"
     notes = "".join(f"; {note}" for note in data.notes)
-    return data, (f"{where}{name} fingerprint {data.plan.fingerprint[:12]}, {data.plan.doc['trained_tokens']:,} "
+    return data, (f"{where}{name} fingerprint {plan.fingerprint[:12]}, {plan.doc['trained_tokens']:,} "
                   f"trained tokens, {data.total_steps} steps; shards from {data.shards_dir}{commit}: every shard "
                   f"it reads matches its manifest's {hashed}; the cache bound holds the shards read at once and "
                   f"those fetched ahead{notes}")

@@ -13,12 +13,18 @@ rank's routed experts over its expert-data-parallel group.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ds_trhash.argtypes import positive_int
+
+if TYPE_CHECKING:  # the training config is imported where a command runs
+    from ds_trhash.training.config import TrainConfig
 
 GIB = 1024**3
 
@@ -77,7 +83,7 @@ def deepspeed_zero2_states(dense: int, expert_per_rank: int, world: int, ep_size
     return gpu_dense + gpu_experts
 
 
-def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
+def estimate_size(cfg: TrainConfig, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
     """The figures of ``cfg`` on ``gpus`` GPUs on each of ``nodes`` nodes; ConfigError when the
     world size cannot hold the config (ep_size, the global batch)."""
     from ds_trhash.model.flops import train_flops_per_token
@@ -103,7 +109,7 @@ def estimate_size(cfg, gpus: int = 1, nodes: int = 1) -> SizeEstimate:
         model=cfg.model.describe(), shape={k: v for k, v in asdict(mc).items()
                                                 if k not in ("loss_chunk_tokens", "route_weights")},
         gpus=gpus, nodes=nodes, zero_stage=cfg.zero.stage, ep_size=cfg.parallel.ep_size, precision=cfg.precision,
-        micro_batch=cfg.batch.micro_batch, seq_len=cfg.data.seq_len, total_params=params.total,
+        micro_batch=tcfg.micro_batch(cfg), seq_len=cfg.data.seq_len, total_params=params.total,
         trainable_params=params.trainable,
         active_params=active_parameters(params.total, params.routed_total, mc.num_experts, mc.top_k),
         params_per_gpu=params.per_rank, train_flops_per_token=train_flops_per_token(mc, cfg.data.seq_len),
@@ -156,7 +162,7 @@ def render(e: SizeEstimate) -> str:
 
 
 @contextlib.contextmanager
-def _deepspeed_quiet():
+def _deepspeed_quiet() -> Iterator[None]:
     """DeepSpeed's logger writes to stdout, on import too (which accelerator this machine has,
     irrelevant to an estimate for GPUs); the figures own stdout (``--json`` is parsed), so its
     records below ERROR are dropped meanwhile. A filter on the logger by name, set before the
@@ -173,7 +179,7 @@ def _deepspeed_quiet():
         ds_logger.removeFilter(errors_only)
 
 
-def run_model(args) -> int:
+def run_model(args: argparse.Namespace) -> int:
     from ds_trhash.training import config as tcfg
 
     with _deepspeed_quiet():  # a deepspeed: section is checked by DeepSpeed's reader at load
@@ -187,7 +193,7 @@ def run_model(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="parameters, FLOPs per token and memory per GPU of a config's model, "
                                      "without allocating it",
                        description="Counts the model of a stage config on the meta device and estimates one GPU's "

@@ -19,13 +19,15 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, TextIO, TypeVar
 
 import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.argtypes import positive_int
 from ds_trhash.errors import EXIT_USER_ERROR, UserError
+from ds_trhash.model.backend import KernelChoice
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import check_runnable
@@ -34,9 +36,10 @@ from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources as res
 from ds_trhash.training.preparation.footprint import estimate
 from ds_trhash.training.preparation.init_weights import read_init_weights
-from ds_trhash.training.preparation.output import check_output_side, check_resume
+from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
 from ds_trhash.training.preparation.plan import kernel_choice
 from ds_trhash.training.preparation.resources import FAIL, PASS, WARN, Check
+from ds_trhash.data.stage import StageData
 from ds_trhash.training.preparation.stage_guard import guard_stage
 from ds_trhash.training.entrypoint import build_arg_parser, launch_config, launch_request
 from ds_trhash.training.preparation.request import LaunchRequest
@@ -48,7 +51,7 @@ _MARK = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
 class Report:
     """Prints each check as it is made; remembers whether any failed."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
         self.checks: list[Check] = []
 
@@ -86,11 +89,12 @@ class Report:
 # ----------------------------------------------------------------------------- launch state
 
 
-def _output(report: Report, cfg, request: LaunchRequest, world: int, data):
+def _output(report: Report, cfg: tcfg.TrainConfig, request: LaunchRequest, world: int,
+            data: StageData | None) -> OutputSide | None:
     """The trainer's output-side checks and, when resuming, its resume checks."""
     output_dir = Path(cfg.output_dir)
 
-    def output():
+    def output() -> tuple[OutputSide, str]:
         pre = check_output_side(cfg, request, 0)
         # what the launch would set aside, each with why (damaged, or records that disagree)
         set_aside = (f"; {len(pre.damaged)} damaged checkpoint(s) would be set aside ("
@@ -100,21 +104,23 @@ def _output(report: Report, cfg, request: LaunchRequest, world: int, data):
             if pre.damaged:  # --allow-fresh-over-damaged: the earlier run's files go aside too
                 set_aside += ", with every file of the earlier run that the new one writes"
             return pre, f"{output_dir} {state}: a fresh start{set_aside}"
-        if data is None:
+        resume_dir = pre.resume_dir  # set with pre.saved
+        if data is None or resume_dir is None:
             return pre, f"{output_dir} holds a run; resume compatibility not checked (the data check failed)"
-        check_resume(cfg, request, world, data, pre.saved, pre.resume_dir)
+        check_resume(cfg, request, world, data, pre.saved, resume_dir)
         if int(pre.saved["step"]) == data.total_steps:
-            return pre, (f"{output_dir} holds this stage finished ({Path(pre.resume_dir).name} is its last step): "
+            return pre, (f"{output_dir} holds this stage finished ({Path(resume_dir).name} is its last step): "
                          "--resume auto trains nothing, completes any end-of-stage record an interrupted end "
                          "left out, and exits 0")
-        return pre, (f"{output_dir} holds a run; --resume continues it from {Path(pre.resume_dir).name} exactly"
+        return pre, (f"{output_dir} holds a run; --resume continues it from {Path(resume_dir).name} exactly"
                      f"{set_aside}")
 
     return report.run("output", output)
 
 
-def _source(report: Report, cfg, request: LaunchRequest, pre, data, model_cfg) -> None:
-    def stage():
+def _source(report: Report, cfg: tcfg.TrainConfig, request: LaunchRequest, pre: OutputSide | None,
+            data: StageData, model_cfg: TRHashConfig) -> None:
+    def stage() -> tuple[None, str]:
         init_dir = pre.init_dir if pre is not None else launch_checks.resolve_init_checkpoint(
             request.init_checkpoint, log=lambda *_: None)
         resuming = pre is not None and pre.saved is not None
@@ -125,9 +131,10 @@ def _source(report: Report, cfg, request: LaunchRequest, pre, data, model_cfg) -
         record = guard_stage(cfg, init_dir, data, resuming=resuming)
         if record is None:
             return None, f"{cfg.stage} from scratch" if not resuming else "resumed run (checked at its first launch)"
-        if not resuming:  # the launch's own read: every file against its manifest, the tensors against the model
+        if not resuming and init_dir is not None:  # the launch's own read: every file against its manifest, the tensors against the model
             read_init_weights(init_dir, model_cfg)
-        return None, (f"{record.stage.value} -> {cfg.stage} from {init_dir} is allowed"
+        source = record.stage.value if record.stage is not None else "a checkpoint"
+        return None, (f"{source} -> {cfg.stage} from {init_dir} is allowed"
                       + ("" if resuming else "; its weights verify and fit the model"))
 
     report.run("stage", stage)
@@ -147,7 +154,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     devices = res.probe_devices()
     world = args.nproc or res.default_nproc(devices)
 
-    def config():
+    def config() -> tuple[tcfg.TrainConfig, str]:
         tcfg.require_source_stage(cfg)
         check_runnable(cfg, world)
         laid, choice = auto_micro_batch.by_estimate(cfg, world)
@@ -157,14 +164,18 @@ def run_preflight(args: argparse.Namespace) -> int:
                       f"{tcfg.tokens_per_step(laid, world):,} tokens per optimizer step on {world} process(es){how}")
 
     cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
-    report.run("paths", lambda: (tcfg.check_paths(cfg), "every path the config names exists and is of its kind"))
+    def paths() -> tuple[None, str]:
+        tcfg.check_paths(cfg)
+        return None, "every path the config names exists and is of its kind"
+
+    report.run("paths", paths)
     report.add(res.check_devices(devices, world))
     report.add(res.check_precision(cfg.precision, devices))
     model_cfg = tcfg.model_config(cfg)
     deepspeed = report.add(res.check_deepspeed())
     device = torch.device("cuda", 0) if devices.kind == "cuda" else torch.device("cpu")
 
-    def kernels():
+    def kernels() -> tuple[KernelChoice, str]:
         choice = kernel_choice(cfg, model_cfg, device)
         return choice, (f"experts={choice.experts} loss={choice.loss} norm={choice.norm} rope={choice.rope} "
                         f"({choice.reason})")
@@ -197,7 +208,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     return report.finish()
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "preflight", parents=[build_arg_parser()], conflict_handler="resolve",
         help="check a launch against this machine in seconds: devices, memory, disk, packages, data, stage, output",

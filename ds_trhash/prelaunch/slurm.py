@@ -41,7 +41,8 @@ def time_limit_seconds(text: str) -> int | None:
     if not m:
         raise SlurmJobError(f"--time {text!r} is not a SLURM time limit; write minutes, H:MM:SS or D-HH:MM:SS "
                             "(e.g. --time 24:00:00 or --time 2-00:00:00)")
-    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    days, first, b, c = (int(g) if g is not None else None for g in m.groups())
+    a = first or 0  # the pattern always has the first number
     if days is None:
         seconds = a * 60 if b is None else (a * 60 + b if c is None else a * 3600 + b * 60 + c)
     else:

@@ -29,12 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash import outputs
+from ds_trhash.checkpoints.weights import load_weights_only
 from ds_trhash.argtypes import positive_float, positive_int
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.delivery import ReplayReader
@@ -116,7 +118,7 @@ def _launch(step: str, argv: list[str], log: Path, timeout: float) -> None:
 
 
 def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
-    wa, wb = ckpt.load_weights_only(a)[0], ckpt.load_weights_only(b)[0]
+    wa, wb = load_weights_only(a)[0], load_weights_only(b)[0]
     if wa.keys() != wb.keys():
         return False, f"different tensor names ({sorted(set(wa) ^ set(wb))[:3]})"
     diff = [k for k in wa if not torch.equal(wa[k], wb[k])]
@@ -126,7 +128,7 @@ def _weights_equal(a: Path, b: Path) -> tuple[bool, str]:
     return False, f"{len(diff)} of {len(wa)} tensors differ from the uninterrupted run (max |delta| {worst:.3g})"
 
 
-def _command(register, argv: list[str]) -> int:
+def _command(register: Callable[[argparse._SubParsersAction], object], argv: list[str]) -> int:
     """A ``ds-trhash`` subcommand in this process: its own ``register`` and handler. A refusal
     it raises propagates (the smoke reports it as the failed step)."""
     parser = argparse.ArgumentParser(prog="ds-trhash")
@@ -135,7 +137,7 @@ def _command(register, argv: list[str]) -> int:
     return int(args.func(args) or 0)
 
 
-def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple[float, str]:
+def _evaluate(cfg: tcfg.TrainConfig, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple[float, str]:
     state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
     out = workdir / "eval.json"
     if cfg.data.kind == "sft":
@@ -150,11 +152,13 @@ def _evaluate(cfg, ckpt: Path, workdir: Path, world: int, batches: int) -> tuple
     return _plan_rows_loss(cfg, ckpt, workdir, state, world, batches)
 
 
-def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
+def _plan_rows_loss(cfg: tcfg.TrainConfig, ckpt: Path, workdir: Path, state: dict, world: int, batches: int) -> tuple[float, str]:
     """Loss on the plan rows after the trained ones (not seen yet), one process."""
     data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
+    if data.plan is None:  # a pretraining stage's data has its plan
+        raise RuntimeError("pretraining data came without its plan")
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
-    layout = BatchLayout(cfg.batch.micro_batch, grad_accum=1, rank=0, world_size=1)
+    layout = BatchLayout(tcfg.micro_batch(cfg), grad_accum=1, rank=0, world_size=1)
     per_step = layout.global_batch  # the reader's steps here: one process, one micro-batch each
     first = int(state["data_cursor"]) // per_step  # step index of the next unseen rows
     last = reader.num_rows // per_step
@@ -171,7 +175,7 @@ def _plan_rows_loss(cfg, ckpt: Path, workdir: Path, state: dict, world: int, bat
 # ----------------------------------------------------------------------------- the run
 
 
-def _step_train(argv: list[str], n: int, run_dir: Path, final: Path, workdir: Path, timeout) -> dict:
+def _step_train(argv: list[str], n: int, run_dir: Path, final: Path, workdir: Path, timeout: float) -> dict:
     t0 = time.perf_counter()
     _launch("train", argv, workdir / "logs" / "train.log", timeout)
     step_s, tokens, which = fig.typical_step(fig.step_seconds(run_dir / "metrics.csv"))
@@ -182,7 +186,7 @@ def _step_train(argv: list[str], n: int, run_dir: Path, final: Path, workdir: Pa
             "tokens_per_second": tokens / step_s, "peak_memory_bytes": peak, "peak_memory_kind": kind}
 
 
-def _step_save(cfg, world: int, final: Path) -> dict:
+def _step_save(cfg: tcfg.TrainConfig, world: int, final: Path) -> dict:
     try:
         ok, why = ckpt.verify(final)
         if not ok:
@@ -195,7 +199,7 @@ def _step_save(cfg, world: int, final: Path) -> dict:
     return {"checkpoint_bytes": size, "save_seconds": save_s, "estimated_checkpoint_bytes": predicted.checkpoint}
 
 
-def _step_resume(argv: list[str], half: int, n: int, final: Path, workdir: Path, timeout) -> dict:
+def _step_resume(argv: list[str], half: int, n: int, final: Path, workdir: Path, timeout: float) -> dict:
     aside = workdir / f"uninterrupted_{final.name}"
     os.replace(final, aside)
     t0 = time.perf_counter()
@@ -207,7 +211,7 @@ def _step_resume(argv: list[str], half: int, n: int, final: Path, workdir: Path,
     return {"from_step": half, "to_step": n, "seconds": time.perf_counter() - t0, "identical": same}
 
 
-def _step_evaluate(cfg, final: Path, workdir: Path, world: int, batches: int) -> dict:
+def _step_evaluate(cfg: tcfg.TrainConfig, final: Path, workdir: Path, world: int, batches: int) -> dict:
     t0 = time.perf_counter()
     loss, what = _evaluate(cfg, final, workdir, world, batches)
     seconds = time.perf_counter() - t0
@@ -224,7 +228,7 @@ def _step_export(final: Path, workdir: Path) -> dict:
     return done
 
 
-def _step_project(cfg, world: int, workdir: Path, step_s: float, save: dict) -> dict:
+def _step_project(cfg: tcfg.TrainConfig, world: int, workdir: Path, step_s: float, save: dict) -> dict:
     size, save_s = save["checkpoint_bytes"], save["save_seconds"]
     data, _ = resolve_stage_data(cfg, world, deep=False, scratch=workdir)
     plan = CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch)
@@ -237,7 +241,7 @@ def _step_project(cfg, world: int, workdir: Path, step_s: float, save: dict) -> 
 
 
 @os_errors_as(fig.FiguresError)  # a scratch file that cannot be read or written fails the step
-def _smoke(args: argparse.Namespace, cfg, world: int, workdir: Path, at: dict) -> dict:
+def _smoke(args: argparse.Namespace, cfg: tcfg.TrainConfig, world: int, workdir: Path, at: dict) -> dict:
     """The five steps and the projection; ``at["step"]`` names the one running (for a failure)."""
     n, half = args.steps, max(1, args.steps // 2)
     run_dir = workdir / "run"
@@ -297,7 +301,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "smoke", parents=[build_arg_parser()], conflict_handler="resolve",
         help="run a stage at its real size for a few steps: train, save, resume, evaluate, export, project",

@@ -12,6 +12,8 @@ on stderr, any token redacted, and returns 2.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import NoReturn
 
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.io import os_errors_as
@@ -24,7 +26,8 @@ from ds_trhash.release.lifecycle import cleanup
 class _RefuseToken(argparse.Action):
     """A token on the command line would land in shell history and process listings."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[object] | None, option_string: str | None = None) -> NoReturn:
         raise argparse.ArgumentError(self, "access tokens are never accepted as arguments; set HF_TOKEN in the "
                                            "environment instead (the value given was not echoed)")
 

@@ -15,6 +15,7 @@ Greedy unless ``--temperature`` > 0; sampling is reproducible with ``--seed``. `
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -22,12 +23,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints import TRAINER_STATE, CheckpointError, read_trainer_state
 from ds_trhash.checkpoints.run_source import is_run_dir, model_of_run
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.argtypes import nonnegative_float
 from ds_trhash.argtypes import seed as seed_arg
 from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA, ChatError, normalize
@@ -38,6 +40,11 @@ from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.model.config import TRHashConfig as NativeConfig
 from ds_trhash.release.hf.bundle import SPECIAL_TOKENS, hf_config
 
+if TYPE_CHECKING:  # transformers (seconds to import) is imported where a model is loaded
+    from transformers import PreTrainedTokenizerFast
+
+    from ds_trhash.release.hf.modeling_tr_hash_moe import TRHashForCausalLM as HFModel
+
 
 class GenerateError(UserError, ValueError):
     """A model directory or request that cannot be served; the message says how to fix it."""
@@ -45,8 +52,8 @@ class GenerateError(UserError, ValueError):
 
 @dataclass
 class Loaded:
-    model: Any  # TRHashForCausalLM (transformers)
-    tokenizer: Any  # PreTrainedTokenizerFast
+    model: HFModel  # the export's model class, loaded through transformers
+    tokenizer: PreTrainedTokenizerFast
     source: str  # how it was loaded, for the log line
 
 
@@ -57,7 +64,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, GenerateError)
 
 
-def _hf_tokenizer(tokenizer_json: Path, max_len: int):
+def _hf_tokenizer(tokenizer_json: Path, max_len: int) -> PreTrainedTokenizerFast:
     """A PreTrainedTokenizerFast over a run's tokenizer.json, set up as an export's would be."""
     from transformers import PreTrainedTokenizerFast  # lazy: transformers (seconds), as in load()
 
@@ -168,7 +175,7 @@ def load(model_dir: str | os.PathLike, tokenizer: str | None = None, device: str
         loaded = _load_export(root)
     else:
         loaded = _load_checkpoint(root, tokenizer)
-    loaded.model.to(target).eval()
+    cast(torch.nn.Module, loaded.model).to(target).eval()  # transformers types its own .to oddly
     return loaded
 
 
@@ -202,9 +209,9 @@ def check_conversation(messages: list[dict[str, Any]]) -> None:
         raise GenerateError("the conversation ends with an assistant turn; end it with a user turn to generate a reply")
 
 
-def chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+def chat_prompt(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]]) -> str:
     """The template's rendering up to and including the generation prompt "Assistant:\\n"."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))  # tokenize=False: text
 
 
 # --------------------------------------------------------------------------- generation
@@ -249,7 +256,7 @@ def generate(loaded: Loaded, text: str, *, max_new_tokens: int, temperature: flo
 
 
 @os_errors_as(GenerateError)
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """The CLI handler; argument checks come before any heavy import so user errors are quick."""
     if args.prompt == "":
         raise GenerateError("--prompt is empty; give some text to continue")
@@ -282,7 +289,7 @@ def run(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="generate text from an export or a checkpoint (streams to stdout)")
     gen.add_argument("--model", required=True,
                      help="export directory, checkpoints/step_<N>, best/, or a run directory (its final checkpoint, "

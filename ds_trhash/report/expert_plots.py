@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ds_trhash.report.plots import colour, mark_stages, new_figure, save
-from ds_trhash.report.series import StageSeries, even_split_multiple
+from ds_trhash.report.series import ExpertLoad, StageSeries, even_split_multiple
 
 LOAD_PLOT, BALANCE_PLOT = "expert_load", "expert_balance"
 LOAD_TITLE = "Per-expert token load per layer (whole stage, 1.0 = an even split)"
@@ -22,9 +22,9 @@ BALANCE_TITLE = "Busiest expert per layer over training (1.0 = an even split)"
 ANNOTATE_CELLS = 64  # write the value into each cell up to this many cells per map
 
 
-def with_load(stages: list[StageSeries]) -> list[tuple[int, StageSeries]]:
+def with_load(stages: list[StageSeries]) -> list[tuple[int, StageSeries, ExpertLoad]]:
     """(colour index, stage) of the stages that recorded expert load."""
-    return [(i, s) for i, s in enumerate(stages) if s.expert_load is not None]
+    return [(i, s, s.expert_load) for i, s in enumerate(stages) if s.expert_load is not None]
 
 
 def busiest(stage: StageSeries) -> str:
@@ -40,10 +40,10 @@ def busiest(stage: StageSeries) -> str:
 def render_load_maps(stages: list[StageSeries], out: Path) -> Path:
     shown = with_load(stages)
     fig = new_figure()
-    maps = [even_split_multiple(s.expert_load.total) for _, s in shown]
+    maps = [even_split_multiple(load.total) for _, _, load in shown]
     spread = max(float(np.abs(m - 1.0).max()) for m in maps) or 0.05
     image = None
-    for k, ((i, s), m) in enumerate(zip(shown, maps)):
+    for k, ((i, s, _), m) in enumerate(zip(shown, maps)):
         ax = fig.add_subplot(1, len(shown), k + 1)
         image = ax.imshow(m, cmap="coolwarm", vmin=1.0 - spread, vmax=1.0 + spread, aspect="auto",
                           interpolation="nearest")
@@ -57,7 +57,8 @@ def render_load_maps(stages: list[StageSeries], out: Path) -> Path:
         if m.size <= ANNOTATE_CELLS:
             for (layer, expert), value in np.ndenumerate(m):
                 ax.text(expert, layer, f"{value:.2f}", ha="center", va="center", fontsize=7)
-    fig.colorbar(image, ax=fig.axes, shrink=0.9, label="share x experts")
+    if image is not None:  # there is a map: the callers draw only stages that recorded expert load
+        fig.colorbar(image, ax=fig.axes, shrink=0.9, label="share x experts")
     fig.suptitle(LOAD_TITLE, fontsize=10)
     path = out / f"{LOAD_PLOT}.png"
     fig.savefig(path)  # no tight_layout: the colour bar spans every map
@@ -67,10 +68,10 @@ def render_load_maps(stages: list[StageSeries], out: Path) -> Path:
 def render_balance(stages: list[StageSeries], out: Path) -> Path:
     fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
-    for i, s in with_load(stages):
-        peak = even_split_multiple(s.expert_load.counts).max(axis=2)  # [rows, layers]
+    for i, s, load in with_load(stages):
+        peak = even_split_multiple(load.counts).max(axis=2)  # [rows, layers]
         for layer in range(peak.shape[1]):
-            ax.plot(s.expert_load.steps, peak[:, layer], color=colour(i), linewidth=1, alpha=0.6,
+            ax.plot(load.steps, peak[:, layer], color=colour(i), linewidth=1, alpha=0.6,
                     marker="." if len(peak) < 20 else None, label=s.stage if layer == 0 else None)
     ax.axhline(1.0, color="black", linewidth=0.8, alpha=0.5)
     mark_stages(ax, stages)

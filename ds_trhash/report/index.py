@@ -45,7 +45,7 @@ th{background:#f4f4f4}.note{color:#555}code{font-size:90%}</style></head>
 """)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if value is None:
         return "unknown"
     if isinstance(value, (dict, list)):

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ds_trhash.report.series import StageSeries, smooth
+
+if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 WIDTH_IN, HEIGHT_IN, DPI = 9.0, 4.0, 100  # 900 x 400 pixels
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")  # matplotlib tab10
@@ -40,7 +45,7 @@ def has_data(plot: Plot, stages: list[StageSeries]) -> bool:
     return any(s.values[c] for s in stages for c in plot.columns)
 
 
-def _draw(ax, plot: Plot, stages: list[StageSeries]) -> None:
+def _draw(ax: Axes, plot: Plot, stages: list[StageSeries]) -> None:
     for i, s in enumerate(stages):
         c = colour(i)
         if plot.name == "loss":
@@ -57,7 +62,7 @@ def _draw(ax, plot: Plot, stages: list[StageSeries]) -> None:
                 ax.plot(s.steps[column], s.values[column], color=c, linewidth=1.5, label=s.stage)
 
 
-def new_figure():
+def new_figure() -> Figure:
     """A 900 x 400 figure on its own Agg canvas. matplotlib is imported here, not at module level:
     every `ds-trhash` command imports the report package through the CLI, and only `report` draws
     (about 0.4 s of start-up otherwise)."""
@@ -69,14 +74,14 @@ def new_figure():
     return fig
 
 
-def save(fig, out: Path, name: str) -> Path:
+def save(fig: Figure, out: Path, name: str) -> Path:
     fig.tight_layout()
     path = out / f"{name}.png"
     fig.savefig(path, dpi=DPI)
     return path
 
 
-def mark_stages(ax, stages: list[StageSeries]) -> None:
+def mark_stages(ax: Axes, stages: list[StageSeries]) -> None:
     """Stage boundaries on a shared-step-axis plot: a dashed line and the stage's name."""
     for i, s in enumerate(stages):
         ax.axvline(s.offset, color=colour(i), linestyle="--", linewidth=1, alpha=0.8)

@@ -152,9 +152,9 @@ def read_stage(run: Path, offset: int) -> StageSeries:
     for column in COLUMNS:
         series.recorded[column] = column in header
         pairs = [(int(r["step"]), _float(r.get(column))) for r in rows if r.get("step", "").isdigit()]
-        pairs = [(s, v) for s, v in pairs if v is not None]
-        series.steps[column] = [offset + s for s, _ in pairs]
-        series.values[column] = [v for _, v in pairs]
+        known = [(s, v) for s, v in pairs if v is not None]
+        series.steps[column] = [offset + s for s, _ in known]
+        series.values[column] = [v for _, v in known]
     steps = [int(r["step"]) for r in rows if r.get("step", "").isdigit()]
     series.last_step = max(steps + [series.newest_checkpoint or 0])
     series.expert_load = read_expert_load(run / EXPERT_LOAD_FILE, offset)

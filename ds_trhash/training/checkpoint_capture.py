@@ -19,15 +19,15 @@ from ds_trhash.checkpoints.background import PendingFile, host_snapshot
 class CapturingCheckpointEngine:
     """``save`` copies the state to host memory and remembers it; ``take`` hands the files over."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: object) -> None:  # DeepSpeed's checkpoint engine
         self.inner = inner
         self.zipfile = bool(getattr(inner, "zipfile_serialization", True))
         self._captured: list[PendingFile] = []
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:  # the rest of DeepSpeed's checkpoint engine, as it is
         return getattr(self.inner, name)
 
-    def save(self, state_dict: Any, path: str) -> None:
+    def save(self, state_dict: object, path: str) -> None:
         state, _ = host_snapshot(state_dict)
         self._captured.append(PendingFile(Path(path), state, self.zipfile))
 
@@ -36,12 +36,13 @@ class CapturingCheckpointEngine:
         return captured
 
 
-def capturing(engine: Any) -> CapturingCheckpointEngine | None:
+def capturing(engine: object) -> CapturingCheckpointEngine | None:
     """Wrap a DeepSpeed engine's checkpoint engine (once); None for an engine without one (a
     stand-in in tests), whose ``save_checkpoint`` then writes its files itself."""
     current = getattr(engine, "checkpoint_engine", None)
     if current is None:
         return None
     if not isinstance(current, CapturingCheckpointEngine):
-        current = engine.checkpoint_engine = CapturingCheckpointEngine(current)
+        current = CapturingCheckpointEngine(current)
+        setattr(engine, "checkpoint_engine", current)  # DeepSpeed's engine calls it from now on
     return current

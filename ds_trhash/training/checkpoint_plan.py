@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ds_trhash.checkpoints import rotation_survivors
 from ds_trhash.data.stage import pack_boundaries
+from ds_trhash.training.config import TrainConfig
 
 
 def cadence_reason(step: int, every_steps: int | None, protect: Collection[int]) -> str | None:
@@ -34,7 +35,7 @@ class CheckpointPlan:
     epoch_ends: frozenset[int] = frozenset()
 
     @classmethod
-    def for_stage(cls, cfg, total_steps: int, steps_per_epoch: int | None = None) -> "CheckpointPlan":
+    def for_stage(cls, cfg: TrainConfig, total_steps: int, steps_per_epoch: int | None = None) -> "CheckpointPlan":
         """The plan of a stage with ``total_steps`` optimizer steps (``steps_per_epoch``: SFT)."""
         pack_of: dict[int, int] = {}
         if cfg.data.kind == "pretrain" and cfg.checkpoint.packs:

@@ -105,41 +105,41 @@ def merge(generated: dict, section: Mapping[str, Any]) -> dict:
 class _Tracked(dict):
     """A config dict that records which keys DeepSpeed looked up."""
 
-    def __init__(self, data: Mapping, seen: set, path: tuple = ()):
+    def __init__(self, data: Mapping, seen: set[tuple[str, ...]], path: tuple[str, ...] = ()) -> None:
         super().__init__(data)
         self._seen, self._path = seen, path
 
-    def _child(self, key, value):
+    def _child(self, key: str, value: object) -> object:
         if isinstance(value, Mapping) and not isinstance(value, _Tracked):
             value = _Tracked(value, self._seen, self._path + (key,))
         return value
 
-    def _note(self, key) -> None:
+    def _note(self, key: str) -> None:
         self._seen.add(self._path + (key,))
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> object:
         self._note(key)
         return self._child(key, super().__getitem__(key))
 
-    def get(self, key, default=None):
+    def get(self, key: str, default: object = None) -> object:
         self._note(key)
         return self._child(key, super().get(key, default))
 
-    def __contains__(self, key):
-        self._note(key)
+    def __contains__(self, key: object) -> bool:
+        self._note(str(key))
         return super().__contains__(key)
 
-    def keys(self):  # ``key in d.keys()`` is a lookup too
+    def keys(self) -> collections.abc.KeysView:  # type: ignore[override]  # ``key in d.keys()`` is a lookup too
         outer = self
 
         class Keys(collections.abc.KeysView):
-            def __contains__(self, key):
-                outer._note(key)
+            def __contains__(self, key: object) -> bool:
+                outer._note(str(key))
                 return dict.__contains__(outer, key)
 
         return Keys(self)
 
-    def __copy__(self):
+    def __copy__(self) -> _Tracked:
         return _Tracked(self, self._seen, self._path)
 
 

@@ -15,7 +15,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TextIO
 
-if TYPE_CHECKING:  # a type name only
+if TYPE_CHECKING:  # type names only (rich is imported where the live display starts)
+    from rich.console import Console
+    from rich.live import Live
+    from rich.panel import Panel
+
     from ds_trhash.data.stage import DataFigures
 
 __all__ = ["Progress", "byte_size", "data_wait_line", "downloaded", "eta_seconds", "format_duration"]
@@ -83,7 +87,7 @@ def data_wait_line(figures: DataFigures | None, step_seconds: float, steps: int)
     return line
 
 
-def _value(loss):
+def _value(loss: float | None | Callable[[], float | None]) -> float | None:
     return loss() if callable(loss) else loss
 
 
@@ -110,7 +114,7 @@ class Progress:
         every: int = 10,
         *,
         start_step: int = 0,
-        console: Any = None,
+        console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if total_steps < 1:
@@ -125,9 +129,9 @@ class Progress:
         self.start_step = start_step
         self._clock = clock
         self._t0 = clock()
-        self._live = None
-        self._pending = None
-        self._console = None
+        self._live: Live | None = None
+        self._pending: tuple | None = None
+        self._console: Console | None = None
         self._last_refresh = -math.inf
         self._closed = False
         if rank != 0:
@@ -149,7 +153,7 @@ class Progress:
         loss: float | None | Callable[[], float | None],
         lr: float,
         tokens_per_s: float,
-        backends: Mapping[str, str] | None = None,
+        backends: Mapping[str, object] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``loss`` may be a callable: it is called only for a step that is shown (every N steps
@@ -175,8 +179,9 @@ class Progress:
             return
         step, loss, *rest = self._pending
         self._pending = None
-        self._live.update(self._render(step, _value(loss), *rest))
-        self._live.refresh()
+        if self._live is not None:
+            self._live.update(self._render(step, _value(loss), *rest))
+            self._live.refresh()
 
     def message(self, text: str) -> None:
         """A one-off rank-0 notice (evaluation result, checkpoint written, cache state); also after
@@ -200,12 +205,12 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- formatting ----------------------------------------------------------------------
     def format_line(self, step: int, loss: float | None, lr: float, tokens_per_s: float, elapsed: float,
-                    eta: float | None, backends: Mapping[str, str] | None = None,
+                    eta: float | None, backends: Mapping[str, object] | None = None,
                     extra: Mapping[str, Any] | None = None) -> str:
         parts = [
             f"[{self.stage}] step {step}/{self.total_steps}",
@@ -218,7 +223,8 @@ class Progress:
         tail = " ".join(p for p in (_pairs(backends), _pairs(extra)) if p)
         return " ".join(parts) + (f" {tail}" if tail else "")
 
-    def _render(self, step, loss, lr, tokens_per_s, elapsed, eta, backends, extra):
+    def _render(self, step: int, loss: float | None, lr: float, tokens_per_s: float, elapsed: float, eta: float | None,
+                backends: Mapping[str, object] | None, extra: Mapping[str, Any] | None) -> Panel:
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
         from rich.table import Table
@@ -245,16 +251,16 @@ class Progress:
         return Panel(grid, title=f"ds-trhash · {self.stage}", expand=False)
 
     # -- plumbing ------------------------------------------------------------------------
-    def _start_live(self, console: Any) -> None:
+    def _start_live(self, console: Console | None) -> None:
         from rich.console import Console
         from rich.live import Live
         from rich.text import Text
 
         self._console = console if console is not None else Console(file=self.stream)
         # Manual refresh: no background thread racing the training loop for the terminal.
-        self._live = Live(Text(f"[{self.stage}] starting"), console=self._console, auto_refresh=False,
-                          transient=False)
-        self._live.start()
+        live = Live(Text(f"[{self.stage}] starting"), console=self._console, auto_refresh=False, transient=False)
+        self._live = live
+        live.start()
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")

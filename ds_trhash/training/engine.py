@@ -11,11 +11,14 @@ import contextlib
 import datetime
 import importlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.errors import UserError
+from ds_trhash.training import config as tcfg
 from ds_trhash.training.schedule import build_scheduler
 
 
@@ -55,7 +58,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     if not groups:
         raise EngineError("the model has no trainable parameters; check the LoRA targets in the config")
-    if any(getattr(p, "allreduce", True) is False for g in groups for p in g["params"]):
+    if any(getattr(p, "allreduce", True) is False for p in decay + no_decay):
         # Expert-parallel experts: DeepSpeed (ZeRO 1/2) reduces and partitions a group marked
         # `moe` over the expert-data-parallel group named by the group's `name` (ep_size_P).
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -64,7 +67,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, opt_cfg: tcfg.OptimizerSection, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with the no-decay groups, chosen by ``optimizer.torch_adam``.
 
     true: torch AdamW (its fused kernel on CUDA, foreach on CPU). false: DeepSpeed's FusedAdam in
@@ -72,17 +75,17 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, device: torch.device) -> to
     torch AdamW too; ``optimizer_name`` says which one a launch got.
     """
     groups = param_groups(model, opt_cfg.weight_decay)
-    kwargs = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    beta1, beta2 = opt_cfg.betas
     if device.type == "cuda" and not opt_cfg.torch_adam:
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+        return FusedAdam(groups, adam_w_mode=True, lr=opt_cfg.lr, betas=(beta1, beta2), eps=opt_cfg.eps)
     if device.type == "cuda":
-        kwargs["fused"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=(beta1, beta2), eps=opt_cfg.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=(beta1, beta2), eps=opt_cfg.eps)
 
 
-def optimizer_name(optimizer: torch.optim.Optimizer, opt_cfg) -> str:
+def optimizer_name(optimizer: torch.optim.Optimizer, opt_cfg: tcfg.OptimizerSection) -> str:
     """What ran, for the startup summary (e.g. torch_adam false on CPU)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps it under ZeRO / fp16
     name = f"{type(inner).__module__.split('.')[0]}.{type(inner).__name__}"
@@ -91,7 +94,7 @@ def optimizer_name(optimizer: torch.optim.Optimizer, opt_cfg) -> str:
     return name
 
 
-def check_runnable(cfg, world_size: int) -> None:
+def check_runnable(cfg: tcfg.TrainConfig, world_size: int) -> None:
     """Refuse what DeepSpeed cannot run before any model is allocated, with the reason."""
     if cfg.zero.stage not in (0, 1, 2):
         raise EngineError(
@@ -108,7 +111,7 @@ def check_runnable(cfg, world_size: int) -> None:
         check_expert_parallel(cfg)
 
 
-def check_expert_parallel(cfg) -> None:
+def check_expert_parallel(cfg: tcfg.TrainConfig) -> None:
     """What expert parallelism (ep_size > 1, ds_trhash.model.expert_parallel) cannot run."""
     ep = cfg.parallel.ep_size
     if cfg.zero.stage == 0:
@@ -129,7 +132,7 @@ def check_expert_parallel(cfg) -> None:
         )
 
 
-def expert_parallel_group(ep_size: int):
+def expert_parallel_group(ep_size: int) -> torch.distributed.ProcessGroup:
     """Create DeepSpeed's expert-parallel and expert-data-parallel groups for ep_size (every
     rank, after init_distributed) and return this rank's expert-parallel group. DeepSpeed's
     engine finds them by name (ep_size_<P>) and reduces expert gradients over the latter."""
@@ -161,7 +164,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_GROUP_MINUTES) -> tuple[in
 
 
 @contextlib.contextmanager
-def without_shared_memory_op():
+def without_shared_memory_op() -> Iterator[None]:
     """Start DeepSpeed's CPU communication on plain gloo, without its shared-memory op.
 
     On CPU, DeepSpeed's backend builds a C++ op at start-up (a 30-65 s compile in a fresh
@@ -177,11 +180,11 @@ def without_shared_memory_op():
     if torch.cuda.is_available() or build is None:
         yield
         return
-    ds_torch_backend.build_shm_op = lambda: None
+    setattr(ds_torch_backend, "build_shm_op", lambda: None)  # DeepSpeed's module, untyped
     try:
         yield
     finally:
-        ds_torch_backend.build_shm_op = build
+        setattr(ds_torch_backend, "build_shm_op", build)
 
 
 #: DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
@@ -204,13 +207,13 @@ def with_bucket_fitting(ds_config: dict, model: torch.nn.Module) -> dict:
 
 @dataclass
 class Engine:
-    engine: object  # deepspeed.DeepSpeedEngine
+    engine: DeepSpeedEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
 
 
-def build_engine(model: torch.nn.Module, cfg, ds_config: dict, total_steps: int, load_universal: bool = False) -> Engine:
+def build_engine(model: torch.nn.Module, cfg: tcfg.TrainConfig, ds_config: dict, total_steps: int, load_universal: bool = False) -> Engine:
     """deepspeed.initialize with the project's optimizer and scheduler.
 
     ``load_universal``: the engine will load a universal checkpoint (``--reshard`` onto another

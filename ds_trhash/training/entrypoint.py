@@ -23,6 +23,7 @@ from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.callbacks import Callback
+from ds_trhash.training.callbacks.base import TrainState
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE
 from ds_trhash.training.determinism import use_deterministic_kernels
 from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
@@ -142,7 +143,7 @@ def _raised_in(e: BaseException, module: object) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     where = Path(tb.tb_frame.f_code.co_filename).resolve()
-    source = Path(module.__file__).resolve()
+    source = Path(str(getattr(module, "__file__", ""))).resolve()
     return where == source or (source.name == "__init__.py" and where.is_relative_to(source.parent))
 
 
@@ -282,7 +283,7 @@ def rank_line(text: str) -> None:
     sys.stderr.flush()
 
 
-def _stopped(state, rank: int, world: int) -> int:
+def _stopped(state: TrainState, rank: int, world: int) -> int:
     """One line per rank, so the operator (and the tests) see every rank stop at the same step (or
     before this launch's first, when nothing was trained); the exit status: EXIT_REQUEUE after the
     scheduler's time-limit warning, else 0."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ds_trhash.data.stage import DataLoader
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX
 from ds_trhash.ranks import host_all_reduce, is_multi_rank
@@ -74,7 +75,7 @@ def label_counts(micro_batches: list[dict], vocab_size: int | None) -> tuple[int
     return valid, ignored, bad
 
 
-def _reduced_grad_norm(engine) -> torch.Tensor | None:
+def _reduced_grad_norm(engine: DeepSpeedEngine) -> torch.Tensor | None:
     """The global gradient norm before clipping, where DeepSpeed does not keep one.
 
     ZeRO 1/2 and the bf16/fp16 optimizers record it (``get_global_grad_norm``); plain ZeRO 0
@@ -88,7 +89,7 @@ def _reduced_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
-def train_step(engine, micro_batches: MicroBatches, device: torch.device, world_size: int,
+def train_step(engine: DeepSpeedEngine, micro_batches: MicroBatches, device: torch.device, world_size: int,
                vocab_size: int | None = None, decide: Callable[[UpdateCheck], int] | None = None,
                step: int = 0, inject_oom: Callable[[int], bool] | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
@@ -142,7 +143,7 @@ def train_step(engine, micro_batches: MicroBatches, device: torch.device, world_
             "decision": decision, "check": check}
 
 
-def _backwards(engine, micro_batches: MicroBatches, device: torch.device, scale: float, loss_sum_local: torch.Tensor,
+def _backwards(engine: DeepSpeedEngine, micro_batches: MicroBatches, device: torch.device, scale: float, loss_sum_local: torch.Tensor,
                in_place: bool, inject_oom: Callable[[int], bool] | None) -> BaseException | None:
     """Forward and backward of every micro-batch (the engine's micro-step after each but the last);
     the out-of-memory error that cut them short where the ranks retry in place, else None."""
@@ -165,7 +166,7 @@ def _backwards(engine, micro_batches: MicroBatches, device: torch.device, scale:
     return None
 
 
-def skip_update(engine) -> None:
+def skip_update(engine: DeepSpeedEngine) -> None:
     """Make the coming optimizer update a no-op: zero gradients and learning rate 0 for it (the
     scheduler sets the next step's rate as usual)."""
     for p in engine.module.parameters():
@@ -175,7 +176,7 @@ def skip_update(engine) -> None:
         group["lr"] = 0.0
 
 
-class StepMetrics(Mapping):
+class StepMetrics(Mapping[str, Any]):
     """One step's metrics for the callbacks; ``loss``, ``ppl`` and ``grad_norm`` come from device
     tensors and are copied to the host on first access only (the metrics, progress and monitor
     callbacks read them at logging steps), so steps that log nothing never wait for the device."""
@@ -206,7 +207,7 @@ class StepMetrics(Mapping):
             self._values["loss"] = loss
             self._values["ppl"] = math.exp(min(loss, 50.0))
             self._values["grad_norm"] = None if g is None else float(g)
-            self._loss = self._grad_norm = self._first_nonfinite = None
+            self._loss, self._grad_norm, self._first_nonfinite = 0.0, None, None  # the device tensors let go
 
     def device_values(self) -> tuple:
         """(loss, grad_norm) as the step left them (device tensors until someone reads them)."""
@@ -220,12 +221,12 @@ class StepMetrics(Mapping):
         if "loss" not in self._values:
             self._first_nonfinite = flag
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> Any:  # Any: the metric's number (or None: not measured)
         if key in self._LAZY:
             self._resolve()
         return self._values[key]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter((*self._values.keys(), *(k for k in self._LAZY if k not in self._values)))
 
     def __len__(self) -> int:
@@ -233,7 +234,7 @@ class StepMetrics(Mapping):
 
 
 def run(
-    engine,
+    engine: DeepSpeedEngine,
     loader: DataLoader,
     state: TrainState,
     callbacks: list[Callback],
@@ -274,7 +275,7 @@ def decide_together(callbacks: list[Callback], state: TrainState, check: UpdateC
     return vote
 
 
-def agreed_step(engine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
+def agreed_step(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
                 world_size: int, vocab_size: int | None, faults: FaultPoints | None = None) -> dict:
     """Optimizer step ``state.step + 1`` as every rank decided it: trained again on the same rows at
     the next smaller micro-batch for as long as every rank agrees to retry it (out of memory)."""
@@ -298,7 +299,7 @@ def agreed_step(engine, loader: DataLoader, state: TrainState, callbacks: list[C
             cb.on_retry(state, stats["check"], smaller)
 
 
-def _out_of_memory_exit(engine, step: int, cut: MicroBatches, rows: MicroBatches) -> BaseException:
+def _out_of_memory_exit(engine: DeepSpeedEngine, step: int, cut: MicroBatches, rows: MicroBatches) -> BaseException:
     old = len(cut[0]["input_ids"])
     smaller = smaller_micro_batch(old, rows_of(rows))
     if smaller is None:
@@ -319,7 +320,7 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
         raise errors[0]
 
 
-def _train(engine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
+def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
            world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
            faults: FaultPoints | None = None) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""

@@ -82,7 +82,10 @@ def schedule_warmup_steps(schedule: ScheduleSection, total_steps: int, tokens_pe
     """W of a ``schedule`` config section: from ``warmup_tokens`` when set, else its warmup fraction."""
     tokens = schedule.warmup_tokens
     if tokens is None:
-        return warmup_steps_for(total_steps, schedule.fraction, schedule.min_warmup_steps)
+        fraction = schedule.fraction
+        if fraction is None:  # None only beside warmup_tokens
+            raise ValueError("schedule: neither a warmup fraction nor warmup_tokens")
+        return warmup_steps_for(total_steps, fraction, schedule.min_warmup_steps)
     if tokens_per_step is None:
         raise ValueError("schedule.warmup_tokens needs the tokens per optimizer step to size the warmup")
     return warmup_steps_from_tokens(total_steps, tokens, tokens_per_step, schedule.min_warmup_steps)

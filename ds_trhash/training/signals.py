@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 # SIGHUP: a terminal that closes stops the run with a checkpoint, as SIGTERM does, instead of killing it
@@ -67,7 +68,7 @@ class StopRequests:
     _last: dict[int, float] = field(default_factory=dict)
     _previous: dict[int, Any] = field(default_factory=dict)
 
-    def handle(self, signum: int, frame: Any = None) -> None:
+    def handle(self, signum: int, frame: FrameType | None = None) -> None:
         now = time.monotonic()
         self.deliveries.append((signum, now))
         last = self._last.get(signum)

@@ -7,16 +7,23 @@ DeepSpeed features the ``deepspeed:`` section turned on.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # summary.py is read without torch by the preflight's messages
+    import torch
+
+    from ds_trhash.model import TRHashForCausalLM
+    from ds_trhash.training.global_batch import GlobalBatch
 
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import determinism
+from ds_trhash.training.config import TrainConfig
 from ds_trhash.training.schedule import describe_schedule
 
 __all__ = ["parameter_counts", "startup_summary"]
 
 
-def parameter_counts(model) -> tuple[int, int]:
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(all parameters, trainable parameters) held by this rank's model."""
     total = trainable = 0
     for p in model.parameters():
@@ -26,14 +33,14 @@ def parameter_counts(model) -> tuple[int, int]:
     return total, trainable
 
 
-def startup_summary(cfg, layout, *, model, total_steps: int, start_step: int, ds_config: Mapping[str, Any],
+def startup_summary(cfg: TrainConfig, layout: GlobalBatch, *, model: TRHashForCausalLM, total_steps: int, start_step: int, ds_config: Mapping[str, Any],
                     optimizer: str, kernels: Mapping[str, Any] | None, hardware: str,
                     checkpointed_layers: list[int], device_type: str = "cpu") -> str:
     total, trainable = parameter_counts(model)
     lora = (f", LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}"
             + (" + experts" if cfg.lora.experts else "")) if cfg.lora.enabled else ""
     ep = f" (this rank's share; experts split over ep_size {cfg.parallel.ep_size})" if cfg.parallel.ep_size > 1 else ""
-    ac = cfg.model.activation_checkpointing
+    ac: str = cfg.model.activation_checkpointing
     if ac != "none":
         ac = f"{ac}{'' if ac == 'full' else ' ' + str(cfg.model.activation_checkpointing_every)}: " \
              f"{len(checkpointed_layers)} of {len(model.layers)} decoder layers recomputed in backward"

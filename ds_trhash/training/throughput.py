@@ -31,11 +31,11 @@ class SteadyRate:
         self.clock = clock
         self._mark = clock()
         self.seen = 0  # intervals noted
-        self.tokens = self.seconds = 0  # of the steady intervals
+        self.tokens, self.seconds = 0, 0.0  # of the steady intervals
         self.steady_steps = 0
         self.first_steady: int | None = None
         self.last_steady: int | None = None
-        self.all_tokens = self.all_seconds = 0  # every interval, warm-up and pauses included
+        self.all_tokens, self.all_seconds = 0, 0.0  # every interval, warm-up and pauses included
         self.paused: dict[str, int] = {}  # reason -> intervals left out for it
 
     def start(self) -> None:

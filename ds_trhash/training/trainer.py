@@ -7,6 +7,7 @@ before the model is allocated, so a wrong launch costs seconds and writes nothin
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import time
@@ -16,7 +17,9 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.batch_layout import step_rows
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.model import TRHashForCausalLM, backend
 from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import apply_lora
@@ -33,7 +36,7 @@ from ds_trhash.training.callbacks import (
 )
 from ds_trhash.training.callbacks.nonfinite import NonFiniteGuard
 from ds_trhash.training.display import Progress, data_wait_line
-from ds_trhash.training.engine import build_engine, expert_parallel_group, optimizer_name
+from ds_trhash.training.engine import Engine, build_engine, expert_parallel_group, optimizer_name
 from ds_trhash.training.memory.record import read_record
 from ds_trhash.training.memory.sizes import fitting_sizes
 from ds_trhash.training.preparation import checks as launch_checks
@@ -98,13 +101,13 @@ def start_writing(plan: LaunchPlan, rank: int) -> None:
     plan.data.loader.open(int(plan.output.saved["step"]) if plan.output.saved is not None else 0)
 
 
-def restore(plan: LaunchPlan, engine, rank: int) -> loop.TrainState:
+def restore(plan: LaunchPlan, engine: DeepSpeedEngine, rank: int) -> loop.TrainState:
     """The state the loop starts from: step 0, or the saved run's engine, counters and RNG exactly
     (re-seeded when it reshards onto another world size)."""
     state = loop.TrainState(step=0, total_steps=plan.data.total_steps)
     state.micro_batch = micro_batch_in_force(plan)
     saved, resume_dir = plan.output.saved, plan.output.resume_dir
-    if saved is None:
+    if saved is None or resume_dir is None:
         return state
     ckpt.load_engine_state(engine, resume_dir, reshard=plan.resharding, output_dir=plan.output_dir,
                            rank=rank, barrier=barrier, log=log.info)
@@ -124,14 +127,15 @@ def micro_batch_in_force(plan: LaunchPlan) -> int | None:
     """The smaller micro-batch an out-of-memory step of an earlier launch of this run recorded
     (``micro_batch.json``), which holds for every launch after it; None: the plan's."""
     record = read_record(plan.output_dir)
-    if record is None or record["micro_batch"] >= plan.cfg.batch.micro_batch:
+    if record is None or record["micro_batch"] >= tcfg.micro_batch(plan.cfg):
         return None
     # the largest size up to the recorded one that divides a rank's rows (another world size after --reshard)
-    rank_rows = step_rows(plan.cfg.batch.micro_batch, plan.cfg.batch.grad_accum, 1)
+    rank_rows = step_rows(tcfg.micro_batch(plan.cfg), tcfg.grad_accum(plan.cfg), 1)
     return next(d for d in fitting_sizes(rank_rows) if d <= record["micro_batch"])
 
 
-def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dict, state: loop.TrainState) -> None:
+def announce(plan: LaunchPlan, progress: Progress, model: TRHashForCausalLM, engine: Engine, ds_config: dict,
+             state: loop.TrainState) -> None:
     """Rank 0: config.json as loaded, what this launch trains and the start-up summary."""
     cfg, data, world = plan.cfg, plan.data, plan.world
     plan.output_dir.mkdir(parents=True, exist_ok=True)
@@ -142,11 +146,13 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
     if plan.auto is not None:
         progress.message(plan.auto.describe())
-    if state.micro_batch is not None:
+    record = read_record(plan.output_dir)
+    if state.micro_batch is not None and record is not None:
+        cut = tcfg.micro_batch(plan.cfg)
         progress.message(f"micro-batch {state.micro_batch} in force (grad_accum "
-                         f"{step_rows(plan.cfg.batch.micro_batch, plan.cfg.batch.grad_accum, 1) // state.micro_batch}, the same "
-                         f"global batch): an out-of-memory step lowered it from {plan.cfg.batch.micro_batch} "
-                         f"({read_record(plan.output_dir)['events'][-1]['how']}, see micro_batch.json)")
+                         f"{step_rows(cut, tcfg.grad_accum(plan.cfg), 1) // state.micro_batch}, the same global "
+                         f"batch): an out-of-memory step lowered it from {cut} ({record['events'][-1]['how']}, "
+                         "see micro_batch.json)")
     if plan.resuming and state.step == state.total_steps:
         progress.message(f"resume auto: {cfg.stage} already finished at step {state.step} of {state.total_steps}; "
                          "nothing is left to train (end-of-stage records missing from an interrupted end are "
@@ -154,12 +160,12 @@ def announce(plan: LaunchPlan, progress: Progress, model, engine, ds_config: dic
     progress.message(startup_summary(
         cfg, plan.layout, model=model, total_steps=data.total_steps, start_step=state.step,
         ds_config=ds_config, optimizer=optimizer_name(engine.optimizer, cfg.optimizer),
-        kernels=plan.kernels.to_dict(), hardware=ckpt.describe_hardware(),
+        kernels=plan.kernels.to_dict(), hardware=describe_hardware(),
         checkpointed_layers=[i for i, layer in enumerate(model.layers) if layer.checkpointed],
         device_type=plan.device.type))
 
 
-def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, dict], dict]:
+def state_recorder(plan: LaunchPlan, model: TRHashForCausalLM) -> Callable[[loop.TrainState, str, dict], dict]:
     """The ``trainer_state.json`` builder the checkpointing callback calls: (state, reason, extra) -> dict."""
     record, data = plan.record(), plan.data
 
@@ -169,12 +175,12 @@ def state_recorder(plan: LaunchPlan, model) -> Callable[[loop.TrainState, str, d
             tokens_seen=st.tokens_seen, supervised_seen=st.supervised_seen,
             backends_used=model.backends_used(),  # the checkpointing callback passes the training step's
             reason=reason, peak_memory=resources.peak_memory(plan.device),
-            extra={"micro_batch_in_force": st.micro_batch or plan.cfg.batch.micro_batch, **extra})
+            extra={"micro_batch_in_force": st.micro_batch or tcfg.micro_batch(plan.cfg), **extra})
 
     return trainer_state
 
 
-def run_context(plan: LaunchPlan, rank: int, engine, model, progress: Progress, state: loop.TrainState,
+def run_context(plan: LaunchPlan, rank: int, engine: DeepSpeedEngine, model: TRHashForCausalLM, progress: Progress, state: loop.TrainState,
                 requests: StopRequests | None = None) -> RunContext:
     """What the callbacks are built from: the engine and model, the record writers (opened here,
     closed by the metrics callback), the stop agreement, the trainer-state builder."""
@@ -226,8 +232,8 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     model = build_model(plan, rank)
     ds_config = tcfg.to_deepspeed_dict(cfg, world)
     engine = build_engine(model, cfg, ds_config, data.total_steps,
-                          load_universal=plan.resharding and ckpt.needs_universal(plan.output.resume_dir,
-                                                                                 cfg.parallel.ep_size))
+                          load_universal=plan.resharding and plan.output.resume_dir is not None
+                          and ckpt.needs_universal(plan.output.resume_dir, cfg.parallel.ep_size))
     state = restore(plan, engine.engine, rank)
 
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)

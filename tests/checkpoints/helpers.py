@@ -3,7 +3,8 @@ checkpoints whose records agree (or are made to disagree) for the consistency te
 import torch
 
 from ds_trhash import checkpoints as ck
-from ds_trhash.checkpoints import TrainerState, save_checkpoint
+from ds_trhash.checkpoints import TrainerState
+from ds_trhash.checkpoints.save import save_checkpoint
 
 CRITICAL = {"data.seq_len": 128, "optimizer.lr": 2e-5, "optimizer.betas": [0.9, 0.95], "training.epochs": 3}
 

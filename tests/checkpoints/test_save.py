@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from ds_trhash import checkpoints as ck
-from ds_trhash.checkpoints import CheckpointError, find_resumable, list_checkpoints, rotate, save_checkpoint, verify
+from ds_trhash.checkpoints import CheckpointError, find_resumable, list_checkpoints, rotate, verify
+from ds_trhash.checkpoints.save import save_checkpoint
 from tests.checkpoints.helpers import fake_engine, save, state
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ds_trhash import checkpoints as ck
-from ds_trhash.checkpoints import CheckpointError, inspect_saved_parts, load_weights_only, verify
+from ds_trhash.checkpoints import CheckpointError, inspect_saved_parts, verify
+from ds_trhash.checkpoints.weights import load_weights_only
 from ds_trhash.checkpoints.stages import Stage
 from ds_trhash.training.engine import without_shared_memory_op
 from ds_trhash.deepspeed_command import free_port
@@ -118,7 +119,7 @@ def test_load_merged_weights_folds_lora_adapters_with_the_recorded_alpha(tmp_pat
 
     from ds_trhash.model import TRHashConfig, TRHashForCausalLM
     from ds_trhash.model.lora import apply_lora, has_lora_state, merge_lora
-    from ds_trhash.checkpoints import load_merged_weights
+    from ds_trhash.checkpoints.weights import load_merged_weights
     from ds_trhash.training.config import LoraSection
 
     torch.manual_seed(0)

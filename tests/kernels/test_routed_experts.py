@@ -108,7 +108,7 @@ def test_split_k_weight_gradients_match_single_split():
     tok = (order.long() // 2)
     want = torch.stack([x[tok[s:t]].T @ b[s:t] for s, t in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
     for splits in (1, 3):
-        whole = rk._launch_grouped_dw(x, b, order, offsets, out_dtype=torch.float32, a_indirect=True,
+        (whole,) = rk._launch_grouped_dw(x, b, order, offsets, out_dtype=torch.float32, a_indirect=True,
                                       b_indirect=False, splits=splits)
         torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
         # the column halves straight into two gradients (d_gate, d_up), one split or partials summed

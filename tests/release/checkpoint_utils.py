@@ -1,7 +1,7 @@
 """A real (verified, single-rank) training checkpoint holding a given state dict."""
 import torch
 
-from ds_trhash.checkpoints import save_checkpoint
+from ds_trhash.checkpoints.save import save_checkpoint
 
 
 def write_checkpoint(out, cfg, state, *, lora=False, tokenizer_dir=None, stage="supervised-finetuning",

@@ -6,7 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from ds_trhash.checkpoints import list_checkpoints, save_checkpoint
+from ds_trhash.checkpoints import list_checkpoints
+from ds_trhash.checkpoints.save import save_checkpoint
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE, VERIFIED_FILE
 from ds_trhash.io import sha256_file
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ds_trhash.checkpoints import save_checkpoint, step_dir_name
+from ds_trhash.checkpoints import step_dir_name
+from ds_trhash.checkpoints.save import save_checkpoint
 from ds_trhash.checkpoints.run_lock import RUN_LOCK
 from ds_trhash.checkpoints.sync_guard import LOCK_FILE
 from ds_trhash.data.formats.tokenizer import tokenizer_sha256

@@ -152,7 +152,7 @@ def test_ep2_launch_trains_like_ep1_checkpoints_per_expert_and_resumes(tmp_path,
     _consolidated_matches(out, ref, STEPS)
 
     # weights-only init from the expert-parallel checkpoint sees the released names, full experts
-    from ds_trhash.checkpoints import load_weights_only
+    from ds_trhash.checkpoints.weights import load_weights_only
 
     weights, record = load_weights_only(out / "checkpoints" / f"step_{STEPS:08d}")
     assert record.stage.value == "pretraining"

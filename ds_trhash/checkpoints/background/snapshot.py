@@ -16,7 +16,7 @@ them anyway.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable, cast
 
 import torch
 
@@ -60,7 +60,7 @@ class _Copier:
             setattr(out, name, self(value))
         return out
 
-    def __call__(self, obj: Any) -> Any:
+    def __call__(self, obj: object) -> object:
         if isinstance(obj, _IMMUTABLE):
             return obj
         if isinstance(obj, torch.Tensor):
@@ -74,13 +74,14 @@ class _Copier:
             return [self(v) for v in obj]
         if isinstance(obj, tuple):
             items = [self(v) for v in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+            kind = cast(Callable[..., tuple], type(obj))  # a named tuple takes its fields as arguments
+            return kind(*items) if hasattr(obj, "_fields") else kind(items)
         if isinstance(obj, (set, frozenset)):
             return type(obj)(self(v) for v in obj)
         return copy.deepcopy(obj)  # an object (a loss scaler, a config): its state as of now
 
 
-def host_snapshot(obj: Any) -> tuple[Any, int]:
+def host_snapshot(obj: object) -> tuple[object, int]:
     """(copy of ``obj`` in host memory, bytes of tensor data copied). Containers are rebuilt,
     other objects deep-copied; returns once every device copy has completed."""
     copier = _Copier()

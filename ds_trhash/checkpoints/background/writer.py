@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -55,7 +55,7 @@ class PendingFile:
     """One file of the engine's state, captured in host memory, written by the thread."""
 
     path: Path
-    state: Any
+    state: object
     zipfile: bool = True  # torch.save's _use_new_zipfile_serialization, as the engine asked
 
 
@@ -72,10 +72,10 @@ class Finished:
 class _HashingWriter:
     """A binary file that hashes what passes through it (torch.save writes into it)."""
 
-    def __init__(self, fh):
+    def __init__(self, fh: BinaryIO) -> None:
         self.fh, self.digest, self.size = fh, hashlib.sha256(), 0
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         self.digest.update(view)
         self.size += len(view)
@@ -89,8 +89,8 @@ def write_torch_file(pending: PendingFile) -> dict[str, Any]:
     """Write one captured state with ``torch.save``; fsynced; {size, sha256} of its bytes."""
     pending.path.parent.mkdir(parents=True, exist_ok=True)
     with open(pending.path, "wb") as fh:
-        out = _HashingWriter(fh)
-        torch.save(pending.state, out, _use_new_zipfile_serialization=pending.zipfile)
+        out = _HashingWriter(fh)  # torch.save needs only write and flush
+        torch.save(pending.state, cast(BinaryIO, out), _use_new_zipfile_serialization=pending.zipfile)
         fh.flush()
         os.fsync(fh.fileno())
     return {"size": out.size, "sha256": out.digest.hexdigest()}
@@ -161,7 +161,7 @@ class BackgroundSaver:
     def poll(self) -> Finished | None:
         """The in-flight save if it has completed (its failure raised), else None; never blocks."""
         job = self._job
-        if job is None or job.thread.is_alive():
+        if job is None or job.thread is None or job.thread.is_alive():
             return None
         return self._collect(job)
 
@@ -170,7 +170,8 @@ class BackgroundSaver:
         job = self._job
         if job is None:
             return None
-        job.thread.join()
+        if job.thread is not None:
+            job.thread.join()
         return self._collect(job)
 
     def _collect(self, job: _Job) -> Finished:

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 from ds_trhash.data.formats.shards import ShardError
 
@@ -44,13 +44,19 @@ class InputSpec:
     path: Optional[Path] = None
     hf: Optional[tuple[str, Optional[str], str, Optional[str]]] = None  # name, config, split, revision
 
+    def file(self) -> Path:
+        """The local file of an input that is not a dataset (every such spec has one)."""
+        if self.path is None:
+            raise InputError(f"{self.label}: names neither a file nor a dataset")
+        return self.path
+
     def identity(self) -> dict:
         """What a resumed run must find unchanged: a file's size and mtime, a dataset's coordinates."""
         if self.hf is not None:
             name, config, split, revision = self.hf
             return {"input": self.label, "format": "hf", "name": name, "config": config, "split": split,
                     "revision": revision}
-        stat = self.path.stat()
+        stat = self.file().stat()
         return {"input": self.label, "format": self.fmt, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
@@ -88,7 +94,7 @@ class Record:
     source: int  # index into the run's input list
     number: int  # line (from 1) or row (from 0), see the module docstring
     kind: str  # TEXT / JSONL: raw is bytes; VALUE: raw is the field's value; MISSING: no such field
-    raw: Any
+    raw: object
 
 
 @dataclass(frozen=True)
@@ -108,14 +114,15 @@ def iter_records(specs: Sequence[InputSpec], text_field: str,
     """
     position = [0]  # stream position of the next record, advanced as items are handed out
     for index, spec in enumerate(specs):
+        reader: Iterator[Record | Skipped]
         if spec.hf is not None:
-            reader = _dataset_values(index, spec, text_field)
+            reader = _dataset_values(index, spec.hf, text_field)
         elif spec.fmt == "text":
-            reader = _text_blocks(index, spec.path)
+            reader = _text_blocks(index, spec.file())
         elif spec.fmt == "jsonl":
-            reader = _jsonl_lines(index, spec.path)
+            reader = _jsonl_lines(index, spec.file())
         else:
-            reader = _parquet_values(index, spec.path, text_field, position, unwanted)
+            reader = _parquet_values(index, spec.file(), text_field, position, unwanted)
         for item in reader:
             position[0] += item.count if isinstance(item, Skipped) else 1
             yield item
@@ -173,10 +180,10 @@ def _parquet_values(index: int, path: Path, field: str, position: list,
                 row += 1
 
 
-def _dataset_values(index: int, spec: InputSpec, field: str) -> Iterator[Record]:
+def _dataset_values(index: int, hf: tuple[str, Optional[str], str, Optional[str]], field: str) -> Iterator[Record]:
     import datasets  # optional heavy dependency (~0.5 s to import), only for --hf-dataset
 
-    name, config, split, revision = spec.hf
+    name, config, split, revision = hf
     try:
         stream = datasets.load_dataset(name, config, split=split, streaming=True, revision=revision)
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as exc:
@@ -193,10 +200,10 @@ def decode_record(record: Record, text_field: str) -> tuple[Optional[str], Optio
     """``(text, None)`` for a good record, ``(None, reason)`` for a bad one."""
     raw = record.raw
     if record.kind == TEXT:
-        return _utf8(raw)
+        return _utf8(cast(bytes, raw))  # the kind says what raw holds
     if record.kind == JSONL:
-        text, bad = _utf8(raw)
-        if bad:
+        text, bad = _utf8(cast(bytes, raw))
+        if text is None:
             return None, bad
         try:
             doc = json.loads(text)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -76,7 +76,7 @@ class BadRecordLimit:
         self.limit = limit
         self.labels = list(labels)
         self.bad: list[dict] = []
-        self.inputs = [{"input": label, "records": 0, "documents": 0, "empty": 0, "bad": 0} for label in labels]
+        self.inputs: list[dict[str, Any]] = [{"input": label, "records": 0, "documents": 0, "empty": 0, "bad": 0} for label in labels]
 
     def add(self, record: dict) -> None:
         for key, tally in record["inputs"].items():

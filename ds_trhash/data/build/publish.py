@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ds_trhash import hub_access
 from ds_trhash.errors import UserError
@@ -34,9 +34,15 @@ from ds_trhash.io import read_json_object, sha256_file
 
 from ds_trhash.data.build.parts import REPORT_FILE
 
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
 TARGET_PREFIX = "hf://datasets/"
 _PART_DIR = re.compile(r".+\.part-\d+-of-\d+$")
 MANIFEST_NAME = "manifest.json"
+
+T = TypeVar("T")
 
 
 class PublishError(UserError, OSError):
@@ -93,7 +99,7 @@ def _git_blob_id(path: Path) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _hub(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _hub(what: str, call: Callable[..., T], *args: object, **kwargs: object) -> T:
     """One client call; any failure (refusal, network) becomes one scrubbed line."""
     try:
         return call(*args, **kwargs)
@@ -101,7 +107,7 @@ def _hub(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise hub_access.failure(exc, what, PublishError, transient_hint="run the same command again to resume") from None
 
 
-def _mismatch(path: str, entry: Any, size: int, sha256: str | None, blob_id: str | None) -> str | None:
+def _mismatch(path: str, entry: RepoFile | None, size: int, sha256: str | None, blob_id: str | None) -> str | None:
     """Why the remote ``entry`` is not the expected file, or None when it is."""
     if entry is None:
         return f"{path}: absent"
@@ -112,12 +118,14 @@ def _mismatch(path: str, entry: Any, size: int, sha256: str | None, blob_id: str
     return None
 
 
-def verify_remote(api: Any, repo_id: str, root: Path, manifests: dict[str, dict], files: list[str]) -> int:
+def verify_remote(api: HfApi, repo_id: str, root: Path, manifests: dict[str, dict], files: list[str]) -> int:
     """Check every published file on the Hub: shards against their manifests (size, LFS SHA-256), the
     other files against their local bytes. Returns the number of shards checked."""
+    from huggingface_hub.hf_api import RepoFile  # lazy, as the client itself
+
     listing = _hub(f"listing {repo_id}", lambda: list(api.list_repo_tree(repo_id, recursive=True, expand=True,
                                                                          repo_type="dataset")))
-    remote = {entry.path: entry for entry in listing if hasattr(entry, "size")}
+    remote = {entry.path: entry for entry in listing if isinstance(entry, RepoFile)}  # files (folders have no size)
     shards = {(Path(path).parent / shard["file"]).as_posix(): shard for path, doc in manifests.items()
               for shard in doc["shards"]}
     problems = []
@@ -159,4 +167,4 @@ def publish_corpus(root: Path, target: str, log: Callable[[str], None] = print) 
     log(f"{TARGET_PREFIX}{repo_id}: {len(manifests)} manifests, {shards} shards verified (size and SHA-256)"
         + (f", {reports} tokenize reports" if reports else ""))
     log(f"commit {head}")
-    return head
+    return str(head)

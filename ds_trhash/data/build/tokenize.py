@@ -140,10 +140,10 @@ def where(label: str, record: Record) -> str:
 _worker_encoder: Optional[ChunkEncoder] = None
 
 
-def _init_worker(parent: int, *args) -> None:
+def _init_worker(parent: int, tokenizer: str, vocab_size: int, text_field: str, labels: Sequence[str]) -> None:
     global _worker_encoder
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it stops the pool)
-    _worker_encoder = ChunkEncoder(*args)
+    _worker_encoder = ChunkEncoder(tokenizer, vocab_size, text_field, labels)
     threading.Thread(target=_exit_with, args=(parent,), name="orphan-watch", daemon=True).start()
 
 
@@ -154,7 +154,9 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_in_worker(index: int, records: Sequence[Record]):
+def _encode_in_worker(index: int, records: Sequence[Record]) -> tuple[int, np.ndarray, np.ndarray, dict]:
+    if _worker_encoder is None:
+        raise RuntimeError("a tokenize worker ran before its initializer")
     return _worker_encoder(index, records)
 
 
@@ -276,8 +278,12 @@ def _encode(job: TokenizeJob, store: ChunkStore, log: Callable[[str], None]) -> 
     progress = TokenizeProgress(job.source, job.inputs)  # stderr: a live line on a terminal, else plain lines
     chunks = _chunks(progress.observe(iter_records(job.inputs, job.text_field, unwanted)), job.chunk_records,
                      wanted, seen)
+    def done(record: dict) -> None:
+        limit.add(record)
+        progress.chunk(record)
+
     try:
-        _encode_all(job, chunks, store, lambda record: (limit.add(record), progress.chunk(record)))
+        _encode_all(job, chunks, store, done)
     finally:
         progress.close()
     total_chunks = -(-seen[0] // job.chunk_records)

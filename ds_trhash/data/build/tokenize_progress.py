@@ -15,9 +15,12 @@ import datetime as _dt
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from ds_trhash.data.build.inputs import JSONL, TEXT, InputSpec, Record, Skipped
+
+if TYPE_CHECKING:  # rich is imported where a live line is drawn
+    from rich.text import Text
 
 __all__ = ["TokenizeProgress"]
 
@@ -72,7 +75,7 @@ class TokenizeProgress:
                 self.records_read += item.count
             else:
                 self.current = item.source
-                self.read[item.source] += len(item.raw) + 1 if item.kind in (TEXT, JSONL) else 1
+                self.read[item.source] += len(cast(bytes, item.raw)) + 1 if item.kind in (TEXT, JSONL) else 1
                 self.records_read += 1
             yield item
 
@@ -94,7 +97,7 @@ class TokenizeProgress:
             text += f", {100 * done:.0f}%, time left {_duration(elapsed * (1 - done) / done)}"
         return text
 
-    def _text(self):
+    def _text(self) -> Text:
         from rich.text import Text  # the line as it is: no number highlighting
 
         return Text(self.line())

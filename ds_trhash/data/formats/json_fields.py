@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Literal, Optional, overload
 
 from ds_trhash.errors import UserError
 from ds_trhash.safe_names import UnsafeNameError, bare_name
@@ -47,13 +47,17 @@ class JsonFields:
     def has(self, key: str) -> bool:
         return key in self.doc and self.doc[key] is not None
 
-    def value(self, key: str, required: bool) -> Any:
+    def value(self, key: str, required: bool) -> object:
         if key not in self.doc:
             if required:
                 raise self.fail(key, "is missing")
             return None
         return self.doc[key]
 
+    @overload
+    def integer(self, key: str, minimum: int = 0, required: Literal[True] = True) -> int: ...
+    @overload
+    def integer(self, key: str, minimum: int = 0, *, required: bool) -> Optional[int]: ...
     def integer(self, key: str, minimum: int = 0, required: bool = True) -> Optional[int]:
         value = self.value(key, required)
         if value is None and not required:
@@ -67,6 +71,10 @@ class JsonFields:
             raise self.fail(key, f"is {value}; it must be >= {minimum}")
         return value
 
+    @overload
+    def number(self, key: str, required: Literal[True]) -> float: ...
+    @overload
+    def number(self, key: str, required: bool = False) -> Optional[float]: ...
     def number(self, key: str, required: bool = False) -> Optional[float]:
         value = self.value(key, required)
         if value is None:
@@ -75,6 +83,10 @@ class JsonFields:
             raise self.fail(key, f"is {value!r} ({kind(value)}); it must be a finite number >= 0")
         return float(value)
 
+    @overload
+    def text(self, key: str, required: Literal[True] = True) -> str: ...
+    @overload
+    def text(self, key: str, required: bool) -> Optional[str]: ...
     def text(self, key: str, required: bool = True) -> Optional[str]:
         value = self.value(key, required)
         if value is None and not required:
@@ -89,6 +101,10 @@ class JsonFields:
             raise self.fail(key, f"is {kind(value)}; it must be a list")
         return value
 
+    @overload
+    def table(self, key: str, required: Literal[True] = True) -> Mapping: ...
+    @overload
+    def table(self, key: str, required: bool) -> Optional[Mapping]: ...
     def table(self, key: str, required: bool = True) -> Optional[Mapping]:
         value = self.value(key, required)
         if value is None and not required:
@@ -97,6 +113,10 @@ class JsonFields:
             raise self.fail(key, f"is {kind(value)}; it must be an object")
         return value
 
+    @overload
+    def choice(self, key: str, allowed: tuple[str, ...], required: Literal[True] = True) -> str: ...
+    @overload
+    def choice(self, key: str, allowed: tuple[str, ...], required: bool) -> Optional[str]: ...
     def choice(self, key: str, allowed: tuple[str, ...], required: bool = True) -> Optional[str]:
         value = self.value(key, required)
         if value is None and not required:
@@ -105,6 +125,10 @@ class JsonFields:
             raise self.fail(key, f"is {value!r}; allowed: {', '.join(map(repr, allowed))}")
         return value
 
+    @overload
+    def sha256(self, key: str, required: Literal[True] = True) -> str: ...
+    @overload
+    def sha256(self, key: str, required: bool) -> Optional[str]: ...
     def sha256(self, key: str, required: bool = True) -> Optional[str]:
         value = self.text(key, required)
         if value is not None and not _SHA256.match(value):

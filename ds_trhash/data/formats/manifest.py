@@ -59,7 +59,7 @@ class _AsMapping(Mapping):
             out.setdefault(key, value)
         return out
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> object:
         for name, attribute in self._json:
             if name == key:
                 return _plain(getattr(self, attribute))
@@ -75,7 +75,7 @@ class _AsMapping(Mapping):
         return len(self._table())
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 

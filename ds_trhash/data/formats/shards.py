@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ds_trhash.io import json_text, publish_dir
 from ds_trhash.safe_names import UnsafeNameError, bare_name
@@ -101,7 +102,7 @@ class _ShardWriter:
         )
 
 
-def _document_ids(tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
+def _document_ids(tokenizer: Tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
     """Yield each document's ids followed by EOS, encoding in batches for speed."""
     batch: list[str] = []
     for text in texts:
@@ -114,7 +115,7 @@ def _document_ids(tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
     yield from _encode(tokenizer, batch)
 
 
-def _encode(tokenizer, texts: list[str]) -> Iterator[np.ndarray]:
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> Iterator[np.ndarray]:
     for encoding in tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []:
         yield np.append(np.asarray(encoding.ids, dtype=np.int64), EOS_ID)
 

@@ -32,7 +32,7 @@ def check_tokenizer_matches(tokenizer: str | os.PathLike | None, recorded: Mappi
             "point data.tokenizer at the tokenizer the data was made with, or rebuild the data")
 
 
-def data_tokenizer_identity(recorded: Mapping[str, str | None], tokenizer_dir,
+def data_tokenizer_identity(recorded: Mapping[str, str | None], tokenizer_dir: str | os.PathLike | None,
                             described: str) -> tuple[str | None, bool, tuple[str, ...]]:
     """(the tokenizer identity of the data, whether it was assumed, what to say once).
 

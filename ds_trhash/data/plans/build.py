@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Mapping, Optional, Union
+from typing import Iterable, Mapping, Optional, Union
 
 from ds_trhash.data.plans.corpus_index import CorpusIndex, ShardRows, index_of_manifests
 from ds_trhash.data.plans.plan import PLAN_FORMAT, UNIQUE_CORE, PlanError, source_rows, validate_plan_doc
@@ -52,9 +52,9 @@ def _budgets(
         raise PlanError(f"source weights must name exactly the sources {sorted(available)}, got {sorted(weights)}")
     if any(value < 0 for value in weights.values()) or not any(value > 0 for value in weights.values()):
         raise PlanError(f"source weights {weights} must be >= 0 with at least one positive")
-    total = sum(Fraction(value) for value in weights.values())
+    weight_sum = sum((Fraction(value) for value in weights.values()), Fraction(0))
     return requested, {
-        source: int(Fraction(requested) * Fraction(weights[source]) / total) for source in available if weights[source] > 0
+        source: int(Fraction(requested) * Fraction(weights[source]) / weight_sum) for source in available if weights[source] > 0
     }
 
 
@@ -69,7 +69,7 @@ def _passes(budgets: Mapping[str, int], given: Optional[Mapping[str, int]]) -> d
     return passes
 
 
-def check_quality_scores(corpus: CorpusIndex, sources, scores: Mapping[str, object]) -> None:
+def check_quality_scores(corpus: CorpusIndex, sources: Iterable[str], scores: Mapping[str, object]) -> None:
     """Every shard of every selected source has a finite numeric score, and no score of a selected
     source names a shard its manifest does not list (a misspelt key would silently score nothing)."""
     for source in sources:
@@ -82,10 +82,13 @@ def check_quality_scores(corpus: CorpusIndex, sources, scores: Mapping[str, obje
         if stray:
             raise PlanError(f"the quality scores name {len(stray)} shard(s) of source {source!r} that its manifest "
                             f"does not list (first: {', '.join(stray[:3])})")
-        bad = [key for key in sorted(known) if isinstance(scores[key], bool) or not isinstance(scores[key], (int, float))
-               or not math.isfinite(scores[key])]
+        bad = [key for key in sorted(known) if not _finite_number(scores[key])]
         if bad:
             raise PlanError(f"quality score {bad[0]} is {scores[bad[0]]!r}; every score must be a finite number")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _ordered(corpus: CorpusIndex, source: str, scores: Optional[Mapping[str, float]]) -> list[ShardRows]:
@@ -95,7 +98,7 @@ def _ordered(corpus: CorpusIndex, source: str, scores: Optional[Mapping[str, flo
     return sorted(shards, key=lambda shard: (-scores[score_key(source, shard.file)], shard.file))
 
 
-def select_rows(shards, rows: int) -> list[dict]:
+def select_rows(shards: Iterable[ShardRows], rows: int) -> list[dict]:
     """Take ``rows`` rows from ``shards`` in order: each shard's min(its rows, what is left)."""
     entries, left = [], rows
     for shard in shards:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, cast
 
 from ds_trhash.errors import UserError
 
@@ -89,22 +89,22 @@ def index_of_manifests(manifests: Mapping[str, Mapping], seq_len: Optional[int] 
             raise CorpusIndexError(f"manifests disagree on {key}: {values}; a plan covers one tokenization")
         identity[key] = next(iter(values.values()))
     sources = {source: _shards(m.get("shards"), f"shard manifest of {source!r}") for source, m in manifests.items()}
-    return CorpusIndex(int(next(iter(lengths.values()))), sources, identity)
+    return CorpusIndex(int(cast(int, next(iter(lengths.values())))), sources, identity)
 
 
 def read_corpus_index(paths: Sequence[PathLike], seq_len: Optional[int] = None) -> CorpusIndex:
     """The index of the corpus at ``paths``: one release-layout root (holding mixture_manifest.json),
     or our manifest files, source directories or shard roots. ``seq_len``, when given, must match."""
-    paths = [Path(p) for p in paths]
-    if not paths:
+    roots = [Path(p) for p in paths]
+    if not roots:
         raise CorpusIndexError("no manifest path given; pass a corpus directory or manifest files")
-    release = [p for p in paths if (p / MIXTURE_MANIFEST).is_file() or p.name == MIXTURE_MANIFEST]
+    release = [p for p in roots if (p / MIXTURE_MANIFEST).is_file() or p.name == MIXTURE_MANIFEST]
     if release:
-        if len(paths) != 1:
+        if len(roots) != 1:
             raise CorpusIndexError(f"{release[0]} is a whole corpus in the release's layout; pass it alone")
-        root = paths[0].parent if paths[0].name == MIXTURE_MANIFEST else paths[0]
+        root = roots[0].parent if roots[0].name == MIXTURE_MANIFEST else roots[0]
         index = _release_index(root)
         if seq_len is not None and seq_len != index.seq_len:
             raise CorpusIndexError(f"{root / MIXTURE_MANIFEST} has seq_len {index.seq_len}, requested {seq_len}")
         return index
-    return index_of_manifests(load_manifests(paths), seq_len)
+    return index_of_manifests(load_manifests(roots), seq_len)

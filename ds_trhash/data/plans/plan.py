@@ -174,7 +174,7 @@ def _core_differences(ref_doc: Mapping, pre_doc: Mapping) -> str:
 
 
 def _refinement_rules(ref_doc: Mapping, pre_doc: Mapping) -> list[RuleResult]:
-    phases = ref_doc.get("phases") if isinstance(ref_doc.get("phases"), list) else []
+    phases = ref_doc["phases"] if isinstance(ref_doc.get("phases"), list) else []
     phase = phases[0] if phases and isinstance(phases[0], Mapping) else {}
     trained, unique = ref_doc.get("trained_tokens"), ref_doc.get("unique_tokens")
     replayed = {s: p for s, p in (ref_doc.get("source_passes") or {}).items() if p != 1}

@@ -14,10 +14,13 @@ through unchanged and supervised like any other completion text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from ds_trhash.errors import UserError
 from ds_trhash.model.loss import IGNORE_INDEX  # re-exported: the data layer writes it into labels
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding
 
 CHAT_TEMPLATE_ID = "complexity-chat-v2"
 EOS_TOKEN = "</s>"
@@ -92,7 +95,7 @@ class ChatError(UserError, ValueError):
 class Encoder(Protocol):
     """What is needed from a tokenizer: `tokenizers.Tokenizer` satisfies it."""
 
-    def encode(self, sequence: str, add_special_tokens: bool = ...) -> Any: ...
+    def encode(self, sequence: str, *, add_special_tokens: bool = ...) -> Encoding: ...
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def check_supervision(mode: str) -> str:
     return mode
 
 
-def normalize(messages: Any) -> list[Turn]:
+def normalize(messages: object) -> list[Turn]:
     """Validate roles and content types, trim, and drop empty messages."""
     if not isinstance(messages, list):
         raise ChatError("bad_messages", f"'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
@@ -157,7 +160,7 @@ def _turn_text(turn: Turn) -> str:
     return prefix + turn.content + suffix
 
 
-def render_text(messages: Any, add_generation_prompt: bool = False) -> str:
+def render_text(messages: object, add_generation_prompt: bool = False) -> str:
     """The whole conversation as text, with "</s>" spelled where the EOS id goes (display, tests)."""
     parts = []
     for turn in normalize(messages):
@@ -169,19 +172,19 @@ def render_text(messages: Any, add_generation_prompt: bool = False) -> str:
     return "".join(parts)
 
 
-def split_final(messages: Any) -> tuple[list[Turn], Turn]:
+def split_final(messages: object) -> tuple[list[Turn], Turn]:
     """The history and the final assistant turn; a conversation without one cannot be supervised."""
     turns = normalize(messages)
     if turns and turns[-1].role == "assistant":
         return turns[:-1], turns[-1]
-    last = messages[-1] if messages else None
+    last = messages[-1] if isinstance(messages, Sequence) and messages else None
     if isinstance(last, Mapping) and last.get("role") == "assistant":
         raise ChatError("empty_final_assistant", "the final assistant message is empty after trimming; give it content or drop the conversation")
     ending = f"a {turns[-1].role} turn" if turns else "no non-empty message"
     raise ChatError("not_ending_with_assistant", f"the conversation ends with {ending}; it must end with a non-empty assistant turn")
 
 
-def render(messages: Any) -> tuple[str, str]:
+def render(messages: object) -> tuple[str, str]:
     """(prompt_text, completion_text) with "</s>" spelled for EOS, for display and audits."""
     history, final = split_final(messages)
     prompt = render_text([{"role": t.role, "content": t.content} for t in history]) + GENERATION_PROMPT
@@ -209,7 +212,7 @@ def _segments_to_ids(tokenizer: Encoder, turns: Sequence[Turn], tail: str) -> li
     return ids + _encode(tokenizer, pending + tail)
 
 
-def tokenize_example(messages: Any, tokenizer: Encoder, supervision: str = "final_assistant_only") -> Example:
+def tokenize_example(messages: object, tokenizer: Encoder, supervision: str = "final_assistant_only") -> Example:
     """Prompt and completion tokenized separately and concatenated, then shifted by one.
 
     For the full sequence s = prompt + completion + [EOS]: input_ids = s[:-1] and

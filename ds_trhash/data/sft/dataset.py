@@ -114,7 +114,7 @@ def _read_json(path: Path, what: str) -> dict:
     return doc
 
 
-def _expect(actual, expected, where: str, fix: str) -> None:
+def _expect(actual: object, expected: object, where: str, fix: str) -> None:
     if actual != expected:
         raise SFTDataError(f"{where} is {actual!r}, expected {expected!r}; {fix}")
 

@@ -94,14 +94,14 @@ class StreamRecipe:
     pin_memory: bool = False  # batches assembled in pinned memory (CUDA)
 
 
-def node_share(rank: int, world: int, per_node: int, wait_s: float, chunk_rows: int) -> NodeShare:
+def node_share(rank: int, world: int, per_node: int, wait_s: float | None, chunk_rows: int) -> NodeShare:
     """This rank's part in the exchange between ``world // per_node`` nodes. Every rank creates
     every node's exchange group (the ranks with one local index), in the same order, as
     ``new_group`` requires; each carries nothing but its exchanges (a member's part may be sent
     steps after the others'). A member's exchange waits, in the background, for a node whose read
     waits out an outage within its budget (``wait_s``, one read's): the groups' timeout is that
-    budget and ten minutes more."""
-    timeout = datetime.timedelta(seconds=wait_s + 600)
+    budget and ten minutes more (without a budget: the default group timeout)."""
+    timeout = datetime.timedelta(seconds=wait_s + 600) if wait_s is not None else None
     groups = [dist.new_group(list(range(local, world, per_node)), backend="gloo", timeout=timeout)
               for local in range(per_node)]
     return NodeShare(rank // per_node, world // per_node, groups[rank % per_node], chunk_rows, budget_s=wait_s)

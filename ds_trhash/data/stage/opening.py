@@ -15,17 +15,19 @@ and closed by ``loader.close``, which the trainer calls in a ``finally``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import torch
 
 from ds_trhash.data.plans.budget import check_target_tokens, plan_steps
 from ds_trhash.data.stream.cache import CACHE_DIR_ENV, CACHE_ENV, cache_bytes_from, cache_dir_of, check_cache_place
-from ds_trhash.data.stream.corpus import check_same_bytes, moved_note, resume_commit, shared_corpus
+from ds_trhash.data.stream.corpus import Corpus, check_same_bytes, moved_note, resume_commit, shared_corpus
 from ds_trhash.data.stream.delivery import agreed_node_count
 from ds_trhash.data.stream.store import LOCAL_COMMIT
-from ds_trhash.data.embedded import build_embedded
+from ds_trhash.data.embedded import EmbeddedPaths, build_embedded
 from ds_trhash.data.plans.plan import ReplayPlan, load_plan
 from ds_trhash.data.sft.build import build_sft_dataset
 from ds_trhash.data.sft.dataset import SFTBatches, SFTDataError, open_sft, pack
@@ -38,15 +40,18 @@ from ds_trhash.data.stage.loader import DataLoader, PretrainLoader, SFTLoader, S
 from ds_trhash.ranks import barrier, ranks_on_node
 from ds_trhash.io import sha256_file
 
+T = TypeVar("T")
 
-def _rank0_first(rank: int, fn):
+
+def _rank0_first(rank: int, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 first, then on the others: shared on-disk builds (demo corpus) are
     made once and only read by the other ranks."""
-    result = fn() if rank == 0 else None
-    barrier()
-    if rank != 0:
+    if rank == 0:
         result = fn()
-    return result
+        barrier()
+        return result
+    barrier()
+    return fn()
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def embedded_root(output_dir: str | Path) -> Path:
     return Path(output_dir).resolve().parent / "embedded"
 
 
-def _embedded(req: StageRequest):
+def _embedded(req: StageRequest) -> EmbeddedPaths:
     if req.preset != "tiny":
         raise ConfigError(req.origin, "data.plan" if req.data.kind == "pretrain" else "data.sft_dir",
                           f"required for {req.model} (the embedded demo corpus is for the tiny preset only)")
@@ -115,7 +120,7 @@ def _max_steps(req: StageRequest, steps: int) -> int:
     return min(steps, req.max_steps) if req.max_steps else steps
 
 
-def exchanging_nodes(corpus, world: int, per_node: int) -> int:
+def exchanging_nodes(corpus: Corpus, world: int, per_node: int) -> int:
     """The nodes that exchange rows (``data.stream.delivery.exchange``): on several nodes reading a Hub
     store, each node fills only the shards it owns and the rows travel between nodes, one Hub
     download per shard per job; 1 from a local store (each node reads its own copy). Checked
@@ -134,7 +139,7 @@ def _cap_note(req: StageRequest, planned: int) -> tuple[str, ...]:
             "stage_complete.json and run record say it was capped",)
 
 
-def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, ...]:
+def _held_to(saved: dict | None, corpus: Corpus, read_by: str, rank: int) -> tuple[str, ...]:
     """The corpus of this launch is the one ``saved`` records (``data.stream.corpus.pinning``): the same
     bytes under every planned name, else a refusal naming a file; a note when the branch moved."""
     fix = ("point data.shards_dir (or the plan's dataset) at the corpus it read, or start a new run"
@@ -145,7 +150,7 @@ def _held_to(saved: dict | None, corpus, read_by: str, rank: int) -> tuple[str, 
     return (moved,) if moved else ()
 
 
-def _checked_plan(req: StageRequest, plan_path, target_tokens: str | None):
+def _checked_plan(req: StageRequest, plan_path: str | os.PathLike, target_tokens: str | None) -> ReplayPlan:
     """The replay plan, checked against the config: its seq_len, its vocabulary, the token target
     (the launch's ``TARGET_TOKENS`` when set, else ``data.target_tokens``)."""
     plan = load_plan(plan_path)
@@ -186,8 +191,9 @@ def _pretrain_data(req: StageRequest, shard_hashes: str, saved_source: dict | No
     data, rank, world = req.data, req.layout.rank, req.layout.world_size
     if data.plan is None:
         paths = _embedded(req)
-        plan_path = paths.refine_plan if req.stage == "refinement" else paths.pretrain_plan
-        shards_dir, tokenizer_dir = str(paths.shards_dir), paths.tokenizer_dir
+        plan_path: str | os.PathLike = paths.refine_plan if req.stage == "refinement" else paths.pretrain_plan
+        shards_dir: str | None = str(paths.shards_dir)
+        tokenizer_dir: str | os.PathLike | None = paths.tokenizer_dir
     else:
         plan_path, shards_dir, tokenizer_dir = data.plan, data.shards_dir, data.tokenizer
     plan = _checked_plan(req, plan_path, target_tokens)

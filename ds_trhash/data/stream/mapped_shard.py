@@ -21,18 +21,22 @@ class MappedShard:
         self.key, self.where, self.seq_len = key, str(path), seq_len
         self._on_release = on_release
         # a plain array over the map: indexing a memmap object costs more than reading the rows
-        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r").view(np.ndarray)
-        if len(self.tokens) < seq_len + 1 or (len(self.tokens) - 1) % seq_len:
-            count = len(self.tokens)
+        tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r").view(np.ndarray)
+        self.tokens: Optional[np.ndarray] = tokens
+        if len(tokens) < seq_len + 1 or (len(tokens) - 1) % seq_len:
+            count = len(tokens)
+            del tokens
             self.release()
             raise ShardError(f"{path} holds {count} tokens, not rows·{seq_len}+1; wrong seq_len or damaged shard")
-        self.rows = (len(self.tokens) - 1) // seq_len
-        self.size = int(self.tokens.nbytes)
+        self.rows = (len(tokens) - 1) // seq_len
+        self.size = int(tokens.nbytes)
 
     def read_into(self, out: np.ndarray, positions: Sequence[int], rows: Sequence[int]) -> None:
         """``out[positions[i]]`` = the window of row ``rows[i]`` (int64, seq_len + 1 tokens); a
         slice per row (a micro-batch takes a few rows of each shard: faster than one gather)."""
         tokens, length = self.tokens, self.seq_len
+        if tokens is None:
+            raise ShardError(f"{self.where} was read after its release")
         for position, row in zip(positions, rows):
             if not 0 <= row < self.rows:
                 raise ShardError(f"row {row} is outside {self.where}, which has {self.rows} rows")

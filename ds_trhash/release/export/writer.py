@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from ds_trhash import outputs
-from ds_trhash.checkpoints import MANIFEST, CheckpointError, load_merged_weights, read_trainer_state
+from ds_trhash.checkpoints import MANIFEST, CheckpointError, read_trainer_state
 from ds_trhash.checkpoints.stages import Stage, StageError
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.data.sft.chat import CHAT_TEMPLATE_JINJA
 from ds_trhash.io import fsync_path, publish_dir, sha256_file, write_json
 from ds_trhash.release.export.manifest import (CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, RUN, TOKENIZER, WEIGHTS,

@@ -8,6 +8,8 @@ config from an export exactly. Written against the transformers 5 and 4.5x APIs 
 """
 from __future__ import annotations
 
+from typing import Any
+
 try:  # transformers 5 spells it PreTrainedConfig; 4.x only PretrainedConfig
     from transformers import PreTrainedConfig as _BaseConfig
 except ImportError:  # pragma: no cover - transformers 4.x
@@ -54,7 +56,7 @@ class TRHashConfig(_BaseConfig):
         bos_token_id: int = 2,
         eos_token_id: int = 0,
         pad_token_id: int = 1,
-        **kwargs,
+        **kwargs: Any,  # Any: any PreTrainedConfig keyword, passed on
     ) -> None:
         if attention_type != "gqa":
             raise ValueError(f"tr_hash_moe supports attention_type 'gqa' only, got {attention_type!r}")
@@ -106,7 +108,7 @@ class TRHashConfig(_BaseConfig):
         kwargs.setdefault("architectures", ["TRHashForCausalLM"])
         super().__init__(tie_word_embeddings=True, use_cache=use_cache, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, is_decoder=True,
-                         is_encoder_decoder=False, **kwargs)
+                         is_encoder_decoder=False, **kwargs)  # type: ignore[call-arg]  # keywords of transformers 4.5x; 5.x stores them from **kwargs
         self.use_cache = bool(use_cache)  # transformers 5 no longer stores every keyword itself
         self.tie_word_embeddings = True
 

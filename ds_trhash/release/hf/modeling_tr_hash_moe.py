@@ -21,6 +21,8 @@ are derived from ``attention_mask``, so left-padded batches generate correctly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 import os
 import shutil
 
@@ -60,10 +62,12 @@ class TRHashRotaryEmbedding(nn.Module):
         self.head_dim, self.theta = config.head_dim, config.rope_theta
         self.register_buffer("inv_freq", rope_inv_freq(self.head_dim, self.theta), persistent=True)
 
-    def _apply(self, fn, *args, **kwargs):
+    inv_freq: torch.Tensor  # a registered buffer
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TRHashRotaryEmbedding:
         """model.to(bfloat16) / .half() move the frequencies but keep them fp32."""
         kept = self.inv_freq
-        super()._apply(fn, *args, **kwargs)
+        super()._apply(fn, recurse)
         if kept.dtype == torch.float32 and self.inv_freq.dtype != torch.float32 and not kept.is_meta:
             self.inv_freq = kept.to(self.inv_freq.device)
         return self
@@ -99,7 +103,7 @@ class TRHashAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=False)
         self.v_proj = nn.Linear(hidden, kv_width, bias=False)
         self.o_proj = nn.Linear(q_width, hidden, bias=False)
-        self.o_proj.residual_output = True  # depth-scaled init
+        setattr(self.o_proj, "residual_output", True)  # depth-scaled init
         self.q_norm = TRHashRMSNorm(self.head_dim, config.norm_eps)
         self.k_norm = TRHashRMSNorm(self.head_dim, config.norm_eps)
         self.rotary_emb = TRHashRotaryEmbedding(config)
@@ -125,6 +129,10 @@ class TRHashAttention(nn.Module):
 class TRHashMoEEngine(nn.Module):
     """Shared SwiGLU expert plus the two routed experts each token's id selects."""
 
+    route_table: torch.Tensor  # the registered buffers
+    fused_route_codes: torch.Tensor
+    fused_expert_pairs: torch.Tensor
+
     def __init__(self, config: TRHashConfig) -> None:
         super().__init__()
         e, h, w = config.num_experts, config.hidden_size, config.expert_width
@@ -137,7 +145,7 @@ class TRHashMoEEngine(nn.Module):
         self.shared_gate = nn.Linear(h, config.shared_intermediate_size, bias=False)
         self.shared_up = nn.Linear(h, config.shared_intermediate_size, bias=False)
         self.shared_down = nn.Linear(config.shared_intermediate_size, h, bias=False)
-        self.shared_down.residual_output = True
+        setattr(self.shared_down, "residual_output", True)
         # Zeros until the checkpoint supplies them: routing is never computed here.
         self.register_buffer("route_table", torch.zeros(2, config.vocab_size, dtype=torch.int64))
         self.register_buffer("fused_route_codes", torch.zeros(config.vocab_size, dtype=torch.uint8))
@@ -186,7 +194,8 @@ class TRHashDecoderLayer(nn.Module):
         self.post_attention_layernorm = TRHashRMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = TRHashMLP(config)
 
-    def forward(self, x, token_ids, position_ids, mask, cache):
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                cache: Cache | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position_ids, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x), token_ids)
 
@@ -204,7 +213,7 @@ def attention_mask_4d(attention_mask: torch.Tensor | None, batch: int, q_len: in
     q_pos = torch.arange(past, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
     allowed = (k_pos <= q_pos)[None, None]  # [1, 1, q, k]
-    if padded:
+    if attention_mask is not None and padded:
         allowed = (allowed & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)
     return allowed.expand(batch, 1, q_len, k_len)
 
@@ -252,33 +261,33 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = cast(nn.Embedding, value)
 
-    def get_output_embeddings(self):
+    def get_output_embeddings(self) -> None:
         return None  # the head is embed_tokens itself; there is no separate module to tie
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:  # Any: transformers'
         """transformers' save, plus this model's two code files where a release (4.5x) would not
         copy them, so that the saved directory loads with trust_remote_code like the export."""
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             here = os.path.dirname(os.path.abspath(__file__))
             for name in ("configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py"):
                 if not os.path.exists(os.path.join(save_directory, name)):
                     shutil.copyfile(os.path.join(here, name), os.path.join(save_directory, name))
-        return result
 
     def _check_routes(self) -> None:
         """Validate the route tables once per loaded version (not on every decoding step)."""
-        tables = [layer.mlp.engine.route_table for layer in self.layers]
-        key = tuple((t.data_ptr(), t._version) for t in tables)
+        engines = [cast(TRHashDecoderLayer, layer).mlp.engine for layer in self.layers]
+        key = tuple((e.route_table.data_ptr(), e.route_table._version) for e in engines)
         if key != self._checked_routes:
-            for i, layer in enumerate(self.layers):
-                layer.mlp.engine.check_routes(i)
+            for i, engine in enumerate(engines):
+                engine.check_routes(i)
             self._checked_routes = key
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=True, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      use_cache: bool = True, **kwargs: object) -> dict[str, object]:
         """Feed only the tokens the cache has not seen; positions come from attention_mask."""
         name = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(name)
@@ -288,13 +297,14 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
             inputs["logits_to_keep"] = kwargs["logits_to_keep"]
         return inputs
 
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+                return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs: object) -> CausalLMOutputWithPast | tuple:
         if kwargs.get("cache") is not None:
-            past_key_values = kwargs["cache"]
+            past_key_values = cast(Cache, kwargs["cache"])
         if kwargs.get("output_attentions"):
             raise ValueError("TR-HASH attention runs through scaled_dot_product_attention; attention weights "
                              "are not returned (output_attentions is not supported)")
@@ -335,7 +345,7 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=tuple(hidden) if hidden is not None else None,
-                                     **{_CACHE_FIELD: past_key_values if use_cache else None})
+                                     **{_CACHE_FIELD: past_key_values if use_cache else None})  # type: ignore[arg-type]  # the cache field's name depends on the transformers version
         if return_dict is False:
             return out.to_tuple()
         return out

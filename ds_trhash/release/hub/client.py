@@ -10,21 +10,25 @@ chain (docs/contracts.md §9).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ds_trhash import hub_access
 from ds_trhash.errors import UserError
 from ds_trhash.hub_access import TOKEN_ENV, redact
 
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
 __all__ = ["TOKEN_ENV", "Log", "SyncError", "call_hub", "check_repo_id", "make_api", "probe_hub", "redact"]
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 class SyncError(UserError, RuntimeError):
     """A sync that did not complete; ``report`` says what was done before it stopped."""
 
-    def __init__(self, message: str, report: Any = None):  # report: release.hub.sync.SyncReport
+    def __init__(self, message: str, report: object = None) -> None:  # report: release.hub.sync.SyncReport
         super().__init__(redact(message))
         self.report = report
 
@@ -38,13 +42,13 @@ def check_repo_id(repo_id: str) -> None:
     hub_access.check_repo_id(repo_id, "--repo-id", SyncError)
 
 
-def make_api(*, require_token: bool = True) -> Any:
+def make_api(*, require_token: bool = True) -> HfApi:
     """An ``HfApi`` authenticated by ``HF_TOKEN`` only (anonymous, never a token file, without it
     unless a token is required)."""
     return hub_access.make_api(SyncError, require_token=require_token, what="sync")
 
 
-def call_hub(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_hub(what: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
     """``fn(*args, **kwargs)``; any failure but a ``SyncError`` becomes one that says ``what`` failed."""
     try:
         return fn(*args, **kwargs)
@@ -54,7 +58,7 @@ def call_hub(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         raise SyncError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
 
-def probe_hub(api: Any, repo_id: str, repo_type: str | None, revision: str | None = None,
+def probe_hub(api: HfApi, repo_id: str, repo_type: str | None, revision: str | None = None,
               timeout: float = 10.0) -> None:
     """One request without retries, before a dry run reads the listings (which retry for about
     half a minute): an endpoint that does not answer fails the dry run at once, saying so; a

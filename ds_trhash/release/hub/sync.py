@@ -34,15 +34,18 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_trhash.checkpoints.sync_guard import read_verified, update_verified
 from ds_trhash.io import remove_dir
 from ds_trhash.release.hub.client import (TOKEN_ENV, Log, SyncError, call_hub, check_repo_id, make_api, probe_hub,
                                           redact)
 from ds_trhash.release.hub.lock import discover_lock_dir, mark_verified, recorded_as_verified, sync_lock
-from ds_trhash.release.hub.units import (Unit, check_prefix, discover, git_blob_sha1, prune_candidates,
+from ds_trhash.release.hub.units import (Unit, _Plan, check_prefix, discover, git_blob_sha1, prune_candidates,
                                          remote_differences, remote_files, stale_remote_files)
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 __all__ = ["TOKEN_ENV", "SyncError", "SyncReport", "Unit", "check_prefix", "check_repo_id", "discover",
            "discover_lock_dir", "git_blob_sha1", "make_api", "probe_hub", "recorded_as_verified", "redact",
@@ -67,7 +70,7 @@ class SyncReport:
         return asdict(self)
 
 
-def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str | None,
+def _upload(api: HfApi, repo_id: str, unit: Unit, stale: list[str], repo_type: str | None,
             revision: str | None) -> None:
     """One commit per unit: its files (the client skips those already identical on the Hub) and
     the deletion of stale files in its folder, so the remote folder equals the manifest."""
@@ -84,7 +87,7 @@ def _upload(api: Any, repo_id: str, unit: Unit, stale: list[str], repo_type: str
 class _Pass:
     """One sync pass: where it writes, what it reports, how it speaks."""
 
-    api: Any
+    api: HfApi
     repo_id: str
     repo_type: str | None
     revision: str | None
@@ -97,7 +100,7 @@ class _Pass:
 def sync(
     local_dir: str | os.PathLike,
     repo_id: str,
-    api: Any,
+    api: HfApi,
     *,
     prune_local: bool = False,
     keep_last: int = 1,
@@ -144,7 +147,7 @@ def sync(
     return one.report
 
 
-def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: bool):
+def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: bool) -> _Plan:
     """The units under ``root`` (those an earlier pass verified left out when ``incremental``)."""
     records = read_verified(one.lock_dir) if incremental else {}
     plan = discover(root, (lambda name, manifest: recorded_as_verified(records, name, manifest, one.repo_id, prefix))
@@ -163,7 +166,7 @@ def _units(one: _Pass, root: Path, prefix: str, incremental: bool, prune_local: 
     return plan
 
 
-def _open_repo(one: _Pass, plan) -> None:
+def _open_repo(one: _Pass, plan: _Plan) -> None:
     """Create the repository (private) before an upload; a dry run only proves it can read it."""
     if not plan.units:
         return
@@ -203,7 +206,7 @@ def _sync_unit(one: _Pass, unit: Unit) -> bool:
     return True
 
 
-def _prune(one: _Pass, plan, verified: set[str], keep_last: int) -> None:
+def _prune(one: _Pass, plan: _Plan, verified: set[str], keep_last: int) -> None:
     """Delete verified local checkpoints beyond the newest ``keep_last`` (a dry run says which)."""
     assume = verified | set(one.report.would_upload) if one.dry_run else verified
     prune, keep = prune_candidates(plan, assume, keep_last)

@@ -16,13 +16,16 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_trhash.checkpoints import CHECKPOINTS, ENGINE_TAG, MANIFEST, TRAINER_STATE, list_checkpoints, verify
 from ds_trhash.io import sha256_file
 from ds_trhash.release.export.manifest import (EXPORT_MANIFEST, WEIGHTS, export_files, read_export_manifest,
                                                verify_export)
 from ds_trhash.release.hub.client import SyncError, call_hub
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 
 @dataclass
@@ -184,7 +187,7 @@ def git_blob_sha1(path: Path) -> str:
     return digest.hexdigest()
 
 
-def remote_files(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
+def remote_files(api: HfApi, repo_id: str, unit: Unit, *, repo_type: str | None = None,
                  revision: str | None = None) -> dict[str, Any]:
     """Every file the Hub holds under the unit's folder (the whole repository for a root unit),
     by repository path, with its size and hashes; empty when the folder does not exist."""
@@ -211,7 +214,7 @@ def stale_remote_files(unit: Unit, remote: Mapping[str, Any]) -> list[str]:
     return sorted(path for path in remote if path not in wanted)
 
 
-def remote_differences(api: Any, repo_id: str, unit: Unit, *, repo_type: str | None = None,
+def remote_differences(api: HfApi, repo_id: str, unit: Unit, *, repo_type: str | None = None,
                        revision: str | None = None, remote: Mapping[str, Any] | None = None) -> list[str]:
     """One line per file of ``unit`` that is missing on the Hub or differs from the local file,
     and per stale file in the unit's folder."""

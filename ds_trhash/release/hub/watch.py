@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_trhash import hub_access
 from ds_trhash.checkpoints import CHECKPOINTS, MANIFEST, list_checkpoints
@@ -43,11 +43,15 @@ from ds_trhash.release.hub.sync import SyncError
 from ds_trhash.release.lifecycle.cleanup import CleanupRefused, cleanup
 from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR, read_completion
 
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
 Log = Callable[[str], None]
 RUN_MARKERS = ("config.json", CHECKPOINTS, RUN_LOCK, COMPLETE_FILE, FINAL_DIR)
 _PR_SET_PDEATHSIG = 1
 
 
+_PRCTL: Callable[..., int] | None
 try:  # looked up once here: between fork and exec the child only calls it (no loading, no allocation)
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):
@@ -76,7 +80,7 @@ def check_args(run_dir: str | os.PathLike, repo_id: str, prefix: str, every: flo
     return hub.check_prefix(prefix)
 
 
-def check_repo(api: Any, repo_id: str, repo_type: str | None, revision: str | None, create: bool) -> str | None:
+def check_repo(api: HfApi, repo_id: str, repo_type: str | None, revision: str | None, create: bool) -> str | None:
     """The repository must exist (or be created with ``create``): a typo in --repo is refused
     before the run is waited for, instead of creating a stray repository. A Hub that does not
     answer is not a refusal (the passes retry): the warning is returned."""

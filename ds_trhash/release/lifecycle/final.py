@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ds_trhash.checkpoints import MANIFEST, capped_by, list_checkpoints, verify
 from ds_trhash.checkpoints.run_source import COMPLETE_FILE, COMPLETE_FORMAT, FINAL_DIR, read_completion
@@ -37,7 +37,27 @@ __all__ = ["COMPLETE_FILE", "COMPLETE_FORMAT", "FINAL_DIR", "export_final_enable
 Log = Callable[[str], None]
 
 
-def export_final_enabled(cfg: Any) -> bool:
+class EndSettings(Protocol):
+    """The ``training`` section's end-of-stage settings (release cannot import training's config)."""
+
+    @property
+    def export_final(self) -> bool | None: ...
+
+    @property
+    def cleanup_after_success(self) -> str: ...
+
+
+class StageSettings(Protocol):
+    """What the end of a stage reads of the launch's TrainConfig."""
+
+    @property
+    def stage(self) -> str: ...
+
+    @property
+    def training(self) -> EndSettings: ...
+
+
+def export_final_enabled(cfg: StageSettings) -> bool:
     """``training.export_final``; unset means on, for every stage (SFT too: ``final/`` beside
     ``best/``, so a finished run folder always holds a verified export with its tokenizer)."""
     return cfg.training.export_final is not False

@@ -24,7 +24,7 @@ from ds_trhash.checkpoints import read_trainer_state
 from ds_trhash.release.export.manifest import EXPORT_MANIFEST
 from ds_trhash.release.export.writer import export_checkpoint
 from ds_trhash.release.lifecycle.cleanup import CleanupRefused, cleanup
-from ds_trhash.release.lifecycle.final import (FINAL_DIR, Log, export_final_enabled, final_checkpoint, final_status,
+from ds_trhash.release.lifecycle.final import (FINAL_DIR, Log, StageSettings, export_final_enabled, final_checkpoint, final_status,
                                                write_completion)
 
 
@@ -54,7 +54,7 @@ def write_final(output_dir: str | os.PathLike, source: Path, log: Log = print) -
     return manifest
 
 
-def finish_stage(cfg: Any, output_dir: Path, step: int, total_steps: int, log: Callable[[str], None]) -> None:
+def finish_stage(cfg: StageSettings, output_dir: Path, step: int, total_steps: int, log: Callable[[str], None]) -> None:
     """``final/`` (when ``training.export_final``), then ``stage_complete.json``, then cleanup.
     ``cfg``: the launch's TrainConfig (stage, data.kind, training.*)."""
     source = final_checkpoint(output_dir, step)

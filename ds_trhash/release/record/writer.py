@@ -113,7 +113,7 @@ class _Fields:
         self.fields: dict[str, Any] = {}
         self.prov: dict[str, str] = {}
 
-    def put(self, name: str, value: Any, source: str | None) -> None:
+    def put(self, name: str, value: object, source: str | None) -> None:
         if value is not None:
             self.fields[name], self.prov[name] = value, source or "run files"
 
@@ -152,9 +152,9 @@ def _checkpoint_entries(run: Path, rows: list[dict[str, str]],
     return checkpoints, states
 
 
-def _effective_batch(crit: Mapping[str, Any], world: Any) -> dict[str, Any] | None:
+def _effective_batch(crit: Mapping[str, Any], world: int | None) -> dict[str, Any] | None:
     micro, accum = crit.get("batch.micro_batch"), crit.get("batch.grad_accum")
-    if None in (micro, accum, world):
+    if micro is None or accum is None or world is None:
         return None
     seq_len = crit.get("data.seq_len")
     return {"sequences": step_rows(micro, accum, world), "micro_batch": micro, "grad_accum": accum,
@@ -241,16 +241,17 @@ def collect_run_fields(run_dir: str | os.PathLike, *, export_dir: str | os.PathL
 
 
 def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: str | os.PathLike | None = None,
-                     **fields: Any) -> dict[str, Any]:
+                     **fields: object) -> dict[str, Any]:
     """The record document; explicit ``fields`` override what is read from ``run_dir``."""
     unknown_names = sorted(set(fields) - set(RECORD_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown_names:
         raise RecordError(f"unknown run record fields {unknown_names}; allowed: {list(RECORD_FIELDS)}")
-    collected, prov = ({}, {})
+    collected: dict[str, Any] = {}
+    prov: dict[str, str] = {}
     if run_dir is not None:
+        rule = fields.get("selection_rule")
         collected, prov = collect_run_fields(run_dir, export_dir=export_dir,
-                                             selection_rule=fields.get("selection_rule")
-                                             if fields.get("selection_rule") in SELECTION_RULES else None)
+                                             selection_rule=rule if isinstance(rule, str) and rule in SELECTION_RULES else None)
     for name, value in fields.items():
         if value is not None:
             collected[name], prov[name] = value, "given"
@@ -262,7 +263,9 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
             prov["framework_commit"] = "git rev-parse HEAD where the record was written (the run recorded none)"
             limitations.append("framework commit is the checkout that wrote this record; the run did not record one")
     if "hardware" not in collected:
-        collected["hardware"] = ckpt.describe_hardware()  # loads torch, only for a run that recorded none
+        from ds_trhash.checkpoints.hardware import describe_hardware  # loads torch: only for a run that recorded none
+
+        collected["hardware"] = describe_hardware()
         prov["hardware"] = "detected on the machine that wrote this record (the run recorded none)"
         limitations.append("hardware was detected where this record was written, not recorded by the run")
     schedule = collected.get("optimizer_schedule")
@@ -283,7 +286,7 @@ def build_run_record(*, run_dir: str | os.PathLike | None = None, export_dir: st
 
 
 def render_markdown(doc: Mapping[str, Any]) -> str:
-    def show(value: Any) -> str:
+    def show(value: object) -> str:
         if value is None:
             return "**unknown**"
         if isinstance(value, (dict, list)):
@@ -322,15 +325,15 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _selected_name(selected: Any) -> str | None:
+def _selected_name(selected: object) -> str | None:
     """``selected_checkpoint`` is a name (computed or given) or the run's selection.json entry."""
     if isinstance(selected, Mapping):
         return Path(str(selected.get("checkpoint", ""))).name or None
-    return selected
+    return None if selected is None else str(selected)
 
 
 def write_run_record(path: str | os.PathLike, *, run_dir: str | os.PathLike | None = None,
-                     export_dir: str | os.PathLike | None = None, **fields: Any) -> dict[str, Any]:
+                     export_dir: str | os.PathLike | None = None, **fields: object) -> dict[str, Any]:
     """Write ``path`` (JSON) and ``run_record.md`` beside it; return the record."""
     doc = build_run_record(run_dir=run_dir, export_dir=export_dir, **fields)
     out = Path(path)

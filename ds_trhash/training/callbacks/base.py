@@ -23,16 +23,16 @@ argument, sent to every callback of the launch through ``RunContext`` (``evaluat
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from ds_trhash.engine_api import DeepSpeedEngine
 from ds_trhash.training.throughput import SteadyRate
 
 if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
     import torch
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
     from ds_trhash.data.stage import DataLoader, SFTBatches
     from ds_trhash.model.config import TRHashConfig
@@ -44,6 +44,9 @@ if TYPE_CHECKING:  # type names only: these import much more (and none of them i
     from ds_trhash.training.records.monitor import MonitorSink
 
 Builder = Callable[["RunContext"], Optional["Callback"]]
+
+# one step's metrics as the loop hands them to the callbacks (loss, lr, tokens, ...: numbers, mostly)
+Metrics = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class TrainState:
     stop_requested: bool = False
     stop_reason: str | None = None  # why the run stopped early (signal, launcher gone), for the exit line
     stop_requeue: bool = False  # stopped on the scheduler's time-limit warning: exit EXIT_REQUEUE
-    last: dict = field(default_factory=dict)  # metrics of the last step
+    last: Metrics = field(default_factory=dict)  # metrics of the last step
     step_seconds: float = 0.0  # wall time of the steps this launch trained (not saved)
     steps_timed: int = 0
     # the launch's steady tokens/s (not saved); ``pauses``: why this step's callbacks paused
@@ -155,15 +158,20 @@ class StopQuestion(Protocol):
     """What the stop callback asks once per step (``callbacks.stop.StopAgreement``; named by
     its shape so that this module does not import the callbacks that import it)."""
 
+    @property
+    def requeue(self) -> bool: ...
+
     def __call__(self, next_step: int | None = None) -> bool: ...
 
-    def wait_for_data(self, step: int) -> None: ...
+    def wait_for_data(self, step: int) -> bool: ...
 
     def describe(self) -> str: ...
 
 
 class FaultPoints(Protocol):
     """Where a deliberate crash may happen (``callbacks.faults.FaultInjection``, by its shape)."""
+
+    def due(self, kind: str, step: int) -> bool: ...
 
     def maybe_kill(self, kind: str, step: int) -> None: ...
 
@@ -204,7 +212,7 @@ class Callback:
 
     def on_start(self, state: TrainState) -> None: ...
 
-    def on_step_end(self, state: TrainState, metrics: dict) -> None: ...
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None: ...
 
     def on_epoch_end(self, state: TrainState) -> None: ...
 

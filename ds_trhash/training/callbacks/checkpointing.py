@@ -2,9 +2,12 @@
 stop signal and at the end of the stage; old ones rotated away."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ds_trhash import checkpoints as ckpt
-from ds_trhash.checkpoints.background import BackgroundSaver, Finished
-from ds_trhash.training.callbacks.base import Callback, EvalResult, RunContext, StepEvaluation, TrainState, is_epoch_end
+from ds_trhash.checkpoints.background import BackgroundSaver, Finished, PendingFile
+from ds_trhash.training.callbacks.base import (Callback, EvalResult, Metrics, RunContext, StepEvaluation, TrainState,
+                                              is_epoch_end)
 from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
 
@@ -47,7 +50,7 @@ class CheckpointCallback(Callback):
         if self.run.faults is not None:  # the crash-safety tests: killed mid-write, in the thread
             self.run.faults.maybe_kill("kill_during_save", step)
 
-    def save(self, state, reason: str, extra: dict | None = None, *, wait: bool = False):
+    def save(self, state: TrainState, reason: str, extra: dict | None = None, *, wait: bool = False) -> None:
         if state.step == self.last_saved:
             return
         state.pause("checkpoint")  # this step's interval stays out of the steady tokens/s
@@ -55,7 +58,7 @@ class CheckpointCallback(Callback):
         self.wait()  # one save at a time; the finished one is rotated before the next starts
         run.before_save(state)  # e.g. the expert load counted so far goes to its file first
 
-        def capture(tmp):
+        def capture(tmp: Path) -> list[PendingFile]:
             run.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
             return self.capture.take() if self.capture is not None else []
 
@@ -90,11 +93,11 @@ class CheckpointCallback(Callback):
     def _trained_with(self) -> dict:
         return {"backends_used": self.kernel_path} if self.kernel_path is not None else {}
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step > 0:  # a resume starts from a complete checkpoint of this step: never saved again
             self.last_saved = state.step
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         self._finished(self.saver.poll())  # a background failure surfaces here, at the next step
         self.kernel_path = self.run.model.backends_used()  # the training step's forward was the last one
         if is_epoch_end(self.run.loader, state.step):
@@ -106,7 +109,7 @@ class CheckpointCallback(Callback):
     def on_evaluated(self, state: TrainState, result: EvalResult) -> None:
         self.evaluations.setdefault(result.step, StepEvaluation()).add(result)
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         self.protect.add(state.step)
         measured = self.evaluations.pop(state.step, StepEvaluation())
         self.save(state, f"end of epoch {state.epochs_done}",
@@ -114,11 +117,11 @@ class CheckpointCallback(Callback):
                    "piqa": measured.piqa.record() if measured.piqa else None,
                    "train_loss": state.last.get("loss") if state.last else None}, wait=True)
 
-    def on_end(self, state):
+    def on_end(self, state: TrainState) -> None:
         if state.step == state.total_steps:
             self.save(state, "final")
         self.wait()
 
-    def close(self):
+    def close(self) -> None:
         """Every way out of the stage (an error too) lets the save in flight finish."""
         self.wait()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, FaultPoints, Metrics, RunContext, TrainState
 
 FAULT_ENV = "DS_TRHASH_FAULT"
 
@@ -54,14 +54,14 @@ class FaultInjection:
 class FaultCallback(Callback):
     """``kill_after_step``: the kill right after the step, before any other callback saves it."""
 
-    def __init__(self, faults: FaultInjection, run: RunContext | None = None):
+    def __init__(self, faults: FaultPoints, run: RunContext | None = None) -> None:
         self.faults, self.run = faults, run
 
     @classmethod
     def from_run(cls, run: RunContext) -> "FaultCallback":
         return cls(run.faults if run.faults is not None else FaultInjection(None), run)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.faults.due("kill_after_step", state.step) and self.run is not None:
             self.run.flush()  # earlier steps' checkpoints complete: the crash comes after them
         self.faults.maybe_kill("kill_after_step", state.step)

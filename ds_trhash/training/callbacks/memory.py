@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ds_trhash.training.callbacks.base import Callback, RunContext, TrainState, UpdateCheck
 from ds_trhash.training.memory.record import MICRO_BATCH_FILE, record_change
 from ds_trhash.training.memory.step import OutOfMemoryExit
@@ -23,7 +25,7 @@ class MicroBatchCallback(Callback):
 
     def __init__(self, run: RunContext):
         self.run = run
-        self._mark = None
+        self._mark: torch.Tensor | None = None  # the expert-load counts at the step's start
 
     @classmethod
     def from_run(cls, run: RunContext) -> "MicroBatchCallback":
@@ -36,7 +38,7 @@ class MicroBatchCallback(Callback):
     def on_start(self, state: TrainState) -> None:
         self._mark_step_start()
 
-    def on_step_end(self, state: TrainState, metrics) -> None:
+    def on_step_end(self, state: TrainState, metrics: object) -> None:
         self._mark_step_start()
 
     def on_retry(self, state: TrainState, check: UpdateCheck, micro_batch: int) -> None:
@@ -48,7 +50,7 @@ class MicroBatchCallback(Callback):
                 f"abandoned the step and trains it again on the same rows at micro-batch {micro_batch}, "
                 f"grad_accum {grad_accum} (the global batch unchanged); this size holds from now on")
         if self.run.rank == 0:
-            record_change(self.run.output_dir, step=check.step, rank=check.failed_rank, old=check.micro_batch,
+            record_change(self.run.output_dir, step=check.step, rank=check.failed_rank or 0, old=check.micro_batch,
                           new=micro_batch, grad_accum=grad_accum, how="in place")
             self.run.progress.message(line)
         if self.run.monitor is not None:  # TensorBoard / W&B / CSV monitors, when configured (rank 0 writes)

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import host_all_reduce
 from ds_trhash.training.callbacks.base import GO_ON, SKIP_UPDATE, Callback, RunContext, TrainState, UpdateCheck
+from ds_trhash.training.config import TrainConfig
 
 NONE = -1  # no non-finite step seen (on the device)
 UNSEEN = 2**62  # the same, as agreed over the ranks (the smallest bad step wins)
@@ -40,7 +42,7 @@ class NonFiniteError(UserError, RuntimeError):
     exit_code = 1
 
 
-def is_finite(loss: torch.Tensor, grad_norm) -> bool:
+def is_finite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> bool:
     """A host decision (reads the device): both values finite."""
     ok = bool(torch.isfinite(loss).all())
     if isinstance(grad_norm, torch.Tensor):
@@ -66,7 +68,7 @@ class NonFiniteGuard(Callback):
         self.in_row = 0
 
     @classmethod
-    def from_config(cls, cfg, log: Callable[[str], None]) -> "NonFiniteGuard":
+    def from_config(cls, cfg: TrainConfig, log: Callable[[str], None]) -> "NonFiniteGuard":
         """The guard of a launch: ``training.nonfinite*``, checked at every ``training.log_every``."""
         return cls(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
                    log=log, check_grad_norm=cfg.precision != "fp16")
@@ -90,7 +92,7 @@ class NonFiniteGuard(Callback):
             return GO_ON
         return GO_ON if is_finite(check.loss, check.grad_norm()) else SKIP_UPDATE
 
-    def on_step_end(self, state: TrainState, metrics) -> None:
+    def on_step_end(self, state: TrainState, metrics: Any) -> None:  # the loop's StepMetrics
         """First of the step's callbacks: a skipped step counted (skip_step), or the step's values
         remembered on the device and, at a check step, read with the loss and agreed (stop)."""
         if self.skips:
@@ -102,7 +104,7 @@ class NonFiniteGuard(Callback):
             metrics["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
             self.check(metrics.first_nonfinite)  # before any callback could save this step
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm) -> None:
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> None:
         """Device ops only: remember ``step`` if it is the first non-finite one."""
         bad = ~torch.isfinite(loss.detach()).all()
         if not self.check_grad_norm:
@@ -118,7 +120,7 @@ class NonFiniteGuard(Callback):
     def due(self, step: int, total_steps: int) -> bool:
         return self.check_every is not None and (step % self.check_every == 0 or step == total_steps)
 
-    def before_save(self, state=None) -> None:
+    def before_save(self, state: TrainState | None = None) -> None:
         """The hook every checkpoint save runs first (all ranks): never save diverged weights."""
         self.check()
 

@@ -12,10 +12,14 @@ stops it in ``close``, which writes what was recorded.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Builder, Callback, Metrics, RunContext, TrainState
+
+if TYPE_CHECKING:
+    from ds_trhash.training.config import TrainConfig
 
 PROFILE_DIR = "profile"
 
@@ -23,7 +27,8 @@ PROFILE_DIR = "profile"
 class ProfileCallback(Callback):
     run_files = (PROFILE_DIR,)
 
-    def __init__(self, first: int, last: int, out_dir: Path, rank: int, device: torch.device, message=print):
+    def __init__(self, first: int, last: int, out_dir: Path, rank: int, device: torch.device,
+                 message: Callable[[str], None] = print) -> None:
         self.first, self.last = first, last
         self.out_dir, self.rank, self.device, self.message = Path(out_dir), rank, torch.device(device), message
         self.prof: torch.profiler.profile | None = None
@@ -31,15 +36,18 @@ class ProfileCallback(Callback):
         self.seen: int | None = None  # the last step the profiler ran through
 
     @classmethod
-    def prepare(cls, cfg):
+    def prepare(cls, cfg: TrainConfig) -> Builder | None:
         return cls.from_run if cfg.profile.steps is not None else None
 
     @classmethod
     def from_run(cls, run: RunContext) -> "ProfileCallback":
-        first, last = run.cfg.profile.steps
+        steps = run.cfg.profile.steps
+        if steps is None:  # prepare builds this callback only for a profiled window
+            raise RuntimeError("profile.steps is not set")
+        first, last = steps
         return cls(first, last, run.output_dir / PROFILE_DIR, run.rank, run.device, run.progress.message)
 
-    def _action(self, step: int):
+    def _action(self, step: int) -> torch.profiler.ProfilerAction:
         """What the profiler does during optimizer step ``step`` (torch.profiler's schedule)."""
         action = torch.profiler.ProfilerAction
         if step == self.first - 1:
@@ -48,7 +56,7 @@ class ProfileCallback(Callback):
             return action.RECORD
         return action.RECORD_AND_SAVE if step == self.last else action.NONE
 
-    def _written(self, prof) -> None:
+    def _written(self, prof: torch.profiler.profile) -> None:
         before = set(self.out_dir.glob(f"rank{self.rank}.*.pt.trace.json"))
         torch.profiler.tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}")(prof)
         self.written = sorted(set(self.out_dir.glob(f"rank{self.rank}.*.pt.trace.json")) - before)
@@ -56,7 +64,7 @@ class ProfileCallback(Callback):
             self.message(f"profile of steps {self.first}-{self.seen}: {self.written[0]} (one per rank; open "
                          f"with `tensorboard --logdir {self.out_dir}` or ui.perfetto.dev)")
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if state.step >= self.last:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -68,7 +76,7 @@ class ProfileCallback(Callback):
         self.prof.step_num = state.step + 1  # the step about to run: ProfilerStep#n is optimizer step n
         self.prof.start()
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.prof is None:
             return
         if state.step >= self.first - 1:
@@ -84,9 +92,10 @@ class ProfileCallback(Callback):
 
     def _stop(self) -> None:
         prof, self.prof = self.prof, None
-        prof.stop()
+        if prof is not None:
+            prof.stop()
 
-    def close(self):
+    def close(self) -> None:
         """A stage that failed inside the window: the trace of what was recorded."""
         if self.prof is not None:
             self._stop()

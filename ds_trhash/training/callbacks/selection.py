@@ -44,7 +44,7 @@ class SelectionCallback(Callback):
     def from_run(cls, run: RunContext) -> "SelectionCallback | None":
         return cls(run) if run.cfg.data.kind == "sft" else None
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         """A resumed run keeps the candidates of the epochs it already finished. Resumed at an
         epoch-end checkpoint whose candidate is missing (the run stopped between saving it and
         publishing ``best/``), it adds that candidate from the checkpoint's own record and publishes."""
@@ -70,7 +70,7 @@ class SelectionCallback(Callback):
     def on_checkpoint_saved(self, step: int, path: Path) -> None:
         self.checkpoints[step] = path
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: TrainState) -> None:
         run = self.run
         checkpoint = self.checkpoints.get(state.step)
         measured = self.evaluations.pop(state.step, StepEvaluation())

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ds_trhash.training.callbacks.base import Callback, RunContext
+from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, StopQuestion, TrainState
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
@@ -179,7 +179,7 @@ class StopAgreement:
                 if step is not None:
                     self.data.agreed(step, found[2], found[3])
                 return False
-            if ready[0]:  # this rank reads: until its read is done, at most POLL_S, then ask again
+            if ready[0] and step is not None:  # this rank reads: until its read is done, at most POLL_S, then ask again
                 self.data.wait_read(step, POLL_S)
             # a rank whose data is read asks again at once: the all-reduce waits for the others
 
@@ -195,22 +195,22 @@ class StopCallback(Callback):
     checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
     and the loop obeys."""
 
-    def __init__(self, stop: StopAgreement):
+    def __init__(self, stop: StopQuestion) -> None:
         self.stop = stop
 
     @classmethod
     def from_run(cls, run: RunContext) -> "StopCallback | None":
         return cls(run.stop) if run.stop is not None else None
 
-    def on_start(self, state):
+    def on_start(self, state: TrainState) -> None:
         if self.stop.wait_for_data(state.step):  # before the first step: the loop trains none
             self._stop(state)
 
-    def on_step_end(self, state, metrics):
+    def on_step_end(self, state: TrainState, metrics: Metrics) -> None:
         if self.stop(state.step):
             self._stop(state)
 
-    def _stop(self, state) -> None:
+    def _stop(self, state: TrainState) -> None:
         state.stop_requested = True
         state.stop_requeue = self.stop.requeue
         state.stop_reason = self.stop.describe()

@@ -27,6 +27,8 @@ from .layout import (
     as_number,
     batch_layout,
     for_world,
+    grad_accum,
+    micro_batch,
     model_config,
     to_deepspeed_dict,
     tokens_per_step,
@@ -94,5 +96,7 @@ __all__ = [
     "for_world",
     "as_number",
     "with_micro_batch",
+    "grad_accum",
+    "micro_batch",
     "model_config",
 ]

@@ -177,9 +177,9 @@ def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
     # The batch keys do not matter to what is checked here; one micro-batch per step stands in.
     probe = dataclasses.replace(cfg, batch=BatchSection(micro_batch=as_number(cfg.batch.micro_batch), grad_accum=1))
     merged = dsc.merge(_generated_deepspeed(probe), cfg.deepspeed)
-    problem = dsc.deepspeed_problem(merged, cfg.deepspeed)
-    if problem:
-        raise b.fail(*problem)
+    ds_problem = dsc.deepspeed_problem(merged, cfg.deepspeed)
+    if ds_problem:
+        raise b.fail(*ds_problem)
 
 # The config keys that name a path the launch reads: (key, what kind of path: "... file",
 # "directory" or "any", what it names, how to make one). data.shards_dir is a directory unless it is an hf:// repository; null
@@ -194,7 +194,7 @@ _INPUT_PATHS = (
 )
 
 
-def _value(cfg: TrainConfig, key: str):
+def _value(cfg: TrainConfig, key: str) -> object:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
 
@@ -220,7 +220,7 @@ def check_paths(cfg: TrainConfig) -> None:
         value = _value(cfg, key)
         if value is None or (key == "data.shards_dir" and str(value).startswith("hf://")):
             continue
-        problem = _path_problem(Path(value), kind, what)
+        problem = _path_problem(Path(str(value)), kind, what)
         if problem:
             raise ConfigError(cfg.origin, key, f"{problem}; point {key} at {fix}")
     if cfg.data.cache_dir is not None:

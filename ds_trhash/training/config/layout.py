@@ -7,7 +7,7 @@ A loaded config is world-size free (``batch.grad_accum`` may still be derived fr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from ds_trhash.batch_layout import step_rows
 from ds_trhash.model.config import SHAPE_FIELDS, ModelSection, TRHashConfig, resolve_shape
@@ -47,12 +47,26 @@ def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.GlobalBatch:
 def as_number(micro_batch: int | str) -> int:
     """A micro-batch for a layout check: ``auto`` before it is chosen counts as 1 (every size it
     may choose divides the rows that size 1 splits)."""
-    return 1 if micro_batch == "auto" else micro_batch
+    return 1 if isinstance(micro_batch, str) else micro_batch
+
+
+def micro_batch(cfg: TrainConfig) -> int:
+    """``batch.micro_batch`` of a config whose ``auto`` was chosen (``memory.auto``)."""
+    if isinstance(cfg.batch.micro_batch, str):
+        raise ValueError("batch.micro_batch auto is chosen before the layout is used (memory.auto.resolve)")
+    return cfg.batch.micro_batch
 
 
 def with_micro_batch(cfg: TrainConfig, micro_batch: int) -> TrainConfig:
     """``cfg`` at ``micro_batch`` (auto chosen), grad_accum left to the layout."""
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch=micro_batch))
+
+
+def grad_accum(cfg: TrainConfig) -> int:
+    """``batch.grad_accum`` of a config resolved for its world size (``for_world``)."""
+    if cfg.batch.grad_accum is None:
+        raise ValueError("batch.grad_accum is derived for the world size first (for_world)")
+    return cfg.batch.grad_accum
 
 
 def for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -85,7 +99,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """
     cfg = for_world(cfg, world_size)
     generated = _generated_deepspeed(cfg)
-    generated["train_batch_size"] = step_rows(cfg.batch.micro_batch, cfg.batch.grad_accum, world_size)
+    generated["train_batch_size"] = step_rows(micro_batch(cfg), grad_accum(cfg), world_size)
     section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
     return dsc.merge(generated, section)
 
@@ -93,7 +107,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
 def _generated_deepspeed(cfg: TrainConfig) -> dict:
     """Our part of the DeepSpeed config (grad_accum resolved), for one rank: train_batch_size
     still lacks the world-size factor."""
-    mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum
+    mb, ga = as_number(cfg.batch.micro_batch), cfg.batch.grad_accum or 1  # for one rank: derived for the world later
     fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
     if cfg.precision == "fp16":
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
@@ -178,6 +192,6 @@ def training_critical(cfg: TrainConfig, world_size: int = 1) -> dict:
     if s.kind == "wsd":
         crit["schedule.stable_fraction"] = s.stable_fraction
     if cfg.lora.enabled:
-        crit.update({f"lora.{k}": v for k, v in _plain(cfg.lora).items() if k != "enabled"})
+        crit.update({f"lora.{k}": v for k, v in cast(dict, _plain(cfg.lora)).items() if k != "enabled"})
     crit.update(dsc.critical_items(cfg.deepspeed))
     return crit

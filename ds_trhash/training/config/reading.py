@@ -13,12 +13,14 @@ import types
 import typing
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, TypeVar, cast
 
 import yaml
 
 from .checks import _check_combinations
 from .schema import ConfigError, TrainConfig
+
+T = TypeVar("T")
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``3e-4`` as a float.
@@ -39,7 +41,7 @@ class DuplicateKeyError(yaml.YAMLError):
     """A mapping names the same key twice; YAML would silently keep the last one."""
 
 
-def _construct_unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> Any:
+def _construct_unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -58,7 +60,7 @@ def _construct_unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: boo
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
-def _yaml_load(text: str) -> Any:
+def _yaml_load(text: str) -> object:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
 
 
@@ -70,7 +72,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is type(None):
@@ -85,8 +87,9 @@ def _type_name(tp: Any) -> str:
         return f"a list of {len(args)} {_type_name(args[0])}"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            dict: "a mapping"}.get(tp, str(tp))
+    names: dict[object, str] = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                                dict: "a mapping"}
+    return names.get(tp, str(tp))
 
 
 # Keys that existed once: a config still carrying one gets told what replaced it.
@@ -120,7 +123,7 @@ class _Builder:
                 sources.append(self.where(k))
         return ConfigError(" + ".join(sources), key, problem)
 
-    def build(self, cls: type, raw: Any, prefix: str) -> Any:
+    def build(self, cls: type[T], raw: object, prefix: str) -> T:
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -140,7 +143,7 @@ class _Builder:
             if name in raw:
                 value = self.convert(tp, raw[name], full)
             elif dataclasses.is_dataclass(tp):
-                value = self.build(tp, {}, full)
+                value = self.build(cast(type, tp), {}, full)
             elif f.default is MISSING and f.default_factory is MISSING:
                 raise self.fail(full, f"missing required field; expected {_type_name(tp)}")
             else:
@@ -152,7 +155,7 @@ class _Builder:
             values[name] = value
         return cls(**values)
 
-    def _number_or_word(self, inner: list, value: Any, key: str) -> Any:
+    def _number_or_word(self, inner: list[Any], value: object, key: str) -> object:
         """``int | Literal["auto"]`` (batch.micro_batch): a number, or one of the words."""
         words = typing.get_args(inner[1])
         if value in words and isinstance(value, str):
@@ -162,13 +165,13 @@ class _Builder:
         got = "null" if value is None else f"{type(value).__name__} {value!r}"
         raise self.fail(key, f"expected {_type_name(inner[0])} or {', '.join(map(repr, words))}, got {got}")
 
-    def convert(self, tp: Any, value: Any, key: str, nullable: bool = False) -> Any:
+    def convert(self, tp: object, value: object, key: str, nullable: bool = False) -> object:
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
         orr = " or null" if nullable else ""
         got = "null" if value is None else f"{type(value).__name__} {value!r}"
         if dataclasses.is_dataclass(tp):
-            return self.build(tp, value, key)
+            return self.build(cast(type, tp), value, key)
         if origin is Literal:
             for allowed in args:
                 if type(value) is type(allowed) and value == allowed:
@@ -217,9 +220,9 @@ class _Builder:
         raise self.fail(key, f"expected {_type_name(tp)}{orr}, got {got}")
 
 
-def _set_path(raw: dict, dotted: str, value: Any, label: str) -> None:
+def _set_path(raw: dict, dotted: str, value: object, label: str) -> None:
     """Place an override into the raw mapping, refusing keys the schema does not have."""
-    cls: Any = TrainConfig
+    cls: type = TrainConfig
     node = raw
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -233,7 +236,7 @@ def _set_path(raw: dict, dotted: str, value: Any, label: str) -> None:
         if tp is dict:  # a free-form section (deepspeed): the rest of the path is its keys
             child = node.get(part)
             if not isinstance(child, dict):
-                child = node[part] = _deep_copy(child) if isinstance(child, Mapping) else {}
+                child = node[part] = _copied(child) if isinstance(child, Mapping) else {}
             node = child
             rest = parts[i + 1:]
             if not rest:
@@ -261,16 +264,16 @@ def _set_path(raw: dict, dotted: str, value: Any, label: str) -> None:
             child = {} if child is None or not isinstance(child, Mapping) else dict(child)
             node[part] = child
         node = child
-        cls = tp
+        cls = cast(type, tp)
 
 
-def config_from_dict(raw: Any, source: str = "<dict>", overrides: Sequence[str] = ()) -> TrainConfig:
+def config_from_dict(raw: object, source: str = "<dict>", overrides: Sequence[str] = ()) -> TrainConfig:
     """Validate a mapping (a parsed YAML document) plus ``a.b=v`` overrides."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(source, "", f"the document must be a mapping of sections, got {type(raw).__name__}")
-    raw = _deep_copy(raw)
+    raw = _copied(raw)
     key_sources: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
@@ -302,9 +305,13 @@ def _deep_merge(into: dict, extra: Mapping) -> dict:
     return into
 
 
-def _deep_copy(raw: Any) -> Any:
+def _copied(raw: Mapping) -> dict:
+    return {k: _deep_copy(v) for k, v in raw.items()}
+
+
+def _deep_copy(raw: object) -> object:
     if isinstance(raw, Mapping):
-        return {k: _deep_copy(v) for k, v in raw.items()}
+        return _copied(raw)
     if isinstance(raw, list):
         return [_deep_copy(v) for v in raw]
     return raw

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ds_trhash.config_fields import ConfigError
 from ds_trhash.config_fields import half_open_unit as _half_open_unit
@@ -51,7 +51,9 @@ class OptimizerSection:
 
 
 def _positive_or_auto(v: int | str) -> str | None:
-    return None if v == "auto" else _positive(v)
+    if isinstance(v, str):
+        return None if v == "auto" else f"must be > 0 or auto, got {v!r}"
+    return _positive(v)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ class TrainConfig:
     origin: str = field(default="<config>", compare=False, repr=False, metadata={"internal": True})
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if dataclasses.is_dataclass(value):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not f.metadata.get("internal")}
@@ -170,4 +172,4 @@ def _plain(value: Any) -> Any:
 
 def dump_config(cfg: TrainConfig) -> dict:
     """The full config (defaults included) as plain YAML/JSON types; loads back to an equal config."""
-    return _plain(cfg)
+    return cast(dict, _plain(cfg))  # a dataclass: its fields as a mapping

@@ -25,6 +25,7 @@ import torch
 
 from ds_trhash.errors import UserError
 from ds_trhash.model import TRHashForCausalLM, backend
+from ds_trhash.model.config import TRHashConfig
 from ds_trhash.ranks import host_all_reduce
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.memory.sizes import fitting_sizes
@@ -93,10 +94,10 @@ def _walk(candidates: list[int], start: int, fits: Callable[[int], bool]) -> int
     return next((c for c in candidates[i + 1:] if fits(c)), None)
 
 
-def choose(cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device, rank: int,
+def choose(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, world: int, device: torch.device, rank: int,
            probe: MemoryProbe | None = None) -> AutoChoice:
     """The micro-batch of ``batch.micro_batch: auto`` for this launch, agreed by every rank."""
-    rank_rows = cfg.batch.global_tokens // cfg.data.seq_len // world
+    rank_rows = (cfg.batch.global_tokens or 0) // cfg.data.seq_len // world  # set: the config's checks
     candidates = fitting_sizes(rank_rows)
     device_type = "cuda" if device.type == "cuda" else "cpu"
 
@@ -116,8 +117,8 @@ def choose(cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device, r
         peaks = {}
 
         def fits(m: int) -> bool:
-            peaks[m] = probe.peak(m)
-            return peaks[m] is not None and peaks[m] <= budget
+            peaks[m] = peak = probe.peak(m)
+            return peak is not None and peak <= budget
 
         start = next((c for c in candidates if estimated(c) <= budget), candidates[-1])
         found = _walk(candidates, start, fits)
@@ -144,7 +145,7 @@ def by_estimate(cfg: tcfg.TrainConfig, world: int) -> tuple[tcfg.TrainConfig, Au
     return tcfg.with_micro_batch(cfg, choice.micro_batch), choice
 
 
-def resolve(cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device, rank: int,
+def resolve(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, world: int, device: torch.device, rank: int,
             saved: dict | None) -> tuple[tcfg.TrainConfig, AutoChoice | None]:
     """``cfg`` with ``batch.micro_batch`` a number: unchanged when it is one; on a resume the size
     the run recorded; else ``choose``."""
@@ -165,7 +166,7 @@ class DeviceProbe:
     allocation the size of what the engine adds (optimizer state, master weights, DeepSpeed's
     gradient bucket). Everything is freed (``empty_cache``) after each size; the RNG is forked."""
 
-    def __init__(self, cfg: tcfg.TrainConfig, model_cfg, world: int, device: torch.device):
+    def __init__(self, cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, world: int, device: torch.device):
         self.cfg, self.model_cfg, self.world, self.device = cfg, model_cfg, world, device
         self.where = f"measured on {torch.cuda.get_device_name(device)}"
 

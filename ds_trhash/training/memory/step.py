@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol, cast
 
 import torch
 
@@ -24,6 +25,35 @@ from ds_trhash.training.signals import EXIT_OUT_OF_MEMORY
 
 OTHER_REMEDIES = ("model.activation_checkpointing: true, zero.stage 2 (gradients and optimizer states "
                   "partitioned), parallel.ep_size > 1 (experts split over ranks), or a shorter data.seq_len")
+
+
+class _Internals(Protocol):
+    """What this module asks of DeepSpeed's engine beyond ``engine_api.DeepSpeedEngine`` (its
+    accumulation bookkeeping); a test double may lack any of it (``retries_in_place`` is then false)."""
+
+    micro_steps: int
+    optimizer: object
+    _is_gradient_accumulation_boundary: bool | None
+
+    def zero_optimization_stage(self) -> int: ...
+
+    def zero_optimization_partition_gradients(self) -> bool: ...
+
+    def managed_gradient_accumulation(self) -> bool: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def train_batch_size(self) -> int: ...
+
+    def set_train_micro_batch_size(self, micro_batch: int) -> None: ...
+
+    def set_train_batch_size(self, rows: int) -> None: ...
+
+    def set_gradient_accumulation_boundary(self, flag: bool) -> None: ...
+
+    def allreduce_gradients(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
 
 
 class OutOfMemoryExit(UserError, RuntimeError):
@@ -53,20 +83,21 @@ class MicroBatchFloor(UserError, RuntimeError):
             f"(the last complete checkpoint is kept). Reduce memory otherwise: {OTHER_REMEDIES}")
 
 
-def retries_in_place(engine) -> bool:
+def retries_in_place(engine: object) -> bool:
     """Whether no collective lies between a micro-batch's backward and the step's agreement once
     the boundary's reduction is deferred: a DeepSpeed engine with ZeRO 0 or 1 (no reduction per
     backward, no ``overlap_comm``), no expert-parallel layer, gradient accumulation managed by the
     engine. Anything else (a test double among them) keeps the reduction where DeepSpeed puts it."""
+    eng = cast(_Internals, engine)
     try:
-        return (engine.zero_optimization_stage() <= 1 and not engine.zero_optimization_partition_gradients()
-                and not getattr(engine, "has_moe_layers", False) and engine.managed_gradient_accumulation()
-                and not getattr(getattr(engine, "optimizer", None), "overlap_comm", False))
+        return (eng.zero_optimization_stage() <= 1 and not eng.zero_optimization_partition_gradients()
+                and not getattr(eng, "has_moe_layers", False) and eng.managed_gradient_accumulation()
+                and not getattr(getattr(eng, "optimizer", None), "overlap_comm", False))
     except AttributeError:
         return False
 
 
-def why_not_in_place(engine) -> str:
+def why_not_in_place(engine: object) -> str:
     """For the exit line: the collective that lies between the failure and the agreement."""
     if getattr(engine, "has_moe_layers", False):
         return "the expert-parallel all-to-all lies inside forward and backward"
@@ -75,54 +106,58 @@ def why_not_in_place(engine) -> str:
     return "the gradient reduction lies inside the backward"
 
 
-def match_engine(engine, micro_steps: int, micro_batch: int) -> None:
+def match_engine(engine: object, micro_steps: int, micro_batch: int) -> None:
     """DeepSpeed's own idea of the step follows the micro-batch in force: ``micro_steps``
     micro-batches of ``micro_batch`` rows, the same global batch (its accumulation boundary, the
     samples it counts). Nothing to do while they agree (and for an engine that has none)."""
-    if not hasattr(engine, "set_train_batch_size") or engine.gradient_accumulation_steps() == micro_steps:
+    eng = cast(_Internals, engine)
+    if not hasattr(eng, "set_train_batch_size") or eng.gradient_accumulation_steps() == micro_steps:
         return
-    global_rows = engine.train_batch_size()
-    engine.set_train_micro_batch_size(micro_batch)
-    engine.set_train_batch_size(global_rows)
+    global_rows = eng.train_batch_size()
+    eng.set_train_micro_batch_size(micro_batch)
+    eng.set_train_batch_size(global_rows)
 
 
 @contextlib.contextmanager
-def deferred_boundary(engine, defer: bool) -> Iterator[None]:
+def deferred_boundary(engine: object, defer: bool) -> Iterator[None]:
     """Every backward inside runs as a non-boundary one (no reduction); on the way out the engine
     asks its micro-step counter again. Nothing changes when ``defer`` is false."""
     if not defer:
         yield
         return
-    engine.set_gradient_accumulation_boundary(False)
+    eng = cast(_Internals, engine)
+    eng.set_gradient_accumulation_boundary(False)
     try:
         yield
     finally:
-        engine._is_gradient_accumulation_boundary = None  # DeepSpeed's own "ask the counter" value
+        eng._is_gradient_accumulation_boundary = None  # DeepSpeed's own "ask the counter" value
 
 
-def reduce_at_boundary(engine) -> None:
+def reduce_at_boundary(engine: object) -> None:
     """The deferred boundary: the reduction the boundary backward would have run, now, before the
     update that ``engine.step()`` then applies (as a boundary)."""
-    engine.set_gradient_accumulation_boundary(True)
-    engine.allreduce_gradients()
+    eng = cast(_Internals, engine)
+    eng.set_gradient_accumulation_boundary(True)
+    eng.allreduce_gradients()
 
 
-def abandon_step(engine, micro_steps: int) -> None:
+def abandon_step(engine: object, micro_steps: int) -> None:
     """Forget a step's backwards on this rank: gradients (and the optimizer's accumulation buffers)
     freed, the engine's micro-step counter and the ZeRO optimizer's backward bookkeeping as at the
     step's start, the allocator's cache released. Nothing was applied: the weights, the optimizer
     state, the schedule and the data cursor are untouched."""
-    engine.zero_grad()
-    optimizer = getattr(engine, "optimizer", None)
-    if hasattr(optimizer, "zero_grad"):
+    eng = cast(_Internals, engine)
+    eng.zero_grad()
+    optimizer = getattr(eng, "optimizer", None)
+    if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    hooks = getattr(optimizer, "_backward_hook_state", None)
-    while hooks is not None and getattr(hooks, "backward_active_depth", 0) > 0:  # a backward cut short
-        optimizer.exit_backward()
-    if hasattr(optimizer, "clear_backward_seen_flag"):
-        optimizer.clear_backward_seen_flag()
-    engine.micro_steps = micro_steps
-    engine._is_gradient_accumulation_boundary = None
+        hooks = getattr(optimizer, "_backward_hook_state", None)
+        while hooks is not None and getattr(hooks, "backward_active_depth", 0) > 0:  # a backward cut short
+            optimizer.exit_backward()
+        if hasattr(optimizer, "clear_backward_seen_flag"):
+            optimizer.clear_backward_seen_flag()
+    eng.micro_steps = micro_steps
+    eng._is_gradient_accumulation_boundary = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

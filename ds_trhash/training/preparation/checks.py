@@ -8,6 +8,7 @@ naming what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping

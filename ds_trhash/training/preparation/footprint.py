@@ -13,6 +13,8 @@ master weights and Adam moments), within a few per cent.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.training import config as tcfg
 from ds_trhash.training.config import KernelsSection, ParallelSection, TrainConfig
 
 GIB = 1024**3
@@ -49,6 +52,9 @@ class ParamCount:
     # group (world / ep_size ranks), the rest over every rank
     expert_trainable_per_rank: int = 0
     routed_total: int = 0  # every routed expert's parameters, all ranks (for the active count)
+
+if TYPE_CHECKING:  # the config's type name only
+    from ds_trhash.training.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -83,16 +89,17 @@ def _is_routed_expert(name: str, ndim: int) -> bool:
     return ndim == 3 and ".expert_" in name
 
 
-def _shapes_only():
+def _shapes_only() -> TorchFunctionMode:
     """A torch function mode that skips random initialisation: on the meta device there are no
     values to draw, and PyTorch's meta versions of the init ops would import the compiler stack
     (seconds) for nothing."""
     class SkipInit(TorchFunctionMode):
         SKIP = frozenset({"normal_", "uniform_", "trunc_normal_"})
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
+                               kwargs: dict | None = None) -> object:
             if getattr(func, "__name__", None) in self.SKIP:
-                return args[0] if args else kwargs["tensor"]
+                return args[0] if args else (kwargs or {})["tensor"]
             return func(*args, **(kwargs or {}))
 
     return SkipInit()
@@ -207,7 +214,7 @@ def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: in
     ``device_type`` runs (or the ``fused`` parts given). A ``checkpointed`` layer keeps only its
     input and is recomputed, one at a time, in backward (``transient``: that recompute and the
     loss's largest temporary, the peak; without: what autograd keeps at the end of the forward)."""
-    tokens = cfg.batch.micro_batch * cfg.data.seq_len
+    tokens = tcfg.micro_batch(cfg) * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
     parts = fused if fused is not None else FusedParts.all(fused_kernels(cfg.kernels, device_type))
     per_layer = layer_bytes_per_token(model_cfg, act, parts)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ds_trhash import checkpoints as ckpt
+from ds_trhash.checkpoints.weights import load_merged_weights
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.config import TRHashConfig
 
@@ -44,7 +44,7 @@ class InitWeights:
 def read_init_weights(path: str | os.PathLike, model_cfg: TRHashConfig) -> InitWeights:
     """Read (verified), merge LoRA adapters of an SFT source, and check that they fit the model:
     raises ``CheckpointError`` (damaged, unreadable) or ``WeightsError`` (another model's)."""
-    state, _ = ckpt.load_merged_weights(path)
+    state, _ = load_merged_weights(path)
     initial = InitWeights(path, state)
     with torch.device("meta"):
         probe = TRHashForCausalLM(model_cfg)

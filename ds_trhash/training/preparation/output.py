@@ -7,6 +7,7 @@ The launcher runs :func:`check_output_paths` before it takes the run lock and
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def check_output_side(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int) 
     init_dir = launch_checks.resolve_init_checkpoint(request.init_checkpoint, log=say)
     launch_checks.check_not_own_source(output_dir, init_dir, explicit)
     if explicit is not None:
-        launch_checks.check_resume_source(explicit, output_dir, request.fork, saved.get("output_dir"))
+        launch_checks.check_resume_source(explicit, output_dir, request.fork, (saved or {}).get("output_dir"))
     if saved is not None and init_dir is None:
         init_dir = saved.get("init_checkpoint")
     if not damaged or resume_dir is not None:
@@ -76,7 +77,7 @@ def check_output_side(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int) 
 
 
 def check_resume(cfg: tcfg.TrainConfig, request: LaunchRequest, world: int, data: StageData, saved: dict,
-                 resume_dir) -> bool:
+                 resume_dir: str | os.PathLike) -> bool:
     """An exact resume continues the saved run: every training-critical setting, the world size
     (unless --reshard), the plan file, the saved parts, the SFT set. True when it reshards."""
     ckpt.check_resume_compatible(

@@ -13,6 +13,7 @@ the model and the engine from the plan; ``ds-trhash preflight`` makes the same c
 """
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import torch
 
 from ds_trhash import checkpoints as ckpt
 from ds_trhash.batch_layout import BatchLayout
+from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.stages import SourceRecord
+from ds_trhash.checkpoints.weights import read_source_metadata
 from ds_trhash.data.stage import StageData, StageRequest, open_stage_data
 from ds_trhash.model import backend, expert_probe, selfcheck
 from ds_trhash.model.config import TRHashConfig
@@ -77,7 +80,8 @@ class LaunchPlan:
 
     @property
     def start_step(self) -> int:
-        return int(self.output.saved["step"]) if self.resuming else 0
+        saved = self.output.saved
+        return int(saved["step"]) if saved is not None else 0  # saved: resuming
 
     @property
     def init_weights(self) -> str | None:
@@ -96,7 +100,7 @@ class LaunchPlan:
             model_config=self.model_config.to_dict(), tokenizer_dir=data.tokenizer_dir,
             tokenizer_sha256=data.tokenizer_sha256, tokenizer_assumed=data.tokenizer_assumed, sft_dir=data.sft_dir,
             sft_manifest_sha256=data.sft_manifest_sha256,
-            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {ckpt.describe_hardware()}",
+            source_stage=cfg.source_stage, hardware=f"{self.world} process(es); rank 0 on {describe_hardware()}",
             pack_of=dict(self.checkpoints.pack_of), output_dir=str(Path(cfg.output_dir).resolve()),
             data_source=data.data_source, planned_steps=data.planned_steps)
 
@@ -115,7 +119,7 @@ def kernel_choice(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, device: torch.
                               require_liger=cfg.kernels.require_liger)
     if cfg.parallel.ep_size > 1:  # the expert-parallel layer runs its own (gathered) path
         return choice
-    shape = expert_probe.Shape(tokens=cfg.batch.micro_batch * cfg.data.seq_len, hidden=model_cfg.hidden_size,
+    shape = expert_probe.Shape(tokens=tcfg.micro_batch(cfg) * cfg.data.seq_len, hidden=model_cfg.hidden_size,
                                width=model_cfg.expert_width, experts=model_cfg.num_experts,
                                dtype=compute_dtype(cfg.precision), device=device)
     return expert_probe.choose_experts(choice, cfg.kernels.experts, shape)
@@ -155,7 +159,7 @@ def held_to(cfg: tcfg.TrainConfig, output: OutputSide) -> dict:
     if output.saved is not None:
         return {"saved_source": output.saved.get("data_source"), "read_by": "this run"}
     if cfg.stage == "refinement" and output.init_dir:
-        return {"saved_source": ckpt.read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
+        return {"saved_source": read_source_metadata(output.init_dir).get("data_source"), "read_by": "pretraining"}
     return {}
 
 
@@ -180,14 +184,14 @@ def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world:
         if rank == 0:
             log.info(note)
     source = guard_stage(cfg, output.init_dir, data, resuming=output.saved is not None)
-    capped = ckpt.capped_by(ckpt.read_source_metadata(output.init_dir)) if output.init_dir else None
+    capped = ckpt.capped_by(read_source_metadata(output.init_dir)) if output.init_dir else None
     if capped and rank == 0:  # e.g. refinement from a pretraining cut short: legal, but it should be said
         log.warning("--init-checkpoint %s comes from a stage %s", output.init_dir, capped)
     # every callback checks its own inputs now (a malformed PIQA file fails here, before the model)
     classes = list(parts) if parts is not None else training_parts()
     builders = build_callbacks(classes, cfg)
     resharding = False
-    if output.saved is not None:
+    if output.saved is not None and output.resume_dir is not None:  # a saved state comes from its checkpoint
         resharding = check_resume(cfg, request, world, data, output.saved, output.resume_dir)
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts

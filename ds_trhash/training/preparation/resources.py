@@ -16,6 +16,7 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ from ds_trhash.ranks import is_multi_rank, ranks_on_node
 from ds_trhash.model import backend
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.preparation.footprint import GIB, Footprint, estimate, gib
+
+if TYPE_CHECKING:
+    from ds_trhash.model.config import TRHashConfig
+    from ds_trhash.training.config import TrainConfig
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DISK_FREE_ENV = "DS_TRHASH_TEST_DISK_FREE"
@@ -148,7 +153,7 @@ def check_memory(footprint: Footprint, devices: Devices, nproc: int) -> Check:
     return Check("memory", PASS, detail)
 
 
-def peak_memory(device) -> dict:
+def peak_memory(device: torch.device) -> dict:
     """This process's peak so far: CUDA memory allocated on ``device``, else the resident set."""
     if device.type == "cuda":
         return {"bytes": int(torch.cuda.max_memory_allocated(device)), "kind": "CUDA allocated, one rank"}
@@ -212,7 +217,7 @@ def check_deepspeed() -> Check:
     return Check("package deepspeed", PASS, f"deepspeed {package_version('deepspeed')}, torch {torch.__version__}")
 
 
-def kernel_packages(choice) -> list[Check]:
+def kernel_packages(choice: backend.KernelChoice) -> list[Check]:
     """The versions of the kernel packages a resolved ``KernelChoice`` runs (it imported them)."""
     return [Check(f"package {dist}", PASS, f"{dist} {package_version(dist)} (used by this profile)")
             for dist, used in (("triton", choice.experts == "triton"), ("liger-kernel", choice.loss == "liger"))
@@ -234,7 +239,7 @@ def check_comm_op(devices: Devices) -> Check:
 # ----------------------------------------------------------------------------- at launch
 
 
-def disk_needs(cfg, footprint: Footprint, total_steps: int, steps_per_epoch: int | None, world: int,
+def disk_needs(cfg: TrainConfig, footprint: Footprint, total_steps: int, steps_per_epoch: int | None, world: int,
                after: int = 0, existing: list[int] | tuple = ()) -> list[tuple[str, Path, int]]:
     """What a run from step ``after`` to ``total_steps`` puts on disk: the checkpoints it keeps at
     once beyond the ``existing`` complete ones (the trainer's own cadence and rotation), and the
@@ -256,7 +261,7 @@ def shared_free_bytes(path: str | os.PathLike) -> int:
     value = [free_bytes(path) if not distributed or dist.get_rank() == 0 else None]
     if distributed:
         dist.broadcast_object_list(value, src=0)
-    return int(value[0])
+    return int(cast(int, value[0]))  # rank 0's number, on every rank
 
 
 def local_processes(world: int) -> int:
@@ -264,7 +269,7 @@ def local_processes(world: int) -> int:
     return ranks_on_node(world)
 
 
-def check_at_launch(cfg, model_cfg, world: int, local_processes: int, devices: Devices, total_steps: int,
+def check_at_launch(cfg: TrainConfig, model_cfg: TRHashConfig, world: int, local_processes: int, devices: Devices, total_steps: int,
                     steps_per_epoch: int | None, after: int, existing: list[int], output_free: int) -> list[Check]:
     """The cheap part of preflight's resource checks, run by the trainer before the model exists.
 

@@ -2,13 +2,15 @@
 may start this stage, with data tokenized like the checkpoint's."""
 from __future__ import annotations
 
-from ds_trhash import checkpoints as ckpt
+import os
+
 from ds_trhash.checkpoints.stages import SourceRecord, StageError, check_launch
+from ds_trhash.checkpoints.weights import read_source_metadata
 from ds_trhash.data.stage import StageData, unique_core_fingerprint, validate_refinement
 from ds_trhash.training import config as tcfg
 
 
-def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str) -> None:
+def check_tokenizer_identity(source_meta: dict, data: StageData, init_dir: str | os.PathLike) -> None:
     """The data of the next stage must be tokenized exactly like the source model's: token ids
     (and with them the persisted routes) mean nothing under another tokenizer."""
     theirs, ours = source_meta.get("tokenizer_sha256"), data.tokenizer_sha256
@@ -24,11 +26,11 @@ def guard_stage(cfg: tcfg.TrainConfig, init_dir: str | None, data: StageData, re
     if init_dir is None:
         record, source_meta = None, {}
     else:
-        source_meta = ckpt.read_source_metadata(init_dir)
+        source_meta = read_source_metadata(init_dir)
         record = SourceRecord.from_mapping(source_meta, path=str(init_dir))
     if record is None and resuming:
         return None
-    if record is not None:
+    if record is not None and init_dir is not None:  # a record is read from init_dir
         check_tokenizer_identity(source_meta, data, init_dir)
     check_launch(
         cfg.stage, record,

@@ -15,7 +15,7 @@ so intervals of any length add up.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ import torch.distributed as dist
 from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.records.csv_log import CsvLog
 from ds_trhash.training.records.files import EXPERT_LOAD_FILE
+
+if TYPE_CHECKING:
+    from ds_trhash.model.transformer import TRHashForCausalLM
 
 __all__ = ["EXPERT_LOAD_FILE", "ExpertLoadWriter", "columns", "gather_expert_load", "load_shares"]
 
@@ -32,7 +35,7 @@ def columns(num_experts: int) -> tuple[str, ...]:
     return ("step", "from_step", "layer", *(f"expert_{e}" for e in range(num_experts)))
 
 
-def gather_expert_load(model: Any, device: torch.device) -> torch.Tensor | None:
+def gather_expert_load(model: TRHashForCausalLM, device: torch.device) -> torch.Tensor | None:
     """The [L, E] route counts since the last call, summed over every rank (all ranks call this
     at the same steps: it is a collective); None when the model counted nothing."""
     counts = model.take_expert_load()

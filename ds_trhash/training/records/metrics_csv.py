@@ -37,7 +37,7 @@ def perplexity(loss: float | None) -> float | None:
     return math.exp(min(loss, PPL_LOSS_CAP))
 
 
-def _cell(column: str, value: Any) -> str:
+def _cell(column: str, value: object) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -64,7 +64,7 @@ class MetricsWriter:
         self.on_row = on_row  # also told every row, e.g. the DeepSpeed monitors (training.records.monitor)
         self._log = CsvLog(self.path, COLUMNS, rank, resume_step)
 
-    def write(self, step: int, **values: Any) -> None:
+    def write(self, step: int, **values: object) -> None:
         """One row; missing columns stay empty. ``train_ppl``/``eval_ppl`` follow from the losses."""
         unknown = sorted(set(values) - set(COLUMNS))
         if unknown:
@@ -73,8 +73,9 @@ class MetricsWriter:
             return
         row = dict(values, step=step)
         for loss_key, ppl_key in (("train_loss", "train_ppl"), ("eval_loss", "eval_ppl")):
-            if row.get(loss_key) is not None and row.get(ppl_key) is None:
-                row[ppl_key] = perplexity(float(row[loss_key]))
+            loss = row.get(loss_key)
+            if isinstance(loss, (int, float)) and row.get(ppl_key) is None:
+                row[ppl_key] = perplexity(float(loss))
         self._log.append([[_cell(c, row.get(c)) for c in COLUMNS]])
         if self.on_row is not None:
             self.on_row(step, row)
@@ -85,5 +86,5 @@ class MetricsWriter:
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

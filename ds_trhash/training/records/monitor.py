@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import resource
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, cast
 
 import torch
 
@@ -29,11 +29,18 @@ EVENT_NAMES = {
 }
 
 
+class EventWriter(Protocol):
+    """What is used of DeepSpeed's MonitorMaster (untyped): a batch of (name, value, step)."""
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None: ...
+
+
 class MonitorSink:
     """Writes events to DeepSpeed's MonitorMaster (rank 0 writes; the others hold no writers)."""
 
-    def __init__(self, ds_monitor: Any):
-        self.monitor = ds_monitor if ds_monitor is not None and getattr(ds_monitor, "enabled", False) else None
+    def __init__(self, ds_monitor: object) -> None:
+        enabled = ds_monitor is not None and getattr(ds_monitor, "enabled", False)
+        self.monitor = cast(EventWriter, ds_monitor) if enabled else None
 
     @property
     def enabled(self) -> bool:

@@ -10,7 +10,7 @@ from ds_trhash.model import TRHashConfig, TRHashForCausalLM
 from ds_trhash.model.attention import rope_inv_freq
 from ds_trhash.release.export import writer as export_mod
 from ds_trhash.cli import main as cli
-from ds_trhash.checkpoints import load_weights_only
+from ds_trhash.checkpoints.weights import load_weights_only
 from ds_trhash.io import sha256_file
 from ds_trhash.release.export.writer import ExportError, export_checkpoint, export_safetensors, verify_export
 from tests.release.checkpoint_utils import write_checkpoint

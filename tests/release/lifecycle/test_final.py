@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_trhash.checkpoints import list_checkpoints, load_weights_only, step_dir_name
+from ds_trhash.checkpoints import list_checkpoints, step_dir_name
+from ds_trhash.checkpoints.weights import load_weights_only
 from ds_trhash.release.export.writer import EXPORT_MANIFEST, WEIGHTS, verify_export
 from ds_trhash.release.lifecycle.final import (
                                                COMPLETE_FILE,

@@ -7,7 +7,7 @@ import torch
 from ds_trhash.cli import main as cli
 from ds_trhash.io import sha256_file
 from ds_trhash.release.record.writer import RECORD_FIELDS, RecordError, build_run_record, write_run_record
-from ds_trhash.checkpoints import save_checkpoint
+from ds_trhash.checkpoints.save import save_checkpoint
 from ds_trhash.training.records.metrics_csv import MetricsWriter
 from ds_trhash.checkpoints.rng import save_rng_state
 

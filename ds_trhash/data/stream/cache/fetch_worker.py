@@ -72,6 +72,7 @@ class _Worker:
         verified already changes no count: no answer (each answer costs the reading rank a read at
         its next poll; docs/performance.md, "Shard streaming")."""
         hold: Optional[cf.Hold] = None
+        result: bool | BaseException
         try:
             result, hold = self.cache.fetch_ahead(key)
         except Exception as exc:

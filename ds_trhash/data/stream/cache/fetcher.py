@@ -135,7 +135,8 @@ class Fetcher:
         with self._lock:
             self._check_open()
             self._send(("idle?",))
-            found, deadline = [], time.monotonic() + timeout
+            found: list[tuple] = []
+            deadline = time.monotonic() + timeout
             try:
                 while self._conn.poll(max(0.0, deadline - time.monotonic())):
                     reply = self._recv()

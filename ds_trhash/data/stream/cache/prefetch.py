@@ -165,12 +165,16 @@ class Prefetcher:
     def _prefetch_one(self, key: Key) -> None:
         """Fetch (or find verified) one queued shard and keep it held for its reader; let go at
         once when the reader took it meanwhile or the cache closed."""
-        ready, hold = self._fill(key)
+        ready, filled = self._fill(key)
+        hold: Optional[cf.Hold] = filled  # handed to the reader's slot, or let go below
         with self._cond:
             keep = ready and key not in self._holding and key not in self._ready and not self.closed
             if keep:
                 held = sum(kept is not None for kept in self._ready.values())
-                self._ready[key], hold = (hold, None) if held < self.allowance else (None, hold)
+                if held < self.allowance:
+                    self._ready[key], hold = hold, None
+                else:
+                    self._ready[key] = None
         if hold is not None:
             hold.release()
 
@@ -180,11 +184,11 @@ class Prefetcher:
         with self._fetcher_lock:  # two threads reading at once start one process
             if self._fetcher is None and not self.closed:
                 try:
-                    self._fetcher = Fetcher(self._recipe)
+                    self._fetcher = Fetcher(self._recipe) if self._recipe is not None else False
                 except FetcherGone as exc:
                     self._fetcher = False
                     self._say_gone(exc)
-        return self._fetcher or None
+        return self._fetcher if isinstance(self._fetcher, Fetcher) else None
 
     def _fetcher_gone(self, fetcher: Fetcher, why: BaseException) -> None:
         """Prefetch here from now on; said once, on stderr (slower reads, the same bytes). Only
@@ -213,7 +217,7 @@ class Prefetcher:
 
     def poll(self) -> Optional[Fetcher]:
         """The prefetch process's answers so far, taken without waiting; the process, if any."""
-        fetcher = self._fetcher or None
+        fetcher = self._fetcher if isinstance(self._fetcher, Fetcher) else None
         if fetcher is not None:
             try:
                 self._take_answers(fetcher.answers())

@@ -38,9 +38,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Optional
 
 from ds_trhash.io import sha256_file
+
+if TYPE_CHECKING:
+    from filelock import AcquireReturnProxy
 
 from filelock import Timeout
 
@@ -220,7 +223,7 @@ class ShardCache:
             "restore it, or re-tokenize and re-plan")
 
     @staticmethod
-    def _download_lock(key: Key, path: Path):
+    def _download_lock(key: Key, path: Path) -> AcquireReturnProxy:
         """The entry's download lock, taken: waited for no longer than what is left of this
         thread's read (``deadline``), else ``ReadTimedOut`` (another process of the node holds
         it: a prefetch waiting out the store, or a rank's read)."""

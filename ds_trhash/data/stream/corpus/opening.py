@@ -28,7 +28,7 @@ from ds_trhash.data.stream.cache import CACHE_ENV, GIB, CacheError, ExpectedShar
 from ds_trhash.data.formats.layout import LAYOUT_OURS, LAYOUT_RELEASE
 from ds_trhash.data.formats.manifest import (CORPORA_DIR, MIXTURE_FILE, SOURCE_MANIFEST, SourceManifest, check_against_mixture,
                        parse_mixture_manifest, parse_source_manifest)
-from ds_trhash.data.plans.plan import plan_doc
+from ds_trhash.data.plans.plan import PlanLike, plan_doc
 from ds_trhash.data.stream.corpus.pinning import pinned_commit
 from ds_trhash.data.stream.store import LOCAL_COMMIT, LocalStore, ShardStore, StoreFile, open_store
 from ds_trhash.data.stream.types import Key
@@ -175,8 +175,8 @@ def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard],
         for (source, file), shard in shards.items():
             if isinstance(store, LocalStore):
                 digest = sha256_file(store.root / shard.path)
-            elif getattr(listing.get(shard.path), "sha256", None):
-                digest = listing[shard.path].sha256  # the store's own record, not a download
+            elif (recorded := getattr(listing.get(shard.path), "sha256", None)):
+                digest = recorded  # the store's own record, not a download
             else:
                 dest = Path(tmp) / "shard"
                 dest.write_bytes(b"")
@@ -188,7 +188,7 @@ def _hash_problems(store: ShardStore, shards: Mapping[Key, ExpectedShard],
     return problems
 
 
-def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
+def open_corpus(plan: PlanLike, shards_dir: Optional[str], origin: str = "the config", pinned: Optional[str] = None,
                 deep: bool = False, store: Optional[ShardStore] = None, hub_wait_s: Optional[float] = None) -> Corpus:
     """The plan's corpus, checked as the module docstring says; raises CorpusError / StoreError."""
     doc = plan_doc(plan)
@@ -205,7 +205,7 @@ def open_corpus(plan, shards_dir: Optional[str], origin: str = "the config", pin
     return corpus
 
 
-def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict[str, SourceManifest],
+def corpus_at(plan: PlanLike, store: ShardStore, commit: str, layout: str, manifests: dict[str, SourceManifest],
               listing: Optional[Mapping[str, StoreFile]] = None) -> Corpus:
     """The corpus from manifests already read (by rank 0, shared with the others): plan checks,
     and with ``listing`` every planned shard present with its manifest size."""
@@ -232,7 +232,7 @@ def corpus_at(plan, store: ShardStore, commit: str, layout: str, manifests: dict
     return Corpus(store, commit, manifests, layout, shards, plan=doc)
 
 
-def shared_corpus(plan, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, deep: bool,
+def shared_corpus(plan: PlanLike, shards_dir: Optional[str], origin: str, saved: Optional[Mapping], rank: int, deep: bool,
                    hub_wait_s: Optional[float] = None) -> Corpus:
     """Rank 0 asks the store (one revision look-up, one listing, the manifests) and hands the
     answer, or its refusal, to every rank: N ranks never make N look-ups at once. ``saved``: the

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar, cast
 
 T = TypeVar("T")
 THREAD_NAME = "batch-assembly"
@@ -61,7 +61,7 @@ class Ahead(Generic[T]):
         self._next = step + 1
         if error is not None:
             raise error
-        return item
+        return cast(T, item)  # assembled: an item, not an error
 
     def _ahead_of(self, step: int) -> bool:
         """Whether ``get(step)`` would take what the thread assembles (else it assembles itself)."""

@@ -118,6 +118,8 @@ class ReplayReader:
         source, file = key
         if self.cache is not None:
             return self.cache.hold_shard(source, file, self.seq_len)
+        if self.shards_dir is None:  # the constructor refuses a reader with neither
+            raise ReaderError("ReplayReader needs shards_dir or a ShardCache to read shards from")
         return MappedShard(key, shard_path_under(self.shards_dir, source, file), self.seq_len)
 
     @property
@@ -174,7 +176,7 @@ class ReplayReader:
         upcoming, self._looked_next = self._upcoming(step, micro_step, layout)
         far = self._far_ahead(first, layout)
         named = frozenset(upcoming)  # their order changes at almost every look; what is named, rarely
-        if moved_on or named != self._looked_named or far is not self._prefetched.ahead:
+        if moved_on or named != self._looked_named or self._prefetched is None or far is not self._prefetched.ahead:
             self._prefetch(upcoming, far)
         self._looked, self._looked_named = upcoming, named
         return upcoming
@@ -183,7 +185,8 @@ class ReplayReader:
         """Ask the cache again: never asked yet, or the last call could not queue everything and
         the cache's state changed since (a shard held, released or fetched)."""
         asked = self._prefetched
-        return asked is None or (asked.generation is not None and asked.generation != self.cache.generation)
+        return asked is None or (asked.generation is not None and self.cache is not None
+                                 and asked.generation != self.cache.generation)
 
     def _far_ahead(self, first: int, layout: BatchLayout) -> tuple[Key, ...]:
         """This rank's shards of the next window, then the plan's within the horizon: looked at
@@ -219,6 +222,8 @@ class ReplayReader:
         late). The cache skips what it holds or has fetched; the caller asks again only when that
         changes: the shards named, or (after a call that could not queue them all) the cache's
         state, remembered here (``_Asked``)."""
+        if self.cache is None:  # nothing to fetch ahead without a cache
+            return
         generation = self.cache.generation
         complete = self.cache.prefetch(upcoming + tuple(k for k in ahead if k not in upcoming))
         self._prefetched = _Asked(upcoming, None if complete is not False else generation, ahead)
@@ -233,11 +238,12 @@ class ReplayReader:
             return ()
         memo_key = (index, window, layout)
         if memo_key not in self._ahead_memo:
-            rows: Iterable[RowRef] = self.order.window(index, window)
+            in_window = self.order.window(index, window)
+            rows: Iterable[RowRef] = in_window
             if layout.world_size > 1:
                 start, per_step, micro_batch = segment.start + window * size, layout.global_batch, layout.micro_batch
-                offsets = (start + np.arange(len(rows))) % per_step // micro_batch % layout.world_size == layout.rank
-                rows = itertools.compress(rows, offsets.tolist())
+                offsets = (start + np.arange(len(in_window))) % per_step // micro_batch % layout.world_size == layout.rank
+                rows = itertools.compress(in_window, offsets.tolist())
             self._ahead_memo = {memo_key: tuple(dict.fromkeys(map(_SHARD_OF, rows)))}  # one window at a time
         return self._ahead_memo[memo_key]
 

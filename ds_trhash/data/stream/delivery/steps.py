@@ -13,12 +13,15 @@ cache and releases every shard, and the launch calls it in a ``finally``. ``figu
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.distributed as dist
 
 from ds_trhash.batch_layout import BatchLayout
 from ds_trhash.data.stream.delivery.assembly import Ahead
@@ -30,6 +33,10 @@ from ds_trhash.errors import UserError
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each int64 [micro_batch, seq_len]
 DEFAULT_AHEAD = 2
 
+if TYPE_CHECKING:  # type names only: the corpus room opens the cache a stream reads through
+    from ds_trhash.data.plans.plan import PlanLike
+    from ds_trhash.data.stream.corpus import Corpus
+
 
 @dataclass(frozen=True)
 class NodeShare:
@@ -38,7 +45,7 @@ class NodeShare:
     the global rows of one exchange, and one read's budget (``data.hub_wait_minutes``)."""
     node: int
     nodes: int
-    group: object = None
+    group: Optional[dist.ProcessGroup] = None
     chunk_rows: int = CHUNK_ROWS
     budget_s: Optional[float] = None
 
@@ -143,12 +150,15 @@ class RankStream:
         """The step the background assembly made; at a step where another rank's read failed
         (the agreement said so: ``agreed``), an error naming that rank, as every rank raises one
         there; this rank's own failed read, marked as its own to print (``UserError.per_rank``)."""
+        ahead = self._ahead
+        if not isinstance(ahead, Ahead):  # called for the background assembly only
+            raise RuntimeError("no background assembly to take a step from")
         failed = self._peer_failed.pop(step, None)
-        _, error = self._ahead.pending(step)
+        _, error = ahead.pending(step)
         if failed is not None and error is None:
             raise rank_read_error(failed[0], failed[1], step)
         try:
-            return self._ahead.get(step)
+            return ahead.get(step)
         except UserError as e:
             e.per_rank = self.layout.world_size > 1  # one line from each rank that met it (its peers name it)
             raise
@@ -190,15 +200,15 @@ class RankStream:
         if isinstance(self._ahead, RowExchange):
             assembly, shard = self._ahead.assembly_s, self.reader.shard_wait_s
         waited = self._ahead.wait_s if self._ahead is not None else self._sync_wait_s
-        common = dict(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
-                      queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
+        figures = DataFigures(rank=self.layout.rank, steps=self._steps, background=self._ahead is not None,
+                              queue_wait_s=waited, read_s=max(0.0, assembly - shard), shard_wait_s=shard)
         cache = self.reader.cache
         if cache is None:
-            return DataFigures(**common)
+            return figures
         c = cache.counters()
-        return DataFigures(**common, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
-                           evictions=c["evictions"], downloaded_bytes=int(c["downloaded_bytes"]),
-                           cache_bytes=c["bytes"], cache_files=c["files"], max_bytes=c["max_bytes"])
+        return dataclasses.replace(figures, cached=True, fetched=c["misses"], prefetched=c["prefetched"], hits=c["hits"],
+                                   evictions=c["evictions"], downloaded_bytes=int(c["downloaded_bytes"]),
+                                   cache_bytes=c["bytes"], cache_files=c["files"], max_bytes=c["max_bytes"])
 
     def close(self) -> None:
         """Stop the background thread, close the cache (its prefetcher joined, a wait for room cut
@@ -224,7 +234,7 @@ class RankStream:
         self.close()
 
 
-def open_stream(corpus, plan, seed: int, layout: BatchLayout, cache_dir, max_bytes: int, ranks_on_node: int,
+def open_stream(corpus: Corpus, plan: PlanLike, seed: int, layout: BatchLayout, cache_dir: os.PathLike | str, max_bytes: int, ranks_on_node: int,
                 ahead: int = DEFAULT_AHEAD, pin_memory: bool = False, end: Optional[int] = None,
                 prefetch_s: float = DEFAULT_PREFETCH_S, first_step: Optional[int] = None,
                 share: Optional[NodeShare] = None, budget_s: Optional[float] = None) -> RankStream:

@@ -53,7 +53,7 @@ class WorkingSet:
 
     def _make_room(self, size: int) -> None:
         held = sum(shard.size for shard in self._open.values())
-        while self._open and held + size > self._budget:
+        while self._open and self._budget is not None and held + size > self._budget:
             key, oldest = self._open.popitem(last=False)
             del self._last_read[key]
             held -= oldest.size

@@ -35,7 +35,7 @@ class PlanHorizon:
         start = self.segments[index].start + ((first - self.segments[index].start) // size + 1) * size
         end = self.window_end(min(self._num_rows, first + rows))
         if self._memo[0] != (start, end):
-            memo_key, found = (start, end), []
+            memo_key, found = (start, end), list[tuple[int, str, str]]()
             while start < end and index < len(self.segments) and len(found) < KEYS_AT_MOST:
                 segment = self.segments[index]
                 stop = min(end, segment.start + segment.length)
@@ -43,8 +43,8 @@ class PlanHorizon:
                     found.extend(self._first_reads(segment, start - segment.start, stop - segment.start))
                 index += 1
                 start = max(start, stop)
-            keys = (key for _, *key in sorted(found))
-            self._memo = (memo_key, tuple(dict.fromkeys(tuple(k) for k in keys))[:KEYS_AT_MOST])
+            keys = ((source, file) for _, source, file in sorted(found))
+            self._memo = (memo_key, tuple(dict.fromkeys(keys))[:KEYS_AT_MOST])
         return self._memo[1]
 
     def window_end(self, row: int) -> int:

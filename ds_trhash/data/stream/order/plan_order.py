@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class PlanOrder:
     """The plan's segments end to end, each cut into windows of ``window_size`` rows; the last
     few windows computed are remembered (a reader reads one window after another)."""
 
-    def __init__(self, doc: dict, seed: int, shuffle_window: int) -> None:
+    def __init__(self, doc: Mapping, seed: int, shuffle_window: int) -> None:
         if seed < 0 or shuffle_window < 0:
             raise ReaderError(f"seed ({seed}) and shuffle_window ({shuffle_window}) must be >= 0")
         self.seed, self.shuffle_window = int(seed), int(shuffle_window)

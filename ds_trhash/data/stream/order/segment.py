@@ -10,7 +10,7 @@ has ~63M rows) and a range of rows is placed without a sort (``Segment.order``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, overload
 
 import numpy as np
 
@@ -57,7 +57,11 @@ class Segment:
         """``position(s, k)`` for every k of ``ks`` at once."""
         return self._rank(s, ks, np.minimum)
 
-    def _rank(self, s: int, k, minimum):
+    @overload
+    def _rank(self, s: int, k: int, minimum: Callable[[int, int], int]) -> int: ...
+    @overload
+    def _rank(self, s: int, k: np.ndarray, minimum: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray: ...
+    def _rank(self, s: int, k: int | np.ndarray, minimum: Callable[..., int | np.ndarray]) -> int | np.ndarray:
         """The one formula of ``position``, for an int or an array of them (``minimum`` to match)."""
         n_s, rank = self.sources[s].total, k
         for t, other in enumerate(self.sources):
@@ -89,7 +93,7 @@ class Segment:
         for s, source in enumerate(self.sources):
             if last[s] <= first[s]:
                 continue
-            ks = np.arange(first[s], last[s], dtype=self.dtype_for_counts())
+            ks: np.ndarray = np.arange(first[s], last[s], dtype=self.dtype_for_counts())
             ranks = self.positions(s, ks) - a
             assert 0 <= ranks.min() and ranks.max() < b - a, "weighted fair queuing ranks are inconsistent"
             starts = np.asarray(source.starts, dtype=ks.dtype)
@@ -100,6 +104,6 @@ class Segment:
         assert all(ref is not None for ref in out), "weighted fair queuing ranks are inconsistent"
         return out  # type: ignore[return-value]
 
-    def dtype_for_counts(self):
+    def dtype_for_counts(self) -> type:
         """int64 while k·n_t cannot overflow it (sources under 2^31 rows), else exact Python ints."""
         return np.int64 if max(source.total for source in self.sources) < 2**31 else object

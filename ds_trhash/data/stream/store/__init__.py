@@ -7,17 +7,20 @@ repository). ``data.shards_dir`` a directory: that directory. ``data.shards_dir`
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from ds_trhash.data.stream.store.base import (HF_PREFIX, ReadTimedOut, ShardStore, StoreError, StoreFile, StoreUnavailable,
                                               parse_hf_url, relative_name)
 from ds_trhash.data.stream.store.local import LOCAL_COMMIT, LocalStore
 
+if TYPE_CHECKING:  # the name HubStore, resolved by __getattr__ below when first used
+    from ds_trhash.data.stream.store.hub import HubStore
+
 __all__ = ["HubStore", "LocalStore", "LOCAL_COMMIT", "ReadTimedOut", "ShardStore", "StoreError", "StoreFile", "StoreUnavailable",
            "open_store", "relative_name"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[HubStore]:
     # lazy: ``hub`` imports huggingface_hub and its HTTP client (~0.3 s of every launch's start);
     # only a launch that reads from the Hub needs it
     if name == "HubStore":
@@ -30,7 +33,7 @@ def __getattr__(name: str):
 def _hub_store(repo_id: str, revision: str, hub_wait_s: Optional[float]) -> ShardStore:
     from ds_trhash.data.stream.store.hub import HubStore  # lazy, as above
 
-    return HubStore(repo_id, revision, **({"budget_s": hub_wait_s} if hub_wait_s is not None else {}))
+    return HubStore(repo_id, revision) if hub_wait_s is None else HubStore(repo_id, revision, budget_s=hub_wait_s)
 
 
 def open_store(shards_dir: Optional[str], plan_doc: Mapping, origin: str,

@@ -80,7 +80,7 @@ class ShardStore(Protocol):
     def list_files(self) -> dict[str, StoreFile]:
         """Every file at the commit, by relative path, from one listing."""
 
-    def read_json(self, path: str) -> Any:
+    def read_json(self, path: str) -> object:
         """The decoded JSON file at ``path``."""
 
     def warm_up(self) -> None:

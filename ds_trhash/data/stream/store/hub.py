@@ -18,8 +18,10 @@ import hashlib
 import io
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional, TypeVar
 
 # Loaded with this module, which only a Hub store imports: a prefetch process loads them as it starts,
 # not at its first download, where a read waiting for that shard would pay for them
@@ -32,12 +34,22 @@ from ds_trhash import hub_access
 from ds_trhash.data.stream import deadline
 from ds_trhash.data.stream.store.base import StoreError, StoreFile, StoreUnavailable, relative_name
 
+T = TypeVar("T")
+
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CHUNK = 1 << 20
 
 
 class _CutShort(StoreUnavailable):
     """The body ended before the bytes the listing promised (transient: resumed by Range)."""
+
+
+@dataclass
+class _Transfer:
+    """Where a download stands: bytes written to the sink, and their hash so far."""
+
+    offset: int = 0
+    digest: hashlib._Hash = field(default_factory=hashlib.sha256)
 
 
 class HubStore:
@@ -47,7 +59,7 @@ class HubStore:
         self.repo_id, self.revision = repo_id, revision
         self.endpoint = hub_access.endpoint()
         self.patience = hub_access.Patience(budget_s=budget_s, attempts=attempts, backoff_s=backoff_s,
-                                            **({"say": say} if say else {}))
+                                            say=say or hub_access.Patience.say)
         self.stall_s = float(stall_s if stall_s is not None else constants.HF_HUB_DOWNLOAD_TIMEOUT)
         self.commit: Optional[str] = None
         self.description = f"hf://datasets/{repo_id}@{revision} (endpoint {self.endpoint})"
@@ -76,7 +88,7 @@ class HubStore:
         """Requests sent, retries included (tests and the benchmark read it)."""
         return self.patience.requests
 
-    def _retry(self, what: str, call):
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
         try:  # within what is left of the read's deadline, when a read set one
             return self.patience.call(what, call, budget_s=deadline.remaining())
         except hub_access.HubUnavailable as exc:
@@ -135,12 +147,12 @@ class HubStore:
         return hf_hub_url(self.repo_id, relative_name(path, f"hf://datasets/{self.repo_id}"), repo_type="dataset",
                           revision=self._pinned(), endpoint=self.endpoint)
 
-    def _get_into(self, path: str, sink, state: dict, limit: int) -> None:
+    def _get_into(self, path: str, sink: BinaryIO, state: _Transfer, limit: int) -> None:
         """One GET, ranged from ``state["offset"]``: appends at most ``limit`` bytes in all, hashing
         them; ``state`` follows every block, so a cut transfer resumes from what was written."""
         request_headers = hub_access.headers()
-        if state["offset"]:
-            request_headers["Range"] = f"bytes={state['offset']}-"
+        if state.offset:
+            request_headers["Range"] = f"bytes={state.offset}-"
         with http_stream_backoff("GET", self._url(path), headers=request_headers, timeout=self.stall_s,
                                  follow_redirects=True, max_retries=0, retry_on_status_codes=(),
                                  retry_on_exceptions=()) as response:
@@ -148,32 +160,32 @@ class HubStore:
                 raise StoreError(f"{path} is not in hf://datasets/{self.repo_id}@{self._pinned()[:12]} "
                                  f"({self.endpoint}); the manifest names a file the revision lacks")
             hf_raise_for_status(response)
-            if state["offset"] and response.status_code != 206:  # the server ignored the range: start over
-                state.update(offset=0, digest=hashlib.sha256())
-            sink.seek(state["offset"])
+            if state.offset and response.status_code != 206:  # the server ignored the range: start over
+                state.offset, state.digest = 0, hashlib.sha256()
+            sink.seek(state.offset)
             for block in response.iter_bytes(_CHUNK):
-                block = block[: max(0, limit - state["offset"])]
+                block = block[: max(0, limit - state.offset)]
                 sink.write(block)
-                state["digest"].update(block)
-                state["offset"] += len(block)
+                state.digest.update(block)
+                state.offset += len(block)
 
-    def _fetch(self, path: str, sink, limit: int, exact: bool) -> str:
+    def _fetch(self, path: str, sink: BinaryIO, limit: int, exact: bool) -> str:
         """Every byte of ``path`` into ``sink`` (waiting out outages, resuming by Range); its sha256."""
-        state = {"offset": 0, "digest": hashlib.sha256()}
+        state = _Transfer()
 
         def attempt() -> None:
             self._get_into(path, sink, state, limit)
-            if exact and state["offset"] < limit:
-                raise _CutShort(f"{path}: body ended at {state['offset']} of {limit} bytes")
+            if exact and state.offset < limit:
+                raise _CutShort(f"{path}: body ended at {state.offset} of {limit} bytes")
 
         try:
             self._retry(f"{path} (hf://datasets/{self.repo_id}@{self._pinned()[:12]})", attempt)
         except HfHubHTTPError as exc:
             raise self._refusal(exc, path) from None
-        sink.truncate(state["offset"])
-        return state["digest"].hexdigest()
+        sink.truncate(state.offset)
+        return state.digest.hexdigest()
 
-    def read_json(self, path: str) -> Any:
+    def read_json(self, path: str) -> object:
         buffer = io.BytesIO()
         self._fetch(path, buffer, 1 << 30, exact=False)
         try:

@@ -49,7 +49,7 @@ class LocalStore:
                 found[rel] = StoreFile(rel, os.stat(full).st_size)
         return found
 
-    def read_json(self, path: str) -> Any:
+    def read_json(self, path: str) -> object:
         full = self._path(path)
         try:
             return json.loads(full.read_text(encoding="utf-8"))

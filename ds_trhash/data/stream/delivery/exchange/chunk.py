@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ds_trhash.data.stream.order import RowRef
 from ds_trhash.data.stream.store import StoreUnavailable
@@ -28,7 +29,7 @@ class PeerStoreUnavailable(PeerReadError, StoreUnavailable):
     """As ``PeerReadError``, because the store stayed away longer than that node's wait budget."""
 
 
-def status_of(error: BaseException) -> int:
+def status_of(error: Optional[BaseException]) -> int:
     """The status a failed read sends in place of its rows."""
     return STORE_GONE if isinstance(error, StoreUnavailable) else FAILED
 
@@ -62,7 +63,7 @@ class Chunk:
     send: np.ndarray = field(init=False)
     error: Optional[BaseException] = None
     recv: Optional[torch.Tensor] = None
-    work: object = None
+    work: Optional[dist.Work] = None  # the exchange in flight
 
     def __post_init__(self) -> None:
         self.send = np.zeros(sum(self.send_bytes), dtype=np.uint8)  # status OK (0) and rows to come
@@ -85,7 +86,9 @@ class Chunk:
 
     def statuses(self) -> list[int]:
         """Each node's status in what this rank received (the exchange completed)."""
-        recv, offset, found = self.recv.numpy(), 0, []
+        if self.recv is None:
+            raise RuntimeError("statuses read before the exchange received anything")
+        recv, offset, found = self.recv.numpy(), 0, list[int]()
         for size in self.recv_bytes:
             found.append(int(recv[offset:offset + HEADER].view(np.int64)[0]))
             offset += size

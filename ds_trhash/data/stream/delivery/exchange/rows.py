@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -69,6 +69,16 @@ CLOSE_WAIT_S = 10.0  # how long close waits for the exchanges in flight (every m
 JOIN_S = 2.0  # how long close waits for the read thread (a daemon: a download in it is not waited out)
 
 
+def _wait(chunk: Chunk, timeout: Optional[datetime.timedelta] = None) -> None:
+    """Wait for ``chunk``'s exchange, issued before it was queued (every queued chunk has one)."""
+    if chunk.work is None:
+        raise RuntimeError("a chunk was waited for before its exchange was issued")
+    if timeout is None:
+        chunk.work.wait()
+    else:
+        chunk.work.wait(timeout)
+
+
 class RowExchange:
     """This rank's micro-batches, chunk by chunk, from rows read by their shards' owners (see the
     module). The interface of ``assembly.Ahead`` (``get``, ``start``, ``request_stop``,
@@ -79,7 +89,8 @@ class RowExchange:
     issues nothing else on it); ``node`` / ``nodes``: this rank's node and the node count;
     ``end``: the step the stage stops before; ``budget_s``: one read's budget (None: none)."""
 
-    def __init__(self, reader: ReplayReader, layout: BatchLayout, node: int, nodes: int, group=None,
+    def __init__(self, reader: ReplayReader, layout: BatchLayout, node: int, nodes: int,
+                 group: Optional[dist.ProcessGroup] = None,
                  end: Optional[int] = None, chunk_rows: int = CHUNK_ROWS,
                  finish: Optional[Callable[[torch.Tensor, torch.Tensor], Batch]] = None,
                  budget_s: Optional[float] = None) -> None:
@@ -222,7 +233,6 @@ class RowExchange:
         read thread's too: taken in turn)."""
         with self._plan_lock:
             return self._layout(chunk)
-        return found
 
     def _issue_owed(self, through: int = -1) -> None:
         """Send the parts owed whose reads are done, in chunk order (those up to ``through``
@@ -245,7 +255,8 @@ class RowExchange:
     def _unpack(self, chunk: int, found: Chunk) -> np.ndarray:
         """This rank's rows of the chunk ([rows, seq_len + 1] int64), each node's put in place; a
         failed chunk raised: this rank's own error, else one naming the first node that failed."""
-        recv, statuses = found.recv.numpy(), found.statuses()
+        statuses = found.statuses()  # raises when nothing was received
+        recv = cast(torch.Tensor, found.recv).numpy()
         if found.error is not None:
             if isinstance(found.error, UserError):
                 found.error.per_rank = True  # this rank's own read: its launch prints it here (its peers name it)
@@ -263,7 +274,7 @@ class RowExchange:
     def _complete(self, chunk: int) -> list[list[Batch]]:
         """Chunk ``chunk``'s exchange waited for, and this rank's micro-batches cut from it."""
         found = self._issued.pop(chunk)
-        found.work.wait()
+        _wait(found)
         rows = self._unpack(chunk, found)
         if chunk in self._agreed:  # another group's read failed: every rank stops here
             raise peer_error(*self._agreed[chunk], self._steps(chunk))
@@ -343,7 +354,7 @@ class RowExchange:
         """Wait for every exchange in flight (every member started it: it completes; a failed
         one raises here, as the next exchange would)."""
         for chunk in list(self._issued):
-            self._issued.pop(chunk).work.wait()
+            _wait(self._issued.pop(chunk))
 
     def request_stop(self) -> None:
         """Drop the reads not begun yet (never blocks); a later ``get`` reads them again."""
@@ -367,7 +378,7 @@ class RowExchange:
         deadline = time.monotonic() + CLOSE_WAIT_S
         for found in self._issued.values():
             try:
-                found.work.wait(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+                _wait(found, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
             except RuntimeError:  # a peer gone, or timed out: nothing of it is used now
                 if self.group is not None:
                     with contextlib.suppress(RuntimeError):
