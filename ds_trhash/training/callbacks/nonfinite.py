@@ -21,8 +21,8 @@ row end the run as above.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Protocol, cast
 
 import torch
 
@@ -34,6 +34,18 @@ from ds_trhash.training.config import TrainConfig
 NONE = -1  # no non-finite step seen (on the device)
 UNSEEN = 2**62  # the same, as agreed over the ranks (the smallest bad step wins)
 MODES = ("stop", "skip_step")
+
+
+class _StepValues(Protocol):
+    """What the guard reads of a step's metrics (``loop.StepMetrics``)."""
+
+    first_nonfinite: int | None
+
+    def device_values(self) -> tuple[torch.Tensor, torch.Tensor | float | None]: ...
+
+    def watch(self, flag: torch.Tensor | None) -> None: ...
+
+    def __getitem__(self, key: str) -> object: ...
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -92,17 +104,18 @@ class NonFiniteGuard(Callback):
             return GO_ON
         return GO_ON if is_finite(check.loss, check.grad_norm()) else SKIP_UPDATE
 
-    def on_step_end(self, state: TrainState, metrics: Any) -> None:  # the loop's StepMetrics
+    def on_step_end(self, state: TrainState, metrics: Mapping[str, object]) -> None:
         """First of the step's callbacks: a skipped step counted (skip_step), or the step's values
         remembered on the device and, at a check step, read with the loss and agreed (stop)."""
         if self.skips:
             self.skipped_step(state.step, state.update_skipped)
             return
-        self.record(state.step, *metrics.device_values())
+        step = cast(_StepValues, metrics)  # the loop's StepMetrics (callbacks never import the loop)
+        self.record(state.step, *step.device_values())
         if self.due(state.step, state.total_steps):
-            metrics.watch(self.first_bad)
-            metrics["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
-            self.check(metrics.first_nonfinite)  # before any callback could save this step
+            step.watch(self.first_bad)
+            step["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
+            self.check(step.first_nonfinite)  # before any callback could save this step
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> None:
         """Device ops only: remember ``step`` if it is the first non-finite one."""
