@@ -24,6 +24,8 @@ SHARED = {
 # the long launch files with one or two tests would otherwise come last
 FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
+    "tests/training/liveness/test_lost_rank_launch.py",  # 160-310 s alone: 4 faulted two-node launches side by side
+    # (two 30 s silences, a freeze, a hang), then 2 resumes
     # ~390 s at a load average of 8 (with the ZeRO-1 and ZeRO-2 reference launches it shares):
     # 12-step 2-process launches, an out-of-memory retry, a kill and its resume, a ZeRO-2 exit 77
     # and its resume

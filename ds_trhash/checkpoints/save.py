@@ -37,10 +37,17 @@ def _state_doc(trainer_state: TrainerState | Mapping[str, Any]) -> dict[str, Any
     return {**dict(trainer_state), **TrainerState.from_dict(trainer_state).to_dict()}
 
 
+def never_refuse() -> str | None:
+    return None
+
+
 def _finalize(tmp: Path, final: Path, doc: dict[str, Any], world_size: int,
-              known: Mapping[str, dict[str, Any]] | None = None) -> None:
+              known: Mapping[str, dict[str, Any]] | None = None,
+              may_publish: Callable[[], str | None] = never_refuse) -> None:
     """Rank 0, after every rank wrote its files: state, fsync, manifest last, atomic rename.
-    ``known``: size and SHA-256 of files already hashed (and fsynced) as they were written."""
+    ``known``: size and SHA-256 of files already hashed (and fsynced) as they were written.
+    ``may_publish``: asked right before the rename; a reason refuses it (the launch's liveness: a
+    rank was lost, or this one was frozen, so the others may have given up on this checkpoint)."""
     absent = [r for r in range(world_size) if not rng_path(tmp, r).is_file()]
     if absent:
         raise CheckpointError(f"ranks {absent} wrote no RNG state into {tmp}; the checkpoint is incomplete "
@@ -49,6 +56,9 @@ def _finalize(tmp: Path, final: Path, doc: dict[str, Any], world_size: int,
     write_json(tmp / TRAINER_STATE, doc)
     write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "step": doc["step"], "files": _synced_entries(tmp, known)})
     fsync_tree(tmp)
+    refusal = may_publish()
+    if refusal is not None:
+        raise CheckpointError(f"{tmp.name} was not published: {refusal}; the last complete checkpoint stays the newest")
     publish_dir(tmp, final)  # a re-save of the same step swaps the old copy out atomically
 
 
@@ -89,13 +99,14 @@ def save_checkpoint(
     world_size: int,
     barrier: Callable[[], Any] = lambda: None,
     rng_state: dict[str, Any] | None = None,
+    may_publish: Callable[[], str | None] = never_refuse,
 ) -> Path:
     """Write checkpoint ``step`` on every rank; it becomes visible only when complete.
 
     All ranks must call this collectively (DeepSpeed's save is itself collective). The
     temporary directory name is the same on every rank so that all of them write into it.
     ``trainer_state`` may be a plain dict: it must hold every ``TrainerState`` field without a
-    default, and extra keys are kept.
+    default, and extra keys are kept. ``may_publish``: the publish guard (``_finalize``).
     """
     doc = _state_doc(trainer_state)
     final, tmp = _prepare(output_dir, step, doc, rank, world_size, barrier)
@@ -103,6 +114,6 @@ def save_checkpoint(
     save_rng_state(tmp, rank, rng_state)
     barrier()
     if rank == 0:
-        _finalize(tmp, final, doc, world_size)
+        _finalize(tmp, final, doc, world_size, may_publish=may_publish)
     barrier()
     return final

@@ -21,6 +21,7 @@ from ds_trhash.eval.piqa import PiqaCountWarning, PiqaExample, TextEncoder, eval
 from ds_trhash.io import write_text_atomic
 from ds_trhash.ranks import is_multi_rank
 from ds_trhash.training.callbacks.base import (
+    EVAL,
     Builder,
     Callback,
     EvalResult,
@@ -47,6 +48,8 @@ def _nobody(state: TrainState, result: EvalResult) -> None:
 class HeldoutCallback(Callback):
     """Held-out loss at the start (the source checkpoint, step 0) and at every epoch boundary,
     on every rank (each scores its share; the loss is reduced over ranks)."""
+
+    phase = EVAL
 
     def __init__(self, model: Scored, eval_batches: SFTBatches, device: torch.device, writer: MetricsWriter,
                  progress: Progress, announce: Announce = _nobody) -> None:
@@ -83,6 +86,8 @@ class PiqaCallback(Callback):
     """Zero-shot PIQA (docs/contracts.md, "Evaluation") on rank 0: the SFT source at step 0 and
     every epoch end, or the end of a pretraining/refinement stage. Rows go to ``piqa.jsonl``
     beside metrics.csv; the other ranks wait at a barrier."""
+
+    phase = EVAL
 
     run_files = (PIQA_RESULTS,)
 

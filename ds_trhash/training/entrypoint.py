@@ -22,6 +22,7 @@ from ds_trhash.data.stage import StoreUnavailable
 from ds_trhash.errors import UserError
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
+from ds_trhash.training import liveness
 from ds_trhash.training.callbacks import Callback
 from ds_trhash.training.callbacks.base import TrainState
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE
@@ -329,6 +330,30 @@ def _set_up_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
          requests: StopRequests | None = None) -> int:
+    """Run one launch (``launch``); then this rank's liveness ends, telling the peers how it ended
+    (a rank that leaves in order is never taken for a lost one)."""
+    code = 1  # a traceback (a bug) leaves with it
+    try:
+        code = launch(argv, parts, requests)
+        return code
+    finally:
+        liveness.stop(code)
+
+
+def _peer_lost_code(rank: int) -> int:
+    """A collective failed because a peer went away: liveness's verdict names it (its line is
+    said, ``lost_peer.json`` written, and the process ends with its code, normally before this
+    returns); without one (the peer left with its own error, or liveness is off) one line, exit 1."""
+    verdict = liveness.current().wait_for_verdict()
+    if verdict is not None:
+        return verdict.code
+    rank_line(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
+              "why); exiting")
+    return 1
+
+
+def launch(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None = None,
+           requests: StopRequests | None = None) -> int:
     """Run one launch. ``parts``: the callback classes in call order (``ds_trhash.run`` composes
     them with evaluation). ``requests``: the stop-signal recorder ``launch/train.py`` installed
     before it imported torch; None (a launch inside a caller's process) records nothing and leaves
@@ -337,7 +362,8 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
     The one place a launch's refusal becomes output: a ``UserError`` (raised by the config, the
     data, the checkpoints, any part) prints ``error: <message>`` on rank 0 and exits with its
     code (2). A disk that fails under the run or a rank that is lost ends it with one line per
-    rank and exit 1. A stop on the scheduler's time-limit warning (SIGUSR1) exits ``EXIT_REQUEUE``
+    rank and exit 1, unless liveness named the lost rank (exit ``EXIT_PEER_LOST``, 76, or a peer's
+    abort code). A stop on the scheduler's time-limit warning (SIGUSR1) exits ``EXIT_REQUEUE``
     (75) on every rank, after its checkpoint. Anything else is a bug and keeps its traceback."""
     args = build_arg_parser().parse_args(argv)
     started_at = time.time()
@@ -355,6 +381,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         use_deterministic_kernels(cfg.training.deterministic)  # before CUDA's first matmul (the self-check)
         started = not dist.is_initialized()  # an in-process caller's group is left to its owner
         rank, world = start_process_group(group_timeout_minutes(cfg.data))
+        liveness.start(cfg, rank, world)  # the peers' addresses through the group's store, once
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         if checked is None:
@@ -374,9 +401,7 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         if peer_lost(e, world) and output_dir is not None and (oom := exit_event(output_dir, since=started_at)):
             return out_of_memory_peer(oom, rank)
         if peer_lost(e, world):
-            rank_line(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
-                      "why); exiting")
-            return 1
+            return _peer_lost_code(rank)
         raise
     finally:
         if started and dist.is_initialized():

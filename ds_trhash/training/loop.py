@@ -39,6 +39,7 @@ from ds_trhash.training.callbacks.base import (  # the loop's names too
     SKIP_UPDATE,
     Callback,
     FaultPoints,
+    Metrics,
     TrainState,
     UpdateCheck,
 )
@@ -54,6 +55,9 @@ from ds_trhash.training.memory.step import (
     retries_in_place,
     why_not_in_place,
 )
+from ds_trhash.training.liveness.phases import (
+    DATA_WAIT, END, FIRST_STEP, FORWARD_BACKWARD, HOOKS, MARK_DATA, MARK_END, MARK_FORWARD, MARK_OPTIMIZER,
+    OPTIMIZER, Beacon)
 
 log = logging.getLogger("ds_trhash.loop")
 
@@ -91,7 +95,8 @@ def _reduced_grad_norm(engine: DeepSpeedEngine) -> torch.Tensor | None:
 
 def train_step(engine: DeepSpeedEngine, micro_batches: MicroBatches, device: torch.device, world_size: int,
                vocab_size: int | None = None, decide: Callable[[UpdateCheck], int] | None = None,
-               step: int = 0, inject_oom: Callable[[int], bool] | None = None) -> dict:
+               step: int = 0, inject_oom: Callable[[int], bool] | None = None,
+               beacon: Beacon | None = None) -> dict:
     """Run one optimizer step over this rank's micro-batches; return step-global statistics.
 
     No host synchronisation: label counts are host integers (summed over ranks on the CPU), the
@@ -105,7 +110,9 @@ def train_step(engine: DeepSpeedEngine, micro_batches: MicroBatches, device: tor
     trains it again). Where the ranks can retry in place (``memory.step.retries_in_place``) the
     boundary's gradient reduction waits for that decision, so that a rank out of memory reaches
     it like the others; elsewhere an out-of-memory error propagates. ``inject_oom(micro_step)``:
-    the fault injection's out-of-memory error inside that micro-batch's backward.
+    the fault injection's out-of-memory error inside that micro-batch's backward. ``beacon``: where
+    the liveness heartbeat reads this rank's place (the decision and the update are marked; a first
+    step keeps its phase).
     """
     valid, ignored, bad = label_counts(micro_batches, vocab_size)
     t_local = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
@@ -121,6 +128,9 @@ def train_step(engine: DeepSpeedEngine, micro_batches: MicroBatches, device: tor
     in_place, micro_steps = retries_in_place(engine), getattr(engine, "micro_steps", 0)
     with deferred_boundary(engine, in_place):
         failed = _backwards(engine, micro_batches, device, scale, loss_sum_local, in_place, inject_oom)
+        if beacon is not None:  # the decision point and the update: the optimizer's part of the step
+            beacon.mark = MARK_OPTIMIZER
+            beacon.phase = beacon.phase if beacon.phase == FIRST_STEP else OPTIMIZER
         check = UpdateCheck(step, loss_sum_local, lambda: _reduced_grad_norm(engine), failed,
                             micro_batch=int(micro_batches[0]["input_ids"].shape[0]), rows=rows_of(micro_batches))
         decision = decide(check) if decide is not None else (RETRY if failed else GO_ON)
@@ -243,6 +253,7 @@ def run(
     lr_of: Callable[[], float],
     vocab_size: int | None = None,
     faults: FaultPoints | None = None,
+    beacon: Beacon | None = None,
 ) -> TrainState:
     """Train from ``state.step`` to ``state.total_steps`` (or until a stop is requested).
 
@@ -250,10 +261,12 @@ def run(
     or a hook is first passed to every ``on_error``, then re-raised; a ``close`` that fails
     meanwhile is logged and does not hide it. After a stage that ended, the first failed
     ``close`` is raised once every other callback is closed. ``faults``: the fault injection's
-    out-of-memory errors (``DS_TRHASH_FAULT=oom_at_step:...``)."""
+    out-of-memory errors (``DS_TRHASH_FAULT=oom_at_step:...``). ``beacon``: this rank's liveness
+    beacon (training/liveness/), set at each place of a step (attribute writes only)."""
     failed = False
     try:
-        return _train(engine, loader, state, callbacks, device, world_size, lr_of, vocab_size, faults)
+        return _train(engine, loader, state, callbacks, device, world_size, lr_of, vocab_size, faults,
+                      beacon or Beacon())
     except BaseException as exc:
         failed = True
         for cb in callbacks:
@@ -275,18 +288,22 @@ def decide_together(callbacks: list[Callback], state: TrainState, check: UpdateC
     return vote
 
 
-def agreed_step(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
-                world_size: int, vocab_size: int | None, faults: FaultPoints | None = None) -> dict:
+def agreed_step(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback],
+                device: torch.device, world_size: int, vocab_size: int | None, faults: FaultPoints | None = None,
+                beacon: Beacon | None = None) -> dict:
     """Optimizer step ``state.step + 1`` as every rank decided it: trained again on the same rows at
     the next smaller micro-batch for as long as every rank agrees to retry it (out of memory)."""
-    rows = loader.micro_batches(state.step)  # read once: a retry trains the very same rows
+    beacon = beacon or Beacon()
     step = state.step + 1
+    beacon.at(step, MARK_DATA, DATA_WAIT)
+    rows = loader.micro_batches(state.step)  # read once: a retry trains the very same rows
     inject = None if faults is None else (lambda micro_step: faults.out_of_memory_due(step, micro_step))
     while True:
+        beacon.at(step, MARK_FORWARD, FIRST_STEP if state.steps_timed == 0 else FORWARD_BACKWARD)
         cut = recut(rows, state.micro_batch)
         try:
             stats = train_step(engine, cut, device, world_size, vocab_size, step=step, inject_oom=inject,
-                               decide=lambda check: decide_together(callbacks, state, check))
+                               decide=lambda check: decide_together(callbacks, state, check), beacon=beacon)
         except torch.OutOfMemoryError as exc:  # a collective lay in between: every rank stops
             raise _out_of_memory_exit(engine, step, cut, rows) from exc
         if stats["decision"] != RETRY:
@@ -320,21 +337,30 @@ def _close_all(callbacks: list[Callback], raise_first: bool) -> None:
         raise errors[0]
 
 
+def _hooks(callbacks: list[Callback], hook: str, state: TrainState, beacon: Beacon, first_mark: int,
+           *args: Metrics, phase: str | None = None) -> None:
+    """Call ``hook`` on every callback, the beacon at each one's place (its ``phase``, or ``phase``)."""
+    for i, cb in enumerate(callbacks):
+        beacon.at(state.step, first_mark + i, phase or cb.phase)
+        getattr(cb, hook)(state, *args)
+
+
 def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callbacks: list[Callback], device: torch.device,
            world_size: int, lr_of: Callable[[], float], vocab_size: int | None,
-           faults: FaultPoints | None = None) -> TrainState:
+           faults: FaultPoints | None, beacon: Beacon) -> TrainState:
     """The steps and the hooks of a stage (``run`` puts the lifecycle around them)."""
     state.epoch = state.epochs_done = loader.epoch_of(state.step)
-    for cb in callbacks:
+    for i, cb in enumerate(callbacks):
         if state.stop_requested:  # agreed before the first step (the stop callback starts first): no
             break  # evaluation of the starting point, no profiler; every on_end still runs
+        beacon.at(state.step, HOOKS + i, cb.phase)
         cb.on_start(state)
     state.throughput.start()
     while state.step < state.total_steps and not state.stop_requested:
         epoch = loader.epoch_of(state.step)
         t0 = time.perf_counter()
         lr = lr_of()
-        stats = agreed_step(engine, loader, state, callbacks, device, world_size, vocab_size, faults)
+        stats = agreed_step(engine, loader, state, callbacks, device, world_size, vocab_size, faults, beacon)
         dt = time.perf_counter() - t0
         state.step += 1
         state.step_seconds += dt
@@ -356,15 +382,12 @@ def _train(engine: DeepSpeedEngine, loader: DataLoader, state: TrainState, callb
             "label_out_of_range": stats["label_out_of_range"],
         }, loss=stats["loss"], grad_norm=stats["grad_norm"])
         state.last = metrics
-        for cb in callbacks:
-            cb.on_step_end(state, metrics)
+        _hooks(callbacks, "on_step_end", state, beacon, HOOKS, metrics)
         if next_epoch != epoch:
             state.epoch = epoch
-            for cb in callbacks:
-                cb.on_epoch_end(state)
+            _hooks(callbacks, "on_epoch_end", state, beacon, HOOKS + len(callbacks))
             state.epoch = next_epoch
         state.throughput.note(state.step, stats["tokens"], state.pauses)  # the step and its callbacks
         state.pauses.clear()
-    for cb in callbacks:
-        cb.on_end(state)
+    _hooks(callbacks, "on_end", state, beacon, MARK_END, phase=END)
     return state

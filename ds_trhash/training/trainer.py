@@ -25,7 +25,7 @@ from ds_trhash.model.compile import compile_model
 from ds_trhash.model.lora import apply_lora
 from ds_trhash.ranks import barrier
 from ds_trhash.training import config as tcfg
-from ds_trhash.training import loop
+from ds_trhash.training import liveness, loop
 from ds_trhash.training.callbacks import (
     Callback,
     FaultInjection,
@@ -243,7 +243,8 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     # the callbacks close the records and the display, even when a step raises
     callbacks = make_callbacks(list(plan.builders), run)
     state = loop.run(engine.engine, data.loader, state, callbacks, plan.device, world, faults=run.faults,
-                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size)
+                     lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size,
+                     beacon=liveness.current().beacon)
     if rank == 0:
         skipped = "".join(cb.describe() for cb in callbacks if isinstance(cb, NonFiniteGuard))
         progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{skipped}")

@@ -93,3 +93,17 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
     assert (path / "state/mp_rank_00_model_states.pt").read_bytes() == b"newer"
     assert verify(path)[0]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000009"]
+
+
+def test_an_unhealthy_launch_publishes_nothing_and_keeps_the_last_checkpoint(tmp_path):
+    """The publish guard (the launch's liveness): a rank lost, or this one frozen, refuses the
+    rename; the last complete checkpoint stays the newest, untouched."""
+    save(tmp_path, 3)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match=r"step_00000006.tmp was not published: rank 1 was lost \(silent\); "
+                                              r"the last complete checkpoint stays the newest"):
+        save(tmp_path, 6, may_publish=lambda: "rank 1 was lost (silent)")
+    assert [c.step for c in list_checkpoints(tmp_path)] == [3]
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+            if p.is_file() and "step_00000006.tmp" not in p.parts} == before
+    assert verify(list_checkpoints(tmp_path)[0].path, deep=True)[0]

@@ -79,3 +79,10 @@ def test_skip_step_needs_zero_stage_0_and_fp32(capsys, tmp_path):
     assert "training.nonfinite: skip_step zeroes a step's gradients" in err
     err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "training.nonfinite=sometimes")
     assert "training.nonfinite" in err and "skip_step" in err
+
+
+def test_a_silence_limit_of_fewer_than_five_heartbeats_names_both_liveness_keys(capsys, tmp_path):
+    err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "liveness.silent_s=3")
+    assert "liveness.silent_s: 3 s is less than 5 heartbeats of liveness.interval_s (1 s)" in err
+    err = _refused(capsys, tmp_path, _config(tmp_path, TINY), "--set", "liveness.stuck_minutes=0")
+    assert "liveness.stuck_minutes: must be > 0, got 0" in err

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ds_trhash.training import loop
+from ds_trhash.training.liveness.phases import Beacon
 
 
 class TokenModel(torch.nn.Module):
@@ -332,3 +333,41 @@ def test_a_failing_close_does_not_keep_the_others_open(tmp_path):
         loop.run(FakeEngine(TokenModel()), ListBatches(2, 100), loop.TrainState(step=0, total_steps=2), callbacks,
                  torch.device("cpu"), 1, lr_of=lambda: 0.1)
     assert events == [("a", "close"), ("b", "close")]  # no on_error: the stage itself ended
+
+
+class Places(loop.Callback):
+    """Where the liveness beacon says this rank is, seen from each hook; a second callback of
+    another phase shows each hook has a place of its own."""
+
+    def __init__(self, beacon, phase=None):
+        self.beacon, self.seen = beacon, []
+        if phase:
+            self.phase = phase
+
+    def on_start(self, state):
+        self.seen.append(("start", self.beacon.step, self.beacon.mark, self.beacon.phase))
+
+    def on_step_end(self, state, metrics):
+        self.seen.append(("step", self.beacon.step, self.beacon.mark, self.beacon.phase))
+
+    def on_end(self, state):
+        self.seen.append(("end", self.beacon.step, self.beacon.mark, self.beacon.phase))
+
+
+def test_the_liveness_beacon_follows_every_place_of_a_step_in_order():
+    from_data: list = []
+
+    class Watched(ListBatches):
+        def micro_batches(self, step):
+            from_data.append((beacon.step, beacon.mark, beacon.phase))
+            return super().micro_batches(step)
+
+    beacon = Beacon()
+    first, second = Places(beacon), Places(beacon, phase="checkpoint")
+    loop.run(FakeEngine(TokenModel()), Watched(2, 100), loop.TrainState(step=0, total_steps=2), [first, second],
+             torch.device("cpu"), 1, lr_of=lambda: 0.1, beacon=beacon)
+    assert from_data == [(1, 0, "data_wait"), (2, 0, "data_wait")]
+    assert first.seen == [("start", 0, 3, "step_end"), ("step", 1, 3, "step_end"), ("step", 2, 3, "step_end"),
+                          ("end", 2, 1_000_000, "end")]
+    assert second.seen == [("start", 0, 4, "checkpoint"), ("step", 1, 4, "checkpoint"), ("step", 2, 4, "checkpoint"),
+                           ("end", 2, 1_000_001, "end")]

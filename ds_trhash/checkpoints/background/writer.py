@@ -42,7 +42,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from ds_trhash.checkpoints.rng import save_rng_state
-from ds_trhash.checkpoints.save import _finalize, _prepare, _state_doc
+from ds_trhash.checkpoints.save import _finalize, _prepare, _state_doc, never_refuse
 from ds_trhash.checkpoints.state import CheckpointError, TrainerState, rng_path
 from ds_trhash.io import fsync_path, read_json_object, sha256_file, write_json_atomic
 
@@ -123,14 +123,17 @@ class BackgroundSaver:
 
     ``write_file`` writes one ``PendingFile`` and returns its {size, sha256} (tests pass a slow
     one); ``after_write(step)`` runs in the thread once this rank's files are on disk and before
-    the checkpoint is complete (the crash-safety tests kill the process there).
+    the checkpoint is complete (the crash-safety tests kill the process there); ``may_publish``
+    is asked on rank 0 right before the rename (a reason refuses the publish: ``save._finalize``).
     """
 
     def __init__(self, rank: int, world_size: int, *,
                  write_file: Callable[[PendingFile], Mapping[str, Any]] = write_torch_file,
                  after_write: Callable[[int], Any] = lambda step: None,
-                 wait_for_ranks_s: float = WAIT_FOR_RANKS_S):
+                 wait_for_ranks_s: float = WAIT_FOR_RANKS_S,
+                 may_publish: Callable[[], str | None] = never_refuse):
         self.rank, self.world_size = rank, world_size
+        self.may_publish = may_publish
         self.write_file, self.after_write = write_file, after_write
         self.wait_for_ranks_s = wait_for_ranks_s
         self._job: _Job | None = None
@@ -194,7 +197,8 @@ class BackgroundSaver:
         try:
             entries = self._write_own(job)
             if self.rank == 0:
-                _finalize(job.tmp, job.final, job.doc, self.world_size, known=self._merge(job.tmp, entries))
+                _finalize(job.tmp, job.final, job.doc, self.world_size, known=self._merge(job.tmp, entries),
+                          may_publish=self.may_publish)
         except BaseException as exc:  # kept for the training thread
             job.error = exc
         job.background_s = time.perf_counter() - t0

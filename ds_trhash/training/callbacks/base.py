@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ds_trhash.engine_api import DeepSpeedEngine
+# the phases a callback's hooks may declare (re-exported: evaluation imports nothing of training but this module)
+from ds_trhash.training.liveness.phases import CHECKPOINT, EVAL, STEP_END  # noqa: F401
 from ds_trhash.training.throughput import SteadyRate
 
 if TYPE_CHECKING:  # type names only: these import much more (and none of them imports this module)
@@ -175,6 +177,8 @@ class FaultPoints(Protocol):
 
     def maybe_kill(self, kind: str, step: int) -> None: ...
 
+    def maybe_hang(self, step: int, rank: int) -> None: ...
+
     def out_of_memory_due(self, step: int, micro_step: int) -> bool: ...
 
 
@@ -199,6 +203,9 @@ class Callback:
     """
 
     run_files: tuple[str, ...] = ()
+    # what the liveness heartbeat says this rank does in the hook (training/liveness/phases.py): a
+    # callback whose hooks may legitimately take long names its phase (checkpoint, eval), whose limit applies
+    phase: str = STEP_END
 
     @classmethod
     def prepare(cls, cfg: TrainConfig) -> Builder | None:

@@ -10,6 +10,8 @@ from ds_trhash.training.callbacks.base import (Callback, EvalResult, Metrics, Ru
                                               is_epoch_end)
 from ds_trhash.training.checkpoint_capture import capturing
 from ds_trhash.training.checkpoint_plan import cadence_reason
+from ds_trhash.training import liveness
+from ds_trhash.training.liveness.phases import CHECKPOINT
 
 
 class CheckpointCallback(Callback):
@@ -30,6 +32,8 @@ class CheckpointCallback(Callback):
     the next checkpoint; with ``checkpoint.keep_unsynced`` it keeps what no sync verified yet.
     """
 
+    phase = CHECKPOINT
+
     def __init__(self, run: RunContext):
         self.run = run
         self.every = run.cfg.checkpoint.every_steps
@@ -38,7 +42,9 @@ class CheckpointCallback(Callback):
         self.last_saved = -1
         self.kernel_path: dict | None = None  # backends_used() after the last training step
         self.capture = capturing(run.engine)
-        self.saver = BackgroundSaver(run.rank, run.world, after_write=self._fault_point)
+        # never published once liveness is unhealthy (a rank lost, or this one was frozen)
+        self.saver = BackgroundSaver(run.rank, run.world, after_write=self._fault_point,
+                                     may_publish=lambda: liveness.current().publish_refusal())
         self.reasons: dict[int, str] = {}
         self.evaluations: dict[int, StepEvaluation] = {}  # by step, for the epoch checkpoint's record
 

@@ -14,6 +14,7 @@ from ds_trhash.training.callbacks.base import (
     TrainState,
     is_epoch_end,
 )
+from ds_trhash.training.liveness.phases import CHECKPOINT
 
 
 def candidate(epoch: int, step: int, checkpoint: Path, heldout: dict | None, piqa: dict | None,
@@ -30,6 +31,8 @@ class SelectionCallback(Callback):
     """Takes the epoch's evaluation results (``on_evaluated``) and its checkpoint
     (``on_checkpoint_saved``, sent before ``on_epoch_end`` reaches this callback, which comes after
     the checkpointing one); rank 0 writes."""
+
+    phase = CHECKPOINT
 
     run_files = ("best", "selection.json")
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ds_trhash.training.callbacks.base import Callback, Metrics, RunContext, StopQuestion, TrainState
+from ds_trhash.training.liveness.phases import DATA_WAIT
 # the recorder lives in a module that imports no torch: launch/train.py installs it first of all
 from ds_trhash.training.signals import (  # noqa: F401  (re-exported: callers import them from here)
     DUPLICATE_WINDOW_S, EXIT_REQUEUE, STOP_SIGNALS, StopRequests)
@@ -194,6 +195,8 @@ class StopCallback(Callback):
     collective), and an agreed stop becomes ``state.stop_requested`` (and ``state.stop_requeue``), which the metrics and
     checkpointing callbacks after it answer (a final metrics row, a "stop signal" checkpoint)
     and the loop obeys."""
+
+    phase = DATA_WAIT
 
     def __init__(self, stop: StopQuestion) -> None:
         self.stop = stop

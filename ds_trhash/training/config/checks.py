@@ -116,6 +116,12 @@ def _check_feature_pairs(cfg: TrainConfig, b: _Builder) -> None:
     if cfg.kernels.experts == "triton" and cfg.kernels.policy == "pytorch":
         raise b.fail("kernels.experts", "kernels.policy pytorch never runs the Triton experts; use policy auto or "
                                         "triton, or kernels.experts auto, masked or pytorch", "kernels.policy")
+    live = cfg.liveness
+    if live.silent_s < 5 * live.interval_s:
+        raise b.fail("liveness.silent_s", f"{live.silent_s:g} s is less than 5 heartbeats of liveness.interval_s "
+                                          f"({live.interval_s:g} s): one late heartbeat would name a live rank lost; "
+                                          f"set silent_s >= {5 * live.interval_s:g} or a shorter interval_s",
+                     "liveness.interval_s")
     if cfg.kernels.compile != "none" and cfg.parallel.ep_size > 1:
         raise b.fail("kernels.compile", "compiling the expert-parallel layers (their all-to-all token exchange) "
                                         "is not supported; use kernels.compile none with parallel.ep_size > 1",

@@ -135,6 +135,24 @@ class ProfileSection:
 
 
 @dataclass(frozen=True)
+class LivenessSection:
+    # Heartbeats between the ranks beside the collectives (training/liveness/): a rank unheard or
+    # stuck past its limit is named by every rank, which then exits 76. null: on with several ranks.
+    enabled: bool | None = None
+    interval_s: float = _f(1.0, check=_positive)  # one heartbeat per rank and interval
+    silent_s: float = _f(30.0, check=_positive)  # a rank unheard this long is lost
+    # How long a rank may hold one place while another rank is ahead of it (waiting for it), by
+    # what it is doing: a step's compute and hooks, then the long phases with their own limits.
+    # The data's wait is data.hub_wait_minutes plus ten minutes.
+    stuck_minutes: float = _f(5.0, check=_positive)
+    startup_minutes: float = _f(30.0, check=_positive)  # model, engine, checkpoint load or reshard
+    first_step_minutes: float = _f(30.0, check=_positive)  # compilation, Triton autotuning, experts probe
+    checkpoint_minutes: float = _f(30.0, check=_positive)  # a checkpoint's write, best/, final/ export
+    eval_minutes: float = _f(30.0, check=_positive)  # held-out loss, PIQA
+    probe_minutes: float = _f(30.0, check=_positive)  # a probe or recompile inside a step
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     stage: Literal["pretraining", "refinement", "supervised-finetuning"]
     model: ModelSection
@@ -152,6 +170,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = _f(factory=CheckpointSection)
     eval: EvalSection = _f(factory=EvalSection)
     profile: ProfileSection = _f(factory=ProfileSection)
+    liveness: LivenessSection = _f(factory=LivenessSection)
     seed: int = _f(1234, check=_seed)
     # Passed to DeepSpeed: deep-merged into the generated config (ds_trhash.training.deepspeed_config).
     deepspeed: dict = _f(factory=dict)

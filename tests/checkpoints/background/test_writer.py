@@ -171,3 +171,17 @@ def test_kill_9_during_the_background_write_leaves_the_previous_checkpoint_newes
     assert not (root / "step_00000006").exists()
     assert [c.step for c in list_checkpoints(tmp_path)] == [3] and verify(root / "step_00000003")[0]
     assert find_resumable(tmp_path, log=lambda m: None).step == 3
+
+
+def test_a_background_save_is_not_published_once_liveness_is_unhealthy(tmp_path):
+    """Rank 0's thread asks the publish guard right before the rename: a rank lost meanwhile (or
+    this one frozen) leaves the save in flight unpublished and the previous checkpoint newest."""
+    healthy = [None]
+    saver = BackgroundSaver(0, 1, may_publish=lambda: healthy[0])
+    start(saver, tmp_path, 3, torch.ones(4))
+    saver.wait()
+    healthy[0] = "this rank did not run for 45 s (frozen or cut off)"
+    start(saver, tmp_path, 6, torch.ones(4))
+    with pytest.raises(CheckpointError, match=r"step_00000006 .*not published: this rank did not run for 45 s"):
+        saver.wait()
+    assert [c.step for c in list_checkpoints(tmp_path)] == [3] and verify(list_checkpoints(tmp_path)[0].path)[0]

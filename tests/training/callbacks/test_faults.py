@@ -2,6 +2,7 @@
 (The real SIGKILL through the launcher is exercised by the crash-and-resume launch tests.)"""
 import os
 import signal
+import threading
 
 import pytest
 
@@ -12,7 +13,7 @@ from ds_trhash.training.loop import TrainState
 @pytest.mark.parametrize("spec", ["kill_after_step", "kill_after_step:x", "explode:3", "oom_at_step:3",
                                   "oom_at_step:3:1:0:9", "oom_at_step:3:x"])
 def test_bad_specs_are_refused(spec):
-    with pytest.raises(ValueError, match="expected kill_after_step:N, kill_during_save:N or oom_at_step:N:R"):
+    with pytest.raises(ValueError, match="expected kill_after_step:N, kill_during_save:N or hang_after_step:N:RANK"):
         faults.FaultInjection(spec)
 
 
@@ -48,3 +49,24 @@ def test_fault_injection_is_inert_unless_asked():
     injected = faults.FaultInjection(None)
     injected.maybe_kill("kill_after_step", 0)  # returns: nothing configured
     assert faults.FaultInjection("kill_during_save:4").step == 4
+
+
+def test_hang_after_step_blocks_only_the_named_rank_after_that_step():
+    fault = faults.FaultInjection("hang_after_step:4:1")
+    assert (fault.kind, fault.step, fault.rank) == ("hang_after_step", 4, 1)
+    forever = threading.Event()
+    fault.maybe_hang(4, 0, forever)  # another rank: returns
+    fault.maybe_hang(3, 1, forever)  # another step: returns
+    hung = threading.Thread(target=fault.maybe_hang, args=(4, 1, forever), daemon=True)
+    hung.start()
+    hung.join(0.3)
+    assert hung.is_alive()
+    forever.set()  # only the test can release it
+    hung.join(5)
+    assert not hung.is_alive()
+
+
+@pytest.mark.parametrize("spec", ["hang_after_step:4", "hang_after_step:4:x", "kill_after_step:4:1"])
+def test_hang_needs_a_rank_and_only_hang_takes_one(spec):
+    with pytest.raises(ValueError, match="hang_after_step:N:RANK"):
+        faults.FaultInjection(spec)
