@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 
 NODE_RANK_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
@@ -39,3 +40,29 @@ def barrier() -> None:
     """Wait for every rank (nothing to wait for in a single process)."""
     if is_multi_rank():
         dist.barrier()
+
+
+_HOST_GROUP: dist.ProcessGroup | None = None
+
+
+def _host_group() -> dist.ProcessGroup | None:
+    """A gloo group for host integers: reducing them on the CPU keeps the accelerator stream free
+    of host synchronisation (NCCL would need a device tensor and a copy back). On a gloo default
+    group (CPU runs) it is that group."""
+    global _HOST_GROUP
+    if dist.get_backend() == "gloo":
+        return None
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+def host_all_reduce(values: list[int], op: str = "sum") -> list[int]:
+    """``values`` summed (or their "max", "min") over every rank, on the host (gloo, CPU tensors):
+    no device involved. A single process gets its own values back."""
+    if not is_multi_rank():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+                    group=_host_group())
+    return [int(v) for v in t]

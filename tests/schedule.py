@@ -26,6 +26,10 @@ FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
     "tests/training/liveness/test_lost_rank_launch.py",  # ~120 s alone: a frozen and a stuck two-node launch
     # side by side (a 30 s silence, a 15 s stuck limit), then both resumed side by side
+    # ~390 s at a load average of 8 (with the ZeRO-1 and ZeRO-2 reference launches it shares):
+    # 12-step 2-process launches, an out-of-memory retry, a kill and its resume, a ZeRO-2 exit 77
+    # and its resume
+    "tests/training/memory/test_out_of_memory_launch.py",
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_hub_outage_launch.py",  # ~210 s (416 s measured beside five other sessions): outages,
     # a failed read on one node, Ctrl-C before the first step and mid-run while downloads stall on two nodes
@@ -46,6 +50,11 @@ FIRST = (
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one
     "tests/test_readme.py",  # ~35 s: the README's command blocks through bash, as written
+    # ~80 s: micro_batch auto on two ranks with different memory caps, its resume and a refused one
+    "tests/training/memory/test_auto_launch.py",
+    # ~50 s at a load average of 12 (19 s of CPU): the saved-tensor check of the activation term,
+    # Triton and Liger in the interpreter
+    "tests/training/preparation/test_activation_term.py",
 )
 
 

@@ -14,6 +14,8 @@ from ds_trhash.training.callbacks import (
     CheckpointCallback,
     FaultCallback,
     MetricsCallback,
+    MicroBatchCallback,
+    NonFiniteGuard,
     ProfileCallback,
     ProgressCallback,
     SelectionCallback,
@@ -107,8 +109,9 @@ def _broken(part: str, path: Path, text: str | None = None) -> list[str]:
 
 def test_launch_calls_the_parts_in_order():
     # the end of a completed stage (final/, stage_complete.json, cleanup) runs after every checkpoint and best/
-    assert launch_parts() == [StopCallback, FaultCallback, HeldoutCallback, PiqaCallback, MetricsCallback,
-                              ProgressCallback, CheckpointCallback, SelectionCallback, ProfileCallback,
+    # the non-finite guard first: its check and its before_save come before anything could save a diverged step
+    assert launch_parts() == [NonFiniteGuard, StopCallback, FaultCallback, HeldoutCallback, PiqaCallback,
+                              MetricsCallback, MicroBatchCallback, ProgressCallback, CheckpointCallback, SelectionCallback, ProfileCallback,
                               StageEndCallback]
 
 

@@ -106,6 +106,14 @@ class TRHashForCausalLM(nn.Module):
         counts.scatter_add_(1, routes, torch.ones_like(routes))
         self._expert_load = counts if self._expert_load is None else self._expert_load + counts
 
+    def expert_load_mark(self) -> torch.Tensor | None:
+        """The counts so far (not copied: each forward adds into a new tensor), to go back to with
+        ``restore_expert_load`` when a step is abandoned and trained again."""
+        return self._expert_load
+
+    def restore_expert_load(self, mark: torch.Tensor | None) -> None:
+        self._expert_load = mark
+
     def take_expert_load(self) -> torch.Tensor | None:
         """The counts since the last call ([L, E] int64), and start again; None when none."""
         counts, self._expert_load = self._expert_load, None

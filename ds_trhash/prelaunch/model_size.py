@@ -91,6 +91,9 @@ def estimate_size(cfg: TrainConfig, gpus: int = 1, nodes: int = 1) -> SizeEstima
     from ds_trhash.training.preparation import footprint as fp
 
     world = gpus * nodes
+    if cfg.batch.micro_batch == "auto":  # an estimate has no device to fit: the one the chooser would try first
+        raise tcfg.ConfigError(cfg.origin, "batch.micro_batch", "auto is chosen at launch from the device's memory; "
+                               "give a number with --set batch.micro_batch=N to see its estimate")
     cfg = tcfg.for_world(cfg, world)
     mc = tcfg.model_config(cfg)
     foot = fp.estimate(cfg, mc, world, "cuda")
@@ -106,7 +109,7 @@ def estimate_size(cfg: TrainConfig, gpus: int = 1, nodes: int = 1) -> SizeEstima
         model=cfg.model.describe(), shape={k: v for k, v in asdict(mc).items()
                                                 if k not in ("loss_chunk_tokens", "route_weights")},
         gpus=gpus, nodes=nodes, zero_stage=cfg.zero.stage, ep_size=cfg.parallel.ep_size, precision=cfg.precision,
-        micro_batch=cfg.batch.micro_batch, seq_len=cfg.data.seq_len, total_params=params.total,
+        micro_batch=tcfg.micro_batch(cfg), seq_len=cfg.data.seq_len, total_params=params.total,
         trainable_params=params.trainable,
         active_params=active_parameters(params.total, params.routed_total, mc.num_experts, mc.top_k),
         params_per_gpu=params.per_rank, train_flops_per_token=train_flops_per_token(mc, cfg.data.seq_len),
@@ -141,6 +144,10 @@ def render(e: SizeEstimate) -> str:
         f"  activations     {_gib(e.activations_none)} without activation checkpointing, "
         f"{_gib(e.activations_full)} with (full); "
         + ("Triton experts, Liger norm/RoPE/loss" if e.fused_kernels else "PyTorch kernels (kernels.policy pytorch)"),
+        *(["                  (on the GPU the fused kernels keep other tensors than the CPU path: Triton keeps h, g, u of every routed row for backward, "
+           "which the PyTorch path recomputes; Liger's loss keeps its gradients, [tokens, hidden] and fp32 "
+           "[vocab, hidden], on its ctx, outside autograd's saved tensors; Liger's norms keep no fp32 copy)"]
+          if e.fused_kernels else []),
         f"  runtime         {_gib(e.runtime)}  (CUDA context, allocator slack)",
         f"  total           {_gib(e.per_gpu(e.activations_none))} without activation checkpointing, "
         f"{_gib(e.per_gpu(e.activations_full))} with",

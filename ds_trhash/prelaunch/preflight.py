@@ -31,6 +31,7 @@ from ds_trhash.model.config import TRHashConfig
 from ds_trhash.prelaunch.data_check import resolve_stage_data
 from ds_trhash.training import config as tcfg
 from ds_trhash.training.engine import check_runnable
+from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources as res
 from ds_trhash.training.preparation.footprint import estimate
@@ -142,6 +143,18 @@ def _source(report: Report, cfg: tcfg.TrainConfig, request: LaunchRequest, pre: 
 # ----------------------------------------------------------------------------- the command
 
 
+def _config_line(cfg: tcfg.TrainConfig, world: int) -> tuple[tcfg.TrainConfig, str]:
+    """The config laid out on ``world`` ranks (``micro_batch: auto`` by the estimate) and its line."""
+    tcfg.require_source_stage(cfg)
+    check_runnable(cfg, world)
+    laid, choice = auto_micro_batch.by_estimate(cfg, world)
+    how = "" if choice is None else (f"; batch.micro_batch auto: {choice.micro_batch} by the estimate (a launch "
+                                     "on CUDA probes the device)")
+    return tcfg.for_world(laid, world), (f"{cfg.origin}: {cfg.stage}, {cfg.model.describe()}, {cfg.precision}, ZeRO "
+                                         f"{cfg.zero.stage}, {tcfg.tokens_per_step(laid, world):,} tokens per optimizer "
+                                         f"step on {world} process(es){how}")
+
+
 def run_preflight(args: argparse.Namespace) -> int:
     report = Report()
     try:
@@ -153,13 +166,8 @@ def run_preflight(args: argparse.Namespace) -> int:
     devices = res.probe_devices()
     world = args.nproc or res.default_nproc(devices)
 
-    def config() -> tuple[tcfg.TrainConfig, str]:
-        tcfg.require_source_stage(cfg)
-        check_runnable(cfg, world)
-        return tcfg.for_world(cfg, world), (f"{cfg.origin}: {cfg.stage}, {cfg.model.describe()}, {cfg.precision}, ZeRO {cfg.zero.stage}, "
-                      f"{tcfg.tokens_per_step(cfg, world):,} tokens per optimizer step on {world} process(es)")
-
-    cfg = report.run("config", config) or cfg  # batch.grad_accum derived for this world size
+    loaded = cfg
+    cfg = report.run("config", lambda: _config_line(loaded, world)) or cfg  # batch.grad_accum derived for this world
     def paths() -> tuple[None, str]:
         tcfg.check_paths(cfg)
         return None, "every path the config names exists and is of its kind"

@@ -152,8 +152,11 @@ def check_job(args: argparse.Namespace) -> SlurmJob:
     if script.is_dir():
         raise SlurmJobError(f"--script {script} is a directory; name the file to write")
     summary = (f"{cfg.stage} from {args.config} into {run_dir}\n{args.nodes} node(s) x {args.gpus_per_node} "
-               f"process(es) = {world} ranks: micro-batch {layout.micro_batch} x grad_accum {layout.grad_accum} "
-               f"x {world} = {layout.global_tokens:,} tokens per optimizer step")
+               f"process(es) = {world} ranks: " + (
+                   f"micro-batch auto (chosen by each launch from the GPUs' memory; {layout.rows // world} rows per "
+                   f"rank)" if cfg.batch.micro_batch == "auto" else
+                   f"micro-batch {layout.micro_batch} x grad_accum {layout.grad_accum} x {world}")
+               + f" = {layout.global_tokens:,} tokens per optimizer step")
     return SlurmJob(script=script, workdir=workdir, deepspeed=_deepspeed(), run_dir=run_dir, nodes=args.nodes,
                     gpus_per_node=args.gpus_per_node, launch_args=_launch_args(args, output_dir),
                     job_name=args.job_name or f"trhash-{run_dir.name}", warning_seconds=args.warning_seconds,

@@ -15,7 +15,9 @@ The signals, in order (docs/operations.md, "SLURM"):
   across exec), so the warning cannot kill them wherever SLURM delivers it; the node part also
   signals the ranks themselves (launch.py's children), which stop after an agreed checkpoint and
   exit EXIT_REQUEUE; launch.py and the runner pass that status on.
-- A node whose launcher exited EXIT_REQUEUE marks it in the logs folder and exits 0 (srun runs
+- A node whose launcher exited EXIT_REQUEUE (or EXIT_OUT_OF_MEMORY: a step out of device memory
+  that the ranks could not retry in place, the smaller micro-batch recorded for the next attempt)
+  marks it in the logs folder and exits 0 (srun runs
   with --kill-on-bad-exit, so a failing node ends the others at once; the requeue must not).
 - The batch shell reads srun's status and the marks: a requeue mark requeues the job (`scontrol
   requeue`; the next attempt runs the same `--resume auto` launch), 0 ends the job, anything
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_trhash.checkpoints.run_source import COMPLETE_FILE
-from ds_trhash.training.signals import EXIT_PEER_LOST, EXIT_REQUEUE
+from ds_trhash.training.signals import EXIT_OUT_OF_MEMORY, EXIT_PEER_LOST, EXIT_REQUEUE
 
 # The job's master port: MASTER_PORT_BASE + job id % MASTER_PORT_SPAN (a requeued job keeps its id,
 # so every attempt uses the same port; two jobs sharing a node use different ones unless their ids
@@ -123,7 +125,10 @@ echo "ds-trhash: node $SLURM_NODEID: launcher exited with status $status" | tee 
 echo "$status" >"$DS_TRHASH_LOG_DIR/node-$SLURM_NODEID.status"
 # a stop for a requeue leaves a mark and exits 0: a non-zero task would make srun (--kill-on-bad-exit)
 # terminate the other nodes while they finish their own exit
-if [ "$status" -eq @@EXIT_REQUEUE@@ ]; then : >"$DS_TRHASH_LOG_DIR/node-$SLURM_NODEID.requeue"; status=0; fi
+# (an out-of-memory stop too: the next attempt resumes at the smaller micro-batch the run recorded)
+if [ "$status" -eq @@EXIT_REQUEUE@@ ] || [ "$status" -eq @@EXIT_OUT_OF_MEMORY@@ ]; then
+    : >"$DS_TRHASH_LOG_DIR/node-$SLURM_NODEID.requeue"; status=0
+fi
 exit "$status"
 '''
 
@@ -235,7 +240,8 @@ trap '' USR1  # a late warning changes nothing now (its default action would end
 trap - TERM
 
 if [ "$status" -eq 0 ] && compgen -G "$DS_TRHASH_LOG_DIR/node-*.requeue" >/dev/null; then
-    echo "ds-trhash: every rank stopped after a complete checkpoint (exit $EXIT_REQUEUE): requeueing job" \
+    echo "ds-trhash: every rank stopped for a requeue (exit $EXIT_REQUEUE after a complete checkpoint, or" \
+         "@@EXIT_OUT_OF_MEMORY@@ out of device memory with a smaller micro-batch recorded): requeueing job" \
          "$SLURM_JOB_ID; its next attempt continues with --resume auto"
     requeue
 elif [ "$status" -eq 0 ] && [ -e "$RUN_DIR/@@COMPLETE@@" ]; then
@@ -263,12 +269,12 @@ def render(job: SlurmJob) -> str:
     """The script's text: header, #SBATCH lines, the batch part with the node part inside."""
     q = shlex.quote
     node = (NODE_PART.strip("\n").replace("@@LAUNCH@@", shlex.join(["launch/train.py", *job.launch_args]))
-            .replace("@@EXIT_REQUEUE@@", str(EXIT_REQUEUE)))
+            .replace("@@EXIT_REQUEUE@@", str(EXIT_REQUEUE)).replace("@@EXIT_OUT_OF_MEMORY@@", str(EXIT_OUT_OF_MEMORY)))
     values = {
         "SCRIPT": q(str(job.script)), "WORKDIR": q(str(job.workdir)), "DEEPSPEED": q(str(job.deepspeed)),
         "PYTHON": q(str(job.python)), "RUN_DIR": q(str(job.run_dir)), "GPUS": str(job.gpus_per_node),
         "EXIT_REQUEUE": str(EXIT_REQUEUE), "EXIT_PEER_LOST": str(EXIT_PEER_LOST),
-        "MAX_LOST": str(job.max_lost_node_requeues), "LOGS": q(str(job.logs)),
+        "MAX_LOST": str(job.max_lost_node_requeues), "LOGS": q(str(job.logs)), "EXIT_OUT_OF_MEMORY": str(EXIT_OUT_OF_MEMORY),
         "PORT_BASE": str(MASTER_PORT_BASE), "PORT_SPAN": str(MASTER_PORT_SPAN), "COMPLETE": COMPLETE_FILE,
         "NODE_PART": node,
     }

@@ -52,6 +52,7 @@ from ds_trhash.training import config as tcfg
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.display import format_duration
 from ds_trhash.deepspeed_command import deepspeed_command
+from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation.footprint import estimate, gib
 from ds_trhash.training.preparation.resources import default_nproc, probe_devices
 from ds_trhash.training.entrypoint import build_arg_parser, config_from_args
@@ -157,7 +158,7 @@ def _plan_rows_loss(cfg: tcfg.TrainConfig, ckpt: Path, workdir: Path, state: dic
     if data.plan is None:  # a pretraining stage's data has its plan
         raise RuntimeError("pretraining data came without its plan")
     reader = ReplayReader(data.plan, data.shards_dir, cfg.seed)
-    layout = BatchLayout(cfg.batch.micro_batch, grad_accum=1, rank=0, world_size=1)
+    layout = BatchLayout(tcfg.micro_batch(cfg), grad_accum=1, rank=0, world_size=1)
     per_step = layout.global_batch  # the reader's steps here: one process, one micro-batch each
     first = int(state["data_cursor"]) // per_step  # step index of the next unseen rows
     last = reader.num_rows // per_step
@@ -272,7 +273,8 @@ def run_smoke(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise SmokeArgumentError(f"--steps must be at least 2 (save, then resume from the middle), got {args.steps}")
     world = args.nproc or default_nproc(probe_devices())
-    cfg = tcfg.for_world(config_from_args(args), world)  # batch.grad_accum derived for this world size
+    # batch.grad_accum derived for this world size (micro_batch auto as a CPU launch chooses it)
+    cfg = tcfg.for_world(auto_micro_batch.by_estimate(config_from_args(args), world)[0], world)
     if args.workdir:
         workdir = Path(args.workdir).resolve()
         outputs.refuse_unless_ours("--workdir", workdir, False, "ds-trhash smoke")  # new or empty only

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,10 +29,11 @@ from ds_trhash.training.callbacks.base import TrainState
 from ds_trhash.training.callbacks.stop import EXIT_REQUEUE
 from ds_trhash.training.determinism import use_deterministic_kernels
 from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
+from ds_trhash.training.memory.record import exit_event
 from ds_trhash.training.preparation.checks import LaunchCheckError
 from ds_trhash.training.preparation.output import OutputSide, check_output_paths, check_output_side
 from ds_trhash.training.preparation.request import LaunchRequest
-from ds_trhash.training.signals import StopRequests
+from ds_trhash.training.signals import EXIT_OUT_OF_MEMORY, StopRequests
 from ds_trhash.training.trainer import run_stage
 
 log = logging.getLogger("ds_trhash")
@@ -183,6 +185,18 @@ def peer_lost(e: BaseException, world: int) -> bool:
     return any(isinstance(seen, dist.DistError)
                or (world > 1 and isinstance(seen, RuntimeError) and _raised_in(seen, dist))
                for seen in _causes(e))
+
+
+def out_of_memory_peer(event: dict, rank: int) -> int:
+    """A rank whose collective failed because another rank ran out of device memory and stopped
+    every rank (``micro_batch.json``'s last event, written by this launch): its line names that
+    rank, and it exits as that rank did. (Where the liveness channel broadcasts an abort, that
+    abort replaces this file-based notice: one call here.)"""
+    rank_line(f"error: rank {rank}: rank {event['rank']} ran out of device memory at step {event['step']} where the "
+              f"ranks cannot retry in place; every rank stops, exit {EXIT_OUT_OF_MEMORY}; micro-batch {event['to']} "
+              f"(grad_accum {event['grad_accum']}) is recorded and --resume auto continues from the last complete "
+              "checkpoint at that size")
+    return EXIT_OUT_OF_MEMORY
 
 
 def _causes(e: BaseException, depth: int = 5) -> list[BaseException]:
@@ -358,6 +372,7 @@ def launch(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None
     abort code). A stop on the scheduler's time-limit warning (SIGUSR1) exits ``EXIT_REQUEUE``
     (75) on every rank, after its checkpoint. Anything else is a bug and keeps its traceback."""
     args = build_arg_parser().parse_args(argv)
+    started_at = time.time()
     rank, world = launch_rank_and_world()
     _set_up_logging(rank)
     output_dir = lock = None
@@ -389,6 +404,8 @@ def launch(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None
         if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
             rank_line(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept")
             return 1
+        if peer_lost(e, world) and output_dir is not None and (oom := exit_event(output_dir, since=started_at)):
+            return out_of_memory_peer(oom, rank)
         if peer_lost(e, world):
             return _peer_lost_code(rank)
         raise

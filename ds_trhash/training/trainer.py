@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_trhash import checkpoints as ckpt
+from ds_trhash.batch_layout import step_rows
 from ds_trhash.checkpoints.hardware import describe_hardware
 from ds_trhash.checkpoints.rng import load_rng_state, restore_rng_state
 from ds_trhash.engine_api import DeepSpeedEngine
@@ -34,14 +35,16 @@ from ds_trhash.training.callbacks import (
     StopAgreement,
     make_callbacks,
 )
+from ds_trhash.training.callbacks.nonfinite import NonFiniteGuard
 from ds_trhash.training.display import Progress, data_wait_line
 from ds_trhash.training.engine import Engine, build_engine, expert_parallel_group, optimizer_name
+from ds_trhash.training.memory.record import read_record
+from ds_trhash.training.memory.sizes import fitting_sizes
 from ds_trhash.training.preparation import checks as launch_checks
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.output import OutputSide
 from ds_trhash.training.preparation.plan import LaunchPlan, plan_launch
 from ds_trhash.training.preparation.request import LaunchRequest
-from ds_trhash.training.nonfinite import NonFiniteGuard
 from ds_trhash.training.records.expert_load import EXPERT_LOAD_FILE, ExpertLoadWriter
 from ds_trhash.training.records.files import CONFIG_FILE
 from ds_trhash.training.records.metrics_csv import METRICS_FILE, MetricsWriter
@@ -103,6 +106,7 @@ def restore(plan: LaunchPlan, engine: DeepSpeedEngine, rank: int) -> loop.TrainS
     """The state the loop starts from: step 0, or the saved run's engine, counters and RNG exactly
     (re-seeded when it reshards onto another world size)."""
     state = loop.TrainState(step=0, total_steps=plan.data.total_steps)
+    state.micro_batch = micro_batch_in_force(plan)
     saved, resume_dir = plan.output.saved, plan.output.resume_dir
     if saved is None or resume_dir is None:
         return state
@@ -120,6 +124,17 @@ def restore(plan: LaunchPlan, engine: DeepSpeedEngine, rank: int) -> loop.TrainS
     return state
 
 
+def micro_batch_in_force(plan: LaunchPlan) -> int | None:
+    """The smaller micro-batch an out-of-memory step of an earlier launch of this run recorded
+    (``micro_batch.json``), which holds for every launch after it; None: the plan's."""
+    record = read_record(plan.output_dir)
+    if record is None or record["micro_batch"] >= tcfg.micro_batch(plan.cfg):
+        return None
+    # the largest size up to the recorded one that divides a rank's rows (another world size after --reshard)
+    rank_rows = step_rows(tcfg.micro_batch(plan.cfg), tcfg.grad_accum(plan.cfg), 1)
+    return next(d for d in fitting_sizes(rank_rows) if d <= record["micro_batch"])
+
+
 def announce(plan: LaunchPlan, progress: Progress, model: TRHashForCausalLM, engine: Engine, ds_config: dict,
              state: loop.TrainState) -> None:
     """Rank 0: config.json as loaded, what this launch trains and the start-up summary."""
@@ -130,6 +145,15 @@ def announce(plan: LaunchPlan, progress: Progress, model: TRHashForCausalLM, eng
         f"{cfg.stage}: {cfg.model.describe()} on {world} process(es), {data.describe}, "
         f"{data.total_steps} optimizer steps"
         + (f", resuming at step {state.step} from {plan.output.resume_dir}" if plan.resuming else ""))
+    if plan.auto is not None:
+        progress.message(plan.auto.describe())
+    record = read_record(plan.output_dir)
+    if state.micro_batch is not None and record is not None:
+        cut = tcfg.micro_batch(plan.cfg)
+        progress.message(f"micro-batch {state.micro_batch} in force (grad_accum "
+                         f"{step_rows(cut, tcfg.grad_accum(plan.cfg), 1) // state.micro_batch}, the same global "
+                         f"batch): an out-of-memory step lowered it from {cut} ({record['events'][-1]['how']}, "
+                         "see micro_batch.json)")
     if plan.resuming and state.step == state.total_steps:
         progress.message(f"resume auto: {cfg.stage} already finished at step {state.step} of {state.total_steps}; "
                          "nothing is left to train (end-of-stage records missing from an interrupted end are "
@@ -151,7 +175,8 @@ def state_recorder(plan: LaunchPlan, model: TRHashForCausalLM) -> Callable[[loop
             step=st.step, epoch=st.epochs_done, total_steps=st.total_steps, data_cursor=data.loader.cursor(st.step),
             tokens_seen=st.tokens_seen, supervised_seen=st.supervised_seen,
             backends_used=model.backends_used(),  # the checkpointing callback passes the training step's
-            reason=reason, peak_memory=resources.peak_memory(plan.device), extra=extra)
+            reason=reason, peak_memory=resources.peak_memory(plan.device),
+            extra={"micro_batch_in_force": st.micro_batch or tcfg.micro_batch(plan.cfg), **extra})
 
     return trainer_state
 
@@ -218,13 +243,12 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
     run = run_context(plan, rank, engine.engine, model, progress, state, requests)
     # the callbacks close the records and the display, even when a step raises
     callbacks = make_callbacks(list(plan.builders), run)
-    guard = NonFiniteGuard.from_config(cfg, log=progress.message)
-    run.callbacks.insert(0, guard)  # its before_save runs first at every save: no checkpoint of diverged weights
-    state = loop.run(engine.engine, data.loader, state, callbacks, plan.device, world, nonfinite=guard,
+    state = loop.run(engine.engine, data.loader, state, callbacks, plan.device, world, faults=run.faults,
                      lr_of=lambda: engine.optimizer.param_groups[0]["lr"], vocab_size=plan.model_config.vocab_size,
                      beacon=liveness.current().beacon)
     if rank == 0:
-        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{guard.describe()}")
+        skipped = "".join(cb.describe() for cb in callbacks if isinstance(cb, NonFiniteGuard))
+        progress.message(f"{cfg.stage} finished at step {state.step}/{state.total_steps}{skipped}")
         wait = data_wait_line(data.loader.figures(), state.step_seconds, state.steps_timed)
         for line in (wait, state.throughput.describe()):
             if line:

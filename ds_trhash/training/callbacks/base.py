@@ -121,11 +121,39 @@ class TrainState:
     # training (a checkpoint, an evaluation), which keeps its interval out of that rate
     throughput: SteadyRate = field(default_factory=SteadyRate)
     pauses: list[str] = field(default_factory=list)
+    # the micro-batch in force, when smaller than the data's cut (an out-of-memory step lowered it:
+    # training/memory/); None: the cut's. Saved in every checkpoint record; the data cut stays the plan's.
+    micro_batch: int | None = None
+    update_skipped: bool = False  # the ranks agreed to skip this step's update (training.nonfinite: skip_step)
 
     def pause(self, reason: str) -> None:
         """A callback paused training in this step (e.g. "checkpoint"): the step's interval is
         left out of the steady tokens/s and counted under ``reason``."""
         self.pauses.append(reason)
+
+
+# What the callbacks decide together before a step's update, in order of precedence (the
+# largest vote of any callback on any rank wins): go on, skip the update (the non-finite guard's
+# skip_step), or abandon the step and train it again at a smaller micro-batch (out of memory).
+GO_ON, SKIP_UPDATE, RETRY = 0, 1, 2
+
+
+@dataclass
+class UpdateCheck:
+    """What one rank knows of a step after its backwards and before its update (``before_update``).
+
+    ``loss`` is this rank's summed loss of the step on the device (reading it is a host read: only
+    a callback that must decide from it does); ``grad_norm()`` this rank's own gradient norm where
+    the optimizer keeps none (ZeRO 0 fp32), before any reduction; ``out_of_memory`` the error of a
+    micro-batch that ran out of device memory on this rank (the loop then votes RETRY itself)."""
+
+    step: int  # the optimizer step being trained, 1-based (state.step once it is done)
+    loss: torch.Tensor
+    grad_norm: Callable[[], Any]
+    out_of_memory: BaseException | None = None
+    micro_batch: int = 0  # the micro-batch this attempt ran at
+    rows: int = 0  # this rank's rows in the step
+    failed_rank: int | None = None  # after the agreement: a rank that ran out of memory (the highest)
 
 
 class StopQuestion(Protocol):
@@ -150,6 +178,8 @@ class FaultPoints(Protocol):
     def maybe_kill(self, kind: str, step: int) -> None: ...
 
     def maybe_hang(self, step: int, rank: int) -> None: ...
+
+    def out_of_memory_due(self, step: int, micro_step: int) -> bool: ...
 
 
 class Callback:
@@ -194,6 +224,17 @@ class Callback:
     def on_epoch_end(self, state: TrainState) -> None: ...
 
     def before_save(self, state: TrainState) -> None: ...
+
+    def before_update(self, state: TrainState, check: UpdateCheck) -> int:
+        """Every rank, once per step after its backwards and before the update (before the
+        boundary's gradient reduction where the ranks can retry in place): this callback's vote,
+        ``GO_ON``, ``SKIP_UPDATE`` or ``RETRY``. The loop takes the largest over callbacks and ranks
+        in one host all-reduce; no collective here."""
+        return GO_ON
+
+    def on_retry(self, state: TrainState, check: UpdateCheck, micro_batch: int) -> None:
+        """Every rank agreed to abandon the step (nothing applied) and train it again at
+        ``micro_batch`` (``state.micro_batch``); ``check`` is the failed attempt."""
 
     def on_checkpoint_saved(self, step: int, path: Path) -> None: ...
 

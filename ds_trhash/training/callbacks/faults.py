@@ -9,7 +9,8 @@ from ds_trhash.training.callbacks.base import Callback, FaultPoints, Metrics, Ru
 
 FAULT_ENV = "DS_TRHASH_FAULT"
 KINDS = ("kill_after_step", "kill_during_save", "hang_after_step")
-EXPECTED = "expected kill_after_step:N, kill_during_save:N or hang_after_step:N:RANK"
+EXPECTED = ("expected kill_after_step:N, kill_during_save:N or hang_after_step:N:RANK, and/or oom_at_step:N:R[:M] "
+            "(comma-separated)")
 
 
 class FaultInjection:
@@ -18,17 +19,26 @@ class FaultInjection:
     which one a resume picks), ``kill_during_save:N`` SIGKILLs them inside the background write
     of step N's checkpoint, after the rank's files are on disk and before the checkpoint is
     complete, and ``hang_after_step:N:R`` blocks rank R's training thread forever right after
-    step N, its process otherwise alive (its liveness heartbeat goes on): a rank stuck while alive."""
+    step N, its process otherwise alive (its liveness heartbeat goes on): a rank stuck while alive.
+    ``oom_at_step:N:R[:M]``: rank R raises ``torch.OutOfMemoryError`` once, inside the backward of
+    its micro-batch M (default 0, the first) of optimizer step N; it may join one of the others
+    (comma-separated)."""
 
-    def __init__(self, spec: str | None):
-        self.kind, self.step, self.rank = None, -1, None
-        if spec:
-            kind, _, rest = spec.partition(":")
-            step, _, rank = rest.partition(":")
+    def __init__(self, spec: str | None, rank: int | None = None):
+        self.kind, self.step, self.rank = None, -1, None  # rank: the one that hangs
+        self.oom_at: tuple[int, int, int] | None = None  # (step, rank, micro-step)
+        for part in (spec.split(",") if spec else []):
+            kind, _, rest = part.partition(":")
+            numbers = rest.split(":")
+            if kind == "oom_at_step" and 2 <= len(numbers) <= 3 and all(n.isdigit() for n in numbers):
+                self.oom_at = (int(numbers[0]), int(numbers[1]), int(numbers[2]) if len(numbers) == 3 else 0)
+                continue
+            step, _, hang_rank = rest.partition(":")
             hangs = kind == "hang_after_step"
-            if kind not in KINDS or not step.isdigit() or (hangs != rank.isdigit()) or (rank and not hangs):
+            if kind not in KINDS or not step.isdigit() or (hangs != hang_rank.isdigit()) or (hang_rank and not hangs):
                 raise ValueError(f"DS_TRHASH_FAULT={spec!r}: {EXPECTED}")
-            self.kind, self.step, self.rank = kind, int(step), int(rank) if hangs else None
+            self.kind, self.step, self.rank = kind, int(step), int(hang_rank) if hangs else None
+        self.own_rank = int(os.environ.get("RANK", "0")) if rank is None else rank  # this process's
 
     @classmethod
     def from_env(cls) -> "FaultInjection":
@@ -36,6 +46,13 @@ class FaultInjection:
 
     def due(self, kind: str, step: int, rank: int | None = None) -> bool:
         return self.kind == kind and self.step == step and (self.rank is None or self.rank == rank)
+
+    def out_of_memory_due(self, step: int, micro_step: int) -> bool:
+        """oom_at_step: true once, on its rank, at its step and micro-step."""
+        if self.oom_at != (step, self.own_rank, micro_step):
+            return False
+        self.oom_at = None  # once
+        return True
 
     def maybe_kill(self, kind: str, step: int) -> None:
         if self.due(kind, step):

@@ -24,13 +24,16 @@ from ds_trhash.model.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 from .checks import check_device, check_paths, require_source_stage
 from .layout import (
+    as_number,
     batch_layout,
     for_world,
     grad_accum,
+    micro_batch,
     model_config,
     to_deepspeed_dict,
     tokens_per_step,
     training_critical,
+    with_micro_batch,
 )
 from .reading import (
     REMOVED_KEYS,
@@ -91,6 +94,9 @@ __all__ = [
     "tokens_per_step",
     "batch_layout",
     "for_world",
+    "as_number",
+    "with_micro_batch",
     "grad_accum",
+    "micro_batch",
     "model_config",
 ]

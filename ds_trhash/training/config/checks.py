@@ -15,7 +15,7 @@ from ds_trhash.outputs import OutputPathError, check_dir_target
 from ds_trhash.training import deepspeed_config as dsc
 from ds_trhash.training import global_batch
 
-from .layout import _generated_deepspeed
+from .layout import _generated_deepspeed, as_number
 from .schema import SFT, BatchSection, ConfigError, TrainConfig
 
 
@@ -159,7 +159,17 @@ def _check_schedule_and_batch(cfg: TrainConfig, b: _Builder) -> None:
                                                f"{sc.warmup_fraction} both size the warmup; keep one of them "
                                                "(set the other null)", "schedule.warmup_fraction")
     bt = cfg.batch
-    problem = global_batch.check_static(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens)
+    if bt.micro_batch == "auto":
+        if bt.global_tokens is None:
+            raise b.fail("batch.micro_batch", "auto chooses among the micro-batches that keep the global batch "
+                                              "exact, so it needs batch.global_tokens (tokens per optimizer step); "
+                                              "set it, or give batch.micro_batch a number", "batch.global_tokens")
+        if bt.grad_accum is not None:
+            raise b.fail("batch.micro_batch", f"auto derives batch.grad_accum from the size it chooses; drop "
+                                              f"batch.grad_accum ({bt.grad_accum}) or give batch.micro_batch a "
+                                              "number", "batch.grad_accum")
+    problem = global_batch.check_static(cfg.data.seq_len, as_number(bt.micro_batch),
+                                        bt.grad_accum, bt.global_tokens)
     if problem:
         raise b.fail(problem[0], problem[1], "batch.global_tokens", "data.seq_len")
 
@@ -171,7 +181,7 @@ def _check_deepspeed_section(cfg: TrainConfig, b: _Builder) -> None:
     for key, problem in dsc.owned_problems(cfg.deepspeed):
         raise b.fail(key, problem)
     # The batch keys do not matter to what is checked here; one micro-batch per step stands in.
-    probe = dataclasses.replace(cfg, batch=BatchSection(micro_batch=cfg.batch.micro_batch, grad_accum=1))
+    probe = dataclasses.replace(cfg, batch=BatchSection(micro_batch=as_number(cfg.batch.micro_batch), grad_accum=1))
     merged = dsc.merge(_generated_deepspeed(probe), cfg.deepspeed)
     ds_problem = dsc.deepspeed_problem(merged, cfg.deepspeed)
     if ds_problem:

@@ -37,10 +37,29 @@ def batch_layout(cfg: TrainConfig, world_size: int) -> global_batch.GlobalBatch:
     """The batch of one optimizer step on ``world_size`` ranks; ConfigError when it cannot split."""
     _check_world(cfg, world_size)
     bt = cfg.batch
-    got = global_batch.resolve(cfg.data.seq_len, bt.micro_batch, bt.grad_accum, bt.global_tokens, world_size)
+    # auto (not chosen yet): the finest layout, micro-batch 1, says whether this world splits the batch at all
+    got = global_batch.resolve(cfg.data.seq_len, as_number(bt.micro_batch), bt.grad_accum, bt.global_tokens, world_size)
     if isinstance(got, tuple):
         raise ConfigError(cfg.origin, *got)
     return got
+
+
+def as_number(micro_batch: int | str) -> int:
+    """A micro-batch for a layout check: ``auto`` before it is chosen counts as 1 (every size it
+    may choose divides the rows that size 1 splits)."""
+    return 1 if isinstance(micro_batch, str) else micro_batch
+
+
+def micro_batch(cfg: TrainConfig) -> int:
+    """``batch.micro_batch`` of a config whose ``auto`` was chosen (``memory.auto``)."""
+    if isinstance(cfg.batch.micro_batch, str):
+        raise ValueError("batch.micro_batch auto is chosen before the layout is used (memory.auto.resolve)")
+    return cfg.batch.micro_batch
+
+
+def with_micro_batch(cfg: TrainConfig, micro_batch: int) -> TrainConfig:
+    """``cfg`` at ``micro_batch`` (auto chosen), grad_accum left to the layout."""
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch=micro_batch))
 
 
 def grad_accum(cfg: TrainConfig) -> int:
@@ -80,7 +99,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
     """
     cfg = for_world(cfg, world_size)
     generated = _generated_deepspeed(cfg)
-    generated["train_batch_size"] = step_rows(cfg.batch.micro_batch, grad_accum(cfg), world_size)
+    generated["train_batch_size"] = step_rows(micro_batch(cfg), grad_accum(cfg), world_size)
     section = dsc.with_monitor_defaults(cfg.deepspeed, f"{cfg.output_dir}", cfg.stage)
     return dsc.merge(generated, section)
 
@@ -88,7 +107,7 @@ def to_deepspeed_dict(cfg: TrainConfig, world_size: int) -> dict:
 def _generated_deepspeed(cfg: TrainConfig) -> dict:
     """Our part of the DeepSpeed config (grad_accum resolved), for one rank: train_batch_size
     still lacks the world-size factor."""
-    mb, ga = cfg.batch.micro_batch, cfg.batch.grad_accum or 1  # for one rank: derived for the world later
+    mb, ga = as_number(cfg.batch.micro_batch), cfg.batch.grad_accum or 1  # for one rank: derived for the world later
     fp16: dict[str, Any] = {"enabled": cfg.precision == "fp16"}
     if cfg.precision == "fp16":
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
@@ -96,7 +115,7 @@ def _generated_deepspeed(cfg: TrainConfig) -> dict:
     if cfg.precision == "bf16":
         # bf16 has no loss scale to adjust: DeepSpeed's overflow check only tests every gradient
         # tensor for inf/NaN (one check per tensor, a host read) to skip such a step silently.
-        # The project's non-finite guard (training/nonfinite.py) stops the run or skips the step
+        # The project's non-finite guard (training/callbacks/nonfinite.py) stops the run or skips the step
         # from the loss and the global gradient norm instead; finite steps are unchanged.
         bf16["check_grad_overflow"] = False
     return {

@@ -155,6 +155,16 @@ class _Builder:
             values[name] = value
         return cls(**values)
 
+    def _number_or_word(self, inner: list[Any], value: object, key: str) -> object:
+        """``int | Literal["auto"]`` (batch.micro_batch): a number, or one of the words."""
+        words = typing.get_args(inner[1])
+        if value in words and isinstance(value, str):
+            return value
+        if isinstance(value, inner[0]) and not isinstance(value, bool):
+            return value
+        got = "null" if value is None else f"{type(value).__name__} {value!r}"
+        raise self.fail(key, f"expected {_type_name(inner[0])} or {', '.join(map(repr, words))}, got {got}")
+
     def convert(self, tp: object, value: object, key: str, nullable: bool = False) -> object:
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
@@ -170,6 +180,8 @@ class _Builder:
             raise self.fail(key, f"got {'null' if value is None else repr(value)}; allowed values: {shown}")
         if origin in (typing.Union, types.UnionType):
             inner = [a for a in args if a is not type(None)]
+            if len(inner) == 2 and typing.get_origin(inner[1]) is Literal and len(args) == 2:
+                return self._number_or_word(inner, value, key)
             if len(inner) != 1 or len(args) != 2:
                 raise TypeError(f"schema union {tp} not supported")  # a bug in this file, not the config
             return None if value is None else self.convert(inner[0], value, key, nullable=True)

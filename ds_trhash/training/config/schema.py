@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from ds_trhash.config_fields import ConfigError
+from ds_trhash.config_fields import half_open_unit as _half_open_unit
 from ds_trhash.config_fields import non_negative as _non_negative
 from ds_trhash.config_fields import optional as _optional
 from ds_trhash.config_fields import positive as _positive
@@ -49,14 +50,28 @@ class OptimizerSection:
     torch_adam: bool = True
 
 
+def _positive_or_auto(v: int | str) -> str | None:
+    if isinstance(v, str):
+        return None if v == "auto" else f"must be > 0 or auto, got {v!r}"
+    return _positive(v)
+
+
 @dataclass(frozen=True)
 class BatchSection:
-    micro_batch: int = _f(16, check=_positive)
+    # rows per forward on one rank; "auto": the largest size that fits the device's memory (a probe
+    # on CUDA, the estimate against auto_budget_gb on CPU) among those that keep global_tokens exact
+    # (training/memory/auto.py); a resume takes the size the run recorded
+    micro_batch: int | Literal["auto"] = _f(16, check=_positive_or_auto)
     # Derived at launch from global_tokens and the world size when global_tokens is set;
     # without global_tokens the batch is per rank and grad_accum defaults to 1.
     grad_accum: int | None = _f(None, check=_optional(_positive))
     # Tokens per optimizer step over all ranks (see ds_trhash.training.global_batch).
     global_tokens: int | None = _f(None, check=_optional(_positive))
+    # micro_batch auto: the share of the device's memory a probed size leaves free (the allocator's
+    # fragmentation, evaluation, a longer document mask)
+    auto_headroom: float = _f(0.10, check=_half_open_unit)
+    # micro_batch auto on CPU (no device memory to measure): the estimate must fit this many GiB
+    auto_budget_gb: float = _f(16.0, check=_positive)
 
 
 @dataclass(frozen=True)

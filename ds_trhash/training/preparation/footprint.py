@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ds_trhash.model import TRHashForCausalLM
 from ds_trhash.model.config import TRHashConfig
 from ds_trhash.model.lora import apply_lora
+from ds_trhash.training import config as tcfg
 from ds_trhash.training.config import KernelsSection, ParallelSection, TrainConfig
 
 GIB = 1024**3
@@ -149,7 +150,24 @@ def _norm_bytes(width: int, act: int, fused: bool) -> int:
     return width * FP32 + width * act if act < FP32 else 2 * width * act
 
 
-def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool) -> int:
+@dataclass(frozen=True)
+class FusedParts:
+    """Which parts run a fused kernel that keeps other tensors than the PyTorch path: the experts
+    (Triton), the norms and the loss (Liger). ``of(backends)`` reads a model's ``backends_used()``."""
+    experts: bool
+    norm: bool
+    loss: bool
+
+    @classmethod
+    def all(cls, fused: bool) -> "FusedParts":
+        return cls(fused, fused, fused)
+
+    @classmethod
+    def of(cls, backends: dict) -> "FusedParts":
+        return cls(backends.get("experts") == "triton", backends.get("norm") == "liger", backends.get("loss") == "liger")
+
+
+def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool | FusedParts) -> int:
     """Bytes autograd keeps per token for one decoder layer (checked against saved-tensor counts
     in tests/prelaunch/test_model_size.py):
 
@@ -161,42 +179,48 @@ def layer_bytes_per_token(model_cfg: TRHashConfig, act: int, fused: bool) -> int
                 path recomputes them in backward and keeps nothing but its input
     RoPE keeps only cos/sin (both paths); Liger's and the reference's 1/rms rows are fp32.
     """
-    c = model_cfg
+    c, parts = model_cfg, fused if isinstance(fused, FusedParts) else FusedParts.all(fused)
     h, s, w = c.hidden_size, c.shared_width, c.expert_width
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     rows = 2 + c.num_heads + c.num_kv_heads  # 1/rms per row of each norm, fp32
-    norms = 2 * _norm_bytes(h, act, fused) + _norm_bytes(q + kv, act, fused) + rows * FP32
+    norms = 2 * _norm_bytes(h, act, parts.norm) + _norm_bytes(q + kv, act, parts.norm) + rows * FP32
     attention = (kv + (q + kv) + q) * act + c.num_heads * FP32
-    routed = 3 * c.top_k * w * act if fused else 0
+    routed = 3 * c.top_k * w * act if parts.experts else 0
     return norms + 2 * h * act + attention + 4 * s * act + routed
 
 
-def loss_bytes(kernels: KernelsSection, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool) -> int:
+def loss_bytes(kernels: KernelsSection, model_cfg: TRHashConfig, tokens: int, act: int, fused: bool | FusedParts,
+               transient: bool = True) -> int:
     """The head: the final norm, what the loss keeps until backward and its largest temporary.
     Liger's fused linear CE computes the gradients in forward and keeps grad_input [N, H] and an
     fp32 grad_weight [V, H]; its logits come in chunks of about N / ceil(V / H) rows. The chunked
     CE keeps the hidden rows and one fp32 log-sum-exp each, and scores ``loss_chunk_tokens`` rows
-    at a time."""
+    at a time. ``transient``: with that largest temporary (the peak); without it, what autograd
+    keeps (tensors saved for backward and on a custom function's ``ctx``: Liger keeps its
+    gradients there, where saved-tensor hooks do not see them)."""
+    parts = fused if isinstance(fused, FusedParts) else FusedParts.all(fused)
     h, v = model_cfg.hidden_size, model_cfg.vocab_size
-    final_norm = tokens * (_norm_bytes(h, act, fused) + FP32)
-    if fused:
+    final_norm = tokens * (_norm_bytes(h, act, parts.norm) + FP32)
+    if parts.loss:
         chunk = min(tokens, 1 << max(0, math.ceil(math.log2(tokens / math.ceil(v / h)))))
-        return final_norm + tokens * h * act + v * h * FP32 + chunk * v * FP32
+        return final_norm + tokens * h * act + v * h * FP32 + (chunk * v * FP32 if transient else 0)
     chunk = min(kernels.loss_chunk_tokens, tokens)
-    return final_norm + tokens * (h * act + FP32) + _LOGIT_COPIES * chunk * v * FP32
+    return final_norm + tokens * (h * act + FP32) + (_LOGIT_COPIES * chunk * v * FP32 if transient else 0)
 
 
-def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: int = 0, device_type: str = "cuda") -> int:
+def activation_bytes(cfg: TrainConfig, model_cfg: TRHashConfig, checkpointed: int = 0, device_type: str = "cuda",
+                     transient: bool = True, fused: FusedParts | None = None) -> int:
     """One micro-batch [micro_batch, seq_len] through every layer and the loss, for the kernels
-    ``device_type`` runs. A ``checkpointed`` layer keeps only its input and is recomputed, one at a
-    time, in backward."""
-    tokens = cfg.batch.micro_batch * cfg.data.seq_len
+    ``device_type`` runs (or the ``fused`` parts given). A ``checkpointed`` layer keeps only its
+    input and is recomputed, one at a time, in backward (``transient``: that recompute and the
+    loss's largest temporary, the peak; without: what autograd keeps at the end of the forward)."""
+    tokens = tcfg.micro_batch(cfg) * cfg.data.seq_len
     act = PRECISION_BYTES[cfg.precision]
-    fused = fused_kernels(cfg.kernels, device_type)
-    per_layer = layer_bytes_per_token(model_cfg, act, fused)
+    parts = fused if fused is not None else FusedParts.all(fused_kernels(cfg.kernels, device_type))
+    per_layer = layer_bytes_per_token(model_cfg, act, parts)
     kept = (model_cfg.num_layers - checkpointed) * per_layer + checkpointed * model_cfg.hidden_size * act
-    layers = tokens * (kept + (per_layer if checkpointed else 0))
-    return layers + loss_bytes(cfg.kernels, model_cfg, tokens, act, fused)
+    layers = tokens * (kept + (per_layer if checkpointed and transient else 0))
+    return layers + loss_bytes(cfg.kernels, model_cfg, tokens, act, parts, transient)
 
 
 def gradient_buffers(cfg: TrainConfig, params: ParamCount) -> int:

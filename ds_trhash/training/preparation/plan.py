@@ -36,6 +36,7 @@ from ds_trhash.training.callbacks.base import Builder
 from ds_trhash.training.checkpoint_plan import CheckpointPlan
 from ds_trhash.training.engine import check_runnable, compute_dtype
 from ds_trhash.training.global_batch import GlobalBatch
+from ds_trhash.training.memory import auto as auto_micro_batch
 from ds_trhash.training.preparation import resources
 from ds_trhash.training.preparation.init_weights import InitWeights, read_init_weights
 from ds_trhash.training.preparation.output import OutputSide, check_output_side, check_resume
@@ -66,6 +67,7 @@ class LaunchPlan:
     kernels: backend.KernelChoice
     builders: tuple[Builder, ...]  # the callbacks the config asks for, inputs checked
     initial: InitWeights | None = None  # the --init-checkpoint's weights, checked (None on a resume)
+    auto: auto_micro_batch.AutoChoice | None = None  # batch.micro_batch auto: the size chosen and why
     run_files: tuple[str, ...] = TRAINER_FILES  # what the launch writes at the top of its output directory
 
     @property
@@ -117,7 +119,7 @@ def kernel_choice(cfg: tcfg.TrainConfig, model_cfg: TRHashConfig, device: torch.
                               require_liger=cfg.kernels.require_liger)
     if cfg.parallel.ep_size > 1:  # the expert-parallel layer runs its own (gathered) path
         return choice
-    shape = expert_probe.Shape(tokens=cfg.batch.micro_batch * cfg.data.seq_len, hidden=model_cfg.hidden_size,
+    shape = expert_probe.Shape(tokens=tcfg.micro_batch(cfg) * cfg.data.seq_len, hidden=model_cfg.hidden_size,
                                width=model_cfg.expert_width, experts=model_cfg.num_experts,
                                dtype=compute_dtype(cfg.precision), device=device)
     return expert_probe.choose_experts(choice, cfg.kernels.experts, shape)
@@ -169,9 +171,12 @@ def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world:
     ``check_output_side`` decided before the process group existed."""
     tcfg.require_source_stage(cfg)
     check_runnable(cfg, world)
-    loaded, cfg = cfg, tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
-    model_cfg = tcfg.model_config(cfg)
+    loaded, model_cfg = cfg, tcfg.model_config(cfg)
     output = checked if checked is not None else check_output_side(cfg, request, rank)
+    device = launch_device()
+    # batch.micro_batch auto: chosen (or taken from the run's record) before the data cuts its rows
+    cfg, auto = auto_micro_batch.resolve(cfg, model_cfg, world, device, rank, output.saved)
+    cfg = tcfg.for_world(cfg, world)  # batch.grad_accum derived for this world size
     # the data: plan, budgets, tokenizer identity, every planned shard listed (reads only; the
     # embedded demo corpus is built once into its own content-named folder, shared by runs)
     data = open_stage_data(data_request(cfg, rank, world), **held_to(cfg, output), target_tokens=request.target_tokens)
@@ -191,11 +196,11 @@ def plan_launch(cfg: tcfg.TrainConfig, request: LaunchRequest, rank: int, world:
     warn_resources(cfg, model_cfg, data, world, rank, output)
     # read once, here: a damaged or foreign checkpoint is refused before the data side starts
     initial = read_init_weights(output.init_dir, model_cfg) if output.saved is None and output.init_dir else None
-    device = launch_device()
     choice = kernel_choice(cfg, model_cfg, device)
     return LaunchPlan(
         cfg=cfg, loaded=loaded, world=world, model_config=model_cfg, output=output, data=data, source=source,
-        resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(loaded, world),
+        resharding=resharding, critical=tcfg.training_critical(cfg, world), layout=tcfg.batch_layout(cfg, world),
+        auto=auto,
         checkpoints=CheckpointPlan.for_stage(cfg, data.total_steps, data.loader.steps_per_epoch),
         device=device, kernels=choice, builders=tuple(builders), initial=initial,
         run_files=tuple(dict.fromkeys([*TRAINER_FILES, *(name for part in classes for name in part.run_files)])))

@@ -10,10 +10,18 @@ from ds_trhash.training.callbacks import faults
 from ds_trhash.training.loop import TrainState
 
 
-@pytest.mark.parametrize("spec", ["kill_after_step", "kill_after_step:x", "explode:3"])
+@pytest.mark.parametrize("spec", ["kill_after_step", "kill_after_step:x", "explode:3", "oom_at_step:3",
+                                  "oom_at_step:3:1:0:9", "oom_at_step:3:x"])
 def test_bad_specs_are_refused(spec):
     with pytest.raises(ValueError, match="expected kill_after_step:N, kill_during_save:N or hang_after_step:N:RANK"):
         faults.FaultInjection(spec)
+
+
+def test_oom_at_step_is_due_once_on_its_rank_step_and_micro_step():
+    assert not faults.FaultInjection("oom_at_step:3:1", rank=0).out_of_memory_due(3, 0)
+    injected = faults.FaultInjection("oom_at_step:3:1:2,kill_after_step:7", rank=1)
+    assert injected.due("kill_after_step", 7)
+    assert [injected.out_of_memory_due(s, m) for s, m in ((2, 2), (3, 0), (3, 2), (3, 2))] == [False, False, True, False]
 
 
 def test_kill_after_step_kills_this_process_at_that_step_only(monkeypatch):

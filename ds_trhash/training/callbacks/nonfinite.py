@@ -9,8 +9,10 @@ every checkpoint (a save synchronises regardless). The ranks then agree on the e
 step: the run ends non-zero naming that step, and no checkpoint of the diverged weights is ever
 written, so ``--resume auto`` continues from the last finite one.
 
-``training.nonfinite: skip_step`` instead tests each step before the optimizer applies it (one
-host read per step, the price of deciding in time): a non-finite step is skipped (its gradients
+``training.nonfinite: skip_step`` instead tests each step before the optimizer applies it, at the
+loop's one decision point (``before_update``; one host read per step, the price of deciding in
+time): each rank votes from its own loss and gradient norm (non-finite on one rank is non-finite
+in the sum), the ranks agree with the loop's other votes, and a non-finite step is skipped (its gradients
 zeroed and its learning rate set to 0 for that one update, so the weights do not move; the data
 and the schedule go on), counted and reported; ``training.nonfinite_max_skips`` skipped in a
 row end the run as above.
@@ -19,18 +21,31 @@ row end the run as above.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol, cast
 
 import torch
 
 from ds_trhash.errors import UserError
-from ds_trhash.engine_api import DeepSpeedEngine
-from ds_trhash.training.callbacks.base import Callback, TrainState
+from ds_trhash.ranks import host_all_reduce
+from ds_trhash.training.callbacks.base import GO_ON, SKIP_UPDATE, Callback, RunContext, TrainState, UpdateCheck
 from ds_trhash.training.config import TrainConfig
 
 NONE = -1  # no non-finite step seen (on the device)
 UNSEEN = 2**62  # the same, as agreed over the ranks (the smallest bad step wins)
 MODES = ("stop", "skip_step")
+
+
+class _StepValues(Protocol):
+    """What the guard reads of a step's metrics (``loop.StepMetrics``)."""
+
+    first_nonfinite: int | None
+
+    def device_values(self) -> tuple[torch.Tensor, torch.Tensor | float | None]: ...
+
+    def watch(self, flag: torch.Tensor | None) -> None: ...
+
+    def __getitem__(self, key: str) -> object: ...
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -63,14 +78,16 @@ class NonFiniteGuard(Callback):
         self.first_bad: torch.Tensor | None = None  # 0-dim int64 on the device
         self.skipped = 0  # steps skipped in all (skip_step)
         self.in_row = 0
-        # the smallest of every rank's value (the loop sets its host all-reduce); one process: itself
-        self.agree: Callable[[int], int] = lambda value: value
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, log: Callable[[str], None]) -> "NonFiniteGuard":
         """The guard of a launch: ``training.nonfinite*``, checked at every ``training.log_every``."""
         return cls(cfg.training.nonfinite, cfg.training.nonfinite_max_skips, check_every=cfg.training.log_every,
                    log=log, check_grad_norm=cfg.precision != "fp16")
+
+    @classmethod
+    def from_run(cls, run: RunContext) -> "NonFiniteGuard":
+        return cls.from_config(run.cfg, log=run.progress.message)
 
     def describe(self) -> str:
         """For the end-of-stage line: the steps skip_step skipped, if any."""
@@ -79,6 +96,26 @@ class NonFiniteGuard(Callback):
     @property
     def skips(self) -> bool:
         return self.mode == "skip_step"
+
+    def before_update(self, state: TrainState, check: UpdateCheck) -> int:
+        """skip_step: this rank's vote (a host read of its loss, and of its own gradient norm where
+        the optimizer keeps none); stop mode reads nothing here."""
+        if not self.skips or check.out_of_memory is not None:
+            return GO_ON
+        return GO_ON if is_finite(check.loss, check.grad_norm()) else SKIP_UPDATE
+
+    def on_step_end(self, state: TrainState, metrics: Mapping[str, object]) -> None:
+        """First of the step's callbacks: a skipped step counted (skip_step), or the step's values
+        remembered on the device and, at a check step, read with the loss and agreed (stop)."""
+        if self.skips:
+            self.skipped_step(state.step, state.update_skipped)
+            return
+        step = cast(_StepValues, metrics)  # the loop's StepMetrics (callbacks never import the loop)
+        self.record(state.step, *step.device_values())
+        if self.due(state.step, state.total_steps):
+            step.watch(self.first_bad)
+            step["loss"]  # the one host read of a logging step: loss, grad norm and the guard together
+            self.check(step.first_nonfinite)  # before any callback could save this step
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> None:
         """Device ops only: remember ``step`` if it is the first non-finite one."""
@@ -105,7 +142,7 @@ class NonFiniteGuard(Callback):
         as already read with the loss (StepMetrics), else it is read here (before a save)."""
         if seen is None:
             seen = int(self.first_bad) if self.first_bad is not None else NONE
-        step = self.agree(seen if seen != NONE else UNSEEN)
+        step = host_all_reduce([seen if seen != NONE else UNSEEN], "min")[0]
         if step != UNSEEN:
             raise NonFiniteError(
                 f"training diverged: the loss or the gradient norm is not finite at step {step}; the run stops "
@@ -128,12 +165,3 @@ class NonFiniteGuard(Callback):
                 f"gradient norm (training.nonfinite_max_skips={self.max_skips}); the run stops, {self.skipped} step(s) "
                 "skipped in all. Lower optimizer.lr or check the data of those steps")
 
-
-def skip_update(engine: DeepSpeedEngine) -> None:
-    """Make the coming optimizer update a no-op: zero gradients and learning rate 0 for it (the
-    scheduler sets the next step's rate as usual)."""
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            p.grad.zero_()
-    for group in getattr(getattr(engine, "optimizer", None), "param_groups", []):
-        group["lr"] = 0.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_trhash.training import loop
-from ds_trhash.training.nonfinite import NonFiniteError, NonFiniteGuard
+from ds_trhash.training.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 
 
 class Poisoned(torch.nn.Module):
@@ -73,8 +73,8 @@ def _run(guard, bad, steps=8, callbacks=()):
         if isinstance(cb, Saver):
             cb.module = model
     state = loop.TrainState(step=0, total_steps=steps)
-    loop.run(SGDEngine(model), Batches(bad), state, list(callbacks), torch.device("cpu"), 1, lr_of=lambda: 0.01,
-             nonfinite=guard)
+    loop.run(SGDEngine(model), Batches(bad), state, [g for g in (guard,) if g is not None] + list(callbacks),
+             torch.device("cpu"), 1, lr_of=lambda: 0.01)
     return model, state, callbacks
 
 

@@ -1,0 +1,81 @@
+"""An out-of-memory step on one rank of two, through the deepspeed launcher: retried in place by
+both ranks at the smaller micro-batch (ZeRO 1), or every rank stopped with exit 77 and resumed
+at it (ZeRO 2); the same rows and the same losses (1e-5) as the run without the fault, and a
+SIGKILL after the switch resumed bit-identically to the faulted run that went on."""
+import json
+
+import pytest
+
+from tests.training import launch_utils as L
+
+pytestmark = pytest.mark.e2e
+
+STEPS = L.REFERENCE_STEPS
+TOLERANCE = 1e-5
+
+
+def _rows(out):
+    return [int(r["tokens_seen"]) for r in L.metrics(out) if r["train_loss"]]
+
+
+def _assert_same_run(out, ref):
+    assert _rows(out) == _rows(ref)  # the same rows every step: the data cursor never moved back or on
+    got, want = L.train_losses(out), L.train_losses(ref)
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, want)) <= TOLERANCE, list(zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def retried(tmp_path_factory):
+    """The ZeRO-1 reference run with rank 1 out of memory in step 3 (micro-batch 4 of 4 rows)."""
+    out = tmp_path_factory.mktemp("oom") / "retried"
+    proc = L.deepspeed(2, L.reference_run(out, micro=4), DS_TRHASH_FAULT="oom_at_step:3:1")
+    assert proc.returncode == 0, L.explain(proc)
+    return out, proc
+
+
+def test_both_ranks_retry_the_step_in_place_at_the_smaller_micro_batch(retried, shared_launches):
+    out, proc = retried
+    ref = shared_launches.get(2, lambda o: L.reference_run(o, micro=4))
+    _assert_same_run(out, ref)
+    said = proc.stdout + proc.stderr
+    assert said.count("step 3: out of device memory at micro-batch 4 on rank 1; every rank abandoned the step and "
+                      "trains it again on the same rows at micro-batch 2, grad_accum 2") == 1, L.explain(proc)
+    record = json.loads((out / "micro_batch.json").read_text())
+    assert record["micro_batch"] == 2 and [(e["step"], e["rank"], e["from"], e["to"], e["how"])
+                                           for e in record["events"]] == [(3, 1, 4, 2, "in place")]
+    states = {s: json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
+              for s in (3, 6)}
+    assert states[3]["micro_batch_in_force"] == states[6]["micro_batch_in_force"] == 2
+    assert states[6]["training_critical"]["batch.micro_batch"] == 4  # the data's cut: the plan's, unchanged
+
+
+def test_a_sigkill_after_the_switch_resumes_bit_identically(retried, tmp_path):
+    ref, _ = retried
+    out = tmp_path / "killed"
+    proc = L.deepspeed(2, L.reference_run(out, micro=4), DS_TRHASH_FAULT="oom_at_step:3:1,kill_after_step:7")
+    assert L.was_killed(proc), L.explain(proc)
+    proc = L.deepspeed(2, L.reference_run(out, micro=4) + ["--resume", "auto"])
+    assert proc.returncode == 0, L.explain(proc)
+    assert "micro-batch 2 in force (grad_accum 2, the same global batch)" in proc.stdout + proc.stderr
+    final = f"step_{STEPS:08d}"
+    L.assert_identical(L.model_weights(out / "checkpoints" / final), L.model_weights(ref / "checkpoints" / final))
+    assert L.train_losses(out) == L.train_losses(ref)
+
+
+def test_zero_2_stops_every_rank_with_77_and_resumes_at_the_smaller_size(shared_launches, tmp_path):
+    ref = shared_launches.get(2, lambda o: L.reference_run(o, micro=4, zero=2))
+    out = tmp_path / "exited"
+    args = L.reference_run(out, micro=4, zero=2)
+    proc = L.deepspeed(2, args, DS_TRHASH_FAULT="oom_at_step:5:1")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 77, L.explain(proc)
+    assert "error: rank 1: out of device memory at step 5 (micro-batch 4); ZeRO 2 reduces gradients inside every " \
+           "backward" in said, L.explain(proc)
+    assert "error: rank 0: rank 1 ran out of device memory at step 5" in said, L.explain(proc)
+    assert L.checkpoint_steps(out) == [3]
+    record = json.loads((out / "micro_batch.json").read_text())
+    assert record["micro_batch"] == 2 and record["events"][-1]["how"] == "exit"
+    proc = L.deepspeed(2, args + ["--resume", "auto"])
+    assert proc.returncode == 0, L.explain(proc)
+    _assert_same_run(out, ref)
