@@ -30,6 +30,7 @@ from ds_trhash.training.callbacks.stop import EXIT_REQUEUE
 from ds_trhash.training.determinism import use_deterministic_kernels
 from ds_trhash.training.engine import DEFAULT_GROUP_MINUTES, init_distributed
 from ds_trhash.training.memory.record import exit_event
+from ds_trhash.training.memory.step import OutOfMemoryExit
 from ds_trhash.training.preparation.checks import LaunchCheckError
 from ds_trhash.training.preparation.output import OutputSide, check_output_paths, check_output_side
 from ds_trhash.training.preparation.request import LaunchRequest
@@ -190,8 +191,8 @@ def peer_lost(e: BaseException, world: int) -> bool:
 def out_of_memory_peer(event: dict, rank: int) -> int:
     """A rank whose collective failed because another rank ran out of device memory and stopped
     every rank (``micro_batch.json``'s last event, written by this launch): its line names that
-    rank, and it exits as that rank did. (Where the liveness channel broadcasts an abort, that
-    abort replaces this file-based notice: one call here.)"""
+    rank, and it exits as that rank did. Where liveness runs, the failing rank's abort reaches
+    every rank first (``launch``); this file is the notice when liveness is off."""
     rank_line(f"error: rank {rank}: rank {event['rank']} ran out of device memory at step {event['step']} where the "
               f"ranks cannot retry in place; every rank stops, exit {EXIT_OUT_OF_MEMORY}; micro-batch {event['to']} "
               f"(grad_accum {event['grad_accum']}) is recorded and --resume auto continues from the last complete "
@@ -346,13 +347,17 @@ def main(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None =
         liveness.stop(code)
 
 
-def _peer_lost_code(rank: int) -> int:
+def _peer_lost_code(rank: int, output_dir: str | None, started_at: float) -> int:
     """A collective failed because a peer went away: liveness's verdict names it (its line is
     said, ``lost_peer.json`` written, and the process ends with its code, normally before this
-    returns); without one (the peer left with its own error, or liveness is off) one line, exit 1."""
+    returns; a peer's abort, such as an out-of-memory step's, is a verdict too). Without one
+    (liveness off, or the peer left with its own error): a peer's out-of-memory exit recorded in
+    ``micro_batch.json`` by this launch, else one line and exit 1."""
     verdict = liveness.current().wait_for_verdict()
     if verdict is not None:
         return verdict.code
+    if output_dir is not None and (oom := exit_event(output_dir, since=started_at)):
+        return out_of_memory_peer(oom, rank)
     rank_line(f"error: rank {rank}: lost contact with another rank, which stopped (its message above says "
               "why); exiting")
     return 1
@@ -397,6 +402,10 @@ def launch(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None
         barrier()  # no rank tears gloo/NCCL down while a peer still has traffic in flight
         if state.stop_requested:
             return _stopped(state, rank, world)
+    except OutOfMemoryExit as e:
+        if world > 1:  # the peers may wait inside a collective (NCCL): told through liveness, every rank exits 77
+            liveness.abort(str(e), e.exit_code)
+        return _refused(e, rank, output_dir)
     except UserError as e:
         return _refused(e, rank, output_dir)
     except Exception as e:
@@ -404,10 +413,8 @@ def launch(argv: list[str] | None = None, parts: Sequence[type[Callback]] | None
         if cause is not None:  # the disk: read-only, full, gone (one line per rank that hit it)
             rank_line(f"error: rank {rank}: {cause}; training stopped, the last complete checkpoint is kept")
             return 1
-        if peer_lost(e, world) and output_dir is not None and (oom := exit_event(output_dir, since=started_at)):
-            return out_of_memory_peer(oom, rank)
         if peer_lost(e, world):
-            return _peer_lost_code(rank)
+            return _peer_lost_code(rank, output_dir, started_at)
         raise
     finally:
         if started and dist.is_initialized():
