@@ -10,8 +10,9 @@ name and one of the hosts of the attempt that failed. Anything else is named, an
 requeues without an exclusion.
 
 ``python -m ds_trhash.prelaunch.lost_peer RECORD HOST...`` prints ``HOST<TAB>what happened`` and
-exits 0, or prints why the record cannot be used on stderr and exits 1. Standard library only:
-the batch shell runs it once per lost rank, on the job's first node.
+exits 0, or prints why the record cannot be used on stderr and exits 1. Standard library only,
+and of ours only ``errors`` (its refusal is a ``UserError`` like every other): the batch shell runs
+it once per lost rank, on the job's first node.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from ds_trhash.errors import UserError
 
 RECORD_FILE = "lost_peer.json"
 # one host name: dot-separated labels of letters, digits, '-' and '_' (SLURM node names), nothing
@@ -30,7 +33,7 @@ RECORD_MAX = 65536  # a record is a few hundred bytes
 WHAT_MAX = 200  # the account printed in the job output
 
 
-class LostPeerRecordError(ValueError):
+class LostPeerRecordError(UserError, ValueError):
     """A lost-peer record the job script cannot act on (the message says why)."""
 
 

@@ -95,13 +95,13 @@ def test_an_empty_output_dir_or_a_modifier_without_its_option_fails_the_config_o
     from ds_trhash.prelaunch.preflight import _output
     from ds_trhash.prelaunch.preflight import Report
     from ds_trhash.training import config as tcfg
-    from ds_trhash.training.entrypoint import build_arg_parser
+    from ds_trhash.training.entrypoint import build_arg_parser, launch_request
 
     for argv, needle in ((["--fork"], "--fork modifies --resume DIR"),
                          (["--output-dir", str(tmp_path / "file")], "is a regular file")):
         args = build_arg_parser().parse_args(["--config", config, *argv])
         cfg = tcfg.load_config(config, [f"output_dir={args.output_dir or tmp_path / 'run'}"])
         report = Report()
-        assert _output(report, cfg, args, 1, None) is None
+        assert _output(report, cfg, launch_request(args, environ={}), 1, None) is None
         assert report.checks[-1].failed and needle in report.checks[-1].detail
     assert tree_digest(tmp_path) == before
