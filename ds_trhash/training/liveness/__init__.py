@@ -54,7 +54,7 @@ class NoLiveness:
         end_process(code)
 
     def close(self, code: int = 0) -> None:
-        pass
+        """Nothing to release: no thread, no socket, no peer to say goodbye to."""
 
 
 _current: Liveness | NoLiveness = NoLiveness()

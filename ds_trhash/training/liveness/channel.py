@@ -121,7 +121,7 @@ class Channel:
         """An empty datagram to this socket: a ``receive`` waiting on it looks at ``until`` again."""
         try:
             self.sock.sendto(b"", (self.address, self.port))
-        except OSError:
+        except OSError:  # the interface went down: the receive's own timeout wakes it within an interval
             pass
 
     def close(self) -> None:

@@ -97,5 +97,5 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # a closed or broken pipe: the line already went out on fd 2 (``say``)
             pass
