@@ -5,9 +5,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -76,8 +73,10 @@ def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(root, refere
     assert f"resuming at step {last_saved}" in resumed.stdout, f"kill_at={kill_at} KILL_SEED={seed}\n" + L.explain(resumed)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(root, reference, nproc):
+def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(root, reference):
+    """On two ranks, whose files the publish waits for (one process writes the same files, and
+    takes the same publish, without the wait: the truncated case below runs on one)."""
+    nproc = 2
     out = root / f"killsave{nproc}"
     proc = _launch(nproc, _args(out, micro=8 // nproc), DS_TRHASH_FAULT="kill_during_save:6")
     assert L.was_killed(proc), L.explain(proc)
@@ -98,25 +97,6 @@ def test_auto_resume_skips_a_truncated_newest_checkpoint(root, reference):
     resumed = _resume_and_compare(1, out, reference(1))
     assert "step_00000006" in resumed.stdout + resumed.stderr  # it says why it fell back
     assert "resuming at step 3" in resumed.stdout, L.explain(resumed)
-
-
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_cleanly(root):
-    out = root / "sigterm"
-    args = _args(out) + ["--max-steps", "150", "--set", "checkpoint.every_steps=1000"]
-    env = L.base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(L.free_port()))
-    proc = subprocess.Popen([L.sys.executable, str(L.REPO / "launch" / "train.py"), *args], cwd=L.REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    metrics = out / "metrics.csv"
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    steps = L.checkpoint_steps(out)
-    assert len(steps) == 1 and 3 <= steps[0] < 150
-    state = json.loads((out / "checkpoints" / f"step_{steps[0]:08d}" / "trainer_state.json").read_text())
-    assert state["reason"] == "stop signal" and state["step"] == steps[0]
 
 
 @pytest.mark.gpu

@@ -19,7 +19,6 @@ A finished stage relaunched with `RESUME=auto` keeps its final/ and record uncha
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import psutil
@@ -27,7 +26,6 @@ import pytest
 
 from ds_trhash.checkpoints import list_checkpoints, run_lock, verify
 from ds_trhash.checkpoints.sync_guard import read_verified
-from ds_trhash.release.hub import watch
 from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR, final_status, read_completion
 from tests.release.conftest import stand_in_hub
 from tests.training import launch_utils as L
@@ -60,12 +58,29 @@ def server(monkeypatch):
         yield srv
 
 
+def _watcher(out, log):
+    """`ds-trhash sync --watch` as a user starts it beside the run, in a process group of its own
+    (its passes die with it), so that a failing test can end it: a watch left running would go
+    on starting passes for the rest of the session, their errors landing in other tests' output."""
+    return subprocess.Popen([str(L.VENV_BIN / "ds-trhash"), "sync", "--watch", str(out), "--repo", REPO,
+                             "--path-in-repo", PREFIX, "--every", "0.5", "--pass-timeout", "300", "--create-repo"],
+                            cwd=L.REPO, env=L.base_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 def test_watched_run_lock_refusal_sighup_resume_to_final(tmp_path, server):
     out = tmp_path / "run"
-    lines, result = [], {}
-    watcher = threading.Thread(target=lambda: result.setdefault("code", watch.watch(
-        out, REPO, prefix=PREFIX, every=0.5, pass_timeout=300, create_repo=True, log=lines.append)), daemon=True)
-    watcher.start()
+    with open(tmp_path / "watch.log", "w") as log:
+        watcher = _watcher(out, log)
+    try:
+        _watched_lifecycle(out, server, watcher)
+    finally:
+        if watcher.poll() is None:
+            os.killpg(watcher.pid, signal.SIGKILL)
+            watcher.wait()
+
+
+def _watched_lifecycle(out, server, watcher):
     port = L.free_port()
     a = subprocess.Popen([str(L.VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
                           str(L.REPO / "launch" / "train.py"), *_args(out)], cwd=L.REPO, env=L.base_env(),
@@ -111,8 +126,7 @@ def test_watched_run_lock_refusal_sighup_resume_to_final(tmp_path, server):
     last = list_checkpoints(out)[-1]
     assert last.step == STEPS and final_status(out, last.path) == (True, "ok")
     assert read_completion(out)["checkpoint"] == f"checkpoints/{last.name}"
-    watcher.join(300)
-    assert result.get("code") == 0, lines[-10:]
+    assert watcher.wait(300) == 0, (out.parent / "watch.log").read_text()[-3000:]
     files = server.repo(REPO).files
     assert f"{PREFIX}/{FINAL_DIR}/model.safetensors" in files and all(p.startswith(PREFIX + "/") for p in files)
     assert f"{PREFIX}/checkpoints/{last.name}/MANIFEST.json" in files
