@@ -182,7 +182,9 @@ def test_ctrl_c_on_two_nodes_while_every_download_stalls_stops_at_once_with_its_
     in the middle of a two-node run whose rows travel between the nodes, and Ctrl-C reaches both
     nodes while their reads hang: both ranks stop after the same step with one complete
     checkpoint, well inside the launcher's grace period (no exchange waits for a stalled read,
-    and closing waits for no download), without a traceback."""
+    and closing waits for no download), without a traceback. This is also the suite's Ctrl-C of a
+    streamed two-node run: the same run with downloads that answer stops the same way, with less
+    to wait for, so it has no launch of its own."""
     tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
     corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
     out = tmp_path / "run"

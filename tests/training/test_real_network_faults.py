@@ -6,7 +6,9 @@ liveness line naming the lost rank (its node, host, silence and the step it was 
 launch.py and the runner pass its exit 76 (EXIT_PEER_LOST) on, and every process of the node is
 gone within 60 s of the fault; then, the cable plugged back in, the same command with
 ``--resume auto`` on both hosts continues from the last complete checkpoint, every step's loss
-the uninterrupted run's.
+the uninterrupted run's. These runs are also the suite's two hosts training with nothing set by
+hand (no GLOO_SOCKET_IFNAME): every node chooses the interface that reaches the master itself and
+says which, and the steps before each fault and after its resume are the one-host run's.
 """
 from __future__ import annotations
 
@@ -117,3 +119,15 @@ def test_resume_auto_continues_bit_identically(faults, name):
     final = f"step_{L.REFERENCE_STEPS:08d}"
     L.assert_identical(L.model_weights(launches[name].out / "checkpoints" / final),
                        L.model_weights(reference / "checkpoints" / final))
+
+
+@pytest.mark.parametrize("name", ["cut", "kill-node1", "kill-node0"])
+def test_two_hosts_choose_their_interface_with_nothing_set_by_hand(faults, name):
+    """Each resume (both hosts up, trained to the end; its losses above): rank 0's start-up
+    summary names the interface holding the master address, rank 1 the route to it."""
+    launches, _, resumes, _ = faults
+    hosts, said = launches[name].hosts, resumes[name].said
+    assert f"network    gloo over {hosts.device(0)} ({hosts.address(0)}: holds the master address)" in said[0], \
+        said[0][-4000:]
+    assert (f"rank 1: gloo over {hosts.device(1)} ({hosts.address(1)}: the route to the master {hosts.address(0)})"
+            in said[1]), said[1][-4000:]

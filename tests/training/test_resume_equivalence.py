@@ -60,8 +60,9 @@ def _kill_step(nproc: int) -> tuple[int, int]:
     return seed, random.Random(seed * 10 + nproc).randrange(4, STEPS)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(root, reference, nproc):
+def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(root, reference):
+    """On two ranks; a killed single process and its resume are the truncated case below."""
+    nproc = 2
     seed, kill_at = _kill_step(nproc)
     print(f"SIGKILL after step {kill_at} (rerun this case with KILL_SEED={seed})")
     out = root / f"kill{nproc}-{kill_at}"
@@ -89,6 +90,8 @@ def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(root,
 
 
 def test_auto_resume_skips_a_truncated_newest_checkpoint(root, reference):
+    """One process SIGKILLed after step 8, its newest checkpoint (step 6) then damaged: the
+    resume says why it passes over it and continues from step 3, bit-identically."""
     out = root / "truncated"
     proc = _launch(1, _args(out), DS_TRHASH_FAULT="kill_after_step:8")
     assert proc.returncode != 0

@@ -1,22 +1,17 @@
-"""What the user sees after Ctrl-C through the `deepspeed` launcher, and the relaunches right after.
+"""Why a relaunch's refusal was once lost, and the check that keeps it printed.
 
-Ctrl-C (SIGINT to the whole foreground process group) of a 2-process run: the runner returns the
-prompt at once, with the status of its own KeyboardInterrupt, while the ranks still finish their
-step and write the stop checkpoint. A relaunch into the folder without `--resume`, made the moment
-the prompt is back, must print the refusal naming `--resume` on the console; the relaunch with
-`--resume auto` then continues and ends bit-identical to the uninterrupted run. Both relaunches
-wait for the stopping ranks' run lock (``DS_TRHASH_RUN_LOCK_WAIT``), so the order does not depend
-on how long the stop checkpoint takes.
+`launch.py` terminates every rank as soon as one exits with an error, and a rank still importing
+torch had no handler yet, so it died silently instead of printing why it refused. The stop
+handlers are installed before torch is imported, which a Python audit hook checks at the moment
+torch's import starts; a SIGTERM then only records a stop, and the refusal is printed.
 
-And the reason such a refusal was once lost: `launch.py` terminates every rank as soon as one
-exits with an error, and a rank still importing torch had no handler yet, so it died silently.
-The stop handlers are installed before torch is imported, which a Python audit hook checks at the
-moment torch's import starts; a SIGTERM then only records a stop, and the refusal is printed.
+What the user sees after Ctrl-C through the `deepspeed` launcher, and the relaunch right after it
+(refused naming --resume auto, the moment the prompt is back), is in
+tests/training/test_stop_signals.py.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -27,70 +22,6 @@ import pytest
 from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.e2e
-
-STEPS = L.REFERENCE_STEPS
-
-
-def _args(out):
-    return L.reference_run(out, micro=4)  # the 2-process reference of the resume and reshard tests
-
-
-def _runner(out, extra=(), log=None, **env) -> subprocess.Popen:
-    port = L.free_port()
-    cmd = [str(L.VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
-           str(L.REPO / "launch" / "train.py"), *_args(out), *extra]
-    sink = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115  (closed by the caller's communicate)
-    return subprocess.Popen(cmd, cwd=L.REPO, env=L.base_env(**env), stdout=sink, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-
-
-def _rows(out) -> int:
-    try:
-        return len(L.metrics(out))
-    except (OSError, ValueError):
-        return 0
-
-
-def _finish(proc: subprocess.Popen, timeout=600) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return out or ""
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-
-
-def test_ctrl_c_then_a_relaunch_is_refused_naming_resume_and_resume_auto_is_bit_identical(shared_launches, tmp_path):
-    ref = shared_launches.get(2, _args)  # read only
-    out = tmp_path / "run"
-    first = _runner(out, log=tmp_path / "first.log")
-    try:
-        while _rows(out) < 2:
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.1)
-        os.killpg(first.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        code = first.wait(timeout=120)  # the prompt is back
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
-    # shell status 130 (the runner's KeyboardInterrupt), or launch.py's 1 from a runner started with SIGINT ignored
-    assert code in (-signal.SIGINT, 1), code
-    wait = {"DS_TRHASH_RUN_LOCK_WAIT": "300"}  # the stopping ranks may still hold the run lock
-    console = _finish(_runner(out, **wait))
-    assert "error: " in console and "already holds a run" in console and "--resume auto" in console, console[-4000:]
-    assert "Traceback" not in console, console[-4000:]
-    resumed = _runner(out, ["--resume", "auto"], **wait)
-    console = _finish(resumed)
-    assert resumed.returncode == 0, console[-6000:]
-    stopped = (tmp_path / "first.log").read_text()
-    assert stopped.count("stopped at step") == 2, stopped[-4000:]  # both ranks wrote their stop
-    assert "resuming at step" in console
-    last = f"checkpoints/step_{STEPS:08d}"
-    L.assert_identical(L.model_weights(out / last), L.model_weights(ref / last))
-    assert (out / "expert_load.csv").read_text() == (ref / "expert_load.csv").read_text()
-
 
 AUDIT = """\
 import runpy, signal, sys
@@ -118,7 +49,7 @@ def test_a_rank_terminated_while_it_imports_still_prints_its_refusal(tmp_path):
     out.mkdir()
     (out / "metrics.csv").write_text("step,train_loss\n1,9.0\n")  # a run is there: a fresh launch is refused
     env = L.base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(L.free_port()))
-    proc = subprocess.Popen([sys.executable, "-c", AUDIT, str(L.REPO / "launch" / "train.py"), *_args(out)],
+    proc = subprocess.Popen([sys.executable, "-c", AUDIT, str(L.REPO / "launch" / "train.py"), *L.reference_run(out, micro=4)],
                             cwd=L.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while not _sigterm_caught(proc.pid):  # the handler is in place: as launch.py would, terminate it

@@ -3,6 +3,10 @@
 Four launches share one output directory, each resuming from the checkpoint the previous stop
 wrote (so every stop checkpoint is also shown to resume): SIGTERM to one rank only, SIGTERM to
 `launch.py`, Ctrl-C (SIGINT to the whole process group), SIGTERM to the `deepspeed` runner.
+Right after Ctrl-C, as a user at the returned prompt would, the same command without --resume
+is refused naming --resume auto (tests/training/test_stop_relaunch.py, on why such a refusal
+was once lost). That a stop checkpoint resumes bit-identically to the uninterrupted run is the
+SLURM job's check (tests/prelaunch/test_slurm_launch.py: a warning's stop, requeued, resumed).
 Each asserts: both ranks stopped at the same step, right after the signal; no traceback from any
 rank; one complete, verifiable checkpoint at that step; the stop well inside the launcher's
 grace period; and every rank exiting 0 (the launcher's own status is what DeepSpeed makes of it,
@@ -36,16 +40,19 @@ def _rows(out: Path) -> int:
         return 0
 
 
-def _launch(out: Path, target, *, resume: bool) -> dict:
-    """Start a 2-rank launch, wait until it has trained past ``start + 2`` steps, signal ``target``."""
-    port = L.free_port()
+def _command(out: Path, port: int, *, resume: bool) -> list[str]:
     cmd = [str(L.VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
            str(L.REPO / "launch" / "train.py"), "--config", "ds_configs/tiny/pretrain.yaml",
            "--output-dir", str(out), "--max-steps", str(STEPS), "--set", "batch.micro_batch=4",
            "--set", "training.log_every=1", "--set", "checkpoint.every_steps=1000", "--set", "checkpoint.packs=null",
            "--set", "checkpoint.keep_last=10"]
-    if resume:
-        cmd += ["--resume", "auto"]
+    return cmd + ["--resume", "auto"] if resume else cmd
+
+
+def _launch(out: Path, target, *, resume: bool) -> dict:
+    """Start a 2-rank launch, wait until it has trained past ``start + 2`` steps, signal ``target``."""
+    port = L.free_port()
+    cmd = _command(out, port, resume=resume)
     start_rows = _rows(out)
     # Its own session and process group, like a job started from a terminal.
     proc = subprocess.Popen(cmd, cwd=L.REPO, env=L.base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -92,12 +99,29 @@ def _to_runner(proc, launch_py, ranks):
 SCENARIOS = {"one_rank": _to_rank1, "launch_py": _to_launch_py, "ctrl_c": _ctrl_c, "runner": _to_runner}
 
 
+def _relaunch_without_resume(out: Path) -> subprocess.CompletedProcess:
+    """The same command again the moment the prompt is back, without ``--resume``: it waits for
+    the stopping ranks' run lock (``DS_TRHASH_RUN_LOCK_WAIT``), so what it meets does not depend
+    on how long their stop checkpoint takes."""
+    port = L.free_port()
+    try:
+        return subprocess.run(_command(out, port, resume=False), cwd=L.REPO, capture_output=True, text=True,
+                              timeout=600, env=L.base_env(DS_TRHASH_RUN_LOCK_WAIT="300"))
+    finally:
+        for seg in L.shm_segments(port):
+            seg.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def stops(tmp_path_factory):
+    """The four stops in turn, each launch resuming the previous one's stop checkpoint, and right
+    after Ctrl-C a relaunch without --resume (``relaunch``)."""
     out = tmp_path_factory.mktemp("stops") / "run"
     results = {}
     for i, (name, target) in enumerate(SCENARIOS.items()):
         results[name] = _launch(out, target, resume=i > 0)
+        if name == "ctrl_c":
+            results["relaunch"] = _relaunch_without_resume(out)
     return results
 
 
@@ -152,6 +176,19 @@ def test_ctrl_c_to_the_process_group_stops_once_despite_the_double_delivery(stop
     # "second signal" escalation, one checkpoint.
     reasons = _reasons(r)
     assert all(reason.startswith("stop requested here: SIGINT") for reason in reasons.values()), reasons
+
+
+def test_a_relaunch_the_moment_the_prompt_is_back_is_refused_naming_resume(stops):
+    """After Ctrl-C the prompt returns while the ranks still write their stop checkpoint; the same
+    command again is refused on the console, naming --resume auto, and changes nothing: the next
+    launch resumes from the Ctrl-C stop's checkpoint."""
+    proc = stops["relaunch"]
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "error: " in console, console[-4000:]
+    assert "already holds a run" in console and "--resume auto" in console, console[-4000:]
+    assert "Traceback" not in console, console[-4000:]
+    stopped = _check(stops["ctrl_c"], code=stops["ctrl_c"]["code"])
+    assert f"resuming at step {stopped}" in stops["runner"]["stdout"] + stops["runner"]["stderr"]
 
 
 def test_sigterm_to_the_deepspeed_runner_leaves_no_orphan_training(stops):
