@@ -24,8 +24,8 @@ SHARED = {
 # the long launch files with one or two tests would otherwise come last
 FIRST = (
     "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
-    "tests/training/liveness/test_lost_rank_launch.py",  # ~120 s alone: a frozen and a stuck two-node launch
-    # side by side (a 30 s silence, a 15 s stuck limit), then both resumed side by side
+    "tests/training/liveness/test_lost_rank_launch.py",  # ~150 s: one two-node run frozen (a 30 s silence),
+    # resumed and stuck (a 15 s stuck limit), resumed to the end, one launch after another
     # ~390 s at a load average of 8 (with the ZeRO-1 and ZeRO-2 reference launches it shares):
     # 12-step 2-process launches, an out-of-memory retry, a kill and its resume, a ZeRO-2 exit 77
     # and its resume
@@ -33,8 +33,8 @@ FIRST = (
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_hub_outage_launch.py",  # ~210 s (416 s measured beside five other sessions): outages,
     # a failed read on one node, Ctrl-C before the first step and mid-run while downloads stall on two nodes
-    "tests/training/test_real_network_faults.py",  # ~250 s: on hosts of their own, a cable cut and each node killed,
-    # side by side, every survivor gone with exit 76; the three resumed side by side
+    "tests/training/test_real_network_faults.py",  # ~200 s: one run on two hosts of their own, each node
+    # killed and the cable cut in turn (every survivor gone with exit 76), each fault resumed by the next launch
     "tests/training/test_real_network.py",  # ~60 s: a master no host reaches (two hosts, network namespaces)
     "tests/training/test_compile_launch.py",  # ~140 s: inductor on CPU
     "tests/training/test_stop_signals.py",  # ~150 s: 4 signalled 2-process launches, a refused relaunch

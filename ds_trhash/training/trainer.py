@@ -236,6 +236,8 @@ def _train_stage(plan: LaunchPlan, rank: int, world: int, requests: StopRequests
                           load_universal=plan.resharding and plan.output.resume_dir is not None
                           and ckpt.needs_universal(plan.output.resume_dir, cfg.parallel.ep_size))
     state = restore(plan, engine.engine, rank)
+    # heard from while it still starts: at the step it continues from, not at 0 (a resumed run)
+    liveness.current().beacon.step = state.step
 
     progress = Progress(cfg.stage, data.total_steps, rank, every=cfg.training.log_every, start_step=state.step)
     if rank == 0:

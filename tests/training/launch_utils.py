@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import contextlib
+import io
 import json
 import os
 import re
@@ -184,6 +185,15 @@ def train_losses(output_dir: Path) -> list[float]:
     return [float(r["train_loss"]) for r in metrics(output_dir) if r["train_loss"]]
 
 
+def whole_losses(output_dir: Path) -> list[float]:
+    """``train_losses`` of the rows written whole: a rank ended at once (killed, or its liveness
+    verdict's hard exit) while it wrote a row leaves that row cut short, without its line end
+    (the next launch drops it as it resumes)."""
+    text = (output_dir / "metrics.csv").read_text()
+    whole = text if text.endswith("\n") else text[:text.rfind("\n") + 1]
+    return [float(r["train_loss"]) for r in csv.DictReader(io.StringIO(whole)) if r["train_loss"]]
+
+
 def checkpoint_steps(output_dir: Path) -> list[int]:
     root = output_dir / "checkpoints"
     return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if "." not in p.name)
@@ -318,18 +328,30 @@ class WatchedLaunch:
             seg.unlink(missing_ok=True)
 
 
-def fault_when_ready(launches: dict, faults: dict, at_step: int, deadline_s: float = 400.0) -> None:
-    """Each launch's fault (``faults[name](launch)``), once that ``WatchedLaunch`` has logged
-    ``at_step`` steps; the faults of launches running side by side land as each gets there."""
-    pending = dict(faults)
+def metrics_inode(output_dir: Path) -> int | None:
+    """The inode of ``output_dir``'s metrics.csv, None while there is none."""
+    path = output_dir / "metrics.csv"
+    return path.stat().st_ino if path.exists() else None
+
+
+def resume_point(output_dir: Path) -> int:
+    """The step --resume auto continues from: the newest complete checkpoint's (0: none)."""
+    steps = checkpoint_steps(output_dir) if (output_dir / "checkpoints").is_dir() else []
+    return steps[-1] if steps else 0
+
+
+def fault_when_trained(launch: WatchedLaunch, fault, at_step: int, stale: int | None,
+                       deadline_s: float = 400.0) -> None:
+    """``fault(launch)`` once the launch has logged ``at_step`` steps, then ``launch.fault_at``.
+    ``stale``: ``metrics_inode`` of the run before this launch started. A launch that resumes
+    replaces metrics.csv as it starts (the rows past its checkpoint left out), so the rows of the
+    file that was there are an earlier launch's and count for nothing."""
     deadline = time.monotonic() + deadline_s
-    while pending:
-        for name, fault in list(pending.items()):
-            launch = launches[name]
-            assert not launch.ended, f"{name}: a node ended before its fault:\n" + "\n".join(launch.said.values())[-4000:]
-            if launch.steps() >= at_step:
-                fault(launch)
-                launch.fault_at = time.monotonic()
-                del pending[name]
-        assert time.monotonic() < deadline, f"never reached step {at_step}: {sorted(pending)}"
+    while True:
+        assert not launch.ended, "a node ended before its fault:\n" + "\n".join(launch.said.values())[-4000:]
+        if metrics_inode(launch.out) != stale and launch.steps() >= at_step:
+            fault(launch)
+            launch.fault_at = time.monotonic()
+            return
+        assert time.monotonic() < deadline, f"never reached step {at_step}"
         time.sleep(0.05)
