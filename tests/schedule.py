@@ -23,7 +23,8 @@ SHARED = {
 # the longest units, longest first (wall seconds of each under the suite's load, 2-core machine);
 # the long launch files with one or two tests would otherwise come last
 FIRST = (
-    "tests/training/test_resume_equivalence.py",  # ~300 s: kills and resumes on 1 and 2 processes
+    "tests/training/test_resume_equivalence.py",  # ~250 s: kills and resumes on 1 and 2 processes (and the
+    # 1- and 2-process references that other files share)
     "tests/training/liveness/test_lost_rank_launch.py",  # ~150 s: one two-node run frozen (a 30 s silence),
     # resumed and stuck (a 15 s stuck limit), resumed to the end, one launch after another
     # ~390 s at a load average of 8 (with the ZeRO-1 and ZeRO-2 reference launches it shares):

@@ -1,5 +1,7 @@
 """The proof of exact resume: a run SIGKILLed at a random step (or in the middle of writing a
-checkpoint) and resumed with --resume auto ends bit-identical to an uninterrupted run."""
+checkpoint) and resumed with --resume auto ends bit-identical to an uninterrupted run. On two
+ranks one run meets both kills, each resumed by the next launch; one process, a kill whose
+newest checkpoint is then damaged."""
 
 import json
 import os
@@ -60,33 +62,50 @@ def _kill_step(nproc: int) -> tuple[int, int]:
     return seed, random.Random(seed * 10 + nproc).randrange(4, STEPS)
 
 
-def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(root, reference):
-    """On two ranks; a killed single process and its resume are the truncated case below."""
-    nproc = 2
+@pytest.fixture(scope="module")
+def killed_twice(root, reference):
+    """One two-rank run killed twice, each launch the same command with --resume auto after the
+    first: SIGKILL inside the write of step 6's checkpoint, then, resumed, SIGKILL after a random
+    later step, then resumed to the end and compared with the uninterrupted run. What each launch
+    said and the losses logged when it was killed."""
+    nproc, out = 2, root / "killed-twice"
     seed, kill_at = _kill_step(nproc)
     print(f"SIGKILL after step {kill_at} (rerun this case with KILL_SEED={seed})")
-    out = root / f"kill{nproc}-{kill_at}"
-    proc = _launch(nproc, _args(out, micro=8 // nproc), DS_TRHASH_FAULT=f"kill_after_step:{kill_at}")
-    assert L.was_killed(proc), f"the run was not killed at step {kill_at} (KILL_SEED={seed}): " + L.explain(proc)
-    last_saved = (kill_at - 1) // 3 * 3  # killed after step kill_at, before its own checkpoint
-    assert max(L.checkpoint_steps(out)) == last_saved
-    resumed = _resume_and_compare(nproc, out, reference(nproc))
-    assert f"resuming at step {last_saved}" in resumed.stdout, f"kill_at={kill_at} KILL_SEED={seed}\n" + L.explain(resumed)
+    args = _args(out, micro=8 // nproc)
+    in_save = _launch(nproc, args, DS_TRHASH_FAULT="kill_during_save:6")
+    left = {"tmp": (out / "checkpoints" / "step_00000006.tmp").is_dir(), "steps": L.checkpoint_steps(out)}
+    at_step = _launch(nproc, args + ["--resume", "auto"], DS_TRHASH_FAULT=f"kill_after_step:{kill_at}")
+    logged = L.whole_losses(out)
+    saved = L.checkpoint_steps(out)
+    end = _resume_and_compare(nproc, out, reference(nproc))
+    return {"in_save": in_save, "left": left, "at_step": at_step, "logged": logged, "saved": saved, "end": end,
+            "kill_at": kill_at, "seed": seed, "reference": L.train_losses(reference(nproc)[0])}
 
 
-def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(root, reference):
+def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(killed_twice):
     """On two ranks, whose files the publish waits for (one process writes the same files, and
     takes the same publish, without the wait: the truncated case below runs on one)."""
-    nproc = 2
-    out = root / f"killsave{nproc}"
-    proc = _launch(nproc, _args(out, micro=8 // nproc), DS_TRHASH_FAULT="kill_during_save:6")
-    assert L.was_killed(proc), L.explain(proc)
-    ckroot = out / "checkpoints"
-    assert (ckroot / "step_00000006.tmp").is_dir()  # DeepSpeed's files were written ...
-    assert not (ckroot / "step_00000006").exists()  # ... but the checkpoint never became visible
-    assert L.checkpoint_steps(out) == [3]
-    resumed = _resume_and_compare(nproc, out, reference(nproc))
+    run = killed_twice
+    assert L.was_killed(run["in_save"]), L.explain(run["in_save"])
+    assert run["left"]["tmp"]  # DeepSpeed's files were written ...
+    assert run["left"]["steps"] == [3]  # ... but step 6's checkpoint never became visible
+    resumed = run["at_step"]
     assert "resuming at step 3" in resumed.stdout, L.explain(resumed)
+    # every step the resumed launch trained before its own kill: the uninterrupted run's loss
+    assert len(run["logged"]) >= run["kill_at"] - 1 and run["logged"] == run["reference"][:len(run["logged"])]
+
+
+def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(killed_twice):
+    """The resumed launch killed after a random step (before that step's own checkpoint): the
+    next resume continues from the last checkpoint before it and ends bit-identical (weights,
+    expert counts) to the uninterrupted run; a killed single process and its resume are the
+    truncated case below."""
+    run, kill_at, seed = killed_twice, killed_twice["kill_at"], killed_twice["seed"]
+    assert L.was_killed(run["at_step"]), f"not killed at step {kill_at} (KILL_SEED={seed}): " + L.explain(run["at_step"])
+    last_saved = (kill_at - 1) // 3 * 3  # killed after step kill_at, before its own checkpoint
+    assert run["saved"][-1] == last_saved, (run["saved"], kill_at, seed)
+    assert f"resuming at step {last_saved}" in run["end"].stdout, f"kill_at={kill_at} KILL_SEED={seed}\n" + L.explain(
+        run["end"])
 
 
 def test_auto_resume_skips_a_truncated_newest_checkpoint(root, reference):
