@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -60,6 +61,11 @@ class CacheError(UserError, ValueError):
 
 class ShardIntegrityError(CacheError):
     """A shard's bytes do not match the SHA-256 its manifest recorded (after one re-download)."""
+
+
+def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
+    """One folder per store and commit inside the node's cache directory (the ``<root>`` above)."""
+    return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
 
 
 def entry_path(root: Path, source: str, file: str, resolved_root: Optional[Path] = None) -> Path:

@@ -17,13 +17,13 @@ least one shard), so the smallest bound that always works is one largest shard p
 node. A prefetch only ever uses room it can make without waiting, so it never blocks a read.
 
 Prefetching (the shards a reader names next, fetched ahead and held until read) is the job of
-the cache's ``cache_prefetch.Prefetcher``: built here, handed the lock, the holds, the counts and
+the cache's ``prefetch.Prefetcher``: built here, handed the lock, the holds, the counts and
 the fill that never waits for room (``fetch_ahead``).
 
 A fill reads the node's usage from a ledger kept under the eviction lock and walks the directory
 only when the ledger leaves no room (or is missing), and once as the cache opens: a walk per fill
 cost as much as the rest of the fill's bookkeeping, and grew with the entries. The file layout,
-the ledger and the locks are in ``cache_files``.
+the ledger and the locks are in ``files``.
 
 Figures: ``counters()`` is this process's counts and the usage it last saw (no lock, no walk:
 cheap enough for every step); ``stats()`` walks the directory under the eviction lock, for the
@@ -32,7 +32,6 @@ rare caller (tests, a stage's end).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -54,11 +53,11 @@ from ds_trhash.data.stream.cache.bound import CACHE_ENV, hold_budget, prefetch_h
 from ds_trhash.data.stream.cache.files import CacheError, ShardIntegrityError
 from ds_trhash.data.stream.cache.prefetch import Prefetcher, Usage
 from ds_trhash.data.stream.mapped_shard import MappedShard
+from ds_trhash.data.stream.types import Key
 
 ROOM_WAIT_S = 600.0  # how long a read waits for other ranks to free room before it fails
 CLOSE_JOIN_S = 5.0  # how long close waits for the prefetch thread (well inside the launcher's 30 s grace)
 
-from ds_trhash.data.stream.types import Key
 __all__ = ["CacheError", "ShardIntegrityError", "ShardCache", "ExpectedShard"]
 
 
@@ -69,11 +68,6 @@ class ExpectedShard:
     path: str  # in the store
     sha256: str
     size: int
-
-
-def cache_root(cache_dir: Path, identity: str, commit: str) -> Path:
-    """One folder per store and commit inside the node's cache directory."""
-    return Path(cache_dir) / hashlib.sha256(f"{identity}@{commit}".encode()).hexdigest()[:16]
 
 
 class ShardCache:
@@ -87,7 +81,7 @@ class ShardCache:
         self.hold_budget = hold_budget(self.max_bytes, ranks, self.prefetch_depth, largest)
         allowance = prefetch_holds(self.max_bytes, ranks, self.prefetch_depth, largest)
         self.cache_dir = Path(cache_dir)
-        self.root = cache_root(self.cache_dir, store.identity, commit)
+        self.root = cf.cache_root(self.cache_dir, store.identity, commit)
         self._shards, self.commit = dict(shards), commit
         self._cond = threading.Condition()  # guards the counts and the holds (the prefetcher's state too)
         self._generation = 0  # the reads' part of ``generation``: a shard held or released
@@ -358,7 +352,7 @@ class ShardCache:
         self.usage()
         return self.counters()
 
-    # -- prefetching (``cache_prefetch.Prefetcher``) -------------------------------------
+    # -- prefetching (``prefetch.Prefetcher``) -------------------------------------
     def prefetch(self, upcoming: Iterable[Key]) -> bool:
         """Fetch ahead the first of ``upcoming`` (``Prefetcher.want``): False when not all were queued."""
         return self._prefetcher.want(upcoming)

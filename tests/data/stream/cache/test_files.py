@@ -75,3 +75,13 @@ def test_a_file_the_cache_did_not_write_is_never_counted_or_evicted(tmp_path):
     used, entries = cf.scan(tmp_path)
     assert used == 0 and entries == []
     assert (tmp_path / "precious.txt").read_bytes() == b"p" * 50 and (tmp_path / "s" / "notes.partial-draft").exists()
+
+
+def test_each_store_and_commit_has_a_folder_of_its_own_under_the_cache(tmp_path):
+    """A commit that moved, or another store, never finds the other's entries; the same pair
+    always finds its own (a later run adopts them)."""
+    root = cf.cache_root(tmp_path, "hf:http://hub/datasets/team/corpus", "abc")
+    assert root.parent == tmp_path and len(root.name) == 16 and int(root.name, 16) >= 0
+    assert root == cf.cache_root(tmp_path, "hf:http://hub/datasets/team/corpus", "abc")
+    assert root != cf.cache_root(tmp_path, "hf:http://hub/datasets/team/corpus", "abd")
+    assert root != cf.cache_root(tmp_path, "local:/data/corpus", "abc")
