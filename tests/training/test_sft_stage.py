@@ -226,49 +226,55 @@ def test_pretraining_straight_to_sft_is_refused_before_the_model(stages):
     assert not (out / "checkpoints").exists()
 
 
-def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(stages):
-    out = stages["root"] / "sft-lora"
-    _ok(L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
-                  "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
-                  "--set", "checkpoint.every_steps=2"]))
-    after = L.model_weights(out / "checkpoints" / f"step_{4:08d}")
+def _lora_args(stages, out):
+    """A LoRA SFT run from the refinement checkpoint: 44 steps (epoch 1 ends at step 36), a
+    checkpoint every 10, no held-out eval (best/ is the last)."""
+    return ["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out),
+            "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
+            "--set", "checkpoint.every_steps=10", "--set", "eval.heldout=false",
+            "--set", "eval.select=last", "--max-steps", "44"]
+
+
+@pytest.fixture(scope="module")
+def lora(stages):
+    """The LoRA run, uninterrupted: its output directory."""
+    out = stages["root"] / "lora-ref"
+    _ok(L.single(_lora_args(stages, out)))
+    return out
+
+
+def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(stages, lora):
+    after = L.model_weights(lora / "checkpoints" / f"step_{10:08d}")
     before = L.model_weights(stages["ref"])
     adapters = [k for k in after if k.endswith(("lora_A", "lora_B"))]
     assert adapters and all(k not in before for k in adapters)
     assert any(not torch.equal(after[k], torch.zeros_like(after[k])) for k in adapters if k.endswith("lora_B"))
     L.assert_identical({k: after[k] for k in before}, before)  # every base tensor frozen
 
-    # resume the LoRA run as a full-parameter run: refused, naming both modes
-    proc = L.single(["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out), "--max-steps", "4",
-                     "--resume", "auto", "--full-parameter", "--source-stage", "refinement",
-                     "--set", "checkpoint.every_steps=2"])
+    # resume the LoRA run as a full-parameter run: refused, naming both modes, nothing changed
+    unchanged = _digest(lora)
+    proc = L.single([*_lora_args(stages, lora), "--resume", "auto", "--full-parameter"])
     assert proc.returncode == 2, L.explain(proc)
     assert "LoRA" in proc.stderr and "full-parameter" in proc.stderr
+    assert _digest(lora) == unchanged
 
     # SFT → SFT from the LoRA checkpoint: the adapters are merged into the new run's start
     out2 = stages["root"] / "sft-after-lora"
     _ok(L.single(["--config", "ds_configs/tiny/sft.yaml", "--output-dir", str(out2), "--max-steps", "1",
-                  "--init-checkpoint", str(out / "checkpoints" / f"step_{4:08d}"),
+                  "--init-checkpoint", str(lora / "checkpoints" / f"step_{10:08d}"),
                   "--source-stage", "supervised-finetuning"]))
 
 
-def test_lora_sft_killed_in_the_second_epoch_resumes_bit_identical(stages):
+def test_lora_sft_stopped_in_the_second_epoch_resumes_bit_identical(stages, lora):
     """Exact resume in a later epoch: the pack order of epoch 2 comes from (seed, epoch) alone and
-    the LoRA dropout draws from the restored RNG, so the weights end bit-identical."""
-    def args(out):
-        return ["--config", "ds_configs/tiny/sft_lora.yaml", "--output-dir", str(out),
-                "--init-checkpoint", str(stages["ref"]), "--source-stage", "refinement",
-                "--set", "checkpoint.every_steps=10", "--set", "eval.heldout=false",
-                "--set", "eval.select=last", "--max-steps", "44"]
-
-    ref = stages["root"] / "lora-ref"
-    _ok(L.single(args(ref)))
-    final = L.checkpoint_steps(ref)[-1]  # 44 (--max-steps), epoch 1 ends at step 36
-    kill_at = 41  # inside epoch 2, after the step-40 checkpoint
-    out = stages["root"] / "lora-killed"
-    proc = L.single(args(out), DS_TRHASH_FAULT=f"kill_after_step:{kill_at}")
-    assert proc.returncode != 0, L.explain(proc)
-    resumed = _ok(L.single(args(out) + ["--resume", "auto"]))
+    the LoRA dropout draws from the restored RNG, so the weights end bit-identical. The run as it
+    stood after its step-40 checkpoint (epoch 1 ended at step 36) is the uninterrupted run's
+    directory without its later checkpoint."""
+    final = L.checkpoint_steps(lora)[-1]  # 44 (--max-steps)
+    out = stages["root"] / "lora-stopped"
+    shutil.copytree(lora, out, ignore=shutil.ignore_patterns("shard_cache"))
+    shutil.rmtree(out / "checkpoints" / f"step_{final:08d}")
+    resumed = _ok(L.single(_lora_args(stages, out) + ["--resume", "auto"]))
     assert "resuming at step 40" in resumed.stdout
     L.assert_identical(L.model_weights(out / "checkpoints" / f"step_{final:08d}"),
-                       L.model_weights(ref / "checkpoints" / f"step_{final:08d}"))
+                       L.model_weights(lora / "checkpoints" / f"step_{final:08d}"))

@@ -3,9 +3,12 @@
 One output directory, in order:
 
 1. launch A (the `deepspeed` launcher, its own process group) trains while the watcher uploads
-   its checkpoints under a prefix;
-2. launch B into the same directory with `--resume auto` while A is alive: refused, naming A's
-   pid and host, before it wrote anything;
+   its checkpoints under a prefix; its rank is held still (SIGSTOP) from its first complete
+   checkpoint until the watcher has verified that checkpoint on the Hub, so that A is mid-run
+   then however slow the machine (a run long enough to outlast the watcher unaided trained 120
+   steps, most of them only to make room for this race);
+2. launch B into the same directory with `--resume auto` while A is alive (held still from the
+   moment it holds its run lock): refused, naming A's pid and host, before it wrote anything;
 3. SIGHUP to A's process group (a terminal closing): A stops at a step boundary with a complete
    checkpoint, exits without a traceback, and writes no final/ (it stopped early); its lock
    covers the ranks until they exit, even after the runner is gone;
@@ -32,10 +35,9 @@ from tests.training import launch_utils as L
 
 pytestmark = pytest.mark.e2e
 
-# of the 157 the embedded plan holds at this batch: launch A must still be training when the watcher has
-# verified its first checkpoint, however slow the passes are on a loaded machine (with 60 steps, A had
-# finished by then beside six busy loops on two cores, and the SIGHUP stopped nothing)
-STEPS = 120
+# of the 157 the embedded plan holds at this batch: A's first checkpoint comes at step 4, and A stops
+# (SIGHUP) a step or two after it is let go
+STEPS = 24
 PREFIX = "runs/tiny-pretrain"
 REPO = "me/lifecycle"
 
@@ -64,9 +66,10 @@ def server(monkeypatch):
 def _watcher(out, log):
     """`ds-trhash sync --watch` as a user starts it beside the run, in a process group of its own
     (its passes die with it), so that a failing test can end it: a watch left running would go
-    on starting passes for the rest of the session, their errors landing in other tests' output."""
+    on starting passes for the rest of the session, their errors landing in other tests' output.
+    A pass every 2 s: each is a process of its own (half a CPU-second), and A waits for it."""
     return subprocess.Popen([str(L.VENV_BIN / "ds-trhash"), "sync", "--watch", str(out), "--repo", REPO,
-                             "--path-in-repo", PREFIX, "--every", "0.5", "--pass-timeout", "300", "--create-repo"],
+                             "--path-in-repo", PREFIX, "--every", "2", "--pass-timeout", "300", "--create-repo"],
                             cwd=L.REPO, env=L.base_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -89,21 +92,27 @@ def _watched_lifecycle(out, server, watcher):
                           str(L.REPO / "launch" / "train.py"), *_args(out)], cwd=L.REPO, env=L.base_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        # 2: a second launch while A is alive is refused before it writes anything
+        # 2: a second launch while A is alive is refused before it writes anything (A's rank held
+        # still meanwhile: B's start-up takes longer than A's run on a loaded machine)
         _wait("its run lock", lambda: run_lock.read_holder(out).get("pid"), a)
         holder = run_lock.read_holder(out)
+        rank = holder["pid"]
+        os.kill(rank, signal.SIGSTOP)
         b = L.single([*_args(out), "--resume", "auto"])
         assert b.returncode == 2, L.explain(b)
         assert f"is in use by a running launch: pid {holder['pid']} on host {holder['host']}" in b.stderr, b.stderr
         assert "Traceback" not in b.stdout + b.stderr
-        # 1: the watcher backs A up while it trains
-        _wait("a checkpoint verified on the Hub while A trains",
+        os.kill(rank, signal.SIGCONT)
+        # 1: the watcher backs A up while it trains (A's rank held still from its first checkpoint)
+        _wait("A's first checkpoint", lambda: list_checkpoints(out), a)
+        os.kill(rank, signal.SIGSTOP)
+        _wait("a checkpoint verified on the Hub while A is mid-run",
               lambda: any(k.startswith("checkpoints/") for k in read_verified(out)), a)
         assert any(p.startswith(f"{PREFIX}/checkpoints/") for p in server.repo(REPO).files)
-        # 3: SIGHUP to the launcher's process group
+        # 3: SIGHUP to the launcher's process group, the rank let go
+        os.kill(rank, signal.SIGCONT)
         os.killpg(a.pid, signal.SIGHUP)
         a.wait(60)  # the runner has no handler: it is gone at once, the rank goes on to its checkpoint
-        rank = holder["pid"]
         if psutil.pid_exists(rank) and psutil.Process(rank).status() != psutil.STATUS_ZOMBIE:
             assert (run_lock.is_alive(out) or {}).get("pid") in (rank, None)
         stdout, stderr = a.communicate(timeout=120)

@@ -1,7 +1,8 @@
 """An out-of-memory step on one rank of two, through the deepspeed launcher: retried in place by
 both ranks at the smaller micro-batch (ZeRO 1), or every rank stopped with exit 77 and resumed
-at it (ZeRO 2); the same rows and the same losses (1e-5) as the run without the fault, and a
-SIGKILL after the switch resumed bit-identically to the faulted run that went on."""
+at it (ZeRO 2); the same rows and the same losses (1e-5) as the run without the fault. The
+ZeRO-1 run is also SIGKILLed after the switch, and its resume trains the steps the killed launch
+had trained past its last checkpoint to the same bits, at the micro-batch in force."""
 import json
 import re
 
@@ -26,17 +27,26 @@ def _assert_same_run(out, ref):
     assert max(abs(a - b) for a, b in zip(got, want)) <= TOLERANCE, list(zip(got, want))
 
 
+KILLED_AFTER = 9  # the kill comes before step 9's checkpoint and row: the resume starts at step 6
+
+
 @pytest.fixture(scope="module")
 def retried(tmp_path_factory):
-    """The ZeRO-1 reference run with rank 1 out of memory in step 3 (micro-batch 4 of 4 rows)."""
+    """The ZeRO-1 reference run with rank 1 out of memory in step 3 (micro-batch 4 of 4 rows),
+    killed after step 9 and resumed to the end: (output dir, the faulted launch, the losses it
+    logged, the resume)."""
     out = tmp_path_factory.mktemp("oom") / "retried"
-    proc = L.deepspeed(2, L.reference_run(out, micro=4), DS_TRHASH_FAULT="oom_at_step:3:1")
-    assert proc.returncode == 0, L.explain(proc)
-    return out, proc
+    proc = L.deepspeed(2, L.reference_run(out, micro=4),
+                       DS_TRHASH_FAULT=f"oom_at_step:3:1,kill_after_step:{KILLED_AFTER}")
+    assert L.was_killed(proc), L.explain(proc)
+    killed = L.whole_losses(out)
+    resumed = L.deepspeed(2, L.reference_run(out, micro=4) + ["--resume", "auto"])
+    assert resumed.returncode == 0, L.explain(resumed)
+    return out, proc, killed, resumed
 
 
 def test_both_ranks_retry_the_step_in_place_at_the_smaller_micro_batch(retried, shared_launches):
-    out, proc = retried
+    out, proc, _, _ = retried
     ref = shared_launches.get(2, lambda o: L.reference_run(o, micro=4))
     _assert_same_run(out, ref)
     said = proc.stdout + proc.stderr
@@ -46,22 +56,19 @@ def test_both_ranks_retry_the_step_in_place_at_the_smaller_micro_batch(retried, 
     assert record["micro_batch"] == 2 and [(e["step"], e["rank"], e["from"], e["to"], e["how"])
                                            for e in record["events"]] == [(3, 1, 4, 2, "in place")]
     states = {s: json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
-              for s in (3, 6)}
-    assert states[3]["micro_batch_in_force"] == states[6]["micro_batch_in_force"] == 2
+              for s in (3, 6, STEPS)}
+    assert {state["micro_batch_in_force"] for state in states.values()} == {2}
     assert states[6]["training_critical"]["batch.micro_batch"] == 4  # the data's cut: the plan's, unchanged
 
 
-def test_a_sigkill_after_the_switch_resumes_bit_identically(retried, tmp_path):
-    ref, _ = retried
-    out = tmp_path / "killed"
-    proc = L.deepspeed(2, L.reference_run(out, micro=4), DS_TRHASH_FAULT="oom_at_step:3:1,kill_after_step:7")
-    assert L.was_killed(proc), L.explain(proc)
-    proc = L.deepspeed(2, L.reference_run(out, micro=4) + ["--resume", "auto"])
-    assert proc.returncode == 0, L.explain(proc)
-    assert "micro-batch 2 in force (grad_accum 2, the same global batch)" in proc.stdout + proc.stderr
-    final = f"step_{STEPS:08d}"
-    L.assert_identical(L.model_weights(out / "checkpoints" / final), L.model_weights(ref / "checkpoints" / final))
-    assert L.train_losses(out) == L.train_losses(ref)
+def test_a_sigkill_after_the_switch_resumes_bit_identically(retried):
+    """The resume restores micro-batch 2 (not the config's 4) with the weights, moments and data
+    cursor: steps 7 and 8, trained again, have the killed launch's losses to the bit."""
+    out, _, killed, resumed = retried
+    assert len(killed) == KILLED_AFTER - 1 and L.checkpoint_steps(out)[:2] == [3, 6]
+    said = resumed.stdout + resumed.stderr
+    assert "resuming at step 6" in said and "micro-batch 2 in force (grad_accum 2, the same global batch)" in said
+    assert L.train_losses(out)[:KILLED_AFTER - 1] == killed
 
 
 def test_zero_2_stops_every_rank_with_77_and_resumes_at_the_smaller_size(shared_launches, tmp_path):

@@ -2,9 +2,10 @@
 unique storages the saved-tensor hooks see (parameters aside), what custom autograd functions
 keep on their ``ctx`` outside the hooks (Liger's loss keeps its gradients there), and the input
 a checkpointed layer keeps for its recompute. On CPU, with and without activation checkpointing:
-the 200m widths (two layers, a short sequence) on the PyTorch kernels, and the tiny shape with
-the Triton experts and Liger's loss and RoPE in the interpreter (Liger's norm runs on CUDA only,
-so the norms stay PyTorch's: the estimate is asked for exactly those parts). Within 10 %."""
+the 200m widths (two layers, a short sequence) on the PyTorch kernels, and the tiny widths (two
+layers) with the Triton experts and Liger's loss and RoPE in the interpreter (Liger's norm runs
+on CUDA only, so the norms stay PyTorch's: the estimate is asked for exactly those parts).
+Within 10 %."""
 import os
 
 import pytest
@@ -88,7 +89,7 @@ def test_the_200m_widths_on_the_pytorch_kernels(checkpointing):
                     reason="Triton and Liger need CUDA or the Triton interpreter")
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_tiny_shape_on_triton_experts_and_liger(checkpointing):
-    mc = TRHashConfig.from_preset("tiny")
+    mc = TRHashConfig.from_preset("tiny", num_layers=2)  # per layer: two show the sum, as for 200m
     model = _model(mc, checkpointing)
     model.set_backends(experts="triton", loss="liger", rope="liger")
     _check(mc, model, 16, checkpointing)
