@@ -33,7 +33,8 @@ FIRST = (
     "tests/training/memory/test_out_of_memory_launch.py",
     "tests/training/test_sft_stage.py",  # ~270 s: refinement, SFT, LoRA, their resumes
     "tests/training/test_hub_outage_launch.py",  # ~210 s (416 s measured beside five other sessions): outages,
-    # a failed read on one node, Ctrl-C before the first step and mid-run while downloads stall on two nodes
+    # a failed read on one node and on two nodes of two ranks, Ctrl-C before the first step and mid-run
+    # while downloads stall on two nodes
     "tests/training/test_real_network_faults.py",  # ~200 s: one run on two hosts of their own, each node
     # killed and the cable cut in turn (every survivor gone with exit 76), each fault resumed by the next launch
     "tests/training/test_real_network.py",  # ~60 s: a master no host reaches (two hosts, network namespaces)

@@ -101,25 +101,34 @@ def _read_by_rank_1_alone(plan, after_step: int) -> tuple[str, int]:
     return "/".join(found[0][1]), found[0][0]
 
 
-def test_on_one_node_a_ranks_failed_read_stops_every_rank_at_its_step_naming_that_rank(tmp_path):
-    """Two ranks on one node, each reading its own rows in the background: a shard only rank 1
-    reads stays unavailable (503) past data.hub_wait_minutes after the first checkpoint. Both
-    ranks stop at the step that needed it, without a traceback and without losing contact with
-    each other: rank 1 says what it could not fetch, rank 0 that rank 1 could not read its rows,
-    each with what to run next."""
-    tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
-    corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """Two ranks on one node (micro-batch 4) streaming the small-shard corpus, a shard that only
+    rank 1 reads unavailable (503) from step 4 on: (output dir, launch, that shard, its step)."""
+    root = tmp_path_factory.mktemp("one-node")
+    tokenizer_dir = build_embedded(root / "embedded", seq_len=128).tokenizer_dir
+    corpus, plan = _small_shard_corpus(root, tokenizer_dir)
     broken, step = _read_by_rank_1_alone(plan, after_step=4)
-    out = tmp_path / "run"
+    out = root / "run"
     args = L.reference_run(out, micro=4, extra=[
         "--set", f"data.plan={plan}", "--set", f"data.shards_dir=hf://datasets/{REPO}",
-        "--set", f"data.tokenizer={tokenizer_dir}", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+        "--set", f"data.tokenizer={tokenizer_dir}", "--set", f"data.cache_dir={root / 'cache'}",
         "--set", "data.hub_wait_minutes=0.05", "--set", "data.prefetch_minutes=0"])
     with HubServer(TOKEN, deadline_s=600) as hub:
         seed_dataset(hub, REPO, corpus_files(corpus))
         hub.file_faults[broken] = ["503"] * 1000
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1")
         proc = L.deepspeed(2, args, **env)
+    return out, proc, broken, step
+
+
+def test_on_one_node_a_ranks_failed_read_stops_every_rank_at_its_step_naming_that_rank(one_node):
+    """Two ranks on one node, each reading its own rows in the background: a shard only rank 1
+    reads stays unavailable (503) past data.hub_wait_minutes after the first checkpoint. Both
+    ranks stop at the step that needed it, without a traceback and without losing contact with
+    each other: rank 1 says what it could not fetch, rank 0 that rank 1 could not read its rows,
+    each with what to run next."""
+    out, proc, broken, step = one_node
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in said and "lost contact" not in said, L.explain(proc)
     kept = L.checkpoint_steps(out)
@@ -142,12 +151,21 @@ def _owned_and_read_late(plan, node: int, after_row: int) -> str:
     return "/".join(late[0])
 
 
-def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path):
-    """A shard that node 0 owns stays unavailable (503) past data.hub_wait_minutes after the
-    first checkpoint, in a run of two nodes of two ranks each whose rows travel between the nodes
-    in two exchange groups: every rank of both nodes stops at the same exchange, without a
-    traceback, each in one line saying that --resume auto continues from the last checkpoint; a
-    rank of node 0 says what it could not fetch, node 1's ranks that node 0 could not read."""
+def _cached(cache_dir: Path) -> set[str]:
+    """The shards one node's cache holds (``<source>/<file>``), verified entries only."""
+    return {p.relative_to(p.parents[1]).as_posix() for p in cache_dir.glob("*/*/*.bin")}
+
+
+def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path, one_node):
+    """Two nodes of two ranks each (LOCAL_SIZE 2 from the launcher), whose rows travel between the
+    nodes in two exchange groups, one per local rank: each node's cache holds only the shards it
+    owns, the Hub serves each shard once, and every step trains the one-node run's rows (the same
+    8 rows a step: its losses, within the rounding of another reduction layout).
+
+    Then a shard that node 0 owns stays unavailable (503) past data.hub_wait_minutes after the
+    first checkpoint: every rank of both nodes stops at the same exchange, without a traceback,
+    each in one line saying that --resume auto continues from the last checkpoint; a rank of node
+    0 says what it could not fetch, node 1's ranks that node 0 could not read."""
     tokenizer_dir = build_embedded(tmp_path / "embedded", seq_len=128).tokenizer_dir
     corpus, plan = _small_shard_corpus(tmp_path, tokenizer_dir)
     broken = _owned_and_read_late(plan, node=0, after_row=6 * 8)  # not read in the first 6 steps of 8 rows
@@ -162,8 +180,19 @@ def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path):
         env = dict(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", TOKENIZED_CACHE_GB="1")
         nodes = L.two_nodes(args, tmp_path, slots=2,
                             node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"], **env)
+        served = {p: n for p, n in hub.served.items() if p.endswith(".bin")}
     said = [proc.stdout + proc.stderr for proc in nodes]
     explained = "\n".join(L.explain(p) for p in nodes)
+    assert "4 process(es)" in said[0], explained
+    caches = [_cached(tmp_path / f"cache-{node}") for node in (0, 1)]
+    assert caches[0] and caches[1] and not caches[0] & caches[1], caches
+    assert served == {p: 1 for p in caches[0] | caches[1]}
+    trained = L.train_losses(out)
+    one_node_losses = L.train_losses(one_node[0])[:len(trained)]
+    # the random tokens' losses differ by 1e-4 and more from one set of rows to another, and by about
+    # 1e-7 between these two layouts of the same rows
+    assert len(trained) >= 3 and trained[:len(one_node_losses)] == pytest.approx(one_node_losses, rel=1e-5)
+
     assert all(proc.returncode == 2 for proc in nodes) and not any("Traceback" in s for s in said), explained
     kept = L.checkpoint_steps(out)
     advice = (f"training stopped; the last complete checkpoint (step_{kept[-1]:08d}) is kept, and the same command with "

@@ -12,6 +12,9 @@ once for the whole job, by the one node that owns it (the rows the other node tr
 between the nodes: ``data.stream.exchange``), and the token is in no file written. In the middle of that run the Hub goes down for 45 s
 (every request answered 503 with Retry-After: 5): the nodes wait it out, saying so, and the losses
 are still the reference's.
+
+Two nodes of two ranks each, whose rows travel in one exchange group per local rank, train in
+tests/training/test_hub_outage_launch.py, until a shard that node 0 owns stays unavailable.
 """
 import csv
 import json
@@ -180,29 +183,6 @@ def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
     resumed = L.train_losses(out)
     assert resumed[:STOP] == reference[:STOP] and len(resumed) == STEPS
     assert resumed[STOP:] == pytest.approx(reference[STOP:], rel=1e-4)  # another reduction layout: close
-
-
-def test_two_nodes_of_two_ranks_exchange_by_local_rank_and_train_what_four_ranks_train(runs, tmp_path):
-    """Two nodes of two ranks each (LOCAL_SIZE 2 from the launcher): the rows travel in two
-    exchange groups, one per local rank. Each node's cache holds only the shards it owns, the Hub
-    serves each shard once, and the losses are the reference's within the tolerance of another
-    reduction layout (four ranks of 2 rows against two of 4: the same 8 rows a step)."""
-    root, _, _, (streamed, env) = runs
-    out = tmp_path / "run"
-    with HubServer(TOKEN, deadline_s=900) as hub:  # a Hub of its own: its counts are this run's
-        seed_dataset(hub, REPO, corpus_files(build_embedded(tmp_path / "embedded", seq_len=128).shards_dir))
-        env = {**env, "HF_ENDPOINT": hub.url}
-        nodes = L.two_nodes(L.reference_run(out, micro=2, extra=streamed), tmp_path, slots=2,
-                            node_args=lambda node: ["--set", f"data.cache_dir={tmp_path / f'cache-{node}'}"], **env)
-        for proc in nodes:
-            assert proc.returncode == 0, L.explain(proc)
-        served = {p: n for p, n in hub.served.items() if p.endswith(".bin")}
-    assert "4 process(es)" in nodes[0].stdout + nodes[0].stderr, L.explain(nodes[0])
-    caches = [_cached(tmp_path / f"cache-{node}") for node in (0, 1)]
-    assert caches[0] and caches[1] and not caches[0] & caches[1], caches
-    assert served == {p: 1 for p in caches[0] | caches[1]}
-    reference, four = L.train_losses(root / "one-node"), L.train_losses(out)
-    assert len(four) == STEPS and four == pytest.approx(reference, rel=1e-4)
 
 
 def test_unequal_nodes_are_refused_at_once_on_both_naming_each_nodes_ranks(runs, tmp_path):
