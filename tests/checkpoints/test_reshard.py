@@ -1,10 +1,11 @@
 """--reshard: a resume onto another world size through DeepSpeed's universal checkpoint.
 
-A 2-process run (micro_batch 4) stopped at step 6 continues on 1 process (micro_batch 8, the same
+A 2-process ZeRO-2 run (micro_batch 4) stopped at step 6 continues on 1 process (micro_batch 8, the same
 global batch of 8 rows per step): it resumes at step 6, reads the same global rows at every later
 step, and its loss curve continues the 2-process one (close, not bit-identical: the gradients are
 reduced over another layout and the RNG of the new rank is re-seeded). A plain --resume across
 world sizes, and a reshard that changes the global batch, are refused before anything is built.
+The same resume from ZeRO 1 is tests/training/test_multinode.py's, of its two-node run.
 """
 
 import json
@@ -52,8 +53,10 @@ def _stopped_at(reference, out):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("zero", [1, 2])
-def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(root, two_rank_run, zero):
+def test_reshard_from_2_processes_to_1_continues_with_the_same_rows_and_loss(root, two_rank_run):
+    """ZeRO 2 (its optimizer partitioned over the two ranks); the ZeRO-1 2 -> 1 reshard is the
+    resume on one node of tests/training/test_multinode.py's two-node run, with the same checks."""
+    zero = 2
     reference = two_rank_run(zero)
     out = _stopped_at(reference, root / f"resharded-z{zero}")
 

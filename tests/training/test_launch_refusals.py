@@ -56,12 +56,12 @@ def _damage(run: Path) -> None:
         states[0].write_bytes(states[0].read_bytes()[:-16])  # truncated: the manifest size no longer matches
 
 
-def test_resume_auto_over_only_damaged_checkpoints_refuses_then_sets_them_aside_when_told(root):
+def test_resume_auto_over_only_damaged_checkpoints_refuses_then_sets_them_aside_when_told(root, capsys):
     run = root / "damaged"
     shutil.copytree(root / "base", run)
     _damage(run)
-    err = _refused(root, _args(run, "--resume", "auto"), "--resume auto found checkpoints",
-                   "step_00000001 is corrupt", "step_00000002 is corrupt", "--allow-fresh-over-damaged")
+    err = _refused_here(capsys, root, _args(run, "--resume", "auto"), "--resume auto found checkpoints",
+                        "step_00000001 is corrupt", "step_00000002 is corrupt", "--allow-fresh-over-damaged")
     assert "starting fresh" not in err
     # every file of the earlier run that the new one writes, markers included (issue: stage_complete.json)
     earlier = {name: tree_digest(run / name) if (run / name).is_dir() else sha256_file(run / name)
@@ -87,14 +87,14 @@ def test_a_refused_launch_creates_no_corpus_cache_or_output(tmp_path):
     assert sorted(p.name for p in parent.iterdir()) == ["run"]  # no embedded/ corpus, no shard_cache
 
 
-def test_data_tokenizer_is_checked_against_the_plan_and_shards(root, tmp_path):
+def test_data_tokenizer_is_checked_against_the_plan_and_shards(root, tmp_path, capsys, rank_zero_of_one):
     paths = build_embedded(root / "embedded")  # the corpus the base run used: found, not rebuilt
     other = tmp_path / "tok"
     other.mkdir()
     (other / "tokenizer.json").write_text('{"another": "tokenizer"}')
     data = ["--set", f"data.plan={paths.pretrain_plan}", "--set", f"data.shards_dir={paths.shards_dir}"]
-    _refused(root, _args(root / "tok-run", *data, "--set", f"data.tokenizer={other}"),
-             "data.tokenizer", "but the plan", "the topics_a shard manifest records")
+    _refused_here(capsys, root, _args(root / "tok-run", *data, "--set", f"data.tokenizer={other}"),
+                  "data.tokenizer", "but the plan", "the topics_a shard manifest records")
 
 
 def test_a_deleted_or_truncated_shard_is_found_at_launch_before_the_model(root, tmp_path):
@@ -116,17 +116,18 @@ def test_a_deleted_or_truncated_shard_is_found_at_launch_before_the_model(root, 
     assert "kernels requested" not in err, "the shards were checked only after the model was built"
 
 
-def test_resume_of_another_runs_checkpoint_into_a_new_directory_needs_fork(root):
+def test_resume_of_another_runs_checkpoint_into_a_new_directory_needs_fork(root, capsys):
     step2 = root / "base" / "checkpoints" / "step_00000002"
-    _refused(root, _args(root / "forked", "--resume", str(step2)),
-             f"is a checkpoint of the run in {root / 'base'}", "--fork")
+    _refused_here(capsys, root, _args(root / "forked", "--resume", str(step2)),
+                  f"is a checkpoint of the run in {root / 'base'}", "--fork")
 
 
-def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_final_checkpoint(root):
-    _refused(root, _args(root / "ref", "--init-checkpoint", str(root / "nope"), config="refine"),
-             f"--init-checkpoint {root / 'nope'} does not exist")
+def test_init_checkpoint_missing_says_does_not_exist_and_a_run_dir_means_its_final_checkpoint(root, capsys):
+    _refused_here(capsys, root, _args(root / "ref", "--init-checkpoint", str(root / "nope"), config="refine"),
+                  f"--init-checkpoint {root / 'nope'} does not exist")
     # A run directory names its final complete checkpoint, said at start (this launch is then
-    # refused for writing into a pretraining run's directory, before anything is written).
+    # refused for writing into a pretraining run's directory, before anything is written), on the
+    # console of the real command.
     err = _refused(root, _args(root / "base", "--init-checkpoint", str(root / "base"), config="refine"),
                    f"--output-dir {root / 'base'} holds --init-checkpoint")
     assert f"the run's final complete checkpoint is {root / 'base' / 'checkpoints' / 'step_00000002'}" in err

@@ -22,7 +22,9 @@ import re
 import time
 
 import pytest
+import torch
 
+from ds_trhash import checkpoints as ck
 from ds_trhash.data.embedded import build_embedded
 from tests.data.hub_corpus import TOKEN, corpus_files
 from tests.release.hub_server import HubServer, seed_dataset
@@ -179,10 +181,21 @@ def test_two_node_checkpoint_resumes_on_one_node_with_reshard(runs, tmp_path):
     assert proc.returncode == 0, L.explain(proc)
     assert f"--reshard: step {STOP} of a 2-rank run resumed on 1 rank(s)" in proc.stderr, L.explain(proc)
     assert "activation checkpointing  full: 4 of 4 decoder layers" in proc.stdout, L.explain(proc)
+    log = proc.stdout + proc.stderr
+    assert "converting" in log and "universal" in log, L.explain(proc)  # DeepSpeed's universal checkpoint
+    assert "re-seeded from (seed, step, rank)" in log, L.explain(proc)  # what could not be restored
+    assert not (out / ck.RESHARD_DIR).exists()  # the universal copy is gone once loaded
     reference = L.train_losses(root / "one-node")
     resumed = L.train_losses(out)
     assert resumed[:STOP] == reference[:STOP] and len(resumed) == STEPS
     assert resumed[STOP:] == pytest.approx(reference[STOP:], rel=1e-4)  # another reduction layout: close
+    last = out / "checkpoints" / f"step_{STEPS:08d}"
+    state = json.loads((last / ck.TRAINER_STATE).read_text())
+    assert state["world_size"] == 1 and state["data_cursor"] == STEPS * 8  # the same global rows, 8 a step
+    final, want = L.model_weights(last), L.model_weights(root / "one-node" / "checkpoints" / f"step_{STEPS:08d}")
+    assert final.keys() == want.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_unequal_nodes_are_refused_at_once_on_both_naming_each_nodes_ranks(runs, tmp_path):
