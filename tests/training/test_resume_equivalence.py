@@ -1,7 +1,7 @@
 """The proof of exact resume: a run SIGKILLed at a random step (or in the middle of writing a
 checkpoint) and resumed with --resume auto ends bit-identical to an uninterrupted run. On two
-ranks one run meets both kills, each resumed by the next launch; one process, a kill whose
-newest checkpoint is then damaged."""
+ranks one run meets both kills, each resumed by the next launch; on one process, a stopped run
+whose newest checkpoint is then damaged."""
 
 import json
 import os
@@ -98,8 +98,8 @@ def test_sigkill_while_writing_a_checkpoint_falls_back_to_the_previous_one(kille
 def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(killed_twice):
     """The resumed launch killed after a random step (before that step's own checkpoint): the
     next resume continues from the last checkpoint before it and ends bit-identical (weights,
-    expert counts) to the uninterrupted run; a killed single process and its resume are the
-    truncated case below."""
+    expert counts) to the uninterrupted run; a killed single process and its resume:
+    tests/ops/test_jobs.py."""
     run, kill_at, seed = killed_twice, killed_twice["kill_at"], killed_twice["seed"]
     assert L.was_killed(run["at_step"]), f"not killed at step {kill_at} (KILL_SEED={seed}): " + L.explain(run["at_step"])
     last_saved = (kill_at - 1) // 3 * 3  # killed after step kill_at, before its own checkpoint
@@ -109,11 +109,14 @@ def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(killed_twice
 
 
 def test_auto_resume_skips_a_truncated_newest_checkpoint(root, reference):
-    """One process SIGKILLed after step 8, its newest checkpoint (step 6) then damaged: the
-    resume says why it passes over it and continues from step 3, bit-identically."""
+    """One process stopped after step 8 (the uninterrupted one-process run's folder without its
+    later checkpoints), its newest checkpoint (step 6) then damaged: the resume says why it passes
+    over it and continues from step 3, bit-identically. A killed single process resumed:
+    tests/ops/test_jobs.py (supervisord restarts it)."""
     out = root / "truncated"
-    proc = _launch(1, _args(out), DS_TRHASH_FAULT="kill_after_step:8")
-    assert proc.returncode != 0
+    shutil.copytree(reference(1)[0], out)
+    for later in (9, 12):
+        shutil.rmtree(out / "checkpoints" / f"step_{later:08d}")
     victim = out / "checkpoints" / "step_00000006" / "state" / "mp_rank_00_model_states.pt"
     victim.write_bytes(victim.read_bytes()[:-100])
     resumed = _resume_and_compare(1, out, reference(1))
