@@ -46,7 +46,7 @@ FIRST = (
     "tests/prelaunch/test_slurm_launch.py",  # ~100 s: a SLURM job warned mid-run and before its ranks started,
     # requeued twice and finished; a failed one
     "tests/training/test_disk_failures.py",  # ~90 s
-    "tests/release/lifecycle/test_finish.py",  # ~90 s: a watched run through SIGHUP to its final export
+    "tests/release/lifecycle/test_finish.py",  # ~40 s: a watched run through SIGHUP to its final export
     "tests/training/test_stream_launch.py",  # ~75 s: a streamed 2-process run killed mid-download
     "tests/training/test_release_layout_launch.py",  # ~40 s
     "tests/training/test_run_lock_launches.py",  # ~40 s: a waiting launch that resumes, a refused one
