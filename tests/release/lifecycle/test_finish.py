@@ -23,12 +23,13 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from ds_trhash.checkpoints import list_checkpoints, run_lock, verify
-from ds_trhash.checkpoints.sync_guard import read_verified
+from ds_trhash.checkpoints.sync_guard import LOCK_FILE, read_verified
 from ds_trhash.release.lifecycle.final import COMPLETE_FILE, FINAL_DIR, final_status, read_completion
 from tests.release.conftest import stand_in_hub
 from tests.training import launch_utils as L
@@ -86,6 +87,33 @@ def test_watched_run_lock_refusal_sighup_resume_to_final(tmp_path, server):
             watcher.wait()
 
 
+def _holds_output_lock(pid: int, out: Path) -> bool:
+    """Whether process ``pid`` holds the output directory's lock (a flock: /proc/locks lists its
+    holder's pid and the file's inode; a waiter's line is marked "->")."""
+    try:
+        inode = (out / LOCK_FILE).stat().st_ino
+    except FileNotFoundError:
+        return False
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()  # 1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4] == str(pid) \
+                and fields[5].rsplit(":", 1)[-1] == str(inode):
+            return True
+    return False
+
+
+def _hold_still(rank: int, out: Path) -> None:
+    """SIGSTOP launch A's rank at a moment it does not hold the output directory's lock: its
+    rotation takes that lock for a moment after each checkpoint, and stopped inside it, the rank
+    would keep every watch pass out."""
+    while True:
+        os.kill(rank, signal.SIGSTOP)
+        if not _holds_output_lock(rank, out):
+            return
+        os.kill(rank, signal.SIGCONT)
+        time.sleep(0.05)
+
+
 def _watched_lifecycle(out, server, watcher):
     port = L.free_port()
     a = subprocess.Popen([str(L.VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
@@ -97,7 +125,7 @@ def _watched_lifecycle(out, server, watcher):
         _wait("its run lock", lambda: run_lock.read_holder(out).get("pid"), a)
         holder = run_lock.read_holder(out)
         rank = holder["pid"]
-        os.kill(rank, signal.SIGSTOP)
+        _hold_still(rank, out)
         b = L.single([*_args(out), "--resume", "auto"])
         assert b.returncode == 2, L.explain(b)
         assert f"is in use by a running launch: pid {holder['pid']} on host {holder['host']}" in b.stderr, b.stderr
@@ -105,7 +133,7 @@ def _watched_lifecycle(out, server, watcher):
         os.kill(rank, signal.SIGCONT)
         # 1: the watcher backs A up while it trains (A's rank held still from its first checkpoint)
         _wait("A's first checkpoint", lambda: list_checkpoints(out), a)
-        os.kill(rank, signal.SIGSTOP)
+        _hold_still(rank, out)
         _wait("a checkpoint verified on the Hub while A is mid-run",
               lambda: any(k.startswith("checkpoints/") for k in read_verified(out)), a)
         assert any(p.startswith(f"{PREFIX}/checkpoints/") for p in server.repo(REPO).files)
