@@ -255,7 +255,7 @@ def test_lora_sft_trains_adapters_only_and_modes_never_resume_from_each_other(st
     unchanged = _digest(lora)
     proc = L.single([*_lora_args(stages, lora), "--resume", "auto", "--full-parameter"])
     assert proc.returncode == 2, L.explain(proc)
-    assert "LoRA" in proc.stderr and "full-parameter" in proc.stderr
+    assert "lora: checkpoint is LoRA, this run is full-parameter" in proc.stderr, L.explain(proc)
     assert _digest(lora) == unchanged
 
     # SFT → SFT from the LoRA checkpoint: the adapters are merged into the new run's start
