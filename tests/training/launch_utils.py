@@ -328,6 +328,28 @@ class WatchedLaunch:
             seg.unlink(missing_ok=True)
 
 
+def assert_continues(launch: WatchedLaunch, reference: Path, last: bool) -> None:
+    """The launch after a fault, with ``resumed_at`` (the step it continues from) and ``losses``
+    (the rows it left written whole) set by its test: it says where it resumes, and every step it
+    trained has the uninterrupted ``reference`` run's loss; the ``last`` launch ends on every node
+    with exit 0 and on the reference's losses and final weights."""
+    expected = train_losses(reference)
+    assert f"resuming at step {launch.resumed_at}" in launch.said[0], launch.said[0][-3000:]
+    assert 0 < launch.resumed_at < len(launch.losses) and launch.losses == expected[:len(launch.losses)]
+    if last:
+        for node in range(len(launch.procs)):
+            assert launch.procs[node].returncode == 0, launch.said[node][-4000:]
+        assert launch.losses == expected
+        final = f"step_{REFERENCE_STEPS:08d}"
+        assert_identical(model_weights(launch.out / "checkpoints" / final),
+                         model_weights(reference / "checkpoints" / final))
+
+
+def cached_shards(cache_dir: Path) -> set[str]:
+    """The shards one node's cache holds (``<source>/<file>``), verified entries only."""
+    return {p.relative_to(p.parents[1]).as_posix() for p in cache_dir.glob("*/*/*.bin")}
+
+
 def metrics_inode(output_dir: Path) -> int | None:
     """The inode of ``output_dir``'s metrics.csv, None while there is none."""
     path = output_dir / "metrics.csv"

@@ -151,11 +151,6 @@ def _owned_and_read_late(plan, node: int, after_row: int) -> str:
     return "/".join(late[0])
 
 
-def _cached(cache_dir: Path) -> set[str]:
-    """The shards one node's cache holds (``<source>/<file>``), verified entries only."""
-    return {p.relative_to(p.parents[1]).as_posix() for p in cache_dir.glob("*/*/*.bin")}
-
-
 def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path, one_node):
     """Two nodes of two ranks each (LOCAL_SIZE 2 from the launcher), whose rows travel between the
     nodes in two exchange groups, one per local rank: each node's cache holds only the shards it
@@ -184,7 +179,7 @@ def test_on_two_nodes_every_rank_stops_at_one_step_saying_what_to_run(tmp_path, 
     said = [proc.stdout + proc.stderr for proc in nodes]
     explained = "\n".join(L.explain(p) for p in nodes)
     assert "4 process(es)" in said[0], explained
-    caches = [_cached(tmp_path / f"cache-{node}") for node in (0, 1)]
+    caches = [L.cached_shards(tmp_path / f"cache-{node}") for node in (0, 1)]
     assert caches[0] and caches[1] and not caches[0] & caches[1], caches
     assert served == {p: 1 for p in caches[0] | caches[1]}
     trained = L.train_losses(out)

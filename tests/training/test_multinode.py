@@ -83,11 +83,6 @@ def runs(tmp_path_factory, shared_launches):
         yield root, nodes, served, (streamed, env)
 
 
-def _cached(cache_dir):
-    """The shards one node's cache holds (``<source>/<file>``), verified entries only."""
-    return {p.relative_to(p.parents[1]).as_posix() for p in cache_dir.glob("*/*/*.bin")}
-
-
 def test_two_nodes_match_two_processes_on_one_node_step_by_step(runs):
     root, nodes, _, _ = runs
     one, two = L.train_losses(root / "one-node"), L.train_losses(root / "two-nodes")
@@ -154,7 +149,7 @@ def test_each_shard_is_downloaded_once_per_job_and_the_token_is_in_no_file(runs)
     """Each node's cache holds only the shards it owns, and the Hub served each shard once: the
     other node's rows of it came from its owner, not from the Hub."""
     root, nodes, served, (_, env) = runs
-    caches = [_cached(root / f"cache-node{node}") for node in (0, 1)]
+    caches = [L.cached_shards(root / f"cache-node{node}") for node in (0, 1)]
     assert caches[0] and caches[1], caches  # both nodes streamed into their own caches
     assert not caches[0] & caches[1]  # never one shard on both nodes
     assert served == {p: 1 for p in caches[0] | caches[1]}  # about 1x egress for the whole job
